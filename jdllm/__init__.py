@@ -1,0 +1,45 @@
+"""jdllm: diffusion (and autoregressive) language models on JAX/XLA.
+
+Public names are resolved lazily so `import jdllm` stays cheap and a CLI
+`--help` does not initialise JAX.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+__version__ = "0.1.0"
+
+_EXPORTS = {
+    # loading and the model handle
+    "Model": "jdllm.loading",
+    "load": "jdllm.loading",
+    "logits": "jdllm.loading",
+    "ModelConfig": "jdllm.config",
+    # generation
+    "generate": "jdllm.api",
+    "Output": "jdllm.api",
+    "Sampling": "jdllm.sampling",
+    # paradigm configs: each lives beside its paradigm
+    "AR": "jdllm.decode.ar",
+    "BlockDiffusion": "jdllm.decode.block_diffusion",
+    "MultiBlock": "jdllm.decode.multi_block",
+    "MaskedDiffusion": "jdllm.decode.masked_diffusion",
+    "Speculative": "jdllm.decode.ar_spec",
+    "errors": "jdllm.errors",
+}
+
+__all__ = sorted(_EXPORTS) + ["__version__"]
+
+
+def __getattr__(name: str):
+    mod = _EXPORTS.get(name)
+    if mod is None:
+        raise AttributeError(f"module 'jdllm' has no attribute {name!r}")
+    if name == "errors":
+        return importlib.import_module(mod)
+    return getattr(importlib.import_module(mod), name)
+
+
+def __dir__():
+    return __all__

@@ -1,0 +1,57 @@
+"""Exceptions jdllm raises on bad input. Each message names the value and the fix."""
+
+
+class JdllmError(Exception):
+    """Base class of every error jdllm raises on purpose."""
+
+
+class ConfigError(JdllmError, ValueError):
+    """A config.json jdllm cannot use (unknown model_type, missing key, bad value)."""
+
+
+class UnknownArchitectureError(ConfigError):
+    """config.json names a model_type / architecture jdllm does not implement."""
+
+
+class CheckpointError(JdllmError):
+    """A weights directory that is incomplete, corrupt or disagrees with its config."""
+
+
+class MissingShardError(CheckpointError):
+    """A shard listed in model.safetensors.index.json is not on disk."""
+
+
+class MissingTensorError(CheckpointError):
+    """A tensor the config requires is absent from the checkpoint."""
+
+
+class UnexpectedTensorError(CheckpointError):
+    """The checkpoint holds a tensor jdllm does not know where to put."""
+
+
+class ShapeMismatchError(CheckpointError):
+    """A tensor's shape disagrees with the shape the config implies."""
+
+
+class CorruptCheckpointError(CheckpointError):
+    """A safetensors / Orbax file that cannot be read."""
+
+
+class OutputExistsError(JdllmError, FileExistsError):
+    """The conversion target already exists and --overwrite was not given."""
+
+
+class InputError(JdllmError, ValueError):
+    """Bad input to generate() / logits(): token ids, lengths, prompts."""
+
+
+class TokenOutOfRangeError(InputError):
+    """A token id outside [0, vocab_size)."""
+
+
+class SequenceTooLongError(InputError):
+    """Prompt (+ generation) longer than the model's context."""
+
+
+class DecodingConfigError(JdllmError, ValueError):
+    """A paradigm or sampling setting outside its accepted range."""

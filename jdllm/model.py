@@ -1,0 +1,314 @@
+"""The one decoder-only transformer every jdllm family runs on.
+
+Parameters are a plain nested dict (layers stacked on a leading axis and run
+with `lax.scan`) that jit-compiled functions take as an argument. Each weight
+is described once in `param_specs` (shape, logical axes, initialiser); random
+initialisation, sharding and checkpoint layout all derive from that table.
+
+`forward` knows nothing about decoding paradigms: it takes a window of tokens
+at absolute slots, an optional static-shape KV cache, and the attention kind
+of the model, and returns float32 logits (and the cache with the window's K/V
+written in). Masking follows pallas_kernels' one rule.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jdllm.config import ModelConfig
+from pallas_kernels import attention as attention_op
+
+Params = dict[str, Any]
+
+
+# --------------------------------------------------------------------------- weights
+@dataclasses.dataclass(frozen=True)
+class ParamSpec:
+    shape: tuple[int, ...]
+    axes: tuple[str, ...]  # logical axis names, one per dim
+    init: str = "normal"  # "normal" | "ones" | "zeros"
+
+
+def param_specs(cfg: ModelConfig) -> Params:
+    """Every weight of the model, described once. Layer weights lead with `layers`."""
+    L, D, F = cfg.num_layers, cfg.hidden_size, cfg.intermediate_size
+    H, KV, Dh, V = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.vocab_size
+    layer = {
+        "attn_norm": ParamSpec((L, D), ("layers", "embed"), "ones"),
+        "q": ParamSpec((L, D, H, Dh), ("layers", "embed", "q_heads", "head_dim")),
+        "k": ParamSpec((L, D, KV, Dh), ("layers", "embed", "kv_heads", "head_dim")),
+        "v": ParamSpec((L, D, KV, Dh), ("layers", "embed", "kv_heads", "head_dim")),
+        "o": ParamSpec((L, H, Dh, D), ("layers", "q_heads", "head_dim", "embed")),
+        "mlp_norm": ParamSpec((L, D), ("layers", "embed"), "ones"),
+        "gate": ParamSpec((L, D, F), ("layers", "embed", "mlp")),
+        "up": ParamSpec((L, D, F), ("layers", "embed", "mlp")),
+        "down": ParamSpec((L, F, D), ("layers", "mlp", "embed")),
+    }
+    if cfg.qkv_bias:
+        layer["q_bias"] = ParamSpec((L, H, Dh), ("layers", "q_heads", "head_dim"), "zeros")
+        layer["k_bias"] = ParamSpec((L, KV, Dh), ("layers", "kv_heads", "head_dim"), "zeros")
+        layer["v_bias"] = ParamSpec((L, KV, Dh), ("layers", "kv_heads", "head_dim"), "zeros")
+    if cfg.qk_norm:
+        layer["q_norm"] = ParamSpec((L, Dh), ("layers", "head_dim"), "ones")
+        layer["k_norm"] = ParamSpec((L, Dh), ("layers", "head_dim"), "ones")
+    specs: Params = {
+        "embed": ParamSpec((V, D), ("vocab", "embed")),
+        "layers": layer,
+        "final_norm": ParamSpec((D,), ("embed",), "ones"),
+    }
+    if not cfg.tie_word_embeddings:
+        specs["lm_head"] = ParamSpec((D, V), ("embed", "vocab"))
+    return specs
+
+
+def _is_spec(x) -> bool:
+    return isinstance(x, ParamSpec)
+
+
+def init_params(cfg: ModelConfig, key: jax.Array, dtype=jnp.float32, std: float = 0.02) -> Params:
+    """Random parameters following `param_specs` (normal(0, std) weights, unit norms)."""
+    specs = param_specs(cfg)
+    leaves, treedef = jax.tree.flatten(specs, is_leaf=_is_spec)
+    keys = jax.random.split(key, len(leaves))
+
+    def make(spec: ParamSpec, k):
+        if spec.init == "ones":
+            return jnp.ones(spec.shape, dtype)
+        if spec.init == "zeros":
+            return jnp.zeros(spec.shape, dtype)
+        return (std * jax.random.normal(k, spec.shape, jnp.float32)).astype(dtype)
+
+    return jax.tree.unflatten(treedef, [make(s, k) for s, k in zip(leaves, keys)])
+
+
+def param_shapes(cfg: ModelConfig) -> Params:
+    return jax.tree.map(lambda s: s.shape, param_specs(cfg), is_leaf=_is_spec)
+
+
+def logical_axes(cfg: ModelConfig) -> Params:
+    return jax.tree.map(lambda s: s.axes, param_specs(cfg), is_leaf=_is_spec)
+
+
+# --------------------------------------------------------------------------- KV cache
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class KVCache:
+    """Static-shape KV cache. Slots [0, length) hold committed keys.
+
+    k, v: [layers, B, S_max, kv_heads, head_dim]; length: [] int32 (shared by
+    the batch: rows are laid out on one slot grid, left padding handled by the
+    `start` of the masking rule).
+    """
+
+    k: jax.Array
+    v: jax.Array
+    length: jax.Array
+
+    @classmethod
+    def empty(cls, cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.float32) -> "KVCache":
+        shape = (cfg.num_layers, batch, max_len, cfg.num_kv_heads, cfg.head_dim)
+        return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype),
+                   length=jnp.zeros((), jnp.int32))
+
+    @property
+    def max_len(self) -> int:
+        return self.k.shape[2]
+
+    def commit(self, length) -> "KVCache":
+        """Mark slots [0, length) as committed (their K/V were written by a forward)."""
+        return dataclasses.replace(self, length=jnp.asarray(length, jnp.int32))
+
+
+# --------------------------------------------------------------------------- pieces
+def rms_norm(x, w, eps):
+    xf = x.astype(jnp.float32)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return (w.astype(jnp.float32) * xf).astype(x.dtype)
+
+
+def rope_frequencies(cfg: ModelConfig) -> tuple[jax.Array, float]:
+    """Inverse frequencies [head_dim // 2] and the cos/sin scale, per cfg.rope_scaling."""
+    dim, base = cfg.head_dim, cfg.rope_theta
+    inv = 1.0 / (base ** (jnp.arange(0, dim, 2, dtype=jnp.float32) / dim))
+    sc = cfg.rope_scaling_dict
+    kind = sc.get("rope_type", "default")
+    if kind == "default" or not sc:
+        return inv, 1.0
+    factor = float(sc["factor"])
+    if kind == "linear":
+        return inv / factor, 1.0
+    if kind == "llama3":
+        lo_f, hi_f = float(sc["low_freq_factor"]), float(sc["high_freq_factor"])
+        old = float(sc["original_max_position_embeddings"])
+        lo_wl, hi_wl = old / lo_f, old / hi_f
+        wl = 2 * math.pi / inv
+        scaled = jnp.where(wl > lo_wl, inv / factor, inv)
+        smooth = (old / wl - lo_f) / (hi_f - lo_f)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wl >= hi_wl) & (wl <= lo_wl)
+        return jnp.where(medium, smoothed, scaled), 1.0
+    if kind == "yarn":
+        old = float(sc.get("original_max_position_embeddings") or cfg.max_position_embeddings)
+        beta_fast, beta_slow = float(sc.get("beta_fast", 32)), float(sc.get("beta_slow", 1))
+
+        def mscale(scale, m=1.0):
+            return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+        att = sc.get("attention_factor")
+        if att is None:
+            if sc.get("mscale") and sc.get("mscale_all_dim"):
+                att = mscale(factor, sc["mscale"]) / mscale(factor, sc["mscale_all_dim"])
+            else:
+                att = mscale(factor)
+
+        def corr(rot):
+            return (dim * math.log(old / (rot * 2 * math.pi))) / (2 * math.log(base))
+
+        lo, hi = corr(beta_fast), corr(beta_slow)
+        if sc.get("truncate", True):
+            lo, hi = math.floor(lo), math.ceil(hi)
+        lo, hi = max(lo, 0), min(hi, dim - 1)
+        if lo == hi:
+            hi += 0.001
+        ramp = jnp.clip((jnp.arange(dim // 2, dtype=jnp.float32) - lo) / (hi - lo), 0, 1)
+        extra = 1 - ramp
+        inv = (inv / factor) * (1 - extra) + inv * extra
+        return inv, float(att)
+    raise ValueError(f"rope type {kind!r}")
+
+
+def apply_rope(x, positions, inv_freq, scale):
+    """x [B, T, N, Dh], positions [B, T] -> rotated x (rotate-half convention)."""
+    ang = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, Dh/2]
+    emb = jnp.concatenate([ang, ang], axis=-1)[:, :, None, :]
+    cos, sin = jnp.cos(emb) * scale, jnp.sin(emb) * scale
+    xf = x.astype(jnp.float32)
+    half = x.shape[-1] // 2
+    rot = jnp.concatenate([-xf[..., half:], xf[..., :half]], axis=-1)
+    return (xf * cos + rot * sin).astype(x.dtype)
+
+
+# --------------------------------------------------------------------------- forward
+def forward(params: Params, cfg: ModelConfig, tokens, positions, *, start, cache: KVCache | None = None,
+            offset=None, attn_impl: str = "auto", return_hidden: bool = False):
+    """Run the window `tokens` [B, T] at absolute slots [offset, offset + T).
+
+    positions [B, T]: RoPE positions (slot - start for left-padded rows).
+    start [B]: first real slot of each row; earlier slots are padding.
+    cache None: the window is the whole sequence (slots [0, T)).
+    cache given: the window's K/V are written into the cache at `offset`
+    (default cache.length) and it attends to cache slots [start, offset + T)
+    under the model's attention kind. The returned cache keeps `length`
+    unchanged: committing is the caller's decision (`cache.commit`).
+
+    Returns (logits [B, T, V] float32, cache or None[, hidden [B, T, D]]).
+    """
+    B, T = tokens.shape
+    inv_freq, rope_scale = rope_frequencies(cfg)
+    h = jnp.take(params["embed"], tokens, axis=0)  # [B, T, D]
+    start = jnp.asarray(start, jnp.int32)
+
+    if cache is None:
+        q_offset, kv_len = 0, T
+    else:
+        q_offset = cache.length if offset is None else jnp.asarray(offset, jnp.int32)
+        kv_len = q_offset + T
+
+    def layer(carry, xs):
+        h, ck, cv = carry
+        lp, i = xs
+        x = rms_norm(h, lp["attn_norm"], cfg.rms_norm_eps)
+        q = jnp.einsum("btd,dhk->bthk", x, lp["q"])
+        k = jnp.einsum("btd,dhk->bthk", x, lp["k"])
+        v = jnp.einsum("btd,dhk->bthk", x, lp["v"])
+        if cfg.qkv_bias:
+            q, k, v = q + lp["q_bias"], k + lp["k_bias"], v + lp["v_bias"]
+        if cfg.qk_norm:
+            q = rms_norm(q, lp["q_norm"], cfg.rms_norm_eps)
+            k = rms_norm(k, lp["k_norm"], cfg.rms_norm_eps)
+        q = apply_rope(q, positions, inv_freq, rope_scale)
+        k = apply_rope(k, positions, inv_freq, rope_scale)
+        if ck is None:
+            keys, vals = k, v
+        else:
+            ck = jax.lax.dynamic_update_slice(ck, k[None].astype(ck.dtype), (i, 0, q_offset, 0, 0))
+            cv = jax.lax.dynamic_update_slice(cv, v[None].astype(cv.dtype), (i, 0, q_offset, 0, 0))
+            keys = jax.lax.dynamic_index_in_dim(ck, i, keepdims=False)
+            vals = jax.lax.dynamic_index_in_dim(cv, i, keepdims=False)
+        a = attention_op(q, keys.astype(q.dtype), vals.astype(q.dtype), start=start, q_offset=q_offset,
+                         kv_len=kv_len, kind=cfg.attention, block_size=cfg.block_size,
+                         impl=attn_impl)
+        h = h + jnp.einsum("bthk,hkd->btd", a, lp["o"])
+        x = rms_norm(h, lp["mlp_norm"], cfg.rms_norm_eps)
+        g = jnp.einsum("btd,df->btf", x, lp["gate"])
+        u = jnp.einsum("btd,df->btf", x, lp["up"])
+        h = h + jnp.einsum("btf,fd->btd", jax.nn.silu(g) * u, lp["down"])
+        return (h, ck, cv), None
+
+    ck, cv = (None, None) if cache is None else (cache.k, cache.v)
+    idx = jnp.arange(cfg.num_layers, dtype=jnp.int32)
+    (h, ck, cv), _ = jax.lax.scan(layer, (h, ck, cv), (params["layers"], idx))
+    h = rms_norm(h, params["final_norm"], cfg.rms_norm_eps)
+    if cfg.tie_word_embeddings:
+        logits = jnp.einsum("btd,vd->btv", h, params["embed"], preferred_element_type=jnp.float32)
+    else:
+        logits = jnp.einsum("btd,dv->btv", h, params["lm_head"], preferred_element_type=jnp.float32)
+    new_cache = None if cache is None else dataclasses.replace(cache, k=ck, v=cv)
+    if return_hidden:
+        return logits, new_cache, h
+    return logits, new_cache
+
+
+def aligned_logits(logits, cfg: ModelConfig, prev_last=None):
+    """Logits that predict the token *at* each position, [B, T, V].
+
+    Same-position models return `logits` unchanged. Shifted models (Dream,
+    Fast-dLLM v2) predict position p from p - 1: the window's logits move right
+    by one and `prev_last` [B, V] (the logits of the slot before the window)
+    fills position 0 (zeros when absent).
+    """
+    if not cfg.logit_shift:
+        return logits
+    if prev_last is None:
+        prev_last = jnp.zeros_like(logits[:, 0])
+    return jnp.concatenate([prev_last[:, None], logits[:, :-1]], axis=1)
+
+
+def default_positions(start, offset: int | jax.Array, T: int):
+    """RoPE positions [B, T] of slots [offset, offset + T) for rows starting at `start`."""
+    slots = jnp.asarray(offset, jnp.int32) + jnp.arange(T, dtype=jnp.int32)
+    return jnp.maximum(slots[None, :] - jnp.asarray(start, jnp.int32)[:, None], 0)
+
+
+# --------------------------------------------------------------------------- NNX view
+class Transformer(nnx.Module):
+    """Flax NNX view of the model: parameters as `nnx.Param`s carrying their logical axes.
+
+    `nnx.split` gives the plain pytree that `forward` takes; `__call__` runs it.
+    """
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs | None = None, params: Params | None = None,
+                 dtype=jnp.float32):
+        self.cfg = cfg
+        if params is None:
+            rngs = rngs or nnx.Rngs(0)
+            params = init_params(cfg, rngs.params(), dtype)
+        axes = logical_axes(cfg)
+        self.params = nnx.data(jax.tree.map(lambda x, a: nnx.Param(x, logical_axes=a), params, axes))
+
+    def plain_params(self) -> Params:
+        return jax.tree.map(lambda p: p[...], self.params, is_leaf=lambda x: isinstance(x, nnx.Param))
+
+    def __call__(self, tokens, positions=None, *, start=None, cache=None, attn_impl="auto"):
+        B, T = tokens.shape
+        start = jnp.zeros((B,), jnp.int32) if start is None else start
+        if positions is None:
+            positions = default_positions(start, 0 if cache is None else cache.length, T)
+        return forward(self.plain_params(), self.cfg, tokens, positions, start=start, cache=cache,
+                       attn_impl=attn_impl)

@@ -1,0 +1,68 @@
+"""XLA reference attention with jdllm's one masking rule.
+
+A query at absolute slot p (p = q_offset + t) sees key slot s iff
+
+    start[b] <= s < min(horizon(p), kv_len)
+
+with horizon(p) = p + 1 (causal), (p // block_size + 1) * block_size
+(block_causal) or kv_len (bidirectional). `start` skips left padding; keys at
+or past `kv_len` are stale cache slots. Every Pallas kernel is tested against
+this function.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+KINDS = ("causal", "block_causal", "bidirectional")
+
+
+def horizon(p: jax.Array, kind: str, block_size: int, kv_len) -> jax.Array:
+    """Exclusive key bound of query slot(s) `p`, before clipping to kv_len."""
+    if kind == "causal":
+        return p + 1
+    if kind == "block_causal":
+        return (p // block_size + 1) * block_size
+    if kind == "bidirectional":
+        return jnp.broadcast_to(jnp.asarray(kv_len, jnp.int32), jnp.shape(p))
+    raise ValueError(f"attention kind {kind!r} is not one of {KINDS}")
+
+
+def visible_mask(T: int, S: int, *, start, q_offset, kv_len, kind: str, block_size: int):
+    """Boolean [B, T, S]: may query t of row b attend to key slot s."""
+    p = jnp.asarray(q_offset, jnp.int32) + jnp.arange(T, dtype=jnp.int32)  # [T]
+    s = jnp.arange(S, dtype=jnp.int32)  # [S]
+    end = jnp.minimum(horizon(p, kind, block_size, kv_len), kv_len)  # [T]
+    m = s[None, :] < end[:, None]  # [T, S]
+    lo = s[None, :] >= jnp.asarray(start, jnp.int32)[:, None]  # [B, S]
+    return m[None, :, :] & lo[:, None, :]
+
+
+def attention_reference(q, k, v, *, start, q_offset=0, kv_len=None, kind="causal",
+                        block_size=1, scale=None):
+    """q [B, T, H, D], k/v [B, S, KV, D] -> [B, T, H, D] in q's dtype.
+
+    Scores and softmax in float32. A query row that sees no key returns zeros.
+    """
+    B, T, H, D = q.shape
+    S, KV = k.shape[1], k.shape[2]
+    G = H // KV
+    if kv_len is None:
+        kv_len = S
+    scale = D ** -0.5 if scale is None else scale
+    qg = q.reshape(B, T, KV, G, D)
+    scores = jnp.einsum("btkgd,bskd->bkgts", qg, k,
+                        preferred_element_type=jnp.float32) * scale  # [B, KV, G, T, S]
+    mask = visible_mask(T, S, start=start, q_offset=q_offset, kv_len=kv_len,
+                        kind=kind, block_size=block_size)  # [B, T, S]
+    mask = mask[:, None, None]
+    scores = jnp.where(mask, scores, -jnp.inf)
+    mx = jnp.max(scores, axis=-1, keepdims=True)
+    mx = jnp.where(jnp.isfinite(mx), mx, 0.0)
+    p = jnp.where(mask, jnp.exp(scores - mx), 0.0)
+    denom = jnp.sum(p, axis=-1, keepdims=True)
+    p = p / jnp.where(denom == 0, 1.0, denom)
+    out = jnp.einsum("bkgts,bskd->btkgd", p.astype(v.dtype), v,
+                     preferred_element_type=jnp.float32)
+    return out.reshape(B, T, H, D).astype(q.dtype)
