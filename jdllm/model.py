@@ -196,7 +196,7 @@ def apply_rope(x, positions, inv_freq, scale):
 
 # --------------------------------------------------------------------------- forward
 def forward(params: Params, cfg: ModelConfig, tokens, positions, *, start, cache: KVCache | None = None,
-            offset=None, attn_impl: str = "auto", return_hidden: bool = False):
+            offset=None, attn_impl: str = "auto", return_hidden: bool = False, attn_mask=None):
     """Run the window `tokens` [B, T] at absolute slots [offset, offset + T).
 
     positions [B, T]: RoPE positions (slot - start for left-padded rows).
@@ -206,6 +206,9 @@ def forward(params: Params, cfg: ModelConfig, tokens, positions, *, start, cache
     (default cache.length) and it attends to cache slots [start, offset + T)
     under the model's attention kind. The returned cache keeps `length`
     unchanged: committing is the caller's decision (`cache.commit`).
+
+    attn_mask [B, T, S] (bool), optional: replaces the masking rule (training
+    objectives such as BD3-LM's noisy/clean pairing; XLA path only).
 
     Returns (logits [B, T, V] float32, cache or None[, hidden [B, T, D]]).
     """
@@ -243,7 +246,7 @@ def forward(params: Params, cfg: ModelConfig, tokens, positions, *, start, cache
             vals = jax.lax.dynamic_index_in_dim(cv, i, keepdims=False)
         a = attention_op(q, keys.astype(q.dtype), vals.astype(q.dtype), start=start, q_offset=q_offset,
                          kv_len=kv_len, kind=cfg.attention, block_size=cfg.block_size,
-                         impl=attn_impl)
+                         impl=attn_impl, mask=attn_mask)
         h = h + jnp.einsum("bthk,hkd->btd", a, lp["o"])
         x = rms_norm(h, lp["mlp_norm"], cfg.rms_norm_eps)
         g = jnp.einsum("btd,df->btf", x, lp["gate"])

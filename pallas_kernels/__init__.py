@@ -16,7 +16,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.reference import KINDS, attention_reference, horizon, visible_mask
+from pallas_kernels.reference import (KINDS, attention_reference, horizon, masked_attention_reference,
+                                      visible_mask)
 
 IMPLS = ("auto", "xla", "pallas", "cudnn")
 
@@ -39,12 +40,16 @@ def _cudnn(q, k, v, *, start, q_offset, kv_len, kind, block_size, scale):
 
 
 def attention(q, k, v, *, start, q_offset=0, kv_len=None, kind="causal", block_size=1,
-              scale=None, impl="auto"):
+              scale=None, impl="auto", mask=None):
     """q [B, T, H, D], k/v [B, S, KV, D], start [B] -> [B, T, H, D].
 
     Query t sits at absolute slot q_offset + t; keys at slots >= kv_len are
-    ignored (kv_len defaults to S).
+    ignored (kv_len defaults to S). `mask` [B, T, S] (bool) replaces the rule
+    outright; it exists for training objectives whose masks the rule cannot
+    express (BD3-LM's noisy/clean pairing) and always runs on the XLA path.
     """
+    if mask is not None:
+        return masked_attention_reference(q, k, v, mask, scale=scale)
     if kind not in KINDS:
         raise ValueError(f"attention kind {kind!r} is not one of {KINDS}")
     if kv_len is None:

@@ -45,17 +45,23 @@ def attention_reference(q, k, v, *, start, q_offset=0, kv_len=None, kind="causal
 
     Scores and softmax in float32. A query row that sees no key returns zeros.
     """
-    B, T, H, D = q.shape
-    S, KV = k.shape[1], k.shape[2]
-    G = H // KV
+    T, S = q.shape[1], k.shape[1]
     if kv_len is None:
         kv_len = S
+    mask = visible_mask(T, S, start=start, q_offset=q_offset, kv_len=kv_len,
+                        kind=kind, block_size=block_size)  # [B, T, S]
+    return masked_attention_reference(q, k, v, mask, scale=scale)
+
+
+def masked_attention_reference(q, k, v, mask, *, scale=None):
+    """Attention under an explicit boolean mask [B, T, S] (True = visible)."""
+    B, T, H, D = q.shape
+    KV = k.shape[2]
+    G = H // KV
     scale = D ** -0.5 if scale is None else scale
     qg = q.reshape(B, T, KV, G, D)
     scores = jnp.einsum("btkgd,bskd->bkgts", qg, k,
                         preferred_element_type=jnp.float32) * scale  # [B, KV, G, T, S]
-    mask = visible_mask(T, S, start=start, q_offset=q_offset, kv_len=kv_len,
-                        kind=kind, block_size=block_size)  # [B, T, S]
     mask = mask[:, None, None]
     scores = jnp.where(mask, scores, -jnp.inf)
     mx = jnp.max(scores, axis=-1, keepdims=True)

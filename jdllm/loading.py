@@ -1,0 +1,91 @@
+"""The model handle, `load()` and `logits()`.
+
+`Model` bundles what generation needs: the static config, the parameter
+pytree, the tokenizer (or None for token-id-only use) and the attention
+implementation. `load` reads a Hugging Face directory or a converted jdllm
+checkpoint.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jdllm import errors
+from jdllm.config import ModelConfig
+from jdllm.model import Params, default_positions, forward, init_params
+
+
+@dataclasses.dataclass(eq=False)
+class Model:
+    """A loaded model: config (static), params (pytree), tokenizer, attention impl."""
+
+    config: ModelConfig
+    params: Params
+    tokenizer: Any = None  # a transformers PreTrainedTokenizerFast, or None
+    attn_impl: str = "auto"  # "auto" | "xla" | "pallas" | "cudnn"
+    path: str | None = None
+
+    @classmethod
+    def random(cls, config: ModelConfig, seed: int = 0, dtype=jnp.float32, **kw) -> "Model":
+        """Random weights, for tests and smoke runs."""
+        return cls(config=config, params=init_params(config, jax.random.key(seed), dtype), **kw)
+
+    @property
+    def dtype(self):
+        return self.params["embed"].dtype
+
+
+def load(path: str, dtype: str | Any = "bfloat16", attn_impl: str = "auto") -> Model:
+    """Load a Hugging Face model directory or a jdllm checkpoint directory."""
+    from convert.io import load_model  # noqa: PLC0415 (the converter owns checkpoint formats)
+
+    return load_model(path, dtype=dtype, attn_impl=attn_impl)
+
+
+def check_token_ids(ids: np.ndarray, config: ModelConfig) -> None:
+    ids = np.asarray(ids)
+    if ids.size and (ids.min() < 0 or ids.max() >= config.vocab_size):
+        bad = int(ids.min()) if ids.min() < 0 else int(ids.max())
+        raise errors.TokenOutOfRangeError(
+            f"token id {bad} is outside the vocabulary [0, {config.vocab_size}); "
+            "check the tokenizer matches the model")
+
+
+def logits(model: Model, token_ids) -> jax.Array:
+    """Full-sequence logits [B, T, V] float32 under the model's own attention kind.
+
+    `token_ids`: a list of token-id lists (ragged rows are left-padded and the
+    padding is masked out) or an int array [B, T].
+    """
+    if isinstance(token_ids, (list, tuple)) and token_ids and isinstance(token_ids[0], (list, tuple, np.ndarray)):
+        rows = [np.asarray(r, np.int32) for r in token_ids]
+    else:
+        arr = np.asarray(token_ids, np.int32)
+        rows = list(arr[None] if arr.ndim == 1 else arr)
+    if not rows or any(len(r) == 0 for r in rows):
+        raise errors.InputError("logits() needs at least one non-empty row of token ids")
+    T = max(len(r) for r in rows)
+    if T > model.config.max_position_embeddings:
+        raise errors.SequenceTooLongError(
+            f"sequence length {T} exceeds max_position_embeddings="
+            f"{model.config.max_position_embeddings}; truncate the input")
+    tokens = np.zeros((len(rows), T), np.int32)
+    start = np.zeros((len(rows),), np.int32)
+    for b, r in enumerate(rows):
+        check_token_ids(r, model.config)
+        tokens[b, T - len(r):] = r
+        start[b] = T - len(r)
+    return _logits_jit(model.params, jnp.asarray(tokens), jnp.asarray(start),
+                       cfg=model.config, attn_impl=model.attn_impl)
+
+
+@jax.jit(static_argnames=("cfg", "attn_impl"))
+def _logits_jit(params, tokens, start, *, cfg, attn_impl):
+    pos = default_positions(start, 0, tokens.shape[1])
+    out, _ = forward(params, cfg, tokens, pos, start=start, attn_impl=attn_impl)
+    return out
