@@ -1,0 +1,465 @@
+"""Pallas flash attention under jdllm's one masking rule.
+
+Two kernels share one inner loop (`_attend`):
+
+- `prefill_attention`: one program per (query tile, batch row, query head); the
+  key loop runs only over the tiles the query tile can see, from `start[b]`'s
+  tile up to the horizon of the tile's last query. Tiles wholly visible to every
+  query of the tile skip the mask arithmetic; only the boundary tiles (left
+  padding, the diagonal, `kv_len`) apply it.
+- `window_attention`: the denoising / decoding window over a long KV cache
+  (T <= 128). The G query heads that share a KV head are packed as rows of one
+  tile so each key tile is loaded once for all of them, and the keys are split
+  across programs (flash-decoding) so a batch-1 step fills the GPU; a small XLA
+  step combines the per-split partial softmaxes.
+
+Both run the online softmax in float32 (base 2: scores are pre-multiplied by
+log2(e)). A query that sees no key returns zeros, like the reference.
+
+Backends (`backend=`): "interpret" (Pallas interpret mode, the CPU default and
+what the tests run) and "triton" (the Pallas Triton lowering, the GPU default).
+A Mosaic GPU (Hopper) variant is not written yet; see `default_backend`.
+
+STATUS: the "triton" path has NOT been compiled or run on a GPU yet (no GPU
+was lent to the session that wrote it). The kernel bodies stay inside what the
+Triton lowering accepts (power-of-two 2-D tiles of >= 16 rows, `lax.div` for
+integer division, 0-d scalar blocks, dot_general on 2-D operands), but the
+first GPU session must run `pytest -m gpu tests/test_kernels.py` before relying on it.
+
+Gradients: `attention` is a `jax.custom_vjp`; the forward is the Pallas kernel
+and the backward is the VJP of the XLA reference (`reference.attention_reference`),
+which recomputes the attention matrix in XLA. A Pallas backward is not written yet.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+
+from pallas_kernels.reference import KINDS, attention_reference
+
+LOG2E = math.log2(math.e)
+NEG = -0.7 * float(np.finfo(np.float32).max)  # finite "-inf": keeps exp2(m_old - m_new) NaN-free
+WINDOW_MAX_T = 128  # queries above this use the prefill kernel
+BACKENDS = ("interpret", "triton")
+MIN_TILE = 16  # smallest tile dimension the Triton dot accepts
+
+
+@dataclasses.dataclass(frozen=True)
+class Tiles:
+    """Tile sizes (powers of two) and launch knobs; hashable, so usable as a static argument.
+
+    block_q: query rows per prefill program. block_k: keys per inner-loop step.
+    block_r: packed (query, head) rows per window program. num_splits: key
+    splits of the window kernel (None: enough programs for twice the device's
+    cores). num_warps / num_stages: Triton launch parameters (ignored when
+    interpreting).
+    """
+
+    block_q: int = 128
+    block_k: int = 64
+    block_r: int = 64
+    num_splits: int | None = None
+    num_warps: int | None = None
+    num_stages: int = 2
+
+    def __post_init__(self):
+        for name in ("block_q", "block_k", "block_r"):
+            val = getattr(self, name)
+            if val < 1 or val & (val - 1):
+                raise ValueError(f"Tiles.{name}={val} must be a power of two")
+        if self.num_splits is not None and self.num_splits < 1:
+            raise ValueError(f"Tiles.num_splits={self.num_splits} must be >= 1 (or None)")
+
+
+def default_backend() -> str:
+    """"triton" on an NVIDIA/AMD GPU, "interpret" elsewhere.
+
+    Hopper would get a Mosaic GPU kernel here once one exists; until then every
+    GPU uses the Triton lowering.
+    """
+    return "triton" if jax.default_backend() == "gpu" else "interpret"
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def _tile(want: int, n: int, backend: str) -> int:
+    """Tile for a dimension of size n: at most `want`, no larger than needed.
+
+    Triton needs >= 16; interpret mode takes any power of two.
+    """
+    floor = MIN_TILE if backend == "triton" else 1
+    return max(floor, min(want, _next_pow2(n)))
+
+
+def _compiler_params(backend: str, tiles: Tiles, head_dim: int):
+    if backend != "triton":
+        return None
+    from jax.experimental.pallas import triton as plgpu  # noqa: PLC0415 (GPU-only import)
+    cls = getattr(plgpu, "CompilerParams", None) or getattr(plgpu, "TritonCompilerParams")
+    warps = tiles.num_warps or (4 if head_dim <= 64 else 8)
+    return cls(num_warps=warps, num_stages=tiles.num_stages)
+
+
+# --------------------------------------------------------------------------- in-kernel pieces
+def _cdiv(x, d: int):
+    return lax.div(x + (d - 1), d)
+
+
+def _end(p, kind: str, block_size: int, kvl):
+    """min(horizon(p), kv_len) for slot(s) p (nonnegative int32); `lax.div` lowers on Triton."""
+    if kind == "causal":
+        hz = p + 1
+    elif kind == "block_causal":
+        hz = (lax.div(p, block_size) + 1) * block_size
+    else:
+        return jnp.zeros_like(p) + kvl
+    return jnp.minimum(hz, kvl)
+
+
+def _tile_bounds(*, start, kvl, p_first, p_last, lo_slot, hi_slot, block_k, kind, block_size):
+    """Key-tile ranges [a, b) masked, [b, c) unmasked, [c, d) masked, inside [lo_slot, hi_slot).
+
+    Tiles past the horizon of the last query (or before `start`) are never
+    visited; a tile is unmasked when every query of the tile sees all its keys:
+    it starts at or after `start` and ends before the horizon of the first query.
+    """
+    lo = jnp.maximum(start, lo_slot)
+    hi = jnp.minimum(_end(p_last, kind, block_size, kvl), hi_slot)
+    a = lax.div(lo, block_k)
+    d = jnp.maximum(_cdiv(hi, block_k), a)
+    b = jnp.clip(_cdiv(start, block_k), a, d)
+    c = jnp.clip(lax.div(_end(p_first, kind, block_size, kvl), block_k), b, d)
+    return a, b, c, d
+
+
+def _attend(q, rows_p, k_ref, v_ref, bounds, *, start, kvl, block_k, kind, block_size, qk_scale):
+    """Online softmax of q [R, D] over key tiles `bounds` of k_ref/v_ref [S, D].
+
+    rows_p [R]: absolute slot of each row's query. Returns (acc [R, D] f32,
+    m [R] f32 running max in log2 units, l [R] f32 normaliser); acc is not yet
+    divided by l.
+    """
+    R, D = q.shape
+    a, b, c, d = bounds
+
+    def step(t, carry, masked: bool):
+        acc, m, l = carry
+        k0 = t * block_k
+        k = k_ref[pl.ds(k0, block_k), :]  # [bk, D]
+        v = v_ref[pl.ds(k0, block_k), :]  # [bk, D]
+        s = lax.dot_general(q, k, (((1,), (1,)), ((), ())),
+                            preferred_element_type=jnp.float32) * qk_scale  # [R, bk]
+        if masked:
+            cols = k0 + lax.broadcasted_iota(jnp.int32, (1, block_k), 1)  # [1, bk]
+            end = _end(rows_p, kind, block_size, kvl)[:, None]  # [R, 1]
+            vis = (cols >= start) & (cols < end)  # [R, bk]
+            s = jnp.where(vis, s, NEG)
+        m_new = jnp.maximum(m, jnp.max(s, axis=1))
+        corr = jnp.exp2(m - m_new)
+        p = jnp.exp2(s - m_new[:, None])
+        if masked:
+            p = jnp.where(vis, p, 0.0)  # rows with nothing visible yet keep l = 0
+        l = corr * l + jnp.sum(p, axis=1)
+        pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
+                             preferred_element_type=jnp.float32)  # [R, D]
+        return corr[:, None] * acc + pv, m_new, l
+
+    carry = (jnp.zeros((R, D), jnp.float32), jnp.full((R,), NEG, jnp.float32),
+             jnp.zeros((R,), jnp.float32))
+    carry = lax.fori_loop(a, b, functools.partial(step, masked=True), carry)
+    carry = lax.fori_loop(b, c, functools.partial(step, masked=False), carry)
+    return lax.fori_loop(c, d, functools.partial(step, masked=True), carry)
+
+
+# --------------------------------------------------------------------------- prefill kernel
+def _prefill_kernel(start_ref, qoff_ref, kvl_ref, q_ref, k_ref, v_ref, *refs, T, S, num_q_tiles,
+                    block_q, block_k, kind, block_size, qk_scale):
+    o_ref = refs[-1]  # earlier refs: the poisoned buffer aliased to the output (unused)
+    i = num_q_tiles - 1 - pl.program_id(0)  # heaviest (last) query tiles launch first
+    start, qoff, kvl = start_ref[()], qoff_ref[()], kvl_ref[()]
+    rows_p = qoff + i * block_q + lax.broadcasted_iota(jnp.int32, (block_q,), 0)  # [bq]
+    p_first = qoff + i * block_q
+    p_last = qoff + jnp.minimum(i * block_q + (block_q - 1), T - 1)
+    bounds = _tile_bounds(start=start, kvl=kvl, p_first=p_first, p_last=p_last, lo_slot=0,
+                          hi_slot=S, block_k=block_k, kind=kind, block_size=block_size)
+    acc, _, l = _attend(q_ref[...], rows_p, k_ref, v_ref, bounds, start=start, kvl=kvl,
+                        block_k=block_k, kind=kind, block_size=block_size, qk_scale=qk_scale)
+    o_ref[...] = (acc / jnp.where(l == 0.0, 1.0, l)[:, None]).astype(o_ref.dtype)
+
+
+def _scalars(start, q_offset, kv_len, B: int, S: int):
+    """Per-row int32 [B] arrays of start, q_offset and kv_len (clipped to S); traced values welcome."""
+    start = jnp.broadcast_to(jnp.asarray(start, jnp.int32), (B,))
+    qoff = jnp.broadcast_to(jnp.asarray(q_offset, jnp.int32), (B,))
+    kvl = jnp.broadcast_to(jnp.minimum(jnp.asarray(kv_len, jnp.int32), S), (B,))
+    return start, qoff, kvl
+
+
+def _pad_axis(x, axis: int, size: int):
+    if x.shape[axis] == size:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, size - x.shape[axis])
+    return jnp.pad(x, widths)
+
+
+def _pad_head_dim(q, k, v):
+    """Zero-pad head_dim to a power of two (Triton tiles); zeros change no score."""
+    D = q.shape[-1]
+    Dp = _next_pow2(D)
+    return _pad_axis(q, 3, Dp), _pad_axis(k, 3, Dp), _pad_axis(v, 3, Dp)
+
+
+def prefill_attention(q, k, v, *, start, q_offset=0, kv_len=None, kind="causal", block_size=1,
+                      scale=None, tiles: Tiles = Tiles(), backend: str | None = None,
+                      poison: bool = False):
+    """Flash attention forward: q [B, T, H, D], k/v [B, S, KV, D] -> [B, T, H, D].
+
+    start [B]; q_offset, kv_len: ints or traced int32 scalars. T and S need not
+    be tile multiples (padded here, sliced back). `poison=True` pre-fills the
+    output buffer with NaN (aliased in place) so an element the kernel forgets
+    to write shows up in tests.
+    """
+    backend = backend or default_backend()
+    B, T, H, D = q.shape
+    S, KV = k.shape[1], k.shape[2]
+    G = H // KV
+    kv_len = S if kv_len is None else kv_len
+    scale = D ** -0.5 if scale is None else scale
+    bq, bk = _tile(tiles.block_q, T, backend), _tile(tiles.block_k, S, backend)
+    Tp, Sp = pl.cdiv(T, bq) * bq, pl.cdiv(S, bk) * bk
+    q, k, v = _pad_head_dim(q, k.astype(q.dtype), v.astype(q.dtype))
+    Dp = q.shape[-1]
+    q, k, v = _pad_axis(q, 1, Tp), _pad_axis(k, 1, Sp), _pad_axis(v, 1, Sp)
+    start, qoff, kvl = _scalars(start, q_offset, kv_len, B, S)
+    nq = Tp // bq
+
+    kernel = functools.partial(_prefill_kernel, T=T, S=S, num_q_tiles=nq, block_q=bq, block_k=bk,
+                               kind=kind, block_size=block_size, qk_scale=scale * LOG2E)
+    row = pl.BlockSpec((None,), lambda i, b, h: (b,))
+    q_spec = pl.BlockSpec((None, bq, None, Dp), lambda i, b, h: (b, nq - 1 - i, h, 0))
+    kv_spec = pl.BlockSpec((None, Sp, None, Dp), lambda i, b, h: (b, 0, lax.div(h, G), 0))
+    args = [start, qoff, kvl, q, k, v]
+    in_specs = [row, row, row, q_spec, kv_spec, kv_spec]
+    aliases = {}
+    if poison:
+        aliases = {len(args): 0}
+        args.append(jnp.full(q.shape, jnp.nan, q.dtype))
+        in_specs.append(q_spec)
+    out = pl.pallas_call(
+        kernel,
+        grid=(nq, B, H),
+        in_specs=in_specs,
+        out_specs=q_spec,
+        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+        input_output_aliases=aliases,
+        compiler_params=_compiler_params(backend, tiles, Dp),
+        interpret=backend == "interpret",
+        name="jdllm_flash_prefill",
+    )(*args)
+    return out[:, :T, :, :D]
+
+
+# --------------------------------------------------------------------------- window kernel
+def _window_kernel(start_ref, qoff_ref, kvl_ref, q_ref, k_ref, v_ref, *refs, T, G, S, split_len,
+                   block_r, block_k, kind, block_size, qk_scale):
+    acc_ref, m_ref, l_ref = refs[-3:]
+    ri, sj = pl.program_id(2), pl.program_id(3)
+    start, qoff, kvl = start_ref[()], qoff_ref[()], kvl_ref[()]
+    r0 = ri * block_r
+    rows_p = qoff + lax.div(r0 + lax.broadcasted_iota(jnp.int32, (block_r,), 0), G)  # [br]
+    p_first = qoff + lax.div(r0, G)
+    p_last = qoff + lax.div(jnp.minimum(r0 + (block_r - 1), T * G - 1), G)
+    lo_slot = sj * split_len
+    bounds = _tile_bounds(start=start, kvl=kvl, p_first=p_first, p_last=p_last, lo_slot=lo_slot,
+                          hi_slot=jnp.minimum(lo_slot + split_len, S), block_k=block_k, kind=kind,
+                          block_size=block_size)
+    acc, m, l = _attend(q_ref[...], rows_p, k_ref, v_ref, bounds, start=start, kvl=kvl,
+                        block_k=block_k, kind=kind, block_size=block_size, qk_scale=qk_scale)
+    acc_ref[...] = acc
+    m_ref[...] = m
+    l_ref[...] = l
+
+
+def _default_splits(programs: int, key_tiles: int) -> int:
+    """Key splits so that programs * splits covers twice the device's cores."""
+    cores = getattr(jax.devices()[0], "core_count", None) or 132
+    return max(1, min(key_tiles, pl.cdiv(2 * cores, programs)))
+
+
+def window_attention(q, k, v, *, start, q_offset=0, kv_len=None, kind="causal", block_size=1,
+                     scale=None, tiles: Tiles = Tiles(), backend: str | None = None,
+                     poison: bool = False):
+    """Flash-decoding attention of a short window q [B, T, H, D] over k/v [B, S, KV, D].
+
+    Rows of a program are (query, head-in-group) pairs, r = t * G + g, so each
+    key tile is read once per KV head; keys are split over `tiles.num_splits`
+    programs and the partial (acc, max, sum) are merged here in XLA. K/V are
+    copied only when S is not a multiple of the key tile. `poison=True`
+    pre-fills the partial buffers with NaN.
+    """
+    backend = backend or default_backend()
+    B, T, H, D = q.shape
+    S, KV = k.shape[1], k.shape[2]
+    G = H // KV
+    kv_len = S if kv_len is None else kv_len
+    scale = D ** -0.5 if scale is None else scale
+    R = T * G
+    br, bk = _tile(tiles.block_r, R, backend), _tile(tiles.block_k, S, backend)
+    Rp, Sp = pl.cdiv(R, br) * br, pl.cdiv(S, bk) * bk
+    nr = Rp // br
+    key_tiles = Sp // bk
+    ns = tiles.num_splits or _default_splits(B * KV * nr, key_tiles)
+    split_tiles = pl.cdiv(key_tiles, min(ns, key_tiles))
+    ns = pl.cdiv(key_tiles, split_tiles)  # no empty trailing split
+    q, k, v = _pad_head_dim(q, k.astype(q.dtype), v.astype(q.dtype))
+    Dp = q.shape[-1]
+    k, v = _pad_axis(k, 1, Sp), _pad_axis(v, 1, Sp)
+    qp = q.reshape(B, T, KV, G, Dp).transpose(0, 2, 1, 3, 4).reshape(B, KV, R, Dp)
+    qp = _pad_axis(qp, 2, Rp)  # [B, KV, Rp, Dp]
+    start, qoff, kvl = _scalars(start, q_offset, kv_len, B, S)
+
+    kernel = functools.partial(_window_kernel, T=T, G=G, S=S, split_len=split_tiles * bk,
+                               block_r=br, block_k=bk, kind=kind, block_size=block_size,
+                               qk_scale=scale * LOG2E)
+    row = pl.BlockSpec((None,), lambda b, h, r, s: (b,))
+    q_spec = pl.BlockSpec((None, None, br, Dp), lambda b, h, r, s: (b, h, r, 0))
+    kv_spec = pl.BlockSpec((None, Sp, None, Dp), lambda b, h, r, s: (b, 0, h, 0))
+    acc_spec = pl.BlockSpec((None, None, None, br, Dp), lambda b, h, r, s: (b, h, s, r, 0))
+    ml_spec = pl.BlockSpec((None, None, None, br), lambda b, h, r, s: (b, h, s, r))
+    out_shape = [jax.ShapeDtypeStruct((B, KV, ns, Rp, Dp), jnp.float32),
+                 jax.ShapeDtypeStruct((B, KV, ns, Rp), jnp.float32),
+                 jax.ShapeDtypeStruct((B, KV, ns, Rp), jnp.float32)]
+    out_specs = [acc_spec, ml_spec, ml_spec]
+    args = [start, qoff, kvl, qp, k, v]
+    in_specs = [row, row, row, q_spec, kv_spec, kv_spec]
+    aliases = {}
+    if poison:
+        for j, (shape, spec) in enumerate(zip(out_shape, out_specs)):
+            aliases[len(args)] = j
+            args.append(jnp.full(shape.shape, jnp.nan, jnp.float32))
+            in_specs.append(spec)
+    acc, m, l = pl.pallas_call(
+        kernel,
+        grid=(B, KV, nr, ns),
+        in_specs=in_specs,
+        out_specs=out_specs,
+        out_shape=out_shape,
+        input_output_aliases=aliases,
+        compiler_params=_compiler_params(backend, tiles, Dp),
+        interpret=backend == "interpret",
+        name="jdllm_flash_window",
+    )(*args)
+    out = combine_splits(acc, m, l)  # [B, KV, Rp, Dp] f32
+    out = out[:, :, :R, :D].reshape(B, KV, T, G, D).transpose(0, 2, 1, 3, 4)
+    return out.reshape(B, T, H, D).astype(q.dtype)
+
+
+def combine_splits(acc, m, l):
+    """Merge flash-decoding partials over axis 2: acc [..., n, R, D], m/l [..., n, R] (log2 units).
+
+    Splits that saw nothing carry m = NEG, l = 0 and drop out; rows that saw
+    nothing in any split come out as zeros.
+    """
+    m_all = jnp.max(m, axis=2, keepdims=True)  # [B, KV, 1, R]
+    w = jnp.exp2(m - m_all)  # [B, KV, n, R]
+    num = jnp.einsum("bkns,bknsd->bksd", w, acc)
+    den = jnp.einsum("bkns,bkns->bks", w, l)
+    return num / jnp.where(den == 0.0, 1.0, den)[..., None]
+
+
+# --------------------------------------------------------------------------- entry point
+@dataclasses.dataclass(frozen=True)
+class _Static:
+    kind: str
+    block_size: int
+    scale: float | None
+    tiles: Tiles
+    backend: str
+    variant: str
+
+
+def _forward(q, k, v, start, q_offset, kv_len, st: _Static):
+    fn = window_attention if st.variant == "window" else prefill_attention
+    return fn(q, k, v, start=start, q_offset=q_offset, kv_len=kv_len, kind=st.kind,
+              block_size=st.block_size, scale=st.scale, tiles=st.tiles, backend=st.backend)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
+def _attention(q, k, v, start, q_offset, kv_len, st: _Static):
+    return _forward(q, k, v, start, q_offset, kv_len, st)
+
+
+def _attention_fwd(q, k, v, start, q_offset, kv_len, st: _Static):
+    return _forward(q, k, v, start, q_offset, kv_len, st), (q, k, v, start, q_offset, kv_len)
+
+
+def _attention_bwd(st: _Static, res, g):
+    q, k, v, start, q_offset, kv_len = res
+
+    def ref(q, k, v):
+        return attention_reference(q, k, v, start=start, q_offset=q_offset, kv_len=kv_len,
+                                   kind=st.kind, block_size=st.block_size, scale=st.scale)
+
+    _, vjp = jax.vjp(ref, q, k, v)
+    return (*vjp(g), None, None, None)
+
+
+_attention.defvjp(_attention_fwd, _attention_bwd)
+
+
+def choose_variant(T: int, S: int) -> str:
+    """"window" for a short query window over a longer cache, else "prefill"."""
+    return "window" if T <= WINDOW_MAX_T and S > T else "prefill"
+
+
+def attention(q, k, v, *, start, q_offset=0, kv_len=None, kind="causal", block_size=1, scale=None,
+              tiles: Tiles | None = None, backend: str | None = None, variant: str = "auto"):
+    """Pallas attention under the masking rule: q [B, T, H, D], k/v [B, S, KV, D] -> [B, T, H, D].
+
+    variant "auto" picks the window (flash-decoding) kernel for T <= 128 over a
+    longer S and the prefill kernel otherwise. Differentiable: the backward is
+    the XLA reference's VJP (no Pallas backward kernel yet).
+    """
+    from jdllm import errors  # noqa: PLC0415 (keeps pallas_kernels importable alone)
+
+    if kind not in KINDS:
+        raise errors.ConfigError(f"attention kind={kind!r} is not one of {KINDS}")
+    if q.ndim != 4 or k.ndim != 4 or k.shape != v.shape or q.shape[0] != k.shape[0] \
+            or q.shape[3] != k.shape[3]:
+        raise errors.InputError(
+            f"attention expects q [B, T, H, D] and k, v [B, S, KV, D] with equal B and D; got "
+            f"q {q.shape}, k {k.shape}, v {v.shape}")
+    if q.shape[2] % k.shape[2]:
+        raise errors.InputError(
+            f"query heads {q.shape[2]} are not a multiple of kv heads {k.shape[2]}; fix the head counts")
+    if kind == "block_causal" and block_size < 1:
+        raise errors.ConfigError(f"block_size={block_size} must be >= 1 for block_causal attention")
+    backend = backend or default_backend()
+    if backend not in BACKENDS:
+        raise errors.ConfigError(f"backend={backend!r} is not one of {BACKENDS}")
+    if variant == "auto":
+        variant = choose_variant(q.shape[1], k.shape[1])
+    if variant not in ("prefill", "window"):
+        raise errors.ConfigError(f"variant={variant!r} is not one of ('auto', 'prefill', 'window')")
+    if tiles is None:
+        tiles = Tiles()
+    kv_len = k.shape[1] if kv_len is None else kv_len
+    st = _Static(kind=kind, block_size=int(block_size), scale=scale, tiles=tiles, backend=backend,
+                 variant=variant)
+    return _attention(q, k, v, jnp.asarray(start, jnp.int32), jnp.asarray(q_offset, jnp.int32),
+                      jnp.asarray(kv_len, jnp.int32), st)
+
+
+__all__ = ["attention", "prefill_attention", "window_attention", "combine_splits", "Tiles",
+           "default_backend", "choose_variant", "BACKENDS", "WINDOW_MAX_T"]
