@@ -366,9 +366,14 @@ def hf_config_dict(cfg: ModelConfig, **extra) -> dict[str, Any]:
 
 
 # --------------------------------------------------------------------------- safetensors files
+def one_line(e: BaseException) -> str:
+    """An exception's text on one line (library messages may span several)."""
+    return " ".join(str(e).split())
+
+
 def _safetensors_error(path: str, e: Exception) -> errors.CorruptCheckpointError:
     return errors.CorruptCheckpointError(
-        f"{path} is not a readable safetensors file ({type(e).__name__}: {e}); "
+        f"{path} is not a readable safetensors file ({type(e).__name__}: {one_line(e)}); "
         "re-download or re-export this file")
 
 
@@ -391,7 +396,7 @@ class SafetensorsDir(Mapping):
                     weight_map = dict(json.load(f)["weight_map"])
             except (OSError, ValueError, KeyError, TypeError) as e:
                 raise errors.CorruptCheckpointError(
-                    f"{index} is not a valid safetensors index ({type(e).__name__}: {e}); "
+                    f"{index} is not a valid safetensors index ({type(e).__name__}: {one_line(e)}); "
                     "it needs a 'weight_map' of tensor name -> shard file") from e
             files = sorted(set(weight_map.values()))
             for fn in files:

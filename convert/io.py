@@ -81,7 +81,7 @@ def load_tokenizer(path: str):
             return transformers.PreTrainedTokenizerFast.from_pretrained(path, local_files_only=True)
         except Exception as e:  # noqa: BLE001
             raise errors.CorruptCheckpointError(
-                f"{os.path.join(path, 'tokenizer.json')} cannot be loaded ({type(e).__name__}: {e}); "
+                f"{os.path.join(path, 'tokenizer.json')} cannot be loaded ({type(e).__name__}: {hf.one_line(e)}); "
                 "replace it with the tokenizer that came with the model, or remove it to use token ids only") from e
     finally:
         transformers.logging.set_verbosity(verbosity)
@@ -96,7 +96,7 @@ def read_jdllm_meta(path: str) -> dict[str, Any]:
         meta["config"] = ModelConfig.from_dict(meta["config"])
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise errors.CorruptCheckpointError(
-            f"{marker} is not a valid jdllm checkpoint marker ({type(e).__name__}: {e}); "
+            f"{marker} is not a valid jdllm checkpoint marker ({type(e).__name__}: {hf.one_line(e)}); "
             "re-run `jdllm convert` to rebuild the checkpoint") from e
     if meta.get("version", 0) > FORMAT_VERSION:
         raise errors.CheckpointError(
@@ -152,7 +152,7 @@ def restore_params(path: str, dtype=None, shardings=None):
         raise
     except Exception as e:  # noqa: BLE001 (orbax / tensorstore raise many types)
         raise errors.CorruptCheckpointError(
-            f"cannot restore {params_dir} ({type(e).__name__}: {e}); re-run `jdllm convert`") from e
+            f"cannot restore {params_dir} ({type(e).__name__}: {hf.one_line(e)}); re-run `jdllm convert`") from e
 
 
 def _flat(tree, leaf=None) -> list[tuple[str, Any]]:

@@ -31,7 +31,7 @@ FAMILY_ATTENTION = {"qwen2": "causal", "qwen3": "causal", "llama": "causal", "sd
                     "Fast_dLLM_Qwen": "block_causal", "llada": "bidirectional", "Dream": "bidirectional"}
 
 LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                  "original_max_position_embeddings": 32}
+                  "original_max_position_embeddings": 256}
 LINEAR_SCALING = {"rope_type": "linear", "factor": 2.0}
 
 

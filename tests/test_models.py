@@ -1,0 +1,150 @@
+"""Every family's jdllm float32 logits against the Hugging Face `transformers` reference.
+
+Qwen2 / Qwen3 / LLaMA: real transformers models saved with save_pretrained,
+compared with transformers' own causal forward. SDAR, Fast-dLLM v2, LLaDA and
+Dream: directories in each family's own config keys and weight names, compared
+with the equivalent transformers model run under an explicit 4D mask of the
+family's attention kind. Both through `jdllm.load(hf_dir)` and through
+`convert` + `jdllm.load(jdllm_dir)`.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import hf_fixtures as fx
+import jdllm
+from convert.io import convert_checkpoint
+from jdllm.config import ModelConfig
+from jdllm.model import aligned_logits
+
+TOL = 1e-4
+
+BASE_CASES = {
+    "qwen2-gqa-untied": ("qwen2", dict(kv_heads=2, tied=False)),
+    "qwen2-mha-tied": ("qwen2", dict(kv_heads=None, tied=True)),
+    "qwen3-gqa-untied-head_dim16": ("qwen3", dict(kv_heads=2, head_dim=16)),
+    "qwen3-mha-tied": ("qwen3", dict(kv_heads=None, tied=True)),
+    "llama-gqa-llama3-rope": ("llama", dict(kv_heads=2, head_dim=16, rope_theta=500000.0,
+                                            rope_scaling=fx.LLAMA3_SCALING)),
+    "llama-mha-tied-linear-rope": ("llama", dict(kv_heads=None, tied=True, rope_scaling=fx.LINEAR_SCALING)),
+}
+
+
+def _rand_tokens(seed, shape, vocab):
+    return np.random.default_rng(seed).integers(0, vocab, shape)
+
+
+def _maxdiff(a, b) -> float:
+    return float(np.max(np.abs(np.asarray(a, np.float32) - np.asarray(b, np.float32))))
+
+
+@pytest.mark.parametrize("case", sorted(BASE_CASES))
+def test_base_family_logits_match_transformers(case, tmp_path):
+    family, kw = BASE_CASES[case]
+    hf_dir, model = fx.build_transformers_model(family, str(tmp_path / "hf"), seed=1, **kw)
+    V = model.config.vocab_size
+    tokens = _rand_tokens(2, (2, 24), V)
+    with torch.no_grad():  # transformers' own causal mask, no jdllm-side construction
+        ref = model(input_ids=torch.as_tensor(tokens)).logits.float().numpy()
+
+    m = jdllm.load(hf_dir, dtype="float32")
+    assert m.config.attention == "causal" and not m.config.logit_shift
+    assert m.config.tie_word_embeddings == bool(kw.get("tied", False))
+    assert m.config.num_kv_heads == (kw["kv_heads"] or 4)
+    got = np.asarray(jdllm.logits(m, tokens))
+    assert got.dtype == np.float32 and got.shape == ref.shape
+    assert _maxdiff(got, ref) <= TOL
+
+    ck = convert_checkpoint(hf_dir, str(tmp_path / "ck"), dtype="float32", progress=False)
+    m2 = jdllm.load(ck, dtype="float32")
+    assert m2.config == m.config
+    assert _maxdiff(jdllm.logits(m2, tokens), ref) <= TOL
+
+
+def test_rope_scaling_changes_logits(tmp_path):
+    """The scaled-RoPE cases above are not vacuous: scaling moves the logits."""
+    _, scaled = fx.build_transformers_model("llama", str(tmp_path / "a"), seed=1, kv_heads=2, head_dim=16,
+                                            rope_theta=500000.0, rope_scaling=fx.LLAMA3_SCALING)
+    _, plain = fx.build_transformers_model("llama", str(tmp_path / "b"), seed=1, kv_heads=2, head_dim=16,
+                                           rope_theta=500000.0)
+    tokens = torch.as_tensor(_rand_tokens(3, (1, 24), 128))
+    with torch.no_grad():
+        assert _maxdiff(scaled(input_ids=tokens).logits, plain(input_ids=tokens).logits) > 1e-3
+
+
+@pytest.mark.parametrize("family", fx.BASE_FAMILIES)
+def test_left_padded_rows_match_reference_and_row_alone(family, tmp_path):
+    hf_dir, model = fx.build_transformers_model(family, str(tmp_path / "hf"), seed=4)
+    m = jdllm.load(hf_dir, dtype="float32")
+    lens = [16, 11, 5]
+    full = _rand_tokens(5, (3, 16), model.config.vocab_size)
+    rows = [full[b, 16 - n:] for b, n in enumerate(lens)]
+    start = np.array([16 - n for n in lens])
+    got = np.asarray(jdllm.logits(m, rows))
+    ref = fx.reference_logits(model, full, start, "causal")
+    for b, n in enumerate(lens):
+        assert _maxdiff(got[b, 16 - n:], ref[b, 16 - n:]) <= TOL
+        alone = np.asarray(jdllm.logits(m, [rows[b]]))[0]
+        assert _maxdiff(got[b, 16 - n:], alone) <= 1e-5
+
+
+@pytest.mark.parametrize("family", fx.DIFFUSION_FAMILIES)
+def test_diffusion_family_logits(family, tmp_path):
+    kw = dict(kv_heads=None) if family == "llada" else dict(kv_heads=2)
+    if family == "Dream":
+        kw["tied"] = True
+    hf_dir, model = fx.build_family_dir(family, str(tmp_path / "hf"), seed=6, block_size=4,
+                                        shards=2 if family == "llada" else 1, **kw)
+    V = model.config.vocab_size
+    kind = fx.FAMILY_ATTENTION[family]
+    m = jdllm.load(hf_dir, dtype="float32")
+    cfg = m.config
+    # Family traits come from the family's own config.json keys.
+    assert cfg.attention == kind
+    assert cfg.block_size == (4 if kind == "block_causal" else 1)
+    assert cfg.mask_token_id == V - 1
+    assert cfg.logit_shift == (family in ("Dream", "Fast_dLLM_Qwen"))
+    assert cfg.qk_norm == (family == "sdar")
+    assert cfg.qkv_bias == (family in ("Dream", "Fast_dLLM_Qwen"))
+
+    # Left padding by whole blocks: the block grid is on slots (DESIGN's masking rule).
+    full = _rand_tokens(7, (2, 16), V)
+    start = np.array([0, 4])
+    rows = [full[0], full[1, 4:]]
+    ref = fx.reference_logits(model, full, start, kind, cfg.block_size)
+    # The mask matters: a causal reading of the same weights disagrees.
+    assert _maxdiff(ref[0], fx.reference_logits(model, full[:1], None, "causal")[0]) > 1e-3
+
+    for mm in (m, jdllm.load(convert_checkpoint(hf_dir, str(tmp_path / "ck"), dtype="float32",
+                                                progress=False), dtype="float32")):
+        assert mm.config == cfg
+        got = np.asarray(jdllm.logits(mm, rows))
+        assert _maxdiff(got[0], ref[0]) <= TOL
+        assert _maxdiff(got[1, 4:], ref[1, 4:]) <= TOL
+        alone = np.asarray(jdllm.logits(mm, [rows[1]]))[0]
+        assert _maxdiff(got[1, 4:], alone) <= 1e-5
+
+    # Logit shift: aligned logits at p are the raw logits at p - 1 for Dream / Fast-dLLM v2.
+    al = np.asarray(aligned_logits(got, cfg))
+    if cfg.logit_shift:
+        assert _maxdiff(al[:, 1:], ref_shift := got[:, :-1]) == 0.0 and ref_shift.shape[1] == 15
+        assert np.all(al[:, 0] == 0)
+    else:
+        assert np.array_equal(al, got)
+
+
+@pytest.mark.parametrize("family,key,default", [
+    ("sdar", "mask_token_id", 151669), ("Fast_dLLM_Qwen", "mask_token_id", 151665),
+    ("Dream", "mask_token_id", 151666), ("llada", "mask_token_id", 126336),
+    ("Fast_dLLM_Qwen", "bd_size", 32),
+])
+def test_family_defaults_when_config_omits_them(family, key, default):
+    """mask_token_id / bd_size fall back to the family's published default."""
+    base = fx.tiny_hf_config(fx.FAMILY_BASE[family])
+    d = fx.family_config_json(family, base)
+    d.pop(key)
+    cfg = ModelConfig.from_hf(d)
+    assert (cfg.block_size if key == "bd_size" else cfg.mask_token_id) == default
