@@ -1,0 +1,71 @@
+"""DecodeState: the immutable pytree every decoding paradigm carries through the loop.
+
+All rows of a batch share one canvas of slots [0, S). Row b's real tokens start
+at `start[b]` (earlier slots are left padding the masking rule hides), its
+generation starts at `gen_start[b]` and may not reach `limit[b]`
+(= gen_start + max_new_tokens). RoPE positions are `slot - start[b]`.
+
+A paradigm reads and replaces fields with `dataclasses.replace`; fields a
+paradigm needs beyond these (block states, a commit flag) go in `extra`, a dict
+of arrays, so adding one touches only that paradigm's file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jdllm.model import KVCache
+
+# finish codes (per row); api.py turns them into strings
+RUNNING, STOP, LENGTH = 0, 1, 2
+FINISH_REASONS = {RUNNING: None, STOP: "stop", LENGTH: "length"}
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class DecodeState:
+    """Everything a decoding step reads or writes. Shapes: B rows, S slots, V vocab."""
+
+    tokens: jax.Array  # [B, S] int32 canvas: prompt, generated tokens, mask id where unrevealed
+    revealed: jax.Array  # [B, S] bool: slot holds a real token (prompt or generated)
+    step_map: jax.Array  # [B, S] int32: 1-based step a generated token was revealed in; 0 elsewhere
+    logprobs: jax.Array  # [B, S] float32: log-prob of a generated token at reveal time
+    start: jax.Array  # [B] int32: first real slot (left padding before it)
+    gen_start: jax.Array  # [B] int32: first generated slot
+    limit: jax.Array  # [B] int32: generation may use slots [gen_start, limit)
+    steps: jax.Array  # [B] int32: steps that revealed >= 1 token so far (the step_map counter)
+    nfe: jax.Array  # [B] int32: model forwards this row took part in (prefill and commits included)
+    done: jax.Array  # [B] bool
+    finish: jax.Array  # [B] int32: RUNNING / STOP / LENGTH
+    key: jax.Array  # [B] typed PRNG keys, one stream per row
+    cache: KVCache  # [layers, B, S, kv_heads, head_dim]; length is shared by the batch
+    prev_logits: jax.Array  # [B, V] float32: raw logits of the slot before the active window
+    forwards: jax.Array  # [] int32: forwards the batch ran
+    iteration: jax.Array  # [] int32: loop iterations run (a termination guard)
+    extra: dict[str, Any] = dataclasses.field(default_factory=dict)  # paradigm-owned arrays
+
+    @property
+    def batch(self) -> int:
+        return self.tokens.shape[0]
+
+    @property
+    def slots(self) -> int:
+        return self.tokens.shape[1]
+
+    def replace(self, **kw) -> "DecodeState":
+        return dataclasses.replace(self, **kw)
+
+
+def slot_index(state: DecodeState) -> jax.Array:
+    """[1, S] int32 slot numbers, for broadcasting against per-row bounds."""
+    return jnp.arange(state.slots, dtype=jnp.int32)[None, :]
+
+
+def generated_mask(state: DecodeState) -> jax.Array:
+    """[B, S] bool: slots inside each row's generation range."""
+    s = slot_index(state)
+    return (s >= state.gen_start[:, None]) & (s < state.limit[:, None])
