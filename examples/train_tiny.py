@@ -1,0 +1,247 @@
+"""Train the three tiny models jdllm ships (models/tiny-ar, tiny-sdar, tiny-llada) on the CPU.
+
+Same size (~0.6M parameters), same data (jdllm.tasks: sort / add / rev),
+three families and objectives:
+
+    ar     Qwen3 layout, causal           next-token cross-entropy
+    sdar   SDAR layout, block-causal (4)  BD3-LM block-diffusion loss
+    llada  LLaDA layout, bidirectional    LLaDA masked-diffusion loss
+
+Each is saved as a Hugging Face directory (config.json in the family's own
+keys, model.safetensors with its published weight names, tokenizer.json) and
+a loss curve PNG. Deterministic from --seed.
+
+    python examples/train_tiny.py --model all --out models
+    python examples/train_tiny.py --model sdar --steps 20 --smoke --out /tmp/tiny
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from jdllm import objectives, tasks  # noqa: E402
+from jdllm.config import ModelConfig  # noqa: E402
+from jdllm.model import default_positions, forward, init_params  # noqa: E402
+
+NAMES = {"ar": "tiny-ar", "sdar": "tiny-sdar", "llada": "tiny-llada"}
+SEQ_LEN = 32  # training row length: left padding | prompt | answer | EOS fill
+EVAL_PROMPT, EVAL_GEN = 16, 12  # eval layout: prompt left-padded to 16 slots, 12 generated
+
+
+def model_config(kind: str, hidden: int = 128, layers: int = 4, heads: int = 4, kv_heads: int = 2,
+                 intermediate: int = 256, block_size: int = 4) -> ModelConfig:
+    """The ModelConfig of one shipped family; all three share every size."""
+    common = dict(vocab_size=tasks.VOCAB_SIZE, hidden_size=hidden, intermediate_size=intermediate,
+                  num_layers=layers, num_heads=heads, head_dim=hidden // heads,
+                  max_position_embeddings=64, rope_theta=10000.0, eos_token_ids=(tasks.EOS_ID,),
+                  pad_token_id=tasks.PAD_ID)
+    if kind == "ar":
+        return ModelConfig(model_type="qwen3", num_kv_heads=kv_heads, qk_norm=True, **common)
+    if kind == "sdar":
+        return ModelConfig(model_type="sdar", num_kv_heads=kv_heads, qk_norm=True, attention="block_causal",
+                           block_size=block_size, mask_token_id=tasks.MASK_ID, **common)
+    if kind == "llada":
+        return ModelConfig(model_type="llada", num_kv_heads=kv_heads, attention="bidirectional",
+                           mask_token_id=tasks.MASK_ID, rms_norm_eps=1e-5, weight_layout="llada", **common)
+    raise SystemExit(f"--model {kind!r}: choose ar, sdar, llada or all")
+
+
+# --------------------------------------------------------------------------- data
+class Batches:
+    """Training rows drawn with a seeded numpy RNG: [pad | prompt | answer | EOS x fill].
+
+    The EOS fill length is random (>= 1), so the left padding and hence the
+    alignment of the answer on the block grid vary, as they do at inference.
+    Tasks are drawn uniformly (the addition space is smaller than the others).
+    """
+
+    def __init__(self, examples, seed: int):
+        self.prompts = [tasks.encode(ex.prompt) for ex in examples]
+        self.answers = [tasks.encode(ex.answer) for ex in examples]
+        self.by_task = [np.array([i for i, ex in enumerate(examples) if ex.task == t]) for t in tasks.TASKS]
+        self.by_task = [ix for ix in self.by_task if len(ix)]
+        self.rng = np.random.default_rng(seed)
+
+    def __call__(self, batch: int):
+        which = self.rng.integers(0, len(self.by_task), batch)
+        idx = [self.by_task[w][self.rng.integers(0, len(self.by_task[w]))] for w in which]
+        tokens = np.full((batch, SEQ_LEN), tasks.PAD_ID, np.int32)
+        target = np.zeros((batch, SEQ_LEN), bool)
+        start = np.zeros((batch,), np.int32)
+        for b, i in enumerate(idx):
+            p, a = self.prompts[i], self.answers[i]
+            fill = int(self.rng.integers(1, SEQ_LEN - len(p) - len(a) + 1))
+            row = p + a + [tasks.EOS_ID] * fill
+            s = SEQ_LEN - len(row)
+            tokens[b, s:] = row
+            target[b, s + len(p):] = True
+            start[b] = s
+        return jnp.asarray(tokens), jnp.asarray(target), jnp.asarray(start)
+
+
+# --------------------------------------------------------------------------- eval
+def eval_rows(examples):
+    """Prompts left-padded to EVAL_PROMPT slots, followed by EVAL_GEN mask slots."""
+    n = len(examples)
+    tokens = np.full((n, EVAL_PROMPT + EVAL_GEN), tasks.MASK_ID, np.int32)
+    start = np.zeros((n,), np.int32)
+    for b, ex in enumerate(examples):
+        p = tasks.encode(ex.prompt)
+        tokens[b, :EVAL_PROMPT] = tasks.PAD_ID
+        tokens[b, EVAL_PROMPT - len(p):EVAL_PROMPT] = p
+        start[b] = EVAL_PROMPT - len(p)
+    return jnp.asarray(tokens), jnp.asarray(start)
+
+
+@jax.jit(static_argnames=("cfg",))
+def greedy_decode(params, tokens, start, *, cfg: ModelConfig):
+    """A plain full-recompute decoder for the training report (the harness uses jdllm.generate).
+
+    causal: one token per step, left to right. block_causal: the first block
+    holding a mask reveals its most confident masked slot per step.
+    bidirectional: the most confident masked slot of the whole answer per step.
+    """
+    B, T = tokens.shape
+    pos = default_positions(start, 0, T)
+    slots = jnp.arange(T)
+
+    def step(i, toks):
+        logits, _ = forward(params, cfg, toks, pos, start=start, attn_impl="xla")
+        if cfg.attention == "causal":
+            nxt = jnp.argmax(logits[:, EVAL_PROMPT + i - 1], -1)
+            return toks.at[:, EVAL_PROMPT + i].set(nxt.astype(toks.dtype))
+        probs = jax.nn.softmax(logits, -1)
+        pred, conf = jnp.argmax(probs, -1), jnp.max(probs, -1)
+        masked = toks == tasks.MASK_ID
+        if cfg.attention == "block_causal":
+            blk = slots // cfg.block_size
+            first = jnp.min(jnp.where(masked, blk[None], T), axis=1)  # [B]
+            masked = masked & (blk[None] == first[:, None])
+        pick = jnp.argmax(jnp.where(masked, conf, -1.0), -1)  # [B]
+        hit = (slots[None] == pick[:, None]) & masked
+        return jnp.where(hit, pred.astype(toks.dtype), toks)
+
+    return jax.lax.fori_loop(0, EVAL_GEN, step, tokens)
+
+
+def evaluate(params, cfg, examples, batch: int = 100) -> float:
+    preds = []
+    for i in range(0, len(examples), batch):
+        chunk = examples[i:i + batch]
+        toks, start = eval_rows(chunk)
+        out = np.asarray(greedy_decode(params, toks, start, cfg=cfg))
+        preds += [tasks.decode(r[EVAL_PROMPT:]).replace("<eos>", "\x00").split("\x00")[0] for r in out]
+    return tasks.exact_match(preds, examples)
+
+
+# --------------------------------------------------------------------------- training
+def train(kind: str, steps: int, batch: int, lr: float, seed: int, out: str, n_train: int, n_eval: int,
+          quiet: bool = False) -> dict:
+    import optax  # noqa: PLC0415
+    from tqdm import tqdm  # noqa: PLC0415
+
+    cfg = model_config(kind)
+    key = jax.random.key(seed)
+    params = init_params(cfg, jax.random.fold_in(key, 0))
+    n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
+    sched = optax.warmup_cosine_decay_schedule(0.0, lr, min(100, max(1, steps // 10)), max(steps, 2),
+                                               end_value=lr * 0.1)
+    opt = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(sched, b2=0.98, weight_decay=0.01))
+    opt_state = opt.init(params)
+    loss_fn = objectives.loss_for(cfg)
+
+    @jax.jit
+    def update(params, opt_state, tokens, target, start, k):
+        loss, grads = jax.value_and_grad(loss_fn)(params, cfg, tokens, target, start, k)
+        upd, opt_state = opt.update(grads, opt_state, params)
+        return optax.apply_updates(params, upd), opt_state, loss
+
+    data = Batches(tasks.train_set(n_train, seed), seed)
+    losses = []
+    t0 = time.time()
+    bar = tqdm(range(steps), desc=NAMES[kind], disable=quiet, mininterval=5.0)
+    for i in bar:
+        tokens, target, start = data(batch)
+        params, opt_state, loss = update(params, opt_state, tokens, target, start, jax.random.fold_in(key, i + 1))
+        losses.append(float(loss))
+        if i % 10 == 0:
+            bar.set_postfix(loss=f"{np.mean(losses[-50:]):.4f}")
+    train_s = time.time() - t0
+    acc = evaluate(params, cfg, tasks.test_set(n_eval, seed)) if n_eval else float("nan")
+
+    out_dir = os.path.join(out, NAMES[kind])
+    save(out_dir, params, cfg)
+    plot_losses(losses, os.path.join(out_dir, "loss.png"), f"{NAMES[kind]} ({cfg.model_type}, {kind} objective)")
+    info = {"model": NAMES[kind], "model_type": cfg.model_type, "objective": loss_fn.__name__,
+            "params": n_params, "steps": steps, "batch": batch, "lr": lr, "seed": seed,
+            "train_examples": n_train, "train_seconds": round(train_s, 1),
+            "final_loss": float(np.mean(losses[-50:])), "eval_items": n_eval,
+            "eval_exact_match": acc}
+    with open(os.path.join(out_dir, "training.json"), "w") as f:
+        json.dump(info, f, indent=2)
+    print(json.dumps(info), flush=True)
+    return info
+
+
+def save(out_dir: str, params, cfg: ModelConfig) -> None:
+    """Hugging Face directory: config.json, model.safetensors (float32), tokenizer files."""
+    from convert.hf import save_hf_dir  # noqa: PLC0415
+
+    save_hf_dir(out_dir, jax.tree.map(np.asarray, params), cfg)
+    tasks.save_tokenizer(out_dir)
+
+
+def plot_losses(losses, path: str, title: str) -> None:
+    import matplotlib  # noqa: PLC0415
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    x = np.asarray(losses)
+    w = max(1, len(x) // 50)
+    smooth = np.convolve(x, np.ones(w) / w, mode="valid")
+    fig, ax = plt.subplots(figsize=(5, 3), dpi=80)
+    ax.plot(x, alpha=0.3, lw=0.8, label="loss")
+    ax.plot(np.arange(len(smooth)) + w - 1, smooth, lw=1.5, label=f"mean of {w}")
+    ax.set_yscale("log")
+    ax.set_xlabel("step")
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="all", choices=["ar", "sdar", "llada", "all"])
+    ap.add_argument("--steps", type=int, default=1500)
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--train-size", type=int, default=60000)
+    ap.add_argument("--eval", type=int, default=300, help="held-out items scored after training (0: skip)")
+    ap.add_argument("--out", default="models")
+    ap.add_argument("--smoke", action="store_true", help="tiny run for tests: small data, batch 8, no eval")
+    ap.add_argument("--quiet", action="store_true", help="no progress bar")
+    args = ap.parse_args(argv)
+    if args.smoke:
+        args.batch, args.train_size, args.eval = 8, 200, 0
+    kinds = ["ar", "sdar", "llada"] if args.model == "all" else [args.model]
+    for kind in kinds:
+        train(kind, args.steps, args.batch, args.lr, args.seed, args.out, args.train_size, args.eval, args.quiet)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

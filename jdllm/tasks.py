@@ -1,0 +1,184 @@
+"""Synthetic tasks with verifiable answers, and the character tokenizer they use.
+
+The shipped tiny models (`models/`) are trained on these tasks so that
+decoding strategies can be compared on accuracy, not only speed:
+
+    sort:3 1 2=   -> 1 2 3      (sort 3-5 digits)
+    add:12+34=    -> 46         (add two numbers in [0, 99])
+    rev:abc=      -> cba        (reverse 3-6 lowercase letters)
+
+A prompt ends with "="; the answer follows and ends with EOS. Train and
+held-out test sets are deterministic functions of a seed and never share a
+prompt. The tokenizer is character level (one token per character) and is
+saved as a real Hugging Face `tokenizer.json` with pad, EOS and mask tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import random
+from typing import Iterable, Sequence
+
+from jdllm import errors
+
+TASKS = ("sort", "add", "rev")
+PAD, EOS, MASK = "<pad>", "<eos>", "<mask>"
+SPECIALS = (PAD, EOS, MASK)  # ids 0, 1, 2
+# Printable characters, one token each; padded so the vocabulary is 48 ids in all.
+CHARS = tuple("0123456789abcdefghijklmnopqrstuvwxyz :+=-,.()*/?#")[:48 - len(SPECIALS)]
+VOCAB_SIZE = len(SPECIALS) + len(CHARS)
+PAD_ID, EOS_ID, MASK_ID = 0, 1, 2
+MAX_PROMPT_LEN = 15  # "sort:d d d d d="
+MAX_ANSWER_LEN = 9  # "d d d d d"
+
+
+@dataclasses.dataclass(frozen=True)
+class Example:
+    """One task instance: the prompt (ends with "=") and its exact answer."""
+
+    task: str
+    prompt: str
+    answer: str
+
+
+def make_example(task: str, rng: random.Random) -> Example:
+    """Draw one instance of `task` from `rng`."""
+    if task == "sort":
+        digits = [rng.randrange(10) for _ in range(rng.randint(3, 5))]
+        return Example(task, "sort:" + " ".join(map(str, digits)) + "=",
+                       " ".join(map(str, sorted(digits))))
+    if task == "add":
+        a, b = rng.randrange(100), rng.randrange(100)
+        return Example(task, f"add:{a}+{b}=", str(a + b))
+    if task == "rev":
+        s = "".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(3, 6)))
+        return Example(task, f"rev:{s}=", s[::-1])
+    raise errors.InputError(f"task {task!r} is not one of {TASKS}")
+
+
+def _draw(n: int, seed: int, exclude: frozenset[str], tasks: Sequence[str]) -> list[Example]:
+    """`n` distinct examples, tasks interleaved; a task whose prompt space runs out drops out."""
+    rng = random.Random(seed)
+    out, seen, live, misses = [], set(exclude), list(tasks), 0
+    while len(out) < n:
+        if not live:
+            raise errors.InputError(f"only {len(out)} distinct prompts exist for tasks={list(tasks)}; ask for fewer")
+        task = live[len(out) % len(live)]
+        ex = make_example(task, rng)
+        if ex.prompt in seen:
+            misses += 1
+            if misses > 2000:  # this task's space is (nearly) used up
+                live.remove(task)
+                misses = 0
+            continue
+        seen.add(ex.prompt)
+        out.append(ex)
+        misses = 0
+    return out
+
+
+def test_set(n: int = 300, seed: int = 0, tasks: Sequence[str] = TASKS) -> list[Example]:
+    """Held-out set: `n` distinct prompts, tasks interleaved, fixed by `seed` (a smaller n gives a prefix)."""
+    _check_tasks(tasks)
+    return _draw(n, seed * 2 + 1, frozenset(), tuple(tasks))
+
+
+def train_set(n: int, seed: int = 0, tasks: Sequence[str] = TASKS,
+              n_test: int = 1000) -> list[Example]:
+    """Training set: `n` distinct prompts drawn from `seed`, none in `test_set(n_test, seed)`."""
+    _check_tasks(tasks)
+    held = frozenset(ex.prompt for ex in test_set(n_test, seed, tasks))
+    return _draw(n, seed * 2 + 2, held, tuple(tasks))
+
+
+def _check_tasks(tasks: Sequence[str]) -> None:
+    bad = [t for t in tasks if t not in TASKS]
+    if bad or not tasks:
+        raise errors.InputError(f"tasks={list(tasks)!r}: choose a non-empty subset of {TASKS}")
+
+
+def normalize(text: str) -> str:
+    """The answer part of a decoded completion: up to the first EOS, pads dropped, stripped.
+
+    A leftover mask token stays, so an unfinished answer never matches.
+    """
+    return text.split(EOS, 1)[0].replace(PAD, "").strip()
+
+
+def exact_match(predictions: Iterable[str], examples: Sequence[Example]) -> float:
+    """Fraction of predictions whose normalized text equals the answer exactly."""
+    preds = list(predictions)
+    if len(preds) != len(examples):
+        raise errors.InputError(f"{len(preds)} predictions for {len(examples)} examples")
+    if not preds:
+        return 0.0
+    return sum(normalize(p) == ex.answer for p, ex in zip(preds, examples)) / len(preds)
+
+
+# --------------------------------------------------------------------------- tokenizer
+def _char_vocab() -> dict[str, int]:
+    vocab = {s: i for i, s in enumerate(SPECIALS)}
+    vocab.update({c: len(SPECIALS) + i for i, c in enumerate(CHARS)})
+    return vocab
+
+
+def build_tokenizer():
+    """A `tokenizers.Tokenizer`: one token per character, specials <pad>, <eos>, <mask>."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers  # noqa: PLC0415
+
+    tok = Tokenizer(models.WordLevel(vocab=_char_vocab(), unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    tok.add_special_tokens(list(SPECIALS))
+    return tok
+
+
+def save_tokenizer(out_dir: str | os.PathLike) -> None:
+    """Write tokenizer.json, tokenizer_config.json and special_tokens_map.json to `out_dir`."""
+    out_dir = os.fspath(out_dir)
+    os.makedirs(out_dir, exist_ok=True)
+    build_tokenizer().save(os.path.join(out_dir, "tokenizer.json"))
+    added = {str(i): {"content": s, "lstrip": False, "rstrip": False, "normalized": False,
+                      "single_word": False, "special": True} for i, s in enumerate(SPECIALS)}
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "pad_token": PAD, "eos_token": EOS, "mask_token": MASK,
+        "added_tokens_decoder": added,
+        "model_max_length": 512,
+        "clean_up_tokenization_spaces": False,
+    }
+    with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+    with open(os.path.join(out_dir, "special_tokens_map.json"), "w") as f:
+        json.dump({"pad_token": PAD, "eos_token": EOS, "mask_token": MASK}, f, indent=2)
+
+
+def load_tokenizer(path: str | os.PathLike | None = None):
+    """A `transformers.PreTrainedTokenizerFast` from `path` (a dir or tokenizer.json), or built fresh."""
+    from transformers import PreTrainedTokenizerFast  # noqa: PLC0415
+
+    if path is None:
+        return PreTrainedTokenizerFast(tokenizer_object=build_tokenizer(), pad_token=PAD,
+                                       eos_token=EOS, mask_token=MASK)
+    path = os.fspath(path)
+    file = os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
+    if not os.path.exists(file):
+        raise errors.InputError(f"{file} does not exist: save one with jdllm.tasks.save_tokenizer")
+    return PreTrainedTokenizerFast(tokenizer_file=file, pad_token=PAD, eos_token=EOS, mask_token=MASK)
+
+
+def encode(text: str) -> list[int]:
+    """Token ids of plain task text (no specials), without loading `transformers`."""
+    vocab = _char_vocab()
+    try:
+        return [vocab[c] for c in text]
+    except KeyError as e:
+        raise errors.InputError(f"character {e.args[0]!r} is not in the task vocabulary {CHARS}") from None
+
+
+def decode(ids: Iterable[int]) -> str:
+    """Text of token ids; EOS/pad/mask render as their names."""
+    inv = {i: s for s, i in _char_vocab().items()}
+    return "".join(inv.get(int(i), "?") for i in ids)

@@ -1,0 +1,85 @@
+"""Synthetic tasks, scorer and the character tokenizer."""
+
+import json
+import os
+
+import pytest
+
+from jdllm import errors, tasks
+
+
+def _check_answer(ex: tasks.Example) -> bool:
+    """Independent solver of each task format."""
+    head, body = ex.prompt.rstrip("=").split(":", 1)
+    if head == "sort":
+        return ex.answer == " ".join(sorted(body.split(" "), key=int))
+    if head == "add":
+        a, b = body.split("+")
+        return int(ex.answer) == int(a) + int(b)
+    if head == "rev":
+        return ex.answer == "".join(reversed(body))
+    return False
+
+
+def test_answers_are_correct_and_formats_fixed():
+    exs = tasks.test_set(120, seed=3)
+    assert {ex.task for ex in exs} == set(tasks.TASKS)
+    for ex in exs:
+        assert ex.prompt.startswith(ex.task + ":") and ex.prompt.endswith("=")
+        assert _check_answer(ex), ex
+        assert len(ex.prompt) <= tasks.MAX_PROMPT_LEN and len(ex.answer) <= tasks.MAX_ANSWER_LEN
+
+
+def test_sets_deterministic_disjoint_and_prefix():
+    test = tasks.test_set(300, seed=0)
+    assert test == tasks.test_set(300, seed=0)
+    assert test[:100] == tasks.test_set(100, seed=0)
+    assert test != tasks.test_set(300, seed=1)
+    train = tasks.train_set(5000, seed=0)
+    assert train == tasks.train_set(5000, seed=0)
+    assert len({ex.prompt for ex in train}) == len(train)
+    assert not {ex.prompt for ex in train} & {ex.prompt for ex in tasks.test_set(1000, seed=0)}
+
+
+def test_exhausted_task_drops_out_and_impossible_size_raises():
+    train = tasks.train_set(3000, seed=0, tasks=("add", "rev"))
+    assert len(train) == 3000
+    with pytest.raises(errors.InputError, match="distinct prompts"):
+        tasks.train_set(20000, seed=0, tasks=("add",))
+    with pytest.raises(errors.InputError, match="tasks"):
+        tasks.test_set(10, tasks=("mul",))
+
+
+def test_exact_match_scorer():
+    exs = [tasks.Example("add", "add:1+2=", "3"), tasks.Example("rev", "rev:ab=", "ba")]
+    assert tasks.exact_match(["3<eos><eos>", "ba"], exs) == 1.0
+    assert tasks.exact_match([" 3 ", "ab<eos>"], exs) == 0.5
+    assert tasks.exact_match(["34<eos>", "b<mask>a"], exs) == 0.0
+    with pytest.raises(errors.InputError):
+        tasks.exact_match(["3"], exs)
+
+
+def test_tokenizer_roundtrip_saved_and_loaded_offline(tmp_path):
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    tasks.save_tokenizer(tmp_path)
+    with open(os.path.join(tmp_path, "tokenizer.json")) as f:
+        assert json.load(f)["model"]["type"] == "WordLevel"
+    tok = PreTrainedTokenizerFast(tokenizer_file=str(tmp_path / "tokenizer.json"))
+    auto = AutoTokenizer.from_pretrained(str(tmp_path))
+    assert (auto.pad_token_id, auto.eos_token_id, auto.mask_token_id) == (tasks.PAD_ID, tasks.EOS_ID, tasks.MASK_ID)
+    assert len(auto) == tasks.VOCAB_SIZE
+    for ex in tasks.test_set(30, seed=2):
+        text = ex.prompt + ex.answer
+        ids = tok(text)["input_ids"]
+        assert ids == tasks.encode(text) and len(ids) == len(text)  # one token per character
+        assert auto(text)["input_ids"] == ids
+        assert tok.decode(ids) == text and tasks.decode(ids) == text
+    ids = auto("sort:1 2=<eos><mask>")["input_ids"]
+    assert ids[-2:] == [tasks.EOS_ID, tasks.MASK_ID]
+    assert auto.decode(ids, skip_special_tokens=True) == "sort:1 2="
+
+
+def test_encode_rejects_unknown_character():
+    with pytest.raises(errors.InputError, match="'Z'"):
+        tasks.encode("rev:Z=")
