@@ -23,8 +23,14 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="jdllm", description="Diffusion language models on JAX/XLA.")
     sub = p.add_subparsers(dest="command", required=True)
     for name, (mod, help_) in SUBCOMMANDS.items():
+        try:
+            module = importlib.import_module(mod)
+        except ModuleNotFoundError as e:
+            if e.name != mod:
+                raise
+            continue  # subcommand not built yet: leave it out rather than break the others
         sp = sub.add_parser(name, help=help_, description=help_)
-        importlib.import_module(mod).add_arguments(sp)
+        module.add_arguments(sp)
         sp.set_defaults(_module=mod)
     return p
 

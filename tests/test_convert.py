@@ -1,0 +1,278 @@
+"""Conversion: lossless round trips, sharded input, and every failure leaving no OUT_DIR."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import ml_dtypes
+import numpy as np
+import pytest
+import torch
+from safetensors.numpy import load_file, save_file
+
+import hf_fixtures as fx
+import jdllm
+from convert import hf
+from convert import io as cio
+from jdllm import errors
+from jdllm.cli import main as jdllm_main
+from jdllm.config import ModelConfig
+from jdllm.model import init_params
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _bits(x) -> np.ndarray:
+    x = np.asarray(x)
+    return x.view(np.dtype(f"u{x.dtype.itemsize}"))
+
+
+def _assert_bit_equal(a, b):
+    fa, fb = jax.tree_util.tree_flatten_with_path(a)[0], jax.tree_util.tree_flatten_with_path(b)[0]
+    assert [k for k, _ in fa] == [k for k, _ in fb]
+    for (k, x), (_, y) in zip(fa, fb):
+        x, y = np.asarray(x), np.asarray(y)
+        assert x.dtype == y.dtype and x.shape == y.shape, k
+        assert np.array_equal(_bits(x), _bits(y)), k
+
+
+def _no_leftovers(parent, name="out"):
+    """Nothing at OUT_DIR and no temporary directory left beside it."""
+    assert not os.path.lexists(os.path.join(parent, name))
+    assert [f for f in os.listdir(parent) if name in f] == []
+
+
+def _hf_tensors(hf_dir) -> dict[str, np.ndarray]:
+    sd = hf.SafetensorsDir(hf_dir)
+    return {k: sd[k] for k in sd}
+
+
+# --------------------------------------------------------------------------- round trips
+def test_round_trip_float32_bit_exact(tmp_path):
+    hf_dir, _ = fx.build_transformers_model("qwen3", str(tmp_path / "hf"), seed=0, tokenizer=True)
+    src = _hf_tensors(hf_dir)
+    out = cio.convert_checkpoint(hf_dir, str(tmp_path / "out"), dtype="float32", progress=False)
+    assert sorted(os.listdir(out)) == sorted(["params", cio.MARKER_FILE, cio.HF_CONFIG_COPY,
+                                              "tokenizer.json", "tokenizer_config.json",
+                                              "generation_config.json"])
+    cfg = ModelConfig.from_hf(hf_dir)
+    restored = cio.restore_params(out)  # stored dtype
+    _assert_bit_equal(restored, hf.params_from_hf_tensors(src, cfg))
+    # ... and back to the Hugging Face arrays, bit for bit.
+    back = hf.params_to_hf_tensors(jax.tree.map(np.asarray, restored), cfg)
+    assert sorted(back) == sorted(src)
+    _assert_bit_equal(back, src)
+    m = jdllm.load(out, dtype="float32")
+    assert m.tokenizer is not None and m.tokenizer.mask_token_id == cfg.vocab_size - 1
+
+
+def test_round_trip_bfloat16_bit_exact(tmp_path):
+    _, model = fx.build_transformers_model("llama", str(tmp_path / "f32"), seed=3, tied=True)
+    hf_dir = str(tmp_path / "bf16")
+    model.to(torch.bfloat16).save_pretrained(hf_dir)
+    src = _hf_tensors(hf_dir)
+    assert {x.dtype for x in src.values()} == {np.dtype(ml_dtypes.bfloat16)}
+    out = cio.convert_checkpoint(hf_dir, str(tmp_path / "out"), dtype="bfloat16", progress=False)
+    cfg = ModelConfig.from_hf(hf_dir)
+    restored = cio.restore_params(out)
+    _assert_bit_equal(restored, hf.params_from_hf_tensors(src, cfg))
+    _assert_bit_equal(hf.params_to_hf_tensors(jax.tree.map(np.asarray, restored), cfg), src)
+    assert cio.read_jdllm_meta(out)["dtype"] == "bfloat16"
+
+
+def test_float32_to_bfloat16_rounds_like_torch(tmp_path):
+    hf_dir, model = fx.build_transformers_model("qwen2", str(tmp_path / "hf"), seed=2)
+    out = cio.convert_checkpoint(hf_dir, str(tmp_path / "out"), dtype="bfloat16", progress=False)
+    cfg = ModelConfig.from_hf(hf_dir)
+    back = hf.params_to_hf_tensors(jax.tree.map(np.asarray, cio.restore_params(out)), cfg)
+    for name, p in model.state_dict().items():
+        want = p.to(torch.bfloat16).view(torch.int16).numpy()
+        assert np.array_equal(back[name].view(np.int16), want), name
+
+
+@pytest.mark.parametrize("family", ["qwen2", "llada", "sdar"])
+def test_save_hf_dir_round_trip(family, tmp_path):
+    """convert.hf writes each family's own keys and names; reading them back is exact."""
+    base = fx.tiny_hf_config(fx.FAMILY_BASE.get(family, family), kv_heads=2)
+    cfg = ModelConfig.from_hf(fx.family_config_json(family, base) if family in fx.FAMILY_BASE
+                              else base.to_dict() | {"model_type": family})
+    params = jax.tree.map(np.asarray, init_params(cfg, jax.random.key(0), dtype=jax.numpy.bfloat16))
+    d = hf.save_hf_dir(str(tmp_path / "hf"), params, cfg, shards=3)
+    assert ModelConfig.from_hf(d) == cfg
+    names = set(_hf_tensors(d))
+    if family == "llada":
+        _, ref = fx.build_family_dir("llada", str(tmp_path / "ref"), kv_heads=2)
+        assert names == {fx._llada_name(k) for k in fx._state_numpy(ref)}
+        assert "d_model" in json.load(open(os.path.join(d, "config.json")))
+    m = jdllm.load(d, dtype=None)
+    _assert_bit_equal(jax.tree.map(np.asarray, m.params), params)
+
+
+def test_sharded_input(tmp_path):
+    hf_dir, model = fx.build_transformers_model("qwen2", str(tmp_path / "hf"), seed=8, max_shard_size="20KB")
+    index = json.load(open(os.path.join(hf_dir, hf.INDEX_FILE)))
+    assert len(set(index["weight_map"].values())) >= 3
+    out = cio.convert_checkpoint(hf_dir, str(tmp_path / "out"), dtype="float32", progress=False)
+    tokens = np.random.default_rng(0).integers(0, 128, (1, 12))
+    with torch.no_grad():
+        ref = model(input_ids=torch.as_tensor(tokens)).logits.numpy()
+    for path in (hf_dir, out):
+        got = np.asarray(jdllm.logits(jdllm.load(path, dtype="float32"), tokens))
+        assert np.max(np.abs(got - ref)) <= 1e-4
+
+
+# --------------------------------------------------------------------------- failures
+@pytest.fixture
+def sharded(tmp_path):
+    hf_dir, _ = fx.build_family_dir("llada", str(tmp_path / "hf"), seed=1, shards=3)
+    index = json.load(open(os.path.join(hf_dir, hf.INDEX_FILE)))
+    return hf_dir, index["weight_map"]
+
+
+def _convert_fails(hf_dir, tmp_path, exc, *needles):
+    with pytest.raises(exc) as info:
+        cio.convert_checkpoint(hf_dir, str(tmp_path / "out"), dtype="float32", progress=False)
+    msg = str(info.value)
+    assert "\n" not in msg
+    for n in needles:
+        assert n in msg, (n, msg)
+    _no_leftovers(str(tmp_path))
+    return msg
+
+
+def test_corrupted_shard(sharded, tmp_path):
+    hf_dir, wm = sharded
+    shard = sorted(set(wm.values()))[1]
+    path = os.path.join(hf_dir, shard)
+    data = open(path, "rb").read()
+    open(path, "wb").write(data[: len(data) // 2])  # truncated download
+    _convert_fails(hf_dir, tmp_path, errors.CorruptCheckpointError, shard)
+    open(path, "wb").write(b"\xff" * 64)  # garbage header
+    _convert_fails(hf_dir, tmp_path, errors.CorruptCheckpointError, shard, "re-download")
+    with pytest.raises(errors.CorruptCheckpointError):
+        jdllm.load(hf_dir)
+
+
+def test_missing_shard(sharded, tmp_path):
+    hf_dir, wm = sharded
+    shard = sorted(set(wm.values()))[2]
+    os.remove(os.path.join(hf_dir, shard))
+    _convert_fails(hf_dir, tmp_path, errors.MissingShardError, shard)
+
+
+def test_missing_tensor(tmp_path):
+    hf_dir, _ = fx.build_family_dir("sdar", str(tmp_path / "hf"), seed=1)
+    path = os.path.join(hf_dir, hf.SINGLE_FILE)
+    t = load_file(path)
+    gone = "model.layers.1.self_attn.k_norm.weight"
+    del t[gone]
+    save_file(t, path, metadata={"format": "pt"})
+    _convert_fails(hf_dir, tmp_path, errors.MissingTensorError, gone)
+    with pytest.raises(errors.MissingTensorError, match="k_norm"):
+        jdllm.load(hf_dir)
+
+
+def test_unexpected_tensor(tmp_path):
+    hf_dir, _ = fx.build_transformers_model("qwen3", str(tmp_path / "hf"), seed=1)
+    path = os.path.join(hf_dir, hf.SINGLE_FILE)
+    t = load_file(path)
+    extra = "model.layers.2.mlp.gate_proj.weight"  # a third layer config.json does not declare
+    t[extra] = t["model.layers.0.mlp.gate_proj.weight"]
+    save_file(t, path, metadata={"format": "pt"})
+    _convert_fails(hf_dir, tmp_path, errors.UnexpectedTensorError, extra)
+
+
+def test_shape_mismatch(tmp_path):
+    hf_dir, _ = fx.build_transformers_model("llama", str(tmp_path / "hf"), seed=1)
+    cfg_path = os.path.join(hf_dir, "config.json")
+    c = json.load(open(cfg_path))
+    c["intermediate_size"] = 64  # weights were built with 48
+    json.dump(c, open(cfg_path, "w"))
+    msg = _convert_fails(hf_dir, tmp_path, errors.ShapeMismatchError,
+                         "'model.layers.0.mlp.down_proj.weight'", "(32, 48)", "(32, 64)")
+    assert "intermediate_size=64" in msg
+
+
+def test_unknown_model_type(tmp_path):
+    hf_dir, _ = fx.build_transformers_model("llama", str(tmp_path / "hf"), seed=1)
+    cfg_path = os.path.join(hf_dir, "config.json")
+    c = json.load(open(cfg_path))
+    c["model_type"], c["architectures"] = "gpt2", ["GPT2LMHeadModel"]
+    json.dump(c, open(cfg_path, "w"))
+    _convert_fails(hf_dir, tmp_path, errors.UnknownArchitectureError, "'gpt2'", "GPT2LMHeadModel", "llada")
+
+
+def test_out_dir_exists(tmp_path):
+    hf_dir, _ = fx.build_transformers_model("qwen2", str(tmp_path / "hf"), seed=1)
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    with pytest.raises(errors.OutputExistsError, match="--overwrite"):
+        cio.convert_checkpoint(hf_dir, str(out), progress=False)
+    assert (out / "keep.txt").read_text() == "mine"
+    cio.convert_checkpoint(hf_dir, str(out), dtype="float32", overwrite=True, progress=False)
+    assert not (out / "keep.txt").exists() and cio.is_jdllm_dir(str(out))
+    assert sorted(f for f in os.listdir(tmp_path)) == ["hf", "out"]
+
+
+@pytest.mark.parametrize("where", ["tensors", "orbax"])
+@pytest.mark.parametrize("exc", [KeyboardInterrupt, RuntimeError])
+def test_interrupted_conversion_leaves_nothing(where, exc, tmp_path, monkeypatch):
+    hf_dir, _ = fx.build_transformers_model("qwen2", str(tmp_path / "hf"), seed=1)
+    if where == "tensors":  # half-way through the tensors
+        real, calls = hf._to_jdllm, []
+
+        def flaky(*a):
+            calls.append(1)
+            if len(calls) == 10:
+                raise exc("interrupted")
+            return real(*a)
+
+        monkeypatch.setattr(hf, "_to_jdllm", flaky)
+    else:  # after Orbax has written part of the checkpoint
+        real_save = cio.save_params
+
+        def flaky_save(params_dir, params):
+            real_save(params_dir, params)
+            assert os.listdir(params_dir)
+            raise exc("interrupted")
+
+        monkeypatch.setattr(cio, "save_params", flaky_save)
+    with pytest.raises(exc):
+        cio.convert_checkpoint(hf_dir, str(tmp_path / "out"), dtype="float32", progress=False)
+    _no_leftovers(str(tmp_path))
+
+
+# --------------------------------------------------------------------------- command line
+def test_jdllm_cli_convert(tmp_path, capsys):
+    hf_dir, _ = fx.build_transformers_model("qwen3", str(tmp_path / "hf"), seed=1)
+    out = str(tmp_path / "out")
+    assert jdllm_main(["convert", hf_dir, out, "--dtype", "float16", "--quiet"]) == 0
+    m = jdllm.load(out, dtype=None)
+    assert m.params["embed"].dtype == np.float16
+    capsys.readouterr()
+    assert jdllm_main(["convert", hf_dir, out, "--quiet"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "OutputExistsError" in err and out in err
+
+
+def test_python_m_convert(tmp_path):
+    hf_dir, _ = fx.build_transformers_model("llama", str(tmp_path / "hf"), seed=1)
+    out = str(tmp_path / "out")
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
+    ok = subprocess.run([sys.executable, "-m", "convert", hf_dir, out, "--dtype", "float32"],
+                        capture_output=True, text=True, env=env, cwd=str(tmp_path), timeout=300)
+    assert ok.returncode == 0, ok.stderr
+    assert "tensor" in ok.stderr  # the progress bar
+    assert cio.is_jdllm_dir(out)
+    os.remove(os.path.join(hf_dir, hf.SINGLE_FILE))
+    bad = subprocess.run([sys.executable, "-m", "convert", hf_dir, str(tmp_path / "out2")],
+                         capture_output=True, text=True, env=env, cwd=str(tmp_path), timeout=300)
+    assert bad.returncode != 0
+    lines = bad.stderr.strip().splitlines()
+    assert len(lines) == 1 and "CheckpointError" in lines[0] and hf_dir in lines[0]
+    assert not os.path.exists(tmp_path / "out2")
