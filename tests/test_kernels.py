@@ -1,0 +1,284 @@
+"""Pallas attention kernels against the XLA reference.
+
+CPU: Pallas interpret mode on small shapes (a sparse grid: every kind, block
+sizes 1/4/32/64, tile and non-tile lengths, left padding with rows that see
+nothing, GQA 1/2/4/8, head_dim 64/128, float32 and bfloat16). Output buffers
+are poisoned with NaN so an element the kernel forgets to write fails the
+comparison. GPU tests (marked `gpu`) compile the Triton kernels and are skipped
+when no GPU is present.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental import pallas as pl
+
+import pallas_kernels
+from jdllm import errors
+from jdllm.config import ModelConfig
+from jdllm.model import KVCache, default_positions, forward, init_params
+from pallas_kernels import flash
+from pallas_kernels.reference import attention_reference
+
+TOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
+on_gpu = pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs an NVIDIA GPU")
+
+
+def _qkv(seed, B, T, S, H, KV, D, dtype):
+    """Fresh standard-normal q [B, T, H, D], k, v [B, S, KV, D] (numpy RNG: no per-shape compile)."""
+    rng = np.random.default_rng(seed)
+    return tuple(jnp.asarray(rng.standard_normal(shape, np.float32), dtype)
+                 for shape in ((B, T, H, D), (B, S, KV, D), (B, S, KV, D)))
+
+
+def _rel_err(out, ref):
+    out, ref = np.asarray(out, np.float32), np.asarray(ref, np.float32)
+    assert out.shape == ref.shape
+    assert np.isfinite(out).all(), "kernel left unwritten (NaN-poisoned) or non-finite elements"
+    return float(np.max(np.abs(out - ref)) / np.max(np.abs(ref)))
+
+
+def _check(fn, *, kind, block_size, B, T, S, H, KV, D, start, q_offset, kv_len, tiles,
+           dtype=jnp.float32, seed=0, backend="interpret", poison=True):
+    q, k, v = _qkv(seed, B, T, S, H, KV, D, dtype)
+    start = jnp.asarray(start, jnp.int32)
+    kw = dict(q_offset=q_offset, kv_len=kv_len, kind=kind, block_size=block_size)
+    run = jax.jit(functools.partial(fn, **kw, tiles=tiles, backend=backend, poison=poison))
+    out = run(q, k, v, start=start)
+    ref = jax.jit(functools.partial(attention_reference, **kw))(q, k, v, start=start)
+    err = _rel_err(out, ref)
+    assert err <= TOL[dtype], f"max abs err {err:.3g} x max|ref| exceeds {TOL[dtype]}"
+    return out, ref
+
+
+# ----------------------------------------------------------------------------- prefill
+# (kind, block_size, B, T, S, q_offset, kv_len, H, KV, D, start, tiles, dtype)
+PREFILL = [
+    # tile multiples, MHA, no padding
+    ("causal", 1, 1, 64, 64, 0, 64, 4, 4, 64, [0], (32, 16), jnp.float32),
+    # T, S not tile multiples; GQA 2; head_dim 128; left padding
+    ("causal", 1, 2, 37, 37, 0, 37, 4, 2, 128, [0, 9], (16, 16), jnp.float32),
+    ("block_causal", 4, 2, 45, 45, 0, 45, 8, 2, 64, [0, 13], (16, 8), jnp.float32),
+    ("block_causal", 32, 2, 96, 96, 0, 96, 8, 1, 64, [3, 40], (32, 16), jnp.float32),
+    ("block_causal", 64, 2, 130, 130, 0, 130, 2, 2, 128, [0, 70], (64, 32), jnp.float32),
+    ("bidirectional", 1, 2, 33, 33, 0, 33, 4, 2, 64, [0, 20], (16, 16), jnp.float32),
+    # chunk at an offset into a longer, partly stale cache: row 1's first queries see nothing
+    ("block_causal", 4, 2, 20, 50, 24, 44, 4, 1, 128, [0, 30], (8, 8), jnp.float32),
+    # bfloat16
+    ("block_causal", 4, 2, 50, 50, 0, 50, 4, 2, 128, [0, 7], (16, 16), jnp.bfloat16),
+    ("bidirectional", 1, 2, 24, 40, 16, 40, 2, 1, 64, [0, 12], (8, 8), jnp.bfloat16),
+]
+
+
+@pytest.mark.parametrize("kind,bs,B,T,S,qoff,kvl,H,KV,D,start,tiles,dtype", PREFILL)
+def test_prefill_matches_reference(kind, bs, B, T, S, qoff, kvl, H, KV, D, start, tiles, dtype):
+    _check(flash.prefill_attention, kind=kind, block_size=bs, B=B, T=T, S=S, H=H, KV=KV, D=D,
+           start=start, q_offset=qoff, kv_len=kvl, dtype=dtype,
+           tiles=flash.Tiles(block_q=tiles[0], block_k=tiles[1]))
+
+
+def test_rows_that_see_nothing_are_zero():
+    """Causal, q_offset 24, row 1 starts at 30: its queries at slots 24..29 return exact zeros."""
+    out, ref = _check(flash.prefill_attention, kind="causal", block_size=1, B=2, T=12, S=40, H=2,
+                      KV=1, D=64, start=[0, 30], q_offset=24, kv_len=36,
+                      tiles=flash.Tiles(block_q=8, block_k=8))
+    assert np.all(np.asarray(out)[1, :6] == 0.0) and np.all(np.asarray(ref)[1, :6] == 0.0)
+    assert np.all(np.abs(np.asarray(out)[1, 6:]) > 0)
+
+
+# ----------------------------------------------------------------------------- window
+# (kind, block_size, B, T, S, q_offset, kv_len, H, KV, D, start, (block_r, block_k, splits), dtype)
+WINDOW = [
+    ("block_causal", 4, 2, 4, 64, 40, 44, 8, 2, 64, [0, 42], (8, 8, 3), jnp.float32),
+    # S not a tile multiple; GQA 8; head_dim 128; row 1's first three queries see nothing
+    ("causal", 1, 2, 8, 100, 60, 68, 8, 1, 128, [0, 63], (16, 16, 4), jnp.float32),
+    ("bidirectional", 1, 2, 16, 80, 32, 48, 4, 4, 64, [5, 0], (16, 8, None), jnp.float32),
+    ("block_causal", 32, 1, 32, 128, 64, 96, 4, 2, 128, [0], (32, 16, 2), jnp.bfloat16),
+    ("block_causal", 64, 1, 64, 192, 64, 128, 4, 1, 64, [17], (64, 32, 3), jnp.float32),
+    ("block_causal", 1, 2, 3, 50, 20, 23, 4, 1, 64, [0, 21], (4, 8, 7), jnp.bfloat16),
+]
+
+
+@pytest.mark.parametrize("kind,bs,B,T,S,qoff,kvl,H,KV,D,start,tiles,dtype", WINDOW)
+def test_window_matches_reference(kind, bs, B, T, S, qoff, kvl, H, KV, D, start, tiles, dtype):
+    _check(flash.window_attention, kind=kind, block_size=bs, B=B, T=T, S=S, H=H, KV=KV, D=D,
+           start=start, q_offset=qoff, kv_len=kvl, dtype=dtype,
+           tiles=flash.Tiles(block_r=tiles[0], block_k=tiles[1], num_splits=tiles[2]))
+
+
+def test_window_traced_offset_and_length_under_jit():
+    """q_offset / kv_len as traced scalars (decoding with a KV cache): one compile, many windows."""
+    B, T, S, H, KV, D = 2, 4, 72, 4, 2, 64
+    q, k, v = _qkv(3, B, T, S, H, KV, D, jnp.float32)
+    start = jnp.array([0, 9], jnp.int32)
+    tiles = flash.Tiles(block_r=8, block_k=16, num_splits=3)
+    traces = []
+
+    @jax.jit
+    def step(q, k, v, q_offset, kv_len):
+        traces.append(1)
+        return flash.attention(q, k, v, start=start, q_offset=q_offset, kv_len=kv_len,
+                               kind="block_causal", block_size=4, tiles=tiles, variant="window")
+
+    ref_step = jax.jit(lambda q, k, v, off, n: attention_reference(
+        q, k, v, start=start, q_offset=off, kv_len=n, kind="block_causal", block_size=4))
+    for off in (8, 36, 68):
+        args = (q, k, v, jnp.int32(off), jnp.int32(off + T))
+        assert _rel_err(step(*args), ref_step(*args)) <= 1e-5
+    assert len(traces) == 1
+
+
+def test_auto_variant_and_dispatcher():
+    """impl="pallas" through the dispatcher picks window for a short window, prefill otherwise."""
+    assert flash.choose_variant(8, 256) == "window"
+    assert flash.choose_variant(200, 256) == "prefill"
+    assert flash.choose_variant(16, 16) == "prefill"
+    q, k, v = _qkv(4, 2, 6, 30, 4, 2, 64, jnp.float32)
+    kw = dict(start=jnp.array([0, 4]), q_offset=20, kv_len=26, kind="block_causal", block_size=2)
+    out = jax.jit(functools.partial(pallas_kernels.attention, **kw, impl="pallas"))(q, k, v)
+    ref = jax.jit(functools.partial(pallas_kernels.attention, **kw, impl="xla"))(q, k, v)
+    assert _rel_err(out, ref) <= 1e-5
+
+
+# ----------------------------------------------------------------------------- poisoning
+class _HalfStore:
+    """Stands in for an output ref and stores only the first half of each tile's rows."""
+
+    def __init__(self, ref):
+        self.ref, self.dtype, self.shape = ref, ref.dtype, ref.shape
+
+    def __setitem__(self, idx, value):
+        half = value.shape[0] // 2
+        self.ref[pl.ds(0, half), :] = value[:half]
+
+
+def test_poison_catches_an_unwritten_tile(monkeypatch):
+    """A kernel that forgets half of its stores leaves NaN behind, so the checks above can fail."""
+    original = flash._prefill_kernel
+
+    def lazy(*refs, **kw):
+        original(*refs[:-1], _HalfStore(refs[-1]), **kw)
+
+    monkeypatch.setattr(flash, "_prefill_kernel", lazy)
+    q, k, v = _qkv(5, 1, 16, 16, 2, 2, 64, jnp.float32)
+    out = flash.prefill_attention(q, k, v, start=jnp.zeros((1,), jnp.int32), kind="causal",
+                                  tiles=flash.Tiles(block_q=8, block_k=8), backend="interpret",
+                                  poison=True)
+    out = np.asarray(out)  # [1, 16, 2, 64]: rows 0-3 and 8-11 written, 4-7 and 12-15 not
+    written = np.array([True] * 4 + [False] * 4 + [True] * 4 + [False] * 4)
+    assert np.isfinite(out[:, written]).all() and np.isnan(out[:, ~written]).all()
+    with pytest.raises(AssertionError, match="unwritten"):
+        _rel_err(out, np.ones_like(out))
+
+
+# ----------------------------------------------------------------------------- gradients
+@pytest.mark.parametrize("variant,kind,T,S,qoff", [
+    ("prefill", "block_causal", 20, 20, 0),
+    ("window", "causal", 4, 40, 30),
+])
+def test_grad_matches_reference(variant, kind, T, S, qoff):
+    B, H, KV, D = 2, 4, 2, 64
+    q, k, v = _qkv(6, B, T, S, H, KV, D, jnp.float32)
+    w = jnp.asarray(np.random.default_rng(7).standard_normal(q.shape, np.float32))
+    kw = dict(start=jnp.array([0, 3]), q_offset=qoff, kv_len=qoff + T, kind=kind, block_size=4)
+    tiles = flash.Tiles(block_q=8, block_k=8, block_r=8, num_splits=2)
+
+    def loss_pallas(q, k, v):
+        return jnp.sum(w * flash.attention(q, k, v, **kw, tiles=tiles, variant=variant))
+
+    def loss_ref(q, k, v):
+        return jnp.sum(w * attention_reference(q, k, v, **kw))
+
+    val, grads = jax.jit(jax.value_and_grad(loss_pallas, argnums=(0, 1, 2)))(q, k, v)
+    val_r, grads_r = jax.jit(jax.value_and_grad(loss_ref, argnums=(0, 1, 2)))(q, k, v)
+    assert abs(float(val - val_r)) <= 1e-4 * abs(float(val_r)) + 1e-4
+    for g, gr in zip(grads, grads_r):
+        assert _rel_err(g, gr) <= 1e-5
+
+
+# ----------------------------------------------------------------------------- errors
+def test_bad_inputs_raise_named_errors():
+    q, k, v = _qkv(8, 1, 4, 4, 3, 2, 64, jnp.float32)
+    with pytest.raises(errors.InputError, match="multiple of kv heads"):
+        flash.attention(q, k, v, start=jnp.zeros((1,), jnp.int32))
+    q, k, v = _qkv(8, 1, 4, 4, 2, 2, 64, jnp.float32)
+    with pytest.raises(errors.ConfigError, match="sliding"):
+        flash.attention(q, k, v, start=jnp.zeros((1,), jnp.int32), kind="sliding")
+    with pytest.raises(ValueError, match="power of two"):
+        flash.Tiles(block_q=48)
+
+
+# ----------------------------------------------------------------------------- model level
+def _tiny_cfg(kind: str) -> ModelConfig:
+    return ModelConfig(model_type="test", vocab_size=64, hidden_size=32, intermediate_size=64,
+                       num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, attention=kind,
+                       block_size=4 if kind == "block_causal" else 1)
+
+
+@pytest.mark.parametrize("kind", ["causal", "block_causal", "bidirectional"])
+def test_model_forward_pallas_equals_xla(kind):
+    """jdllm.model.forward: attn_impl="pallas" (interpret) equals "xla", without and with a KVCache.
+
+    Without a cache the prefill kernel runs (T == S); with one, a prompt is
+    written into a 24-slot cache and a 4-token window then attends over it
+    (the window kernel).
+    """
+    cfg = _tiny_cfg(kind)
+    params = init_params(cfg, jax.random.key(0))
+    B, P, W = 2, 10, 4
+    start = jnp.array([0, 3], jnp.int32)
+    tokens = jax.random.randint(jax.random.key(1), (B, P + W), 0, cfg.vocab_size)
+
+    @functools.partial(jax.jit, static_argnames="impl")
+    def run(params, tokens, impl):
+        full, _ = forward(params, cfg, tokens, default_positions(start, 0, P + W), start=start,
+                          attn_impl=impl)
+        cache = KVCache.empty(cfg, B, 24)
+        _, cache = forward(params, cfg, tokens[:, :P], default_positions(start, 0, P), start=start,
+                           cache=cache, attn_impl=impl)
+        win, cache = forward(params, cfg, tokens[:, P:], default_positions(start, P, W),
+                             start=start, cache=cache.commit(P), attn_impl=impl)
+        return full, win, cache.k
+
+    for got, want in zip(run(params, tokens, "pallas"), run(params, tokens, "xla")):
+        assert _rel_err(got, want) <= 1e-5
+
+
+# ----------------------------------------------------------------------------- GPU (compiled)
+@pytest.mark.gpu
+@on_gpu
+@pytest.mark.parametrize("kind,bs,dtype", [("causal", 1, jnp.bfloat16),
+                                           ("block_causal", 32, jnp.bfloat16),
+                                           ("block_causal", 4, jnp.float32),
+                                           ("bidirectional", 1, jnp.float32)])
+def test_gpu_prefill_compiled(kind, bs, dtype):
+    _check(flash.prefill_attention, kind=kind, block_size=bs, B=2, T=300, S=300, H=8, KV=2, D=128,
+           start=[0, 77], q_offset=0, kv_len=300, dtype=dtype, tiles=flash.Tiles(), backend="triton")
+
+
+@pytest.mark.gpu
+@on_gpu
+@pytest.mark.parametrize("kind,bs,T,dtype", [("block_causal", 32, 32, jnp.bfloat16),
+                                             ("causal", 1, 1, jnp.bfloat16),
+                                             ("bidirectional", 1, 96, jnp.float32)])
+def test_gpu_window_compiled(kind, bs, T, dtype):
+    _check(flash.window_attention, kind=kind, block_size=bs, B=1, T=T, S=4000, H=28, KV=4, D=128,
+           start=[5], q_offset=2048, kv_len=2048 + T, dtype=dtype, tiles=flash.Tiles(),
+           backend="triton")
+
+
+@pytest.mark.gpu
+@on_gpu
+def test_gpu_grad_and_auto_dispatch():
+    q, k, v = _qkv(9, 2, 256, 256, 8, 2, 128, jnp.float32)
+    kw = dict(start=jnp.array([0, 31]), kind="block_causal", block_size=32)
+    out = pallas_kernels.attention(q, k, v, **kw, impl="auto")
+    assert _rel_err(out, attention_reference(q, k, v, **kw)) <= 1e-5
+    g = jax.grad(lambda q: jnp.sum(pallas_kernels.attention(q, k, v, **kw, impl="pallas") ** 2))(q)
+    gr = jax.grad(lambda q: jnp.sum(attention_reference(q, k, v, **kw) ** 2))(q)
+    assert _rel_err(g, gr) <= 1e-5
