@@ -1,0 +1,73 @@
+"""examples/train_tiny.py: a few steps per family produce loadable Hugging Face directories, deterministically."""
+
+import importlib.util
+import json
+import os
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file
+
+from jdllm import tasks
+from jdllm.config import ModelConfig
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _train_tiny():
+    spec = importlib.util.spec_from_file_location("train_tiny", os.path.join(ROOT, "examples", "train_tiny.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+# Each family's own published names (SDAR/Qwen3: model.layers.N.*, LLaDA: model.transformer.blocks.N.*).
+EXPECTED = {
+    "tiny-ar": ("qwen3", "model.layers.0.self_attn.q_norm.weight", "causal"),
+    "tiny-sdar": ("sdar", "model.layers.0.self_attn.k_norm.weight", "block_causal"),
+    "tiny-llada": ("llada", "model.transformer.blocks.0.ff_proj.weight", "bidirectional"),
+}
+
+
+@pytest.fixture(scope="module")
+def smoke_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("tiny")
+    assert _train_tiny().main(["--model", "all", "--steps", "3", "--smoke", "--quiet", "--out", str(out)]) == 0
+    return out
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_directory_is_a_loadable_hf_model(smoke_dir, name):
+    from convert.io import load_model
+
+    d = smoke_dir / name
+    model_type, tensor, attention = EXPECTED[name]
+    with open(d / "config.json") as f:
+        hf = json.load(f)
+    assert hf["model_type"] == model_type
+    cfg = ModelConfig.from_hf(hf)
+    assert cfg.attention == attention and cfg.vocab_size == tasks.VOCAB_SIZE
+    if attention != "causal":
+        assert cfg.mask_token_id == tasks.MASK_ID
+    if model_type == "sdar":
+        assert hf["block_size"] == 4
+    tensors = load_file(str(d / "model.safetensors"))
+    assert tensor in tensors
+    n_params = sum(x.size for x in tensors.values())
+    assert 4e5 < n_params < 1.2e6
+    for fn in ("tokenizer.json", "tokenizer_config.json", "loss.png", "training.json"):
+        assert (d / fn).is_file(), fn
+    model = load_model(str(d), dtype="float32")
+    assert model.config == cfg
+    assert model.tokenizer("rev:abc=")["input_ids"] == tasks.encode("rev:abc=")
+    info = json.loads((d / "training.json").read_text())
+    assert info["steps"] == 3 and np.isfinite(info["final_loss"])
+
+
+def test_training_is_deterministic(smoke_dir, tmp_path):
+    assert _train_tiny().main(["--model", "ar", "--steps", "3", "--smoke", "--quiet", "--out", str(tmp_path)]) == 0
+    a = load_file(str(smoke_dir / "tiny-ar" / "model.safetensors"))
+    b = load_file(str(tmp_path / "tiny-ar" / "model.safetensors"))
+    assert a.keys() == b.keys()
+    for k in a:
+        np.testing.assert_array_equal(a[k], b[k], err_msg=k)
