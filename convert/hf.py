@@ -180,11 +180,11 @@ def check_tensor_names(names: Iterable[str], cfg: ModelConfig, source: str = "ch
     expected = hf_tensor_names(cfg)
     missing = [n for n in expected if n not in names]
     if missing:
-        more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
+        others = f" (and {len(missing) - 1} more, e.g. {missing[1]!r})" if len(missing) > 1 else ""
         raise errors.MissingTensorError(
-            f"{source} lacks tensor {missing[0]!r}" + (f" ({', '.join(missing[1:3])}{more})" if len(missing) > 1 else "")
-            + f"; config.json (model_type={cfg.model_type!r}, {cfg.num_layers} layers, "
-            f"tie_word_embeddings={cfg.tie_word_embeddings}) requires it: re-download the weights or fix config.json")
+            f"{source} lacks tensor {missing[0]!r}{others} that config.json (model_type="
+            f"{cfg.model_type!r}, {cfg.num_layers} layers, tie_word_embeddings={cfg.tie_word_embeddings}) "
+            "requires: re-download the weights or fix config.json")
     unexpected = sorted(n for n in names if n not in expected and not is_ignored_tensor(n, cfg))
     if unexpected:
         more = f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else ""

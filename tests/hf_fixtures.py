@@ -162,9 +162,14 @@ def _rope_keys(c) -> dict[str, Any]:
     return {"rope_theta": theta, "rope_scaling": scaling}
 
 
-def family_config_json(family: str, base_config, *, block_size: int = 4, mask_token_id: int | None = None,
-                       eos_token_id: int | None = None) -> dict[str, Any]:
-    """config.json in `family`'s own published keys describing `base_config`'s architecture."""
+def family_config_json(family: str, base_config, *, block_size: int | None = None,
+                       mask_token_id: int | None = None, eos_token_id: int | None = None) -> dict[str, Any]:
+    """config.json in `family`'s own published keys describing `base_config`'s architecture.
+
+    block_size: SDAR's published config.json has no block key (jdllm then uses
+    its default, 4) so it is written only when given; Fast-dLLM v2's `bd_size`
+    is always written (default 4 here, to keep test sequences short).
+    """
     c = base_config
     V = c.vocab_size
     mask = V - 1 if mask_token_id is None else mask_token_id
@@ -197,13 +202,14 @@ def family_config_json(family: str, base_config, *, block_size: int = 4, mask_to
         return {"architectures": ["SDARForCausalLM"], "model_type": "sdar",
                 "auto_map": {"AutoConfig": "configuration_sdar.SDARConfig",
                              "AutoModelForCausalLM": "modeling_sdar.SDARForCausalLM"},
-                "head_dim": c.head_dim, "attention_bias": False, "block_size": block_size,
-                "mask_token_id": mask, **common}
+                "head_dim": c.head_dim, "attention_bias": False, "mask_token_id": mask, **common,
+                **({"block_size": block_size} if block_size is not None else {})}
     if family == "Fast_dLLM_Qwen":
         return {"architectures": ["Fast_dLLM_QwenForCausalLM"], "model_type": "Fast_dLLM_Qwen",
                 "auto_map": {"AutoConfig": "configuration.Fast_dLLM_QwenConfig",
                              "AutoModelForCausalLM": "modeling.Fast_dLLM_QwenForCausalLM"},
-                "bd_size": block_size, "use_sliding_window": False, "mask_token_id": mask, **common}
+                "bd_size": 4 if block_size is None else block_size, "use_sliding_window": False,
+                "mask_token_id": mask, **common}
     if family == "Dream":
         return {"architectures": ["DreamModel"], "model_type": "Dream",
                 "auto_map": {"AutoConfig": "configuration_dream.DreamConfig",
@@ -212,8 +218,8 @@ def family_config_json(family: str, base_config, *, block_size: int = 4, mask_to
     raise ValueError(f"unknown synthetic family {family!r}")
 
 
-def build_family_dir(family: str, out_dir: str, *, seed: int = 0, shards: int = 1, block_size: int = 4,
-                     tokenizer: bool = False, **cfg_kw):
+def build_family_dir(family: str, out_dir: str, *, seed: int = 0, shards: int = 1,
+                     block_size: int | None = None, tokenizer: bool = False, **cfg_kw):
     """A `family` directory (SDAR / LLaDA / Dream / Fast-dLLM v2) in its own keys and names.
 
     Returns (out_dir, reference transformers model with the same weights).

@@ -96,7 +96,8 @@ def test_diffusion_family_logits(family, tmp_path):
     kw = dict(kv_heads=None) if family == "llada" else dict(kv_heads=2)
     if family == "Dream":
         kw["tied"] = True
-    hf_dir, model = fx.build_family_dir(family, str(tmp_path / "hf"), seed=6, block_size=4,
+    # SDAR's config.json carries no block size: the default (4) applies; Fast-dLLM v2 has bd_size=4.
+    hf_dir, model = fx.build_family_dir(family, str(tmp_path / "hf"), seed=6,
                                         shards=2 if family == "llada" else 1, **kw)
     V = model.config.vocab_size
     kind = fx.FAMILY_ATTENTION[family]
