@@ -222,6 +222,7 @@ def convert_checkpoint(hf_dir: str, out_dir: str, dtype="bfloat16", overwrite: b
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.tmp-", dir=parent)
     try:
+        os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes it 0700; OUT_DIR gets ordinary permissions
         with tqdm(total=len(hf.hf_tensor_names(cfg)), desc=f"convert {os.path.basename(hf_dir.rstrip('/'))}",
                   unit="tensor", disable=not progress) as bar:
             params = hf.params_from_hf_tensors(tensors, cfg, dtype=want, source=hf_dir,
@@ -240,6 +241,12 @@ def convert_checkpoint(hf_dir: str, out_dir: str, dtype="bfloat16", overwrite: b
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out_dir
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def _leaves(tree):

@@ -216,6 +216,9 @@ def test_out_dir_exists(tmp_path):
     assert (out / "keep.txt").read_text() == "mine"
     cio.convert_checkpoint(hf_dir, str(out), dtype="float32", overwrite=True, progress=False)
     assert not (out / "keep.txt").exists() and cio.is_jdllm_dir(str(out))
+    umask = os.umask(0)
+    os.umask(umask)
+    assert os.stat(out).st_mode & 0o777 == 0o777 & ~umask  # not mkdtemp's 0700
     assert sorted(f for f in os.listdir(tmp_path)) == ["hf", "out"]
 
 
