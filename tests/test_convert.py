@@ -279,3 +279,36 @@ def test_python_m_convert(tmp_path):
     lines = bad.stderr.strip().splitlines()
     assert len(lines) == 1 and "CheckpointError" in lines[0] and hf_dir in lines[0]
     assert not os.path.exists(tmp_path / "out2")
+
+
+def test_tolerated_extra_tensors(tmp_path):
+    """A tied checkpoint that still ships lm_head, and old rotary inv_freq buffers, load unchanged."""
+    hf_dir, model = fx.build_transformers_model("qwen2", str(tmp_path / "hf"), seed=1, tied=True)
+    path = os.path.join(hf_dir, hf.SINGLE_FILE)
+    t = load_file(path)
+    assert "lm_head.weight" not in t
+    t["lm_head.weight"] = t["model.embed_tokens.weight"]
+    t["model.layers.0.self_attn.rotary_emb.inv_freq"] = np.ones(4, np.float32)
+    save_file(t, path, metadata={"format": "pt"})
+    tokens = np.random.default_rng(0).integers(0, 128, (1, 10))
+    with torch.no_grad():
+        ref = model(input_ids=torch.as_tensor(tokens)).logits.numpy()
+    got = np.asarray(jdllm.logits(jdllm.load(hf_dir, dtype="float32"), tokens))
+    assert np.max(np.abs(got - ref)) <= 1e-4
+
+
+def test_restore_into_shardings(tmp_path):
+    """Orbax restores straight into the given shardings (one-device mesh on the CPU)."""
+    hf_dir, _ = fx.build_transformers_model("qwen3", str(tmp_path / "hf"), seed=1)
+    out = cio.convert_checkpoint(hf_dir, str(tmp_path / "out"), dtype="float32", progress=False)
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",))
+    cfg = ModelConfig.from_hf(hf_dir)
+    from jdllm.model import param_shapes  # noqa: PLC0415
+
+    shardings = jax.tree.map(lambda s: jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()),
+                             param_shapes(cfg), is_leaf=lambda x: isinstance(x, tuple))
+    for path in (out, hf_dir):
+        m = cio.load_model(path, dtype="bfloat16", shardings=shardings)
+        leaves = jax.tree.leaves(m.params)
+        assert all(x.sharding == jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()) for x in leaves)
+        assert {x.dtype for x in leaves} == {jax.numpy.bfloat16.dtype}
