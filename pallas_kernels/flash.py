@@ -65,7 +65,7 @@ class Tiles:
 
     block_q: int = 128
     block_k: int = 64
-    block_r: int = 64
+    block_r: int = 128
     num_splits: int | None = None
     num_warps: int | None = None
     num_stages: int = 2
@@ -213,10 +213,10 @@ def _pad_axis(x, axis: int, size: int):
     return jnp.pad(x, widths)
 
 
-def _pad_head_dim(q, k, v):
-    """Zero-pad head_dim to a power of two (Triton tiles); zeros change no score."""
+def _pad_head_dim(q, k, v, backend: str):
+    """Zero-pad head_dim to a power of two (>= 16 on Triton); zeros change no score."""
     D = q.shape[-1]
-    Dp = _next_pow2(D)
+    Dp = _tile(_next_pow2(D), D, backend) if backend == "triton" else _next_pow2(D)
     return _pad_axis(q, 3, Dp), _pad_axis(k, 3, Dp), _pad_axis(v, 3, Dp)
 
 
@@ -238,7 +238,7 @@ def prefill_attention(q, k, v, *, start, q_offset=0, kv_len=None, kind="causal",
     scale = D ** -0.5 if scale is None else scale
     bq, bk = _tile(tiles.block_q, T, backend), _tile(tiles.block_k, S, backend)
     Tp, Sp = pl.cdiv(T, bq) * bq, pl.cdiv(S, bk) * bk
-    q, k, v = _pad_head_dim(q, k.astype(q.dtype), v.astype(q.dtype))
+    q, k, v = _pad_head_dim(q, k.astype(q.dtype), v.astype(q.dtype), backend)
     Dp = q.shape[-1]
     q, k, v = _pad_axis(q, 1, Tp), _pad_axis(k, 1, Sp), _pad_axis(v, 1, Sp)
     start, qoff, kvl = _scalars(start, q_offset, kv_len, B, S)
@@ -322,7 +322,7 @@ def window_attention(q, k, v, *, start, q_offset=0, kv_len=None, kind="causal", 
     ns = tiles.num_splits or _default_splits(B * KV * nr, key_tiles)
     split_tiles = pl.cdiv(key_tiles, min(ns, key_tiles))
     ns = pl.cdiv(key_tiles, split_tiles)  # no empty trailing split
-    q, k, v = _pad_head_dim(q, k.astype(q.dtype), v.astype(q.dtype))
+    q, k, v = _pad_head_dim(q, k.astype(q.dtype), v.astype(q.dtype), backend)
     Dp = q.shape[-1]
     k, v = _pad_axis(k, 1, Sp), _pad_axis(v, 1, Sp)
     qp = q.reshape(B, T, KV, G, Dp).transpose(0, 2, 1, 3, 4).reshape(B, KV, R, Dp)

@@ -1,0 +1,214 @@
+"""Attention benchmark: Pallas flash kernels vs cuDNN vs XLA, and the window kernel's bandwidth.
+
+Prefill (T = S, start = 0): for each mask (block-causal B=4, B=32, causal) and
+S, time each implementation and report achieved TFLOP/s counting only the
+FLOPs inside the mask (4 * H * D per visible query-key pair), next to the
+device's measured bf16 matmul rate. Window (the denoising / decoding step): a
+T-token window at the end of an S-slot cache; achieved HBM bandwidth (K and V
+bytes the mask lets it read) against a measured device-to-device copy.
+
+    python benchmarks/attention.py            # GPU sizes: S = 1k..32k, head_dim 128, bf16
+    python benchmarks/attention.py --quick    # tiny sizes; on the CPU the kernels run in
+                                              # Pallas interpret mode (a smoke run, not a speed)
+
+Prints a table and writes JSON to benchmarks/out/attention.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import pallas_kernels  # noqa: E402
+from pallas_kernels import flash  # noqa: E402
+from pallas_kernels.reference import horizon  # noqa: E402
+
+MASKS = (("block_causal", 4), ("block_causal", 32), ("causal", 1))
+FULL_SEQ = (1024, 4096, 8192, 16384, 32768)
+QUICK_SEQ = (64, 128)
+
+
+def visible_pairs(T: int, S: int, kind: str, block_size: int, q_offset: int = 0) -> int:
+    """Number of (query, key) pairs the rule lets through (start = 0, kv_len = q_offset + T)."""
+    kv_len = q_offset + T
+    p = np.arange(q_offset, q_offset + T, dtype=np.int64)
+    end = np.minimum(np.asarray(horizon(jnp.asarray(p, jnp.int32), kind, block_size, kv_len)), kv_len)
+    return int(np.minimum(end, S).sum())
+
+
+def bench(fn, *args, iters: int, warmup: int = 1) -> float:
+    """Median wall seconds of fn(*args) (already jitted) after `warmup` calls."""
+    for _ in range(warmup):
+        jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def matmul_tflops(n: int, dtype, iters: int) -> float:
+    a = jnp.ones((n, n), dtype)
+    f = jax.jit(lambda a: a @ a)
+    return 2 * n ** 3 / bench(f, a, iters=iters) / 1e12
+
+
+def copy_gbps(nbytes: int, iters: int) -> float:
+    x = jnp.ones((nbytes // 4,), jnp.float32)
+    f = jax.jit(lambda x: x + 1.0)  # one read + one write of the buffer
+    return 2 * x.size * 4 / bench(f, x, iters=iters) / 1e9
+
+
+def _inputs(B, T, S, H, KV, D, dtype, seed=0):
+    rng = np.random.default_rng(seed)
+    return tuple(jnp.asarray(rng.standard_normal(s, np.float32), dtype)
+                 for s in ((B, T, H, D), (B, S, KV, D), (B, S, KV, D)))
+
+
+def _attn_fn(impl: str, *, kind, block_size, q_offset, kv_len, tiles):
+    def fn(q, k, v):
+        start = jnp.zeros((q.shape[0],), jnp.int32)
+        if impl == "pallas":
+            return flash.attention(q, k, v, start=start, q_offset=q_offset, kv_len=kv_len, kind=kind,
+                                   block_size=block_size, tiles=tiles)
+        return pallas_kernels.attention(q, k, v, start=start, q_offset=q_offset, kv_len=kv_len,
+                                        kind=kind, block_size=block_size, impl=impl)
+    return jax.jit(fn)
+
+
+def _xla_fits(B, H, T, S, budget_bytes) -> bool:
+    return 3 * B * H * T * S * 4 <= budget_bytes  # f32 scores, probabilities and a temporary
+
+
+def run(args) -> dict:
+    dev = jax.devices()[0]
+    on_gpu = jax.default_backend() == "gpu"
+    dtype = jnp.dtype(args.dtype)
+    seqs = args.seq or (QUICK_SEQ if args.quick else FULL_SEQ)
+    impls = args.impls.split(",")
+    if not on_gpu:
+        impls = [i for i in impls if i != "cudnn"]
+    mem = getattr(dev, "memory_stats", lambda: None)() or {}
+    budget = int(0.5 * mem.get("bytes_limit", 16 << 30))
+    tiles = flash.Tiles(**({} if on_gpu else dict(block_q=32, block_k=32, block_r=32)))
+    result = {
+        "device": getattr(dev, "device_kind", str(dev)), "platform": jax.default_backend(),
+        "jax": jax.__version__, "pallas_backend": flash.default_backend(),
+        "mode": "quick" if args.quick else "full", "dtype": str(dtype),
+        "shape": dict(B=args.batch, H=args.heads, KV=args.kv_heads, D=args.head_dim),
+        "iters": args.iters,
+    }
+    n_mm = 512 if args.quick else 8192
+    result["matmul_tflops"] = matmul_tflops(n_mm, dtype, args.iters)
+    result["copy_gbps"] = copy_gbps((16 << 20) if args.quick else (1 << 30), args.iters)
+
+    rows = []
+    B, H, KV, D = args.batch, args.heads, args.kv_heads, args.head_dim
+    for kind, bs in MASKS:
+        for S in seqs:
+            q, k, v = _inputs(B, S, S, H, KV, D, dtype)
+            flops = 4 * B * H * D * visible_pairs(S, S, kind, bs)
+            for impl in impls:
+                row = dict(mask=f"{kind}" + (f"(B={bs})" if kind == "block_causal" else ""), S=S,
+                           impl=impl)
+                if impl == "xla" and not _xla_fits(B, H, S, S, budget):
+                    row["skipped"] = "XLA reference scores do not fit in memory"
+                else:
+                    try:
+                        fn = _attn_fn(impl, kind=kind, block_size=bs, q_offset=0, kv_len=S, tiles=tiles)
+                        sec = bench(fn, q, k, v, iters=args.iters)
+                        row.update(ms=sec * 1e3, tflops=flops / sec / 1e12)
+                    except Exception as e:  # noqa: BLE001 (a baseline that cannot run is recorded, not fatal)
+                        row["skipped"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
+                rows.append(row)
+    result["prefill"] = rows
+
+    wrows = []
+    for S in seqs:
+        T = args.window
+        q, k, v = _inputs(B, T, S, H, KV, D, dtype, seed=1)
+        nbytes = 2 * B * KV * S * D * dtype.itemsize  # K and V of every visible slot
+        for impl in ("pallas", "xla"):
+            if impl not in impls:
+                continue
+            row = dict(mask=f"block_causal(B={T})", T=T, S=S, impl=impl)
+            try:
+                fn = _attn_fn(impl, kind="block_causal", block_size=T, q_offset=S - T, kv_len=S,
+                              tiles=tiles)
+                sec = bench(fn, q, k, v, iters=args.iters)
+                gbps = nbytes / sec / 1e9
+                row.update(ms=sec * 1e3, gbps=gbps, frac_of_copy=gbps / result["copy_gbps"])
+            except Exception as e:  # noqa: BLE001
+                row["skipped"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
+            wrows.append(row)
+    result["window"] = wrows
+    return result
+
+
+def print_table(res: dict) -> None:
+    print(f"device: {res['device']} ({res['platform']}, Pallas backend {res['pallas_backend']}), "
+          f"jax {res['jax']}, mode {res['mode']}, {res['dtype']}, shape {res['shape']}")
+    print(f"measured matmul: {res['matmul_tflops']:.3f} TFLOP/s; copy: {res['copy_gbps']:.1f} GB/s")
+    print(f"\n{'mask':<20}{'S':>7}  {'impl':<8}{'ms':>10}{'TFLOP/s':>10}{'vs cudnn':>10}")
+    by = {(r["mask"], r["S"], r["impl"]): r for r in res["prefill"]}
+    for r in res["prefill"]:
+        if "skipped" in r:
+            print(f"{r['mask']:<20}{r['S']:>7}  {r['impl']:<8}  skipped: {r['skipped']}")
+            continue
+        base = by.get((r["mask"], r["S"], "cudnn"), {})
+        rel = f"{base['ms'] / r['ms']:.2f}x" if "ms" in base else "-"
+        print(f"{r['mask']:<20}{r['S']:>7}  {r['impl']:<8}{r['ms']:>10.3f}{r['tflops']:>10.3f}{rel:>10}")
+    print(f"\n{'window':<20}{'T':>4}{'S':>7}  {'impl':<8}{'ms':>10}{'GB/s':>10}{'of copy':>10}")
+    for r in res["window"]:
+        if "skipped" in r:
+            print(f"{r['mask']:<20}{r['T']:>4}{r['S']:>7}  {r['impl']:<8}  skipped: {r['skipped']}")
+            continue
+        print(f"{r['mask']:<20}{r['T']:>4}{r['S']:>7}  {r['impl']:<8}{r['ms']:>10.3f}{r['gbps']:>10.2f}"
+              f"{100 * r['frac_of_copy']:>9.1f}%")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true",
+                    help="tiny sizes (S = 64, 128): proves the script runs; on the CPU the "
+                         "Pallas kernels are interpreted, so the timings say nothing about speed")
+    ap.add_argument("--seq", type=int, nargs="*", help="sequence / cache lengths (default: per mode)")
+    ap.add_argument("--batch", type=int, default=None)
+    ap.add_argument("--heads", type=int, default=None)
+    ap.add_argument("--kv-heads", type=int, default=None)
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--window", type=int, default=32, help="window length T (its block size too)")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--impls", default="pallas,cudnn,xla")
+    ap.add_argument("--iters", type=int, default=None)
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "out",
+                                                   "attention.json"))
+    args = ap.parse_args(argv)
+    args.batch = args.batch or 1
+    args.heads = args.heads or (2 if args.quick else 32)
+    args.kv_heads = args.kv_heads or (1 if args.quick else 8)
+    args.iters = args.iters or (2 if args.quick else 10)
+    if args.quick:
+        args.window = min(args.window, 16)
+    res = run(args)
+    print_table(res)
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(res, f, indent=1)
+    print(f"\nwrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
