@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -312,3 +313,20 @@ def test_restore_into_shardings(tmp_path):
         leaves = jax.tree.leaves(m.params)
         assert all(x.sharding == jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()) for x in leaves)
         assert {x.dtype for x in leaves} == {jax.numpy.bfloat16.dtype}
+
+
+def test_damaged_jdllm_checkpoint(tmp_path):
+    hf_dir, _ = fx.build_transformers_model("llama", str(tmp_path / "hf"), seed=1)
+    out = cio.convert_checkpoint(hf_dir, str(tmp_path / "out"), dtype="float32", progress=False)
+    meta_path = os.path.join(out, cio.MARKER_FILE)
+    meta = json.load(open(meta_path))
+    meta["config"]["intermediate_size"] = 64  # config no longer describes the stored params
+    json.dump(meta, open(meta_path, "w"))
+    with pytest.raises(errors.CorruptCheckpointError, match="layers.*'down'.*re-run `jdllm convert`"):
+        jdllm.load(out)
+    meta["config"]["intermediate_size"] = 48
+    json.dump(meta, open(meta_path, "w"))
+    jdllm.load(out)  # repaired
+    shutil.rmtree(os.path.join(out, "params"))
+    with pytest.raises(errors.CorruptCheckpointError, match="params"):
+        jdllm.load(out)
