@@ -196,7 +196,7 @@ def apply_rope(x, positions, inv_freq, scale):
 
 # --------------------------------------------------------------------------- forward
 def forward(params: Params, cfg: ModelConfig, tokens, positions, *, start, cache: KVCache | None = None,
-            offset=None, attn_impl: str = "auto", return_hidden: bool = False, attn_mask=None):
+            offset=None, attn_impl: str = "auto", return_hidden: bool = False, attn_mask=None, kv_len=None):
     """Run the window `tokens` [B, T] at absolute slots [offset, offset + T).
 
     positions [B, T]: RoPE positions (slot - start for left-padded rows).
@@ -206,6 +206,11 @@ def forward(params: Params, cfg: ModelConfig, tokens, positions, *, start, cache
     (default cache.length) and it attends to cache slots [start, offset + T)
     under the model's attention kind. The returned cache keeps `length`
     unchanged: committing is the caller's decision (`cache.commit`).
+
+    kv_len (with a cache), optional: keys at slots >= kv_len are invisible; default
+    offset + T. A bidirectional model may set it past the window so the window
+    also sees cached slots after it (Fast-dLLM's dual cache: prefix and suffix
+    cached, only the window recomputed).
 
     attn_mask [B, T, S] (bool), optional: replaces the masking rule (training
     objectives such as BD3-LM's noisy/clean pairing; XLA path only).
@@ -221,7 +226,7 @@ def forward(params: Params, cfg: ModelConfig, tokens, positions, *, start, cache
         q_offset, kv_len = 0, T
     else:
         q_offset = cache.length if offset is None else jnp.asarray(offset, jnp.int32)
-        kv_len = q_offset + T
+        kv_len = q_offset + T if kv_len is None else jnp.asarray(kv_len, jnp.int32)
 
     def layer(carry, xs):
         h, ck, cv = carry
