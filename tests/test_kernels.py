@@ -249,6 +249,33 @@ def test_model_forward_pallas_equals_xla(kind):
         assert _rel_err(got, want) <= 1e-5
 
 
+# ----------------------------------------------------------------------------- Triton lowering
+@pytest.mark.parametrize("variant,kind,bs,T,S,H,KV,D,dtype", [
+    ("prefill", "block_causal", 32, 300, 300, 8, 2, 128, jnp.bfloat16),
+    ("prefill", "causal", 1, 40, 90, 4, 4, 8, jnp.float32),  # head_dim padded to 16
+    ("window", "bidirectional", 1, 7, 3000, 28, 4, 96, jnp.float32),  # G = 7, head_dim 96
+])
+def test_triton_path_lowers_for_cuda(variant, kind, bs, T, S, H, KV, D, dtype):
+    """The Triton kernels (forward and custom_vjp backward) lower to a Triton custom call for CUDA.
+
+    Cross-platform lowering on the CPU runs the Pallas -> Triton IR lowering, which
+    rejects unsupported primitives and tile shapes; PTX compilation and the run
+    itself still need a GPU (the `gpu` tests below).
+    """
+    q, k, v = (jnp.zeros((2, T, H, D), dtype), jnp.zeros((2, S, KV, D), dtype),
+               jnp.zeros((2, S, KV, D), dtype))
+
+    def loss(q, k, v, off, n):
+        out = flash.attention(q, k, v, start=jnp.array([0, 3]), q_offset=off, kv_len=n, kind=kind,
+                              block_size=bs, backend="triton", variant=variant)
+        return jnp.sum(out.astype(jnp.float32))
+
+    fn = jax.jit(jax.value_and_grad(loss))
+    hlo = fn.trace(q, k, v, jnp.int32(S - T), jnp.int32(S)).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert "__gpu$xla.gpu.triton" in hlo
+
+
 # ----------------------------------------------------------------------------- GPU (compiled)
 @pytest.mark.gpu
 @on_gpu
