@@ -33,7 +33,9 @@ decode = loop.run  # the pure lower-level function
 class Output:
     """One prompt's result. step_map[i] is the 1-based step that revealed token_ids[i];
     logprobs[i] its log-prob at reveal time; nfe the model forwards the row took part in
-    (prefill and KV-commit passes included); finish_reason "stop" or "length"."""
+    (prefill and KV-commit passes included); finish_reason "stop" or "length".
+    trace: paradigm-specific analysis arrays for this row (e.g. multi_block's block states),
+    from the paradigm's optional `output_trace(extra, row)`; empty otherwise."""
 
     token_ids: list[int]
     text: str | None
@@ -42,6 +44,7 @@ class Output:
     nfe: int
     finish_reason: str | None
     prompt_ids: list[int] = dataclasses.field(default_factory=list)
+    trace: dict = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,6 +157,8 @@ def outputs(prep: Prepared, state: DecodeState) -> list[Output]:
                            ("tokens", "revealed", "step_map", "logprobs", "gen_start", "limit", "nfe",
                             "finish")})
     ends = row_ends(host, prep.ctx.stop_ids)
+    trace_fn = getattr(prep.paradigm, "output_trace", None)
+    extra = jax.device_get(state.extra) if trace_fn is not None else None
     outs = []
     for b, prompt in enumerate(prep.prompts):
         g0, e = int(host["gen_start"][b]), int(ends[b])
@@ -165,7 +170,8 @@ def outputs(prep: Prepared, state: DecodeState) -> list[Output]:
                            step_map=[int(x) for x in host["step_map"][b, g0:e]],
                            logprobs=[float(x) for x in host["logprobs"][b, g0:e]],
                            nfe=int(host["nfe"][b]), finish_reason=FINISH_REASONS[int(host["finish"][b])],
-                           prompt_ids=list(prompt)))
+                           prompt_ids=list(prompt),
+                           trace=trace_fn(extra, b) if trace_fn is not None else {}))
     return outs
 
 

@@ -1,0 +1,527 @@
+"""`multi_block`: d3LLM pipelined parallel decoding, several blocks in flight.
+
+Blocks
+------
+The generation region is cut into blocks of `block_size` slots. Block-causal
+models use their absolute block grid (as `block_diffusion`: rows are
+left-padded so every row's first decode block starts at slot `base` =
+prefill_len, the prompt remainder sits pre-revealed at its start).
+Bidirectional models start block 0 at the first generated slot; their canvas
+is right-aligned so every row's canvas ends exactly at prompt + max_new_tokens
+(= slot S), which is what a full-attention forward must see.
+
+Each block moves Inactive -> Activated -> Fully-Activated -> Completed; its
+progress is the fraction of its slots (below the row's limit; prompt slots
+count) that hold a token. Per step, in this order:
+
+1. EOS early stop (`early_stop`, with the sampling stop ids): after the
+   leftmost revealed stop token every generation slot becomes that token
+   (revealed, step_map 0, log-prob 0); blocks wholly after it, and added
+   blocks left without masks, are Completed. Rows that can stop, stop.
+2. Activation: an Activated block whose predecessor's progress >=
+   decoded_token_threshold becomes Fully-Activated (block 0 starts so).
+3. Adding: when the newest block's progress >= block_add_threshold or it has no
+   masks, the next block is added, Fully-Activated at once if the newest block's
+   progress >= decoded_token_threshold, else Activated. Cap: at most
+   `max_blocks` blocks from the row's first non-Completed block to its newest
+   one (the KV-cache window is sized from it; set `max_blocks` >= the number
+   of blocks to lift it).
+4. One forward. active_end = end of the rightmost Activated / Fully-Activated
+   block (each such block has masks).
+5. Candidates: masked slots before active_end. Reveal the lowest-entropy one
+   plus every one with entropy <= entropy_threshold (float32 entropy of the
+   sampling distribution; ties go to the leftmost).
+6. Forced progress: every Fully-Activated block with masks that got nothing in
+   5 reveals its lowest-entropy masked slot.
+7. One `common.reveal` (one step number), then added blocks without masks
+   become Completed.
+
+Block states stay in `state.extra["block_state"]` [B, NB] and the step each
+block entered a state in `state.extra["block_steps"]` [B, NB, 3] (columns:
+Activated, Fully-Activated, Completed; -1 = never). Entering Activated or
+Fully-Activated in phases 2-3 of step t records t (step t's forward sees it);
+Completed by step t's reveals records t; Completed by the EOS fill at the
+start of step t records t - 1 (the reveal that caused it). So during step t's
+forward a block is Completed iff 0 <= C < t, else Fully-Activated iff 0 <= F
+<= t, else Activated iff 0 <= A <= t, else Inactive. `Output.trace` carries
+both arrays per row (`block_state`, `block_steps`).
+
+KV cache
+--------
+`cache="exact"` (the default for block-causal models, `"auto"`): slots
+[0, cache.length) hold clean K/V; each forward covers a window starting at
+cache.length, (max_blocks + 1) blocks wide, or 2 * max_blocks blocks when
+more than one finished block still waits for its commit. Commits cost no
+forward: the blocks that were already Completed *before* a forward (so the
+forward ran on their final tokens) are committed right after it, up to the
+first block some running row still has in flight. A block completed by a
+step's reveal therefore rides along in the next forward, which writes its
+clean K/V; K/V written while a block still had masks are never committed.
+Under block-causal attention nothing after active_end influences the window,
+so the logits equal the no-cache forward's and so does the output. In a batch
+the window sits at the slowest row's frontier; when a row ahead does not fit
+the step runs one full forward instead (same result, more compute).
+
+`cache="approx"` (bidirectional models, off by default; d3LLM's
+`cache_delay_iter` / `refresh_interval`): the cache holds K/V for the whole
+canvas from the last full forward; a step recomputes only the window of
+`max_blocks` blocks starting at the first block that is not yet frozen (a
+block freezes `cache_delay_iter` steps after it is Completed) and attends to
+the stale cached K/V everywhere else (future masks included, as d3LLM does).
+Every `refresh_interval` steps, and whenever the active blocks do not fit in
+the window, a full forward refreshes everything. Output may differ from the
+exact run (the benchmark measures by how much); `refresh_interval=1` is the
+exact run. It uses an explicit attention mask, hence the XLA attention path.
+
+Sampling: greedy uses `common.sample_window`; at temperature > 0 slot p of a
+row draws with fold_in(step key, p), so the draw does not depend on the
+window's shape and cache / no-cache runs sample the same tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from typing import ClassVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jdllm import errors
+from jdllm.decode import common
+from jdllm.model import default_positions, forward
+from jdllm.sampling import Sample, apply_token_bitmask, exclude_token, sample, split_rows
+from jdllm.state import DecodeState, generated_mask, slot_index
+
+INACTIVE, ACTIVATED, FULLY_ACTIVATED, COMPLETED = 0, 1, 2, 3
+BLOCK_STATES = ("inactive", "activated", "fully_activated", "completed")
+CACHE_MODES = ("auto", "none", "exact", "approx")
+
+
+@dataclasses.dataclass(frozen=True)
+class MultiBlock:
+    """d3LLM multi-block decoding (see the module docstring for the exact step).
+
+    block_size: slots per block (block-causal: the attention block grid too).
+    entropy_threshold: reveal every candidate with entropy <= this (nats, >= 0).
+    block_add_threshold: add the next block once the newest one's progress
+      reaches this, in [0, 1].
+    decoded_token_threshold: a block is Fully-Activated once its predecessor's
+      progress reaches this, in [0, 1].
+    early_stop: fill everything after the first revealed stop token with it.
+    max_forwards: stop a row after this many forwards (finish_reason None,
+      output up to its first masked slot); None = no cap.
+    max_blocks: blocks in flight per row, counted from its first non-Completed
+      block (>= 1); sizes the KV-cache window.
+    cache: "auto" (exact for block-causal models, none for bidirectional ones),
+      "none", "exact" (block-causal only), "approx" (bidirectional only).
+    cache_delay_iter, refresh_interval: the approximate cache's freeze delay
+      (steps after completion, >= 0) and full-refresh period (steps, >= 1).
+    """
+
+    name: ClassVar[str] = "multi_block"
+
+    block_size: int = 32
+    entropy_threshold: float = 0.9
+    block_add_threshold: float = 0.5
+    decoded_token_threshold: float = 0.5
+    early_stop: bool = True
+    max_forwards: int | None = None
+    max_blocks: int = 4
+    cache: str = "auto"
+    cache_delay_iter: int = 1
+    refresh_interval: int = 10000
+
+    def __post_init__(self):
+        def integer(name, lo):
+            v = getattr(self, name)
+            if isinstance(v, bool) or int(v) != v or v < lo:
+                raise errors.DecodingConfigError(f"{name}={v!r} must be an integer >= {lo}")
+
+        integer("block_size", 1)
+        integer("max_blocks", 1)
+        integer("cache_delay_iter", 0)
+        integer("refresh_interval", 1)
+        if self.max_forwards is not None:
+            integer("max_forwards", 1)
+        if not (np.isfinite(self.entropy_threshold) and self.entropy_threshold >= 0):
+            raise errors.DecodingConfigError(
+                f"entropy_threshold={self.entropy_threshold} must be a finite entropy >= 0 (nats)")
+        for name in ("block_add_threshold", "decoded_token_threshold"):
+            v = getattr(self, name)
+            if not 0 <= v <= 1:
+                raise errors.DecodingConfigError(f"{name}={v} must be a fraction in [0, 1]")
+        if not isinstance(self.early_stop, bool):
+            raise errors.DecodingConfigError(f"early_stop={self.early_stop!r} must be True or False")
+        if self.cache not in CACHE_MODES:
+            raise errors.DecodingConfigError(f"cache={self.cache!r} is not one of {CACHE_MODES}")
+
+    # ----------------------------------------------------------------- host side
+    def validate(self, cfg) -> None:
+        if cfg.mask_token_id is None:
+            raise errors.DecodingConfigError(
+                "paradigm 'multi_block' needs a model with a mask token (mask_token_id is None); "
+                "use jdllm.AR for autoregressive models")
+        if cfg.attention not in ("block_causal", "bidirectional"):
+            raise errors.DecodingConfigError(
+                f"paradigm 'multi_block' needs a block-causal or bidirectional model, this one has "
+                f"attention={cfg.attention!r}; use jdllm.AR")
+        if self.cache == "exact" and cfg.attention != "block_causal":
+            raise errors.DecodingConfigError(
+                "cache='exact' needs a block-causal model; for bidirectional models use cache='none' "
+                "or the approximate cache='approx'")
+        if self.cache == "approx" and cfg.attention != "bidirectional":
+            raise errors.DecodingConfigError(
+                "cache='approx' is for bidirectional models; block-causal models get the exact "
+                "cache with cache='exact' (or 'auto')")
+        if cfg.attention == "block_causal" and self.block_size != cfg.block_size:
+            warnings.warn(f"block_size={self.block_size} differs from the model's trained "
+                          f"block_size={cfg.block_size}; quality may suffer", stacklevel=3)
+
+    def cache_mode(self, cfg) -> str:
+        """The cache actually used: "none", "exact" or "approx"."""
+        if self.cache == "auto":
+            return "exact" if cfg.attention == "block_causal" else "none"
+        return self.cache
+
+    def attention_config(self, cfg):
+        """Block-causal models attend on the block_size grid."""
+        if cfg.attention != "block_causal" or cfg.block_size == self.block_size:
+            return cfg
+        return cfg.replace(block_size=self.block_size)
+
+    def layout(self, lengths: np.ndarray, max_new_tokens: int, cfg) -> common.Layout:
+        Bs, K = self.block_size, self.max_blocks
+        lengths = np.asarray(lengths, np.int64)
+        if cfg.attention == "block_causal":
+            nb = lengths // Bs
+            N = common.bucket(int(nb.max()), 0)
+            gen_blocks = common.bucket(-(-(Bs - 1 + max_new_tokens) // Bs), 1)
+            pad = 2 * K - 1 if self.cache_mode(cfg) == "exact" else 0  # windows never run off the canvas
+            start = (Bs * (N - nb)).astype(np.int32)
+            gen_start = (N * Bs + lengths % Bs).astype(np.int32)
+            return common.Layout(start=start, gen_start=gen_start, slots=(N + gen_blocks + pad) * Bs,
+                                 prefill_len=N * Bs)
+        # bidirectional: right-aligned, every row's canvas ends at S = gen_start + max_new_tokens
+        P = common.bucket(int(lengths.max()), 16)
+        S = P + common.bucket(max_new_tokens, 16)
+        gen_start = np.full(lengths.shape, S - max_new_tokens, np.int32)
+        return common.Layout(start=(gen_start - lengths).astype(np.int32), gen_start=gen_start, slots=S,
+                             prefill_len=0)
+
+    def max_iterations(self, state: DecodeState) -> int:
+        bound = state.slots + 8
+        return bound if self.max_forwards is None else min(bound, self.max_forwards + 1)
+
+    def output_trace(self, extra: dict, row: int) -> dict:
+        """Per-row analysis arrays for `Output.trace` (host numpy `extra`)."""
+        nb = int(extra["num_blocks"][row])
+        return {"block_state": [int(x) for x in extra["block_state"][row, :nb]],
+                "block_steps": [[int(y) for y in x] for x in extra["block_steps"][row, :nb]]}
+
+    # ----------------------------------------------------------------- geometry
+    def _num_blocks(self, ctx, state: DecodeState) -> int:
+        """Static number of block columns NB (covers every row's generation)."""
+        Bs, S = self.block_size, state.slots
+        if ctx.model.attention == "block_causal":
+            return (S - ctx.prefill_len) // Bs
+        return -(-S // Bs)
+
+    def _view(self, state: DecodeState, base, NB: int):
+        """Slot index [NB*Bs] (clipped into the canvas) and validity [B, NB, Bs] of the block grid."""
+        Bs, S = self.block_size, state.slots
+        raw = base + jnp.arange(NB * Bs, dtype=jnp.int32)  # [NB*Bs]
+        ok = (raw[None] < state.limit[:, None]) & (raw[None] < S)  # [B, NB*Bs]
+        return jnp.minimum(raw, S - 1), ok.reshape(-1, NB, Bs)
+
+    def _stats(self, state: DecodeState, idx, ok):
+        """(size, decoded) per block [B, NB]: slots below the limit, and those holding a token."""
+        Bs = ok.shape[-1]
+        rev = jnp.take(state.revealed, idx, axis=1).reshape(ok.shape) & ok  # [B, NB, Bs]
+        return jnp.sum(ok, -1).astype(jnp.int32), jnp.sum(rev, -1).astype(jnp.int32)
+
+    @staticmethod
+    def _reached(decoded, size, threshold: float):
+        """progress = decoded / size >= threshold, per block [B, NB]."""
+        return decoded.astype(jnp.float32) >= jnp.float32(threshold) * size.astype(jnp.float32)
+
+    @staticmethod
+    def _stamp(steps_arr, old, new, step_no):
+        """Record step_no [B] for blocks entering states 1..3 (first entry only)."""
+        cols = []
+        for s in (ACTIVATED, FULLY_ACTIVATED, COMPLETED):
+            col = steps_arr[..., s - 1]
+            hit = (new == s) & (old != s) & (col < 0)
+            cols.append(jnp.where(hit, step_no[:, None], col))
+        return jnp.stack(cols, axis=-1)
+
+    @staticmethod
+    def _first_open(st):
+        """First block that is not Completed [B] (NB when all are)."""
+        NB = st.shape[-1]
+        k = jnp.arange(NB, dtype=jnp.int32)
+        return jnp.min(jnp.where(st != COMPLETED, k, NB), axis=-1).astype(jnp.int32)
+
+    # ----------------------------------------------------------------- phases 1-3
+    def _early_stop(self, ctx, state: DecodeState, idx, ok, base) -> DecodeState:
+        if not (self.early_stop and ctx.stop_ids):
+            return state
+        s = slot_index(state)
+        S = state.slots
+        gen = generated_mask(state)
+        is_eos = gen & state.revealed & jnp.isin(state.tokens, jnp.asarray(ctx.stop_ids, jnp.int32))
+        first = jnp.min(jnp.where(is_eos, s, S), axis=-1)  # [B]
+        eos = jnp.take_along_axis(state.tokens, jnp.minimum(first, S - 1)[:, None], axis=-1)  # [B, 1]
+        fill = gen & (s > first[:, None]) & ~state.done[:, None]
+        state = state.replace(tokens=jnp.where(fill, eos, state.tokens), revealed=state.revealed | fill,
+                              step_map=jnp.where(fill, 0, state.step_map),
+                              logprobs=jnp.where(fill, 0.0, state.logprobs))
+        st = state.extra["block_state"]
+        NB, Bs = st.shape[-1], self.block_size
+        block_start = base + Bs * jnp.arange(NB, dtype=jnp.int32)  # [NB]
+        exists = jnp.any(ok, -1)
+        after = (block_start[None] > first[:, None]) & exists & ~state.done[:, None]
+        new = jnp.where(after, COMPLETED, st)
+        size, dec = self._stats(state, idx, ok)
+        new = jnp.where(((new == ACTIVATED) | (new == FULLY_ACTIVATED)) & (dec >= size), COMPLETED, new)
+        bsteps = self._stamp(state.extra["block_steps"], st, new, state.steps)
+        state = state.replace(extra={**state.extra, "block_state": new, "block_steps": bsteps})
+        return common.finish_rows(state, ctx.stop_ids)
+
+    def _activate_and_add(self, state: DecodeState, idx, ok) -> DecodeState:
+        st = state.extra["block_state"]
+        NB = st.shape[-1]
+        k = jnp.arange(NB, dtype=jnp.int32)
+        size, dec = self._stats(state, idx, ok)
+        exists = size > 0
+        passed = self._reached(dec, size, self.decoded_token_threshold)  # [B, NB]
+        pred_passed = jnp.concatenate([jnp.ones_like(passed[:, :1]), passed[:, :-1]], axis=-1)
+        running = ~state.done[:, None]
+        new = jnp.where((st == ACTIVATED) & pred_passed & running, FULLY_ACTIVATED, st)
+        # adding: the newest added block decides
+        last = jnp.max(jnp.where((new != INACTIVE) & exists, k, -1), axis=-1)  # [B]
+        li = jnp.maximum(last, 0)[:, None]
+        at = lambda x: jnp.take_along_axis(x, li, axis=-1)[:, 0]  # noqa: E731
+        last_size, last_dec = at(size), at(dec)
+        trigger = self._reached(last_dec, last_size, self.block_add_threshold) | (last_dec >= last_size)
+        nxt = last + 1
+        nxt_ok = (nxt < NB) & jnp.take_along_axis(
+            jnp.concatenate([exists, jnp.zeros_like(exists[:, :1])], -1), jnp.minimum(nxt, NB)[:, None], -1)[:, 0]
+        cap = nxt < self._first_open(new) + self.max_blocks
+        add = trigger & nxt_ok & cap & (last >= 0) & ~state.done
+        kind = jnp.where(self._reached(last_dec, last_size, self.decoded_token_threshold),
+                         FULLY_ACTIVATED, ACTIVATED)
+        new = jnp.where(add[:, None] & (k[None] == nxt[:, None]) & (new == INACTIVE), kind[:, None], new)
+        bsteps = self._stamp(state.extra["block_steps"], st, new, state.steps + 1)
+        return state.replace(extra={**state.extra, "block_state": new, "block_steps": bsteps})
+
+    # ----------------------------------------------------------------- sampling a window
+    def _sample(self, ctx, state: DecodeState, logits, offset, rows, bitmask):
+        """Sample aligned logits [B, W, V] of slots [offset, offset + W) -> (state, Sample [B, W])."""
+        if ctx.temperature == 0:
+            return common.sample_window(ctx, state, logits, bitmask, rows=rows)
+        z = exclude_token(logits, ctx.model.mask_token_id)
+        if bitmask is not None:
+            z = apply_token_bitmask(z, bitmask)
+        keys, step_keys = split_rows(state.key)
+        keep = jax.random.key_data(state.key)
+        keys = jax.random.wrap_key_data(
+            jnp.where(rows[:, None], jax.random.key_data(keys), keep), impl=jax.random.key_impl(state.key))
+        slots = offset + jnp.arange(z.shape[1], dtype=jnp.int32)
+
+        def row(zr, key):  # zr [W, V]
+            ks = jax.vmap(lambda p: jax.random.fold_in(key, p))(slots)
+            return jax.vmap(lambda lg, kk: sample(lg, kk, temperature=ctx.temperature, top_k=ctx.top_k,
+                                                  top_p=ctx.top_p))(zr, ks)
+
+        return state.replace(key=keys), jax.vmap(row)(z, step_keys)
+
+    @staticmethod
+    def _to_canvas(s: Sample, offset, S: int) -> Sample:
+        """Place a window's Sample [B, W] on the whole canvas [B, S] (entropy +inf elsewhere)."""
+        B = s.token.shape[0]
+
+        def put(x, fill):
+            return common.set_window(jnp.full((B, S), fill, x.dtype), offset, x)
+
+        return Sample(token=put(s.token, 0), prob=put(s.prob, 0.0), entropy=put(s.entropy, jnp.inf),
+                      logprob=put(s.logprob, 0.0))
+
+    # ----------------------------------------------------------------- forwards
+    def _full_forward(self, params, ctx, state: DecodeState, rows, bitmask):
+        """Forward over the whole canvas (slots [0, S)) -> (state, raw logits, Sample [B, S])."""
+        S = state.slots
+        logits, state = common.forward_window(params, ctx, state, 0, S)
+        al = common.aligned(ctx, logits, jnp.zeros_like(state.prev_logits))
+        state, s = self._sample(ctx, state, al, 0, rows, bitmask)
+        return state, logits, s
+
+    def _window_forward(self, params, ctx, state: DecodeState, offset, width: int, rows, bitmask,
+                        see_all: bool):
+        """Forward over slots [offset, offset + width) against the cache -> (state, raw logits, Sample [B, S]).
+
+        see_all: queries attend to every cached slot of the row (approximate cache of
+        bidirectional models) instead of the model's rule bounded by the window end.
+        """
+        S = state.slots
+        if not see_all:
+            logits, state = common.forward_window(params, ctx, state, offset, width)
+        else:
+            tokens = common.window(state.tokens, offset, width)  # [B, W]
+            positions = default_positions(state.start, offset, width)
+            mask = jnp.arange(S)[None, None, :] >= state.start[:, None, None]  # [B, 1, S]
+            mask = jnp.broadcast_to(mask, (state.batch, width, S))
+            logits, cache = forward(params, ctx.model, tokens, positions, start=state.start, cache=state.cache,
+                                    offset=offset, attn_impl="xla", attn_mask=mask)
+            state = state.replace(cache=cache, forwards=state.forwards + 1)
+        al = common.aligned(ctx, logits, state.prev_logits)
+        bm = None if bitmask is None else common.window(bitmask, offset, width)
+        state, s = self._sample(ctx, state, al, offset, rows, bm)
+        return state, logits, self._to_canvas(s, offset, S)
+
+    # ----------------------------------------------------------------- the step
+    def prefill(self, params, ctx, state: DecodeState) -> DecodeState:
+        """Set up the block grid (block 0 Fully-Activated) and take the first step."""
+        B = state.batch
+        if ctx.model.attention == "block_causal":
+            base = jnp.asarray(ctx.prefill_len, jnp.int32)
+        else:
+            base = jnp.min(state.gen_start).astype(jnp.int32)
+        NB = self._num_blocks(ctx, state)
+        idx, ok = self._view(state, base, NB)
+        num = jnp.sum(jnp.any(ok, -1), -1).astype(jnp.int32)
+        st = jnp.zeros((B, NB), jnp.int32).at[:, 0].set(FULLY_ACTIVATED)
+        bsteps = jnp.full((B, NB, 3), -1, jnp.int32).at[:, 0, FULLY_ACTIVATED - 1].set(0)
+        extra = dict(block_state=st, block_steps=bsteps, base=base, num_blocks=num,
+                     completed_at=jnp.full((B, NB), -1, jnp.int32))
+        return self._step(params, ctx, state.replace(extra=extra), None, first=True)
+
+    def step(self, params, ctx, state: DecodeState, bitmask=None) -> DecodeState:
+        return self._step(params, ctx, state, bitmask, first=False)
+
+    def _step(self, params, ctx, state: DecodeState, bitmask, *, first: bool) -> DecodeState:
+        Bs, K, S = self.block_size, self.max_blocks, state.slots
+        mode = self.cache_mode(ctx.model)
+        base = state.extra["base"]
+        NB = self._num_blocks(ctx, state)
+        k = jnp.arange(NB, dtype=jnp.int32)
+        idx, ok = self._view(state, base, NB)
+
+        # phases 1-3
+        state = self._early_stop(ctx, state, idx, ok, base)
+        state = self._activate_and_add(state, idx, ok)
+        st = state.extra["block_state"]
+        in_flight = (st == ACTIVATED) | (st == FULLY_ACTIVATED)
+        newest = jnp.max(jnp.where(in_flight, k, -1), axis=-1)  # [B]
+        active_end = base + (newest + 1) * Bs  # [B]; = base when nothing is in flight
+        s_idx = slot_index(state)
+        cand = generated_mask(state) & ~state.revealed & ~state.done[:, None] & (s_idx < active_end[:, None])
+        rows = jnp.any(cand, axis=-1)  # [B] rows with work in this forward
+        first_open = self._first_open(st)  # [B] at forward time
+        running = ~state.done
+
+        # phase 4: one forward
+        if mode == "none":
+            state, _, s = self._full_forward(params, ctx, state, rows, bitmask)
+        elif mode == "exact":
+            state, s = self._exact_forward(params, ctx, state, rows, bitmask, base, first_open, active_end,
+                                           first)
+        else:
+            state, s = self._approx_forward(params, ctx, state, rows, bitmask, base, active_end, first)
+        state = common.count_forward(state, rows)
+
+        # phase 5: lowest entropy + everything under the threshold
+        ent = jnp.where(cand, s.entropy, jnp.inf)  # [B, S]
+        lowest = jnp.argmin(ent, axis=-1)  # [B], leftmost among ties
+        sel = cand & ((s.entropy <= self.entropy_threshold) | (s_idx == lowest[:, None]))
+        # phase 6: forced progress for Fully-Activated blocks that got nothing
+        size, dec = self._stats(state, idx, ok)
+        view = lambda x: jnp.take(x, idx, axis=1).reshape(ok.shape)  # noqa: E731  [B, NB, Bs]
+        masked_v = ~view(state.revealed) & ok
+        got = jnp.any(view(sel) & ok, axis=-1)  # [B, NB]
+        need = (st == FULLY_ACTIVATED) & (dec < size) & ~got & running[:, None]
+        pick = jnp.argmin(jnp.where(masked_v, view(ent), jnp.inf), axis=-1)  # [B, NB]
+        forced_v = need[..., None] & masked_v & (jnp.arange(Bs)[None, None] == pick[..., None])
+        forced = jnp.zeros_like(sel).at[:, idx].max(forced_v.reshape(state.batch, -1))
+        # phase 7
+        state = common.reveal(state, 0, sel | (forced & cand), s)
+        size, dec = self._stats(state, idx, ok)
+        new = jnp.where(((st == ACTIVATED) | (st == FULLY_ACTIVATED)) & (dec >= size), COMPLETED, st)
+        bsteps = self._stamp(state.extra["block_steps"], st, new, state.steps)
+        done_at = state.extra["completed_at"]
+        done_at = jnp.where((new == COMPLETED) & (done_at < 0), state.forwards, done_at)
+        state = state.replace(extra={**state.extra, "block_state": new, "block_steps": bsteps,
+                                     "completed_at": done_at})
+        state = common.finish_rows(state, ctx.stop_ids)
+        if self.max_forwards is not None:
+            state = state.replace(done=state.done | (state.nfe >= self.max_forwards))
+        return state
+
+    # ----------------------------------------------------------------- cached forwards
+    def _exact_forward(self, params, ctx, state, rows, bitmask, base, first_open, active_end, first):
+        """Window at cache.length; commit the blocks that were Completed before this forward."""
+        Bs, K = self.block_size, self.max_blocks
+        running = ~state.done
+        F = jnp.min(jnp.where(running, first_open, jnp.iinfo(jnp.int32).max))
+        L = state.cache.length
+
+        def commit(st, logits, offset):
+            new_len = jnp.where(jnp.any(running), jnp.maximum(base + F * Bs, L), L).astype(jnp.int32)
+            last = jax.lax.dynamic_index_in_dim(logits, jnp.maximum(new_len - 1 - offset, 0), axis=1,
+                                                keepdims=False)
+            prev = jnp.where(new_len > jnp.maximum(L, offset), last, st.prev_logits)
+            return st.replace(cache=st.cache.commit(new_len), prev_logits=prev)
+
+        if first:  # the prompt's blocks ride along with the first window
+            width = ctx.prefill_len + (K + 1) * Bs
+            st, logits, s = self._window_forward(params, ctx, state, 0, width, rows, bitmask, False)
+            return commit(st, logits, 0), s
+
+        def windowed(width):
+            def run(st):
+                st, logits, s = self._window_forward(params, ctx, st, L, width, rows, bitmask, False)
+                return commit(st, logits, L), s
+            return run
+
+        def full(st):
+            st, logits, s = self._full_forward(params, ctx, st, rows, bitmask)
+            return commit(st, logits, 0), s
+
+        widths = sorted({(K + 1) * Bs, 2 * K * Bs})
+        need = jnp.max(jnp.where(running, active_end - L, 0))  # slots the window must cover
+        branch = jnp.sum(need > jnp.asarray(widths, jnp.int32)).astype(jnp.int32)  # first width that fits
+        return jax.lax.switch(branch, [windowed(w) for w in widths] + [full], state)
+
+    def _approx_forward(self, params, ctx, state, rows, bitmask, base, active_end, first):
+        """d3LLM-style approximate cache for bidirectional models (see the module docstring)."""
+        Bs, K, S = self.block_size, self.max_blocks, state.slots
+        lead = int(ctx.model.logit_shift)  # shifted logits: the slot before the window predicts its first
+        W = min((K + 1) * Bs + lead, S)
+        running = ~state.done
+        st = state.extra["block_state"]
+        NB = st.shape[-1]
+        k = jnp.arange(NB, dtype=jnp.int32)
+        done_at = state.extra["completed_at"]
+        frozen = (st == COMPLETED) & (done_at >= 0) & (state.forwards - done_at >= self.cache_delay_iter)
+        first_live = jnp.min(jnp.where(frozen, NB, k), axis=-1)  # [B] first block not frozen
+        first_live = jnp.min(jnp.where(running, first_live, NB))
+        offset = jnp.clip(base + first_live * Bs - lead, 0, S - W).astype(jnp.int32)
+
+        def windowed(s_):
+            s_, _, smp = self._window_forward(params, ctx, s_, offset, W, rows, bitmask, True)
+            return s_, smp
+
+        def full(s_):
+            s_, _, smp = self._full_forward(params, ctx, s_, rows, bitmask)
+            return s_, smp
+
+        if first:
+            return full(state)
+        fits = jnp.all(~running | (active_end <= offset + W))
+        refresh = state.forwards % self.refresh_interval == 0
+        return jax.lax.cond(fits & ~refresh, windowed, full, state)
+
+
+__all__ = ["MultiBlock", "BLOCK_STATES", "CACHE_MODES", "INACTIVE", "ACTIVATED", "FULLY_ACTIVATED",
+           "COMPLETED"]
