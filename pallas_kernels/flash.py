@@ -271,7 +271,7 @@ def prefill_attention(q, k, v, *, start, q_offset=0, kv_len=None, kind="causal",
 
 
 # --------------------------------------------------------------------------- window kernel
-def _window_kernel(start_ref, qoff_ref, kvl_ref, q_ref, k_ref, v_ref, *refs, T, G, S, split_len,
+def _window_kernel(start_ref, qoff_ref, kvl_ref, q_ref, k_ref, v_ref, *refs, T, G, S, num_splits,
                    block_r, block_k, kind, block_size, qk_scale):
     acc_ref, m_ref, l_ref = refs[-3:]
     ri, sj = pl.program_id(2), pl.program_id(3)
@@ -280,10 +280,15 @@ def _window_kernel(start_ref, qoff_ref, kvl_ref, q_ref, k_ref, v_ref, *refs, T, 
     rows_p = qoff + lax.div(r0 + lax.broadcasted_iota(jnp.int32, (block_r,), 0), G)  # [br]
     p_first = qoff + lax.div(r0, G)
     p_last = qoff + lax.div(jnp.minimum(r0 + (block_r - 1), T * G - 1), G)
-    lo_slot = sj * split_len
+    # Split the tiles this row tile can see, [start, horizon of its last query), evenly over the
+    # splits: the work follows kv_len at run time, not the static cache length S.
+    first = lax.div(start, block_k)
+    last = jnp.maximum(_cdiv(jnp.minimum(_end(p_last, kind, block_size, kvl), S), block_k), first)
+    per_split = _cdiv(last - first, num_splits)
+    lo_slot = (first + sj * per_split) * block_k
     bounds = _tile_bounds(start=start, kvl=kvl, p_first=p_first, p_last=p_last, lo_slot=lo_slot,
-                          hi_slot=jnp.minimum(lo_slot + split_len, S), block_k=block_k, kind=kind,
-                          block_size=block_size)
+                          hi_slot=jnp.minimum(lo_slot + per_split * block_k, S), block_k=block_k,
+                          kind=kind, block_size=block_size)
     acc, m, l = _attend(q_ref[...], rows_p, k_ref, v_ref, bounds, start=start, kvl=kvl,
                         block_k=block_k, kind=kind, block_size=block_size, qk_scale=qk_scale)
     acc_ref[...] = acc
@@ -303,10 +308,12 @@ def window_attention(q, k, v, *, start, q_offset=0, kv_len=None, kind="causal", 
     """Flash-decoding attention of a short window q [B, T, H, D] over k/v [B, S, KV, D].
 
     Rows of a program are (query, head-in-group) pairs, r = t * G + g, so each
-    key tile is read once per KV head; keys are split over `tiles.num_splits`
-    programs and the partial (acc, max, sum) are merged here in XLA. K/V are
-    copied only when S is not a multiple of the key tile. `poison=True`
-    pre-fills the partial buffers with NaN.
+    key tile is read once per KV head. The key tiles a row tile can see,
+    [start, min(horizon, kv_len)), are divided evenly at run time over
+    `tiles.num_splits` programs (so a short kv_len in a long cache still uses
+    every program) and the partial (acc, max, sum) are merged here in XLA.
+    K/V are copied only when S is not a multiple of the key tile.
+    `poison=True` pre-fills the partial buffers with NaN.
     """
     backend = backend or default_backend()
     B, T, H, D = q.shape
@@ -329,7 +336,7 @@ def window_attention(q, k, v, *, start, q_offset=0, kv_len=None, kind="causal", 
     qp = _pad_axis(qp, 2, Rp)  # [B, KV, Rp, Dp]
     start, qoff, kvl = _scalars(start, q_offset, kv_len, B, S)
 
-    kernel = functools.partial(_window_kernel, T=T, G=G, S=S, split_len=split_tiles * bk,
+    kernel = functools.partial(_window_kernel, T=T, G=G, S=S, num_splits=ns,
                                block_r=br, block_k=bk, kind=kind, block_size=block_size,
                                qk_scale=scale * LOG2E)
     row = pl.BlockSpec((None,), lambda b, h, r, s: (b,))
