@@ -58,6 +58,11 @@ def _window(params, tokens, cache, offset, *, cfg):
 
 
 def _full(params, cfg, tokens, mask=None):
+    return _full_jit(params, tokens, mask, cfg=cfg)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",))
+def _full_jit(params, tokens, mask, *, cfg):
     pos = default_positions(START, 0, tokens.shape[1])
     return forward(params, cfg, tokens, pos, start=START, attn_impl="xla", attn_mask=mask)[0]
 
