@@ -1,0 +1,378 @@
+"""`masked_diffusion`: LLaDA / Dream / Fast-dLLM semi-autoregressive denoising on bidirectional models.
+
+The generation region (gen_length slots after the prompt, all mask at first)
+is split into `gen_length / block_length` blocks decoded left to right. Each
+step runs the model, predicts every masked position of the current block and
+reveals some of them:
+
+- LLaDA (`alg=None`): `steps / num_blocks` steps per block; step i reveals
+  the k_i most confident masked positions, k from LLaDA's linear schedule
+  (`transfer_schedule`). Confidence (`remasking`): `low_confidence` = the
+  temperature-1 softmax probability of the predicted token, `random` = a
+  uniform draw. Optional classifier-free guidance: a second forward with the
+  prompt replaced by mask tokens, logits = un + (cfg_scale + 1) (cond - un).
+- Dream (`alg=...`, logits shifted by one where the model has `logit_shift`):
+  per block, timesteps t = linspace(1, eps, steps_per_block + 1); step i
+  reveals floor(n_masked * (1 - t[i+1] / t[i])) positions (all on the last
+  step) ranked by `maskgit_plus` (top-1 prob), `topk_margin` (top-1 minus
+  top-2 prob) or `entropy` (negative entropy) of the sampled distribution;
+  `origin` reveals each masked position with probability 1 - t[i+1] / t[i]
+  (~ 1 / remaining steps) in random order. (Dream averages the masked count
+  over the batch; here each row uses its own, so a row in a batch decodes
+  exactly as it does alone.)
+- Fast-dLLM `confidence_threshold`: instead of a schedule, each step reveals
+  the most confident masked position of the block plus every one whose
+  confidence is >= the threshold, until the block is full.
+
+Sampling. Temperature T > 0 draws tokens by Gumbel-max. LLaDA computes
+argmax(exp(l) / E^T) with E = -log(u) ~ Exp(1) in float64, because exp(l)
+overflows float32; the monotone log of that is argmax(l - T log E) =
+argmax(l + T g), g = -log E a standard Gumbel, which float32 evaluates without
+overflow and with the same argmax (up to ties at float32 resolution; a test
+checks it against numpy float64). Float64's other gift is the noise tail: a
+float32 uniform u is never closer to 1 than 2^-24, which caps g at ~16.6 (and a
+150k vocabulary hits that cap about once per hundred positions). So E is drawn
+by inverse CDF from 64 random bits with both halves of u kept in relative
+precision (`exponential_from_bits`): g reaches ~45, past float64's own ~36.7.
+A token's log-prob is taken under softmax(l / T), the distribution Gumbel-max
+samples from. The mask token is never proposed. top_k / top_p (Dream) cut
+tokens before the draw.
+
+Caches (Fast-dLLM; the K/V of a bidirectional model depend on every token, so
+both are approximations, refreshed by one full forward over the canvas at the
+first step of each block, which also reveals):
+- `prefix`: later steps of the block run only slots [block start, S) against
+  the cached prompt and finished blocks (one compiled window width per block).
+- `dual`: later steps run only the block against the cached prefix *and*
+  suffix (`model.forward(kv_len=S)` makes the cached suffix visible).
+For shifted-logit models the window starts one slot earlier, so the block's
+first position is predicted from fresh logits. A one-layer model's K/V depend
+only on the token at their own slot, so there both caches are exact (a test
+uses this); deeper models deviate, and `benchmarks/decode.py` measures it.
+
+Batches: rows are left-padded (`start`) so every row's generation starts at
+slot P and blocks line up; the batch moves to the next block once every
+running row has filled the current one (a row that is done with it idles: no
+forward counted, no step, PRNG stream untouched), so each row decodes exactly
+as it would alone. Rows stop at the first stop token (tokens after it are not
+returned). Supported models: bidirectional with a mask token (LLaDA, Dream);
+block-causal models (SDAR, Fast-dLLM v2) use `BlockDiffusion` / `MultiBlock`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jdllm import errors
+from jdllm.decode import common
+from jdllm.model import default_positions, forward
+from jdllm.sampling import Sample, distribution_stats, exclude_token, filter_logits, split_rows
+from jdllm.state import DecodeState, slot_index
+
+REMASKING = ("low_confidence", "random")
+CACHES = ("none", "prefix", "dual")
+ALGS = ("origin", "maskgit_plus", "topk_margin", "entropy")
+
+
+# --------------------------------------------------------------------------- noise
+def exponential_from_bits(bits: jax.Array) -> jax.Array:
+    """Exp(1) samples from uint32 bits [..., 2], by inverse CDF with float64-like tails.
+
+    The top bit picks the half of u ~ U(0, 1): u = a / 2 or u = 1 - a / 2, with
+    a in (0, 1) built from the other 63 bits so it keeps relative precision down
+    to 2^-63. Then E = -log(u) (large-E side) or -log1p(-a / 2) (small-E side):
+    both ends of the distribution are resolved, unlike -log of a float32 u.
+    """
+    w1, w0 = bits[..., 0], bits[..., 1]
+    coin = (w1 >> 31) == 1
+    hi = (w1 & jnp.uint32(0x7FFFFFFF)).astype(jnp.float32)
+    lo = w0.astype(jnp.float32) + 0.5
+    half_a = (hi + lo * 2.0 ** -32) * 2.0 ** -32  # a / 2 in (0, 1/2)
+    return jnp.where(coin, -jnp.log(half_a), -jnp.log1p(-half_a))
+
+
+def exponential_noise(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+    """float32 Exp(1) noise of `shape` (E = -log u of LLaDA's Gumbel trick)."""
+    return exponential_from_bits(jax.random.bits(key, (*shape, 2), jnp.uint32))
+
+
+def gumbel_argmax(logits: jax.Array, exp_noise: jax.Array, temperature: float) -> jax.Array:
+    """argmax(logits + T * g), g = -log(E): LLaDA's argmax(exp(logits) / E^T) in log space."""
+    return jnp.argmax(logits - temperature * jnp.log(exp_noise), axis=-1).astype(jnp.int32)
+
+
+# --------------------------------------------------------------------------- schedules
+def transfer_schedule(block_length: int, steps: int) -> np.ndarray:
+    """LLaDA's `get_num_transfer_tokens` for one all-mask block: base = n // steps,
+    the remainder spread over the first steps. [steps] int32, sums to n."""
+    base, rem = divmod(block_length, steps)
+    return (base + (np.arange(steps) < rem)).astype(np.int32)
+
+
+def dream_ratios(steps: int, eps: float) -> np.ndarray:
+    """Dream's reveal fraction per step, 1 - t[i+1] / t[i] for t = linspace(1, eps, steps + 1);
+    the last step reveals everything (1.0). [steps] float32."""
+    t = np.linspace(1.0, eps, steps + 1)
+    r = 1.0 - t[1:] / t[:-1]
+    r[-1] = 1.0
+    return r.astype(np.float32)
+
+
+# --------------------------------------------------------------------------- config
+@dataclasses.dataclass(frozen=True)
+class MaskedDiffusion:
+    """Masked-diffusion decoding over bidirectional models (LLaDA, Dream, Fast-dLLM).
+
+    gen_length: canvas of generated slots (None = Sampling.max_new_tokens; when set,
+      max_new_tokens must be >= it). block_length: semi-autoregressive block (None =
+      gen_length, one block); must divide gen_length. steps: total denoising steps
+      (None = gen_length), a multiple of the number of blocks; steps / num_blocks per
+      block. remasking: LLaDA's `low_confidence` or `random`. alg: Dream's `origin`,
+      `maskgit_plus`, `topk_margin` or `entropy` (None = LLaDA schedule); eps: Dream's
+      final timestep. confidence_threshold: Fast-dLLM parallel decoding in (0, 1]
+      (None = the step schedule). cache: `none`, `prefix` or `dual` (Fast-dLLM).
+      cfg_scale: classifier-free guidance (0 = off; needs cache="none").
+    """
+
+    name: ClassVar[str] = "masked_diffusion"
+
+    gen_length: int | None = None
+    steps: int | None = None
+    block_length: int | None = None
+    remasking: str = "low_confidence"
+    confidence_threshold: float | None = None
+    cache: str = "none"
+    cfg_scale: float = 0.0
+    alg: str | None = None
+    eps: float = 1e-3
+
+    def __post_init__(self):
+        for f in ("gen_length", "steps", "block_length"):
+            v = getattr(self, f)
+            if v is not None and (int(v) != v or v < 1):
+                raise errors.DecodingConfigError(f"{f}={v} must be an integer >= 1 (or None)")
+        if self.remasking not in REMASKING:
+            raise errors.DecodingConfigError(f"remasking={self.remasking!r} is not one of {REMASKING}")
+        if self.alg is not None and self.alg not in ALGS:
+            raise errors.DecodingConfigError(f"alg={self.alg!r} is not one of {ALGS} (or None for LLaDA)")
+        if self.alg is not None and self.remasking == "random":
+            raise errors.DecodingConfigError(
+                f"remasking='random' is LLaDA's; with alg={self.alg!r} (Dream) leave remasking at its default")
+        if self.cache not in CACHES:
+            raise errors.DecodingConfigError(f"cache={self.cache!r} is not one of {CACHES}")
+        t = self.confidence_threshold
+        if t is not None:
+            if not 0 < t <= 1:
+                raise errors.DecodingConfigError(f"confidence_threshold={t} must be in (0, 1] (or None)")
+            if self.remasking == "random" or self.alg in ("origin", "entropy"):
+                raise errors.DecodingConfigError(
+                    f"confidence_threshold needs a probability-like confidence; remasking={self.remasking!r}, "
+                    f"alg={self.alg!r} has none: use remasking='low_confidence' or alg='maskgit_plus' / "
+                    "'topk_margin'")
+        if not self.cfg_scale >= 0:
+            raise errors.DecodingConfigError(f"cfg_scale={self.cfg_scale} must be >= 0 (0 = off)")
+        if self.cfg_scale > 0 and self.cache != "none":
+            raise errors.DecodingConfigError(
+                f"cfg_scale={self.cfg_scale} needs cache='none' (got cache={self.cache!r}): the "
+                "unconditional pass has no cache")
+        if not 0 < self.eps < 1:
+            raise errors.DecodingConfigError(f"eps={self.eps} must be in (0, 1)")
+        if self.gen_length is not None:
+            self.geometry(self.gen_length)
+
+    # ----------------------------------------------------------------- host side
+    def geometry(self, gen_length: int) -> tuple[int, int, int]:
+        """(block_length, num_blocks, steps_per_block) for a canvas of gen_length slots."""
+        G = int(gen_length)
+        Bl = G if self.block_length is None else int(self.block_length)
+        if G % Bl:
+            raise errors.DecodingConfigError(
+                f"block_length={Bl} must divide gen_length={G}; pick a divisor or change gen_length "
+                "(max_new_tokens when gen_length=None)")
+        nb = G // Bl
+        steps = G if self.steps is None else int(self.steps)
+        if steps % nb:
+            raise errors.DecodingConfigError(
+                f"steps={steps} must be a multiple of the number of blocks {nb} (gen_length={G} / "
+                f"block_length={Bl})")
+        return Bl, nb, steps // nb
+
+    def validate(self, cfg) -> None:
+        if cfg.mask_token_id is None:
+            raise errors.DecodingConfigError(
+                "paradigm 'masked_diffusion' needs a model with a mask token (mask_token_id is None); "
+                "use jdllm.AR for autoregressive models")
+        if cfg.attention != "bidirectional":
+            raise errors.DecodingConfigError(
+                f"paradigm 'masked_diffusion' needs a bidirectional model (LLaDA, Dream), this one has "
+                f"attention={cfg.attention!r}; use jdllm.BlockDiffusion or jdllm.MultiBlock for "
+                "block-causal models")
+
+    def layout(self, lengths: np.ndarray, max_new_tokens: int, cfg) -> common.Layout:
+        """Left padding to P = bucket(longest prompt): generation is slots [P, P + gen_length)
+        in every row. S is exactly P + gen_length: a bidirectional model sees every slot."""
+        G = int(max_new_tokens if self.gen_length is None else self.gen_length)
+        if max_new_tokens < G:
+            raise errors.DecodingConfigError(
+                f"max_new_tokens={max_new_tokens} < gen_length={G}; raise max_new_tokens or set "
+                "gen_length=None (then gen_length = max_new_tokens)")
+        self.geometry(G)
+        lengths = np.asarray(lengths, np.int64)
+        P = common.bucket(int(lengths.max()))
+        return common.Layout(start=(P - lengths).astype(np.int32), gen_start=np.full(len(lengths), P, np.int32),
+                             slots=P + G, prefill_len=P)
+
+    def max_iterations(self, state: DecodeState) -> int:
+        return 2 * state.slots + 8  # <= max(steps_per_block, block_length) per block; a guard
+
+    # ----------------------------------------------------------------- device side
+    def prefill(self, params, ctx, state: DecodeState) -> DecodeState:
+        """No forward here: the first step's forward is the first refresh."""
+        zero = jnp.zeros((), jnp.int32)
+        return state.replace(extra={"block": zero, "i": zero})
+
+    def _full_logits(self, params, ctx, state: DecodeState, with_cache: bool):
+        """Raw logits [B, S, V] of the whole canvas (and the cache refreshed when with_cache)."""
+        S = state.slots
+        pos = default_positions(state.start, 0, S)
+        if self.cfg_scale > 0:
+            prompt = slot_index(state) < state.gen_start[:, None]
+            un = jnp.where(prompt, jnp.int32(ctx.model.mask_token_id), state.tokens)
+            both, _ = forward(params, ctx.model, jnp.concatenate([state.tokens, un]), jnp.concatenate([pos, pos]),
+                              start=jnp.concatenate([state.start, state.start]), attn_impl=ctx.attn_impl)
+            cond, unc = both[:state.batch], both[state.batch:]
+            return unc + (self.cfg_scale + 1.0) * (cond - unc), state.replace(forwards=state.forwards + 2)
+        if not with_cache:
+            raw, _ = forward(params, ctx.model, state.tokens, pos, start=state.start, attn_impl=ctx.attn_impl)
+            return raw, state.replace(forwards=state.forwards + 1)
+        raw, cache = forward(params, ctx.model, state.tokens, pos, start=state.start, cache=state.cache, offset=0,
+                             attn_impl=ctx.attn_impl)
+        return raw, state.replace(cache=cache, forwards=state.forwards + 1)
+
+    def _window_logits(self, params, ctx, state: DecodeState, lo, width: int, kv_len=None):
+        """Raw logits [B, width, V] of slots [lo, lo + width) against the cache."""
+        toks = common.window(state.tokens, lo, width)
+        pos = default_positions(state.start, lo, width)
+        raw, cache = forward(params, ctx.model, toks, pos, start=state.start, cache=state.cache, offset=lo,
+                             attn_impl=ctx.attn_impl, kv_len=kv_len)
+        return raw, state.replace(cache=cache, forwards=state.forwards + 1)
+
+    def _block_logits(self, params, ctx, state: DecodeState, blk, i, Bl: int, nb: int):
+        """Aligned logits [B, Bl, V] predicting the tokens of block `blk`, per the cache mode."""
+        P, S = ctx.prefill_len, state.slots
+        shift = int(ctx.model.logit_shift)
+        b0 = P + blk * Bl
+        if self.cache == "none":
+            raw, state = self._full_logits(params, ctx, state, False)
+            return common.window(raw, b0 - shift, Bl), state
+
+        def full(st):
+            raw, st = self._full_logits(params, ctx, st, True)
+            return common.window(raw, b0 - shift, Bl), st
+
+        if self.cache == "dual":
+            def win(st):
+                raw, st = self._window_logits(params, ctx, st, b0 - shift, Bl + shift, kv_len=S)
+                return raw[:, :Bl], st
+        else:
+            def branch(k):
+                lo = P + k * Bl - shift  # static per block: window [lo, S)
+
+                def run(st):
+                    raw, st = self._window_logits(params, ctx, st, lo, S - lo)
+                    return raw[:, :Bl], st
+                return run
+
+            def win(st):
+                return jax.lax.switch(jnp.clip(blk, 0, nb - 1), [branch(k) for k in range(nb)], st)
+
+        return jax.lax.cond(i == 0, full, win, state)
+
+    def _sample(self, ctx, logits: jax.Array, exp_noise):
+        """Tokens and statistics from aligned logits [B, W, V] (mask token excluded).
+
+        Returns (Sample under the distribution sampled from, conf1 = temperature-1
+        probability of the token (LLaDA's confidence), the sampled distribution's
+        filtered logits zt)."""
+        T = ctx.temperature
+        z = exclude_token(logits, ctx.model.mask_token_id)
+        zt = filter_logits(z, temperature=T, top_k=ctx.top_k, top_p=ctx.top_p)  # [B, W, V]
+        if T > 0:
+            tok = gumbel_argmax(jnp.where(jnp.isfinite(zt), z, -jnp.inf), exp_noise, T)
+        else:
+            tok = jnp.argmax(zt, axis=-1).astype(jnp.int32)
+        s = distribution_stats(zt, tok)
+        conf1 = jnp.exp(jnp.take_along_axis(jax.nn.log_softmax(z, axis=-1), tok[..., None], axis=-1)[..., 0])
+        return s, conf1, zt
+
+    def step(self, params, ctx, state: DecodeState, bitmask=None) -> DecodeState:
+        P, S = ctx.prefill_len, state.slots
+        Bl, nb, spb = self.geometry(S - P)
+        blk, i = state.extra["block"], state.extra["i"]
+        # the batch moves on once no running row has a masked slot left in the current block
+        filled = ~jnp.any(common.candidates(state, P + blk * Bl, Bl))
+        blk = jnp.minimum(jnp.where(filled, blk + 1, blk), nb - 1)
+        i = jnp.where(filled, 0, i)
+        b0 = P + blk * Bl
+        cand = common.candidates(state, b0, Bl)  # [B, Bl]
+        work = jnp.any(cand, axis=-1)  # [B]
+
+        logits, state = self._block_logits(params, ctx, state, blk, i, Bl, nb)
+        state = common.count_forward(state, work)
+        if self.cfg_scale > 0:
+            state = common.count_forward(state, work)
+
+        # per-row noise; a row's stream advances only when it has work
+        nxt, sub = split_rows(state.key)
+        keep = jax.random.key_data(state.key)
+        key = jax.random.wrap_key_data(jnp.where(work[:, None], jax.random.key_data(nxt), keep),
+                                       impl=jax.random.key_impl(state.key))
+        state = state.replace(key=key)
+        V = logits.shape[-1]
+        exp_noise = None
+        if ctx.temperature > 0:
+            exp_noise = jax.vmap(lambda k: exponential_noise(jax.random.fold_in(k, 0), (Bl, V)))(sub)
+        uniform = jax.vmap(lambda k: jax.random.uniform(jax.random.fold_in(k, 1), (Bl,)))(sub)  # [B, Bl]
+        if bitmask is not None:
+            from jdllm.sampling import apply_token_bitmask  # noqa: PLC0415
+            logits = apply_token_bitmask(logits, bitmask)
+
+        s, conf1, zt = self._sample(ctx, logits, exp_noise)
+        last = i >= spb - 1
+        if self.alg is None:
+            conf = uniform if self.remasking == "random" else conf1
+            if self.confidence_threshold is not None:
+                sel = common.select_threshold(cand, conf, self.confidence_threshold)
+            else:
+                k = jnp.asarray(transfer_schedule(Bl, spb))[jnp.minimum(i, spb - 1)]
+                sel = common.select_top_k(cand, conf, jnp.where(i >= spb, Bl, k))
+        else:
+            ratio = jnp.where(last, 1.0, jnp.asarray(dream_ratios(spb, self.eps))[jnp.minimum(i, spb - 1)])
+            if self.alg == "origin":
+                sel = cand & (uniform < ratio)
+            else:
+                if self.alg == "maskgit_plus":
+                    conf = s.prob
+                elif self.alg == "topk_margin":
+                    top2 = jnp.exp(jax.lax.top_k(jax.nn.log_softmax(zt, axis=-1), 2)[0])  # [B, Bl, 2]
+                    conf = top2[..., 0] - top2[..., 1]
+                else:
+                    conf = -s.entropy
+                if self.confidence_threshold is not None:
+                    sel = common.select_threshold(cand, conf, self.confidence_threshold)
+                else:
+                    n = jnp.sum(cand, axis=-1).astype(jnp.float32)  # [B]
+                    k = jnp.where(last, n, jnp.floor(n * ratio)).astype(jnp.int32)
+                    sel = common.select_top_k(cand, conf, k)
+        state = common.reveal(state, b0, sel, Sample(s.token, s.prob, s.entropy, s.logprob))
+        state = common.finish_rows(state, ctx.stop_ids)
+        return state.replace(extra={"block": blk, "i": i + 1})
+
+
+__all__ = ["MaskedDiffusion", "REMASKING", "CACHES", "ALGS", "transfer_schedule", "dream_ratios",
+           "exponential_from_bits", "exponential_noise", "gumbel_argmax"]
