@@ -10,12 +10,25 @@ from __future__ import annotations
 import functools
 
 import jax
+import pytest
 
 from jdllm.config import ModelConfig
 from jdllm.loading import Model
 from jdllm.model import init_params
 
 VOCAB = 96
+# the tests compile many small decode loops on a shared 2-core CPU: LLVM opt level 0
+# halves XLA compile time (same HLO, same float semantics), and the runs are tiny
+FAST_COMPILE = (("xla_backend_optimization_level", 0),)
+
+
+@pytest.fixture
+def fast_compile(monkeypatch):
+    """Route jdllm.generate through a decode jit compiled with FAST_COMPILE (this test only)."""
+    from jdllm.decode import loop
+
+    monkeypatch.setattr(loop, "decode", loop.compiled(FAST_COMPILE))
+
 MASK = VOCAB - 1
 
 

@@ -18,7 +18,8 @@ import numpy as np
 from jdllm.model import forward
 
 
-@functools.partial(jax.jit, static_argnames=("cfg",))
+@functools.partial(jax.jit, static_argnames=("cfg",),
+                   compiler_options={"xla_backend_optimization_level": 0})  # compile time matters here
 def _forward_full(params, tokens, *, cfg):
     T = tokens.shape[1]
     pos = jax.numpy.arange(T, dtype=jax.numpy.int32)[None]
@@ -138,8 +139,9 @@ def block_diffusion_reference(params, cfg, prompt, *, block_length, denoising_st
                 break
             raw = full_logits(params, cfg, canvas[:block + B])
             denoise_fw += 1
-            if cfg.logit_shift:
-                logits = raw[block - 1:block + B - 1]
+            if cfg.logit_shift:  # position p is predicted at p - 1 (position 0 is never generated)
+                raw = np.concatenate([np.zeros_like(raw[:1]), raw], axis=0)
+                logits = raw[block:block + B]
             else:
                 logits = raw[block:block + B]
             tok, conf, ent, lp = _distribution(logits, mask)

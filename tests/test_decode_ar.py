@@ -6,8 +6,10 @@ import numpy as np
 import pytest
 
 import jdllm
-from tests.decode_fixtures import causal_model
+from tests.decode_fixtures import causal_model, fast_compile  # noqa: F401 (fast_compile: fixture)
 from tests.reference_decoders import ar_reference
+
+pytestmark = pytest.mark.usefixtures("fast_compile")
 
 PROMPTS = [[5, 17, 3, 44, 9, 12, 60], [70, 2, 31], [8, 8, 21, 55, 90, 13, 4, 4, 27, 66, 1, 30]]
 MAX_NEW = 12

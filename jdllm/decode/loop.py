@@ -131,7 +131,15 @@ def run(params, state: DecodeState, *, paradigm, ctx: DecodeCtx) -> DecodeState:
     return jax.lax.while_loop(cond, body, state)
 
 
-@functools.partial(jax.jit, static_argnames=("paradigm", "ctx"), donate_argnames=("state",))
-def decode(params, state: DecodeState, *, paradigm, ctx: DecodeCtx) -> DecodeState:
-    """`run` compiled once per (paradigm config, context, shape bucket); the state is donated."""
-    return run(params, state, paradigm=paradigm, ctx=ctx)
+@functools.lru_cache(maxsize=None)
+def compiled(compiler_options: tuple[tuple[str, object], ...] = ()):
+    """`run` under jax.jit: one compile per (paradigm config, context, shape bucket), state donated.
+
+    compiler_options: XLA options as (name, value) pairs, e.g.
+    (("xla_backend_optimization_level", 0),) to trade run time for compile time.
+    """
+    return jax.jit(run, static_argnames=("paradigm", "ctx"), donate_argnames=("state",),
+                   compiler_options=dict(compiler_options) or None)
+
+
+decode = compiled()  # what jdllm.generate calls

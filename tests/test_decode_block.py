@@ -1,0 +1,103 @@
+"""`block_diffusion` paradigm against the plain-loop SDAR reference, fused vs unfused commit."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jdllm
+from jdllm.decode.block_diffusion import STRATEGIES
+from tests.decode_fixtures import MASK, block_model, fast_compile  # noqa: F401 (fast_compile: fixture)
+from tests.reference_decoders import block_diffusion_reference
+
+pytestmark = pytest.mark.usefixtures("fast_compile")
+
+B = 4
+PROMPTS = [[5, 17, 3, 44, 9, 12], [70, 2, 31], [8, 21, 55, 90, 13, 4, 27, 66, 1],
+           [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23]]
+MAX_NEW = 13
+KW = dict(block_length=B, denoising_steps=2, confidence_threshold=0.7, eb_threshold=0.5)
+
+
+def _bd(strategy, **kw):
+    return jdllm.BlockDiffusion(strategy=strategy, **{**KW, **kw})
+
+
+def _ref(m, prompt, strategy, **kw):
+    return block_diffusion_reference(m.params, m.config, prompt, strategy=strategy, max_new_tokens=MAX_NEW,
+                                     **{**KW, **kw})
+
+
+def _check(out, ref, fused=True):
+    assert out.token_ids == ref["tokens"]
+    assert out.step_map == ref["step_map"]
+    np.testing.assert_allclose(out.logprobs, ref["logprobs"], atol=2e-4, rtol=1e-4)
+    assert out.nfe == (ref["nfe_fused"] if fused else ref["nfe"])
+    assert out.finish_reason == ref["finish"]
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_strategy_matches_reference_batch1_and_batch(strategy):
+    m = block_model()
+    sampling = jdllm.Sampling(max_new_tokens=MAX_NEW, stop_token_ids=())
+    refs = [_ref(m, p, strategy) for p in PROMPTS]
+    (solo,) = jdllm.generate(m, [PROMPTS[0]], _bd(strategy), sampling)
+    _check(solo, refs[0])
+    outs = jdllm.generate(m, PROMPTS, _bd(strategy), sampling)
+    for out, ref in zip(outs, refs):
+        _check(out, ref)
+        assert MASK not in out.token_ids and len(out.token_ids) == MAX_NEW
+    if strategy in ("low_confidence_static", "sequential"):  # k = block / steps per step
+        assert all(max(np.bincount(o.step_map)) == B // KW["denoising_steps"] for o in outs)
+
+
+def test_fused_commit_equals_unfused_with_one_forward_less_per_block():
+    m = block_model()
+    sampling = jdllm.Sampling(max_new_tokens=MAX_NEW, stop_token_ids=())
+    fused = jdllm.generate(m, PROMPTS, _bd("low_confidence_dynamic"), sampling)
+    unfused = jdllm.generate(m, PROMPTS, _bd("low_confidence_dynamic", fuse_commit=False), sampling)
+    for p, f, u in zip(PROMPTS, fused, unfused):
+        assert f.token_ids == u.token_ids and f.step_map == u.step_map
+        np.testing.assert_allclose(f.logprobs, u.logprobs, atol=1e-5)
+        first = len(p) // B  # block index (positions) of the first decode block
+        last = (len(p) + len(f.token_ids) - 1) // B
+        commits = (last - first) + int(first > 0)  # filled blocks committed, prompt blocks included
+        assert u.nfe - f.nfe == commits > 0
+        _check(u, _ref(m, p, "low_confidence_dynamic"), fused=False)
+
+
+def test_stop_token_ends_rows_early():
+    m = block_model()
+    free = _ref(m, PROMPTS[0], "low_confidence_dynamic")
+    stop = free["tokens"][5]
+    sampling = jdllm.Sampling(max_new_tokens=MAX_NEW, stop_token_ids=(stop,))
+    outs = jdllm.generate(m, PROMPTS, _bd("low_confidence_dynamic"), sampling)
+    refs = [_ref(m, p, "low_confidence_dynamic", stop_ids=(stop,)) for p in PROMPTS]
+    assert refs[0]["finish"] == "stop"
+    for out, ref in zip(outs, refs):
+        _check(out, ref)
+        if out.finish_reason == "stop":
+            assert out.token_ids[-1] == stop and stop not in out.token_ids[:-1]
+
+
+def test_shifted_logit_model_matches_reference():
+    m = block_model(seed=2, logit_shift=True)
+    sampling = jdllm.Sampling(max_new_tokens=MAX_NEW, stop_token_ids=())
+    outs = jdllm.generate(m, PROMPTS, _bd("low_confidence_dynamic"), sampling)
+    for p, out in zip(PROMPTS, outs):
+        _check(out, _ref(m, p, "low_confidence_dynamic"))
+
+
+def test_mask_token_is_never_proposed():
+    m = block_model()
+    # make the mask token the model's favourite everywhere: it must still never be revealed
+    head = m.params["lm_head"].at[:, MASK].set(50.0 * jnp.abs(m.params["lm_head"]).max())
+    biased = dataclasses.replace(m, params={**m.params, "lm_head": head})
+    (out,) = jdllm.generate(biased, [PROMPTS[0]], _bd("low_confidence_dynamic"),
+                            jdllm.Sampling(max_new_tokens=MAX_NEW, stop_token_ids=()))
+    assert MASK not in out.token_ids and len(out.token_ids) == MAX_NEW
+    ref = _ref(biased, PROMPTS[0], "low_confidence_dynamic")
+    _check(out, ref)

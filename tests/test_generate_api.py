@@ -1,0 +1,120 @@
+"""generate(): compile reuse across calls, the pure function under a user's jit, text prompts,
+the CLI, and bad input rejected before anything compiles."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+import jdllm
+from jdllm import cli, errors
+from jdllm.api import decode, outputs, prepare
+from jdllm.decode import loop
+from tests.decode_fixtures import block_model, causal_model, fast_compile  # noqa: F401 (fixture)
+
+pytestmark = pytest.mark.usefixtures("fast_compile")
+
+BD = jdllm.BlockDiffusion(block_length=4, denoising_steps=2, confidence_threshold=0.7)
+
+
+def _traces():
+    return sum(loop.TRACES.values()), loop.decode._cache_size()
+
+
+def test_second_call_with_same_buckets_does_not_retrace():
+    m = causal_model()
+    jdllm.generate(m, [[1, 2, 3], [4, 5, 6, 7, 8]], jdllm.AR(), jdllm.Sampling(max_new_tokens=10))
+    before = _traces()
+    # other prompt lengths and max_new_tokens, same buckets (prompt <= 16, new <= 16, batch 2)
+    outs = jdllm.generate(m, [[9] * 7, [3] * 12], jdllm.AR(), jdllm.Sampling(max_new_tokens=14, seed=5))
+    assert [len(o.token_ids) for o in outs] == [14, 14]
+    assert _traces() == before
+    jdllm.generate(m, [[9] * 20, [3]], jdllm.AR(), jdllm.Sampling(max_new_tokens=10))  # prompt bucket 32
+    assert _traces()[0] == before[0] + 1 and _traces()[1] == before[1] + 1
+
+    b = block_model()
+    jdllm.generate(b, [[1, 2, 3, 4, 5, 6], [7, 8, 9]], BD, jdllm.Sampling(max_new_tokens=13))
+    before = _traces()
+    jdllm.generate(b, [[1, 2, 3, 4, 5, 6, 7], [8, 9]], BD, jdllm.Sampling(max_new_tokens=11))
+    assert _traces() == before
+
+
+def test_pure_decode_inside_a_user_jit_equals_generate():
+    b = block_model()
+    prompts = [[5, 17, 3, 44, 9, 12], [70, 2, 31]]
+    sampling = jdllm.Sampling(max_new_tokens=9, stop_token_ids=())
+    prep = prepare(b, prompts, BD, sampling)
+
+    @jax.jit
+    def user_fn(params, state):
+        final = decode(params, state, paradigm=prep.paradigm, ctx=prep.ctx)
+        return final, final.tokens.sum()  # the user's own computation on the trajectory
+
+    final, _ = user_fn(b.params, prep.state)
+    mine = outputs(prep, final)
+    ref = jdllm.generate(b, prompts, BD, sampling)
+    assert [o.token_ids for o in mine] == [o.token_ids for o in ref]
+    assert [o.step_map for o in mine] == [o.step_map for o in ref]
+    assert [o.nfe for o in mine] == [o.nfe for o in ref]
+
+
+def test_text_prompts_outputs_and_cli(tmp_path, capsys):
+    from tests.hf_fixtures import build_model_dir
+
+    d = str(tmp_path / "sdar")
+    build_model_dir("sdar", d, tokenizer=True, vocab_size=128, max_position_embeddings=128)
+    m = jdllm.load(d, dtype="float32", attn_impl="xla")
+    prompts = ["the quick brown fox", "hello world"]
+    outs = jdllm.generate(m, prompts, BD, jdllm.Sampling(max_new_tokens=7))
+    for p, o in zip(prompts, outs):
+        assert o.prompt_ids == m.tokenizer.encode(p, add_special_tokens=False)
+        assert o.text == m.tokenizer.decode(o.token_ids, skip_special_tokens=True)
+        assert len(o.step_map) == len(o.logprobs) == len(o.token_ids) >= 1
+        assert o.finish_reason in ("stop", "length") and o.nfe >= 1
+        assert (o.finish_reason == "stop") == (o.token_ids[-1] in m.config.eos_token_ids)
+    with pytest.raises(errors.InputError, match="chat template"):
+        jdllm.generate(m, prompts, BD, apply_chat_template=True)
+
+    rc = cli.main(["generate", d, "--prompt", prompts[0], "--paradigm", "block_diffusion",
+                   "--block-length", "4", "--denoising-steps", "2", "--confidence-threshold", "0.7",
+                   "--max-new-tokens", "7", "--show-steps"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert outs[0].text in out
+    shown = [line for line in out.splitlines() if line.startswith("step ")]
+    assert len(shown) == max(outs[0].step_map)  # one line per step, tokens grouped by step
+    rc = cli.main(["generate", d, "--prompt", "x", "--paradigm", "block_diffusion", "--denoising-steps", "3"])
+    assert rc == 2 and "denoising_steps=3" in capsys.readouterr().err
+
+
+def _no_compile(fn, exc, match):
+    before = _traces()
+    with pytest.raises(exc, match=match):
+        fn()
+    assert _traces() == before
+
+
+def test_bad_input_raises_before_compiling():
+    c, b = causal_model(), block_model()
+    ok = jdllm.Sampling(max_new_tokens=4)
+    _no_compile(lambda: jdllm.generate(c, [[1, 2]], BD, ok), errors.DecodingConfigError, "mask token")
+    _no_compile(lambda: jdllm.generate(b, [[1, 2]], jdllm.AR(), ok), errors.DecodingConfigError, "causal")
+    for kw, match in [(dict(denoising_steps=3), "denoising_steps=3"), (dict(denoising_steps=8), "denoising_steps=8"),
+                      (dict(confidence_threshold=0.0), r"confidence_threshold=0.0 must be in \(0, 1\]"),
+                      (dict(confidence_threshold=1.5), "confidence_threshold=1.5"),
+                      (dict(eb_threshold=0.0), "eb_threshold"), (dict(strategy="random"), "strategy='random'"),
+                      (dict(block_length=0), "block_length=0")]:
+        _no_compile(lambda: jdllm.BlockDiffusion(**kw), errors.DecodingConfigError, match)
+    _no_compile(lambda: jdllm.generate(b, [], BD, ok), errors.InputError, "at least one prompt")
+    _no_compile(lambda: jdllm.generate(b, [[1, 2], []], BD, ok), errors.InputError, "prompt 1 is empty")
+    _no_compile(lambda: jdllm.generate(b, [[1, 2, 500]], BD, ok), errors.TokenOutOfRangeError, "500")
+    _no_compile(lambda: jdllm.generate(b, [[1] * 250], BD, jdllm.Sampling(max_new_tokens=10)),
+                errors.SequenceTooLongError, "max_position_embeddings=256")
+    _no_compile(lambda: jdllm.generate(b, ["text"], BD, ok), errors.InputError, "no tokenizer")
+    _no_compile(lambda: jdllm.generate(b, [[1]], "block_diffusion", ok), errors.DecodingConfigError,
+                "not a paradigm config")
+    with pytest.warns(UserWarning, match="block_length=8 differs from the model's trained block_size=4"):
+        prep = prepare(b, [[1, 2, 3]], jdllm.BlockDiffusion(block_length=8, denoising_steps=4), ok)
+    assert prep.ctx.model.block_size == 8  # the forward's block grid follows block_length
+    assert np.all(np.asarray(prep.state.start) % 8 == 0)

@@ -1,0 +1,125 @@
+"""Sampling: statistics against numpy, top-k / top-p supports, seeds, token bitmasks."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jdllm
+from jdllm import errors
+from jdllm.sampling import (apply_token_bitmask, row_keys, sample, sample_rows, split_rows,
+                            unpack_bitmask)
+from tests.decode_fixtures import FAST_COMPILE, fast_compile  # noqa: F401 (fast_compile: fixture)
+
+pytestmark = pytest.mark.usefixtures("fast_compile")
+
+
+def _np_log_softmax(z):
+    z = z.astype(np.float64)
+    m = z.max(-1, keepdims=True)
+    return z - m - np.log(np.exp(z - m).sum(-1, keepdims=True))
+
+
+def _logits(shape, seed=0, scale=2.0):
+    return np.asarray(scale * jax.random.normal(jax.random.key(seed), shape), np.float32)
+
+
+def test_greedy_token_and_statistics_match_numpy():
+    z = _logits((3, 5, 40))
+    s = sample(jnp.asarray(z), jax.random.key(0))
+    logp = _np_log_softmax(z)
+    tok = z.argmax(-1)
+    np.testing.assert_array_equal(np.asarray(s.token), tok)
+    lp = np.take_along_axis(logp, tok[..., None], -1)[..., 0]
+    np.testing.assert_allclose(np.asarray(s.logprob), lp, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(s.prob), np.exp(lp), atol=1e-6)
+    np.testing.assert_allclose(np.asarray(s.entropy), -(np.exp(logp) * logp).sum(-1), atol=1e-5)
+    assert s.prob.dtype == s.entropy.dtype == s.logprob.dtype == jnp.float32
+
+
+def test_temperature_frequencies_follow_softmax():
+    z = _logits((6,), seed=1, scale=1.0)
+    T, n = 0.7, 6000
+    keys = jax.random.split(jax.random.key(3), n)
+    toks = np.asarray(jax.vmap(lambda k: sample(jnp.asarray(z), k, temperature=T).token)(keys))
+    freq = np.bincount(toks, minlength=6) / n
+    np.testing.assert_allclose(freq, np.exp(_np_log_softmax(z / T)), atol=0.03)
+    # the reported log-prob is that of the tempered distribution
+    s = sample(jnp.asarray(z), keys[0], temperature=T)
+    np.testing.assert_allclose(float(s.logprob), _np_log_softmax(z / T)[int(s.token)], atol=1e-5)
+
+
+def test_top_k_and_top_p_restrict_the_support():
+    z = _logits((50,), seed=2, scale=1.5)
+    keys = jax.random.split(jax.random.key(4), 2000)
+    toks_k = np.asarray(jax.vmap(lambda k: sample(jnp.asarray(z), k, temperature=1.0, top_k=5).token)(keys))
+    top5 = set(np.argsort(-z)[:5].tolist())
+    assert set(toks_k.tolist()) == top5
+    s = sample(jnp.asarray(z), keys[0], temperature=1.0, top_k=5)  # renormalised over the top 5
+    np.testing.assert_allclose(float(s.logprob), _np_log_softmax(z[sorted(top5)])[sorted(top5).index(int(s.token))],
+                               atol=1e-5)
+    p = np.exp(_np_log_softmax(z))
+    order = np.argsort(-p)
+    nucleus = set(order[:int(np.searchsorted(np.cumsum(p[order]), 0.6) + 1)].tolist())
+    toks_p = np.asarray(jax.vmap(lambda k: sample(jnp.asarray(z), k, temperature=1.0, top_p=0.6).token)(keys))
+    assert set(toks_p.tolist()) == nucleus and len(nucleus) < 50
+
+
+def test_row_keys_seeds_and_splitting():
+    z = jnp.asarray(_logits((4, 3, 30), seed=5, scale=0.5))
+    a = sample_rows(z, row_keys(0, 4), temperature=1.0).token
+    b = sample_rows(z, row_keys(0, 4), temperature=1.0).token
+    c = sample_rows(z, row_keys(1, 4), temperature=1.0).token
+    np.testing.assert_array_equal(a, b)
+    assert not np.array_equal(a, c)
+    nxt, step = split_rows(row_keys(0, 4))
+    assert not np.array_equal(jax.random.key_data(nxt), jax.random.key_data(row_keys(0, 4)))
+
+
+def test_apply_token_bitmask_matches_numpy_unpacking():
+    V = 70  # not a multiple of 32: the last word is partly used
+    W = -(-V // 32)
+    rng = np.random.default_rng(0)
+    mask = rng.integers(-2**31, 2**31, size=(2, 3, W), dtype=np.int64).astype(np.int32)
+    allowed = np.unpackbits(mask.view(np.uint8).reshape(2, 3, W * 4), axis=-1, bitorder="little")[..., :V]
+    np.testing.assert_array_equal(np.asarray(unpack_bitmask(jnp.asarray(mask), V)), allowed.astype(bool))
+    z = _logits((2, 3, V), seed=6)
+    out = np.asarray(apply_token_bitmask(jnp.asarray(z), jnp.asarray(mask)))
+    np.testing.assert_array_equal(out, np.where(allowed.astype(bool), z, -np.inf))
+    s = sample(jnp.asarray(out), jax.random.key(0))
+    assert allowed[np.arange(2)[:, None], np.arange(3)[None], np.asarray(s.token)].all()
+
+
+def test_bitmask_drives_a_decode_step():
+    """The paradigm step applies a bitmask over its sampled positions before sampling."""
+    from jdllm.api import prepare
+    from tests.decode_fixtures import causal_model  # noqa: PLC0415
+
+    m = causal_model()
+    prep = prepare(m, [[5, 17, 3], [9, 9]], jdllm.AR(), jdllm.Sampling(max_new_tokens=4))
+    par, ctx = prep.paradigm, prep.ctx
+    opts = dict(FAST_COMPILE)
+    prefill = jax.jit(lambda p, s: par.prefill(p, ctx, s), compiler_options=opts)
+    step = jax.jit(lambda p, s, bm=None: par.step(p, ctx, s, bm), compiler_options=opts)
+    st = prefill(m.params, prep.state)
+    V, W = m.config.vocab_size, -(-m.config.vocab_size // 32)
+    allow = [7, 40, 77]
+    words = np.zeros((W,), np.uint32)
+    for t in allow:
+        words[t // 32] |= np.uint32(1 << (t % 32))
+    bitmask = jnp.broadcast_to(jnp.asarray(words.view(np.int32)), (st.batch, 1, W))
+    st2 = step(m.params, st, bitmask)
+    n = int(st2.cache.length)
+    new = np.asarray(st2.tokens[:2, n])
+    assert set(new.tolist()) <= set(allow)
+    free = np.asarray(step(m.params, st).tokens[:2, n])
+    assert not set(free.tolist()) <= set(allow)  # without the mask the model picks other tokens
+
+
+@pytest.mark.parametrize("kw", [dict(temperature=-0.1), dict(top_p=0.0), dict(top_p=1.5), dict(top_k=-1),
+                                dict(max_new_tokens=0)])
+def test_bad_sampling_values_raise(kw):
+    with pytest.raises(errors.DecodingConfigError, match=next(iter(kw))):
+        jdllm.Sampling(**kw)
