@@ -26,9 +26,10 @@ Triton lowering accepts (power-of-two 2-D tiles of >= 16 rows, `lax.div` for
 integer division, 0-d scalar blocks, dot_general on 2-D operands), but the
 first GPU session must run `pytest -m gpu tests/test_kernels.py` before relying on it.
 
-Gradients: `attention` is a `jax.custom_vjp`; the forward is the Pallas kernel
-and the backward is the VJP of the XLA reference (`reference.attention_reference`),
-which recomputes the attention matrix in XLA. A Pallas backward is not written yet.
+Gradients: `attention` is a `jax.custom_vjp`; the forward kernel also saves the
+row log-sum-exp and the backward runs the Pallas kernels of `backward.py`
+(dq, and dk/dv summed over each GQA group). `bwd="xla"` swaps in the VJP of the
+XLA reference instead.
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ class Tiles:
     block_r: packed (query, head) rows per window program. num_splits: key
     splits of the window kernel (None: enough programs for twice the device's
     cores). num_warps / num_stages: Triton launch parameters (ignored when
-    interpreting).
+    interpreting). block_q_bwd / block_k_bwd: tiles of the backward kernels.
     """
 
     block_q: int = 128
@@ -69,9 +70,11 @@ class Tiles:
     num_splits: int | None = None
     num_warps: int | None = None
     num_stages: int = 2
+    block_q_bwd: int = 64
+    block_k_bwd: int = 64
 
     def __post_init__(self):
-        for name in ("block_q", "block_k", "block_r"):
+        for name in ("block_q", "block_k", "block_r", "block_q_bwd", "block_k_bwd"):
             val = getattr(self, name)
             if val < 1 or val & (val - 1):
                 raise ValueError(f"Tiles.{name}={val} must be a power of two")
@@ -183,8 +186,9 @@ def _attend(q, rows_p, k_ref, v_ref, bounds, *, start, kvl, block_k, kind, block
 
 # --------------------------------------------------------------------------- prefill kernel
 def _prefill_kernel(start_ref, qoff_ref, kvl_ref, q_ref, k_ref, v_ref, *refs, T, S, num_q_tiles,
-                    block_q, block_k, kind, block_size, qk_scale):
-    o_ref = refs[-1]  # earlier refs: the poisoned buffer aliased to the output (unused)
+                    block_q, block_k, kind, block_size, qk_scale, with_lse=False):
+    # refs: [poisoned buffers aliased to the outputs (unused)], o_ref[, lse_ref]
+    o_ref, lse_ref = (refs[-2], refs[-1]) if with_lse else (refs[-1], None)
     i = num_q_tiles - 1 - pl.program_id(0)  # heaviest (last) query tiles launch first
     start, qoff, kvl = start_ref[()], qoff_ref[()], kvl_ref[()]
     rows_p = qoff + i * block_q + lax.broadcasted_iota(jnp.int32, (block_q,), 0)  # [bq]
@@ -192,9 +196,16 @@ def _prefill_kernel(start_ref, qoff_ref, kvl_ref, q_ref, k_ref, v_ref, *refs, T,
     p_last = qoff + jnp.minimum(i * block_q + (block_q - 1), T - 1)
     bounds = _tile_bounds(start=start, kvl=kvl, p_first=p_first, p_last=p_last, lo_slot=0,
                           hi_slot=S, block_k=block_k, kind=kind, block_size=block_size)
-    acc, _, l = _attend(q_ref[...], rows_p, k_ref, v_ref, bounds, start=start, kvl=kvl,
+    acc, m, l = _attend(q_ref[...], rows_p, k_ref, v_ref, bounds, start=start, kvl=kvl,
                         block_k=block_k, kind=kind, block_size=block_size, qk_scale=qk_scale)
     o_ref[...] = (acc / jnp.where(l == 0.0, 1.0, l)[:, None]).astype(o_ref.dtype)
+    if with_lse:
+        lse_ref[...] = _lse(m, l)
+
+
+def _lse(m, l):
+    """log2-sum-exp2 of a row's scores (0 for rows that see nothing; the backward masks them)."""
+    return jnp.where(l == 0.0, 0.0, m + jnp.log2(jnp.where(l == 0.0, 1.0, l)))
 
 
 def _scalars(start, q_offset, kv_len, B: int, S: int):
@@ -222,13 +233,14 @@ def _pad_head_dim(q, k, v, backend: str):
 
 def prefill_attention(q, k, v, *, start, q_offset=0, kv_len=None, kind="causal", block_size=1,
                       scale=None, tiles: Tiles = Tiles(), backend: str | None = None,
-                      poison: bool = False):
+                      poison: bool = False, return_lse: bool = False):
     """Flash attention forward: q [B, T, H, D], k/v [B, S, KV, D] -> [B, T, H, D].
 
     start [B]; q_offset, kv_len: ints or traced int32 scalars. T and S need not
     be tile multiples (padded here, sliced back). `poison=True` pre-fills the
-    output buffer with NaN (aliased in place) so an element the kernel forgets
-    to write shows up in tests.
+    output buffers with NaN (aliased in place) so an element the kernel forgets
+    to write shows up in tests. `return_lse=True` also returns the row
+    log2-sum-exp2 [B, H, T] f32 the backward needs.
     """
     backend = backend or default_backend()
     B, T, H, D = q.shape
@@ -245,29 +257,44 @@ def prefill_attention(q, k, v, *, start, q_offset=0, kv_len=None, kind="causal",
     nq = Tp // bq
 
     kernel = functools.partial(_prefill_kernel, T=T, S=S, num_q_tiles=nq, block_q=bq, block_k=bk,
-                               kind=kind, block_size=block_size, qk_scale=scale * LOG2E)
+                               kind=kind, block_size=block_size, qk_scale=scale * LOG2E,
+                               with_lse=return_lse)
     row = pl.BlockSpec((None,), lambda i, b, h: (b,))
     q_spec = pl.BlockSpec((None, bq, None, Dp), lambda i, b, h: (b, nq - 1 - i, h, 0))
     kv_spec = pl.BlockSpec((None, Sp, None, Dp), lambda i, b, h: (b, 0, lax.div(h, G), 0))
-    args = [start, qoff, kvl, q, k, v]
-    in_specs = [row, row, row, q_spec, kv_spec, kv_spec]
-    aliases = {}
-    if poison:
-        aliases = {len(args): 0}
-        args.append(jnp.full(q.shape, jnp.nan, q.dtype))
-        in_specs.append(q_spec)
-    out = pl.pallas_call(
+    out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype)]
+    out_specs = [q_spec]
+    if return_lse:
+        out_shape.append(jax.ShapeDtypeStruct((B, H, Tp), jnp.float32))
+        out_specs.append(pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, nq - 1 - i)))
+    args, in_specs, aliases = _poisoned([start, qoff, kvl, q, k, v],
+                                        [row, row, row, q_spec, kv_spec, kv_spec],
+                                        out_shape, out_specs, poison)
+    outs = pl.pallas_call(
         kernel,
         grid=(nq, B, H),
         in_specs=in_specs,
-        out_specs=q_spec,
-        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+        out_specs=out_specs,
+        out_shape=out_shape,
         input_output_aliases=aliases,
         compiler_params=_compiler_params(backend, tiles, Dp),
         interpret=backend == "interpret",
         name="jdllm_flash_prefill",
     )(*args)
-    return out[:, :T, :, :D]
+    out = outs[0][:, :T, :, :D]
+    return (out, outs[1][:, :, :T]) if return_lse else out
+
+
+def _poisoned(args, in_specs, out_shape, out_specs, poison: bool):
+    """With `poison`, append NaN-filled buffers aliased to every output."""
+    aliases = {}
+    if poison:
+        args, in_specs = list(args), list(in_specs)
+        for j, (shape, spec) in enumerate(zip(out_shape, out_specs)):
+            aliases[len(args)] = j
+            args.append(jnp.full(shape.shape, jnp.nan, shape.dtype))
+            in_specs.append(spec)
+    return args, in_specs, aliases
 
 
 # --------------------------------------------------------------------------- window kernel
@@ -304,7 +331,7 @@ def _default_splits(programs: int, key_tiles: int) -> int:
 
 def window_attention(q, k, v, *, start, q_offset=0, kv_len=None, kind="causal", block_size=1,
                      scale=None, tiles: Tiles = Tiles(), backend: str | None = None,
-                     poison: bool = False):
+                     poison: bool = False, return_lse: bool = False):
     """Flash-decoding attention of a short window q [B, T, H, D] over k/v [B, S, KV, D].
 
     Rows of a program are (query, head-in-group) pairs, r = t * G + g, so each
@@ -313,7 +340,8 @@ def window_attention(q, k, v, *, start, q_offset=0, kv_len=None, kind="causal", 
     `tiles.num_splits` programs (so a short kv_len in a long cache still uses
     every program) and the partial (acc, max, sum) are merged here in XLA.
     K/V are copied only when S is not a multiple of the key tile.
-    `poison=True` pre-fills the partial buffers with NaN.
+    `poison=True` pre-fills the partial buffers with NaN; `return_lse` as in
+    `prefill_attention`.
     """
     backend = backend or default_backend()
     B, T, H, D = q.shape
@@ -348,14 +376,9 @@ def window_attention(q, k, v, *, start, q_offset=0, kv_len=None, kind="causal", 
                  jax.ShapeDtypeStruct((B, KV, ns, Rp), jnp.float32),
                  jax.ShapeDtypeStruct((B, KV, ns, Rp), jnp.float32)]
     out_specs = [acc_spec, ml_spec, ml_spec]
-    args = [start, qoff, kvl, qp, k, v]
-    in_specs = [row, row, row, q_spec, kv_spec, kv_spec]
-    aliases = {}
-    if poison:
-        for j, (shape, spec) in enumerate(zip(out_shape, out_specs)):
-            aliases[len(args)] = j
-            args.append(jnp.full(shape.shape, jnp.nan, jnp.float32))
-            in_specs.append(spec)
+    args, in_specs, aliases = _poisoned([start, qoff, kvl, qp, k, v],
+                                        [row, row, row, q_spec, kv_spec, kv_spec],
+                                        out_shape, out_specs, poison)
     acc, m, l = pl.pallas_call(
         kernel,
         grid=(B, KV, nr, ns),
@@ -367,22 +390,26 @@ def window_attention(q, k, v, *, start, q_offset=0, kv_len=None, kind="causal", 
         interpret=backend == "interpret",
         name="jdllm_flash_window",
     )(*args)
-    out = combine_splits(acc, m, l)  # [B, KV, Rp, Dp] f32
+    out, lse = combine_splits(acc, m, l)  # [B, KV, Rp, Dp] f32, [B, KV, Rp]
     out = out[:, :, :R, :D].reshape(B, KV, T, G, D).transpose(0, 2, 1, 3, 4)
-    return out.reshape(B, T, H, D).astype(q.dtype)
+    out = out.reshape(B, T, H, D).astype(q.dtype)
+    if not return_lse:
+        return out
+    lse = lse[:, :, :R].reshape(B, KV, T, G).transpose(0, 1, 3, 2).reshape(B, H, T)
+    return out, lse
 
 
 def combine_splits(acc, m, l):
     """Merge flash-decoding partials over axis 2: acc [..., n, R, D], m/l [..., n, R] (log2 units).
 
     Splits that saw nothing carry m = NEG, l = 0 and drop out; rows that saw
-    nothing in any split come out as zeros.
+    nothing in any split come out as zeros. Returns (out [..., R, D], lse [..., R]).
     """
-    m_all = jnp.max(m, axis=2, keepdims=True)  # [B, KV, 1, R]
-    w = jnp.exp2(m - m_all)  # [B, KV, n, R]
+    m_all = jnp.max(m, axis=2)  # [B, KV, R]
+    w = jnp.exp2(m - m_all[:, :, None])  # [B, KV, n, R]
     num = jnp.einsum("bkns,bknsd->bksd", w, acc)
     den = jnp.einsum("bkns,bkns->bks", w, l)
-    return num / jnp.where(den == 0.0, 1.0, den)[..., None]
+    return num / jnp.where(den == 0.0, 1.0, den)[..., None], _lse(m_all, den)
 
 
 # --------------------------------------------------------------------------- entry point
@@ -394,12 +421,14 @@ class _Static:
     tiles: Tiles
     backend: str
     variant: str
+    bwd: str
 
 
-def _forward(q, k, v, start, q_offset, kv_len, st: _Static):
+def _forward(q, k, v, start, q_offset, kv_len, st: _Static, return_lse: bool = False):
     fn = window_attention if st.variant == "window" else prefill_attention
     return fn(q, k, v, start=start, q_offset=q_offset, kv_len=kv_len, kind=st.kind,
-              block_size=st.block_size, scale=st.scale, tiles=st.tiles, backend=st.backend)
+              block_size=st.block_size, scale=st.scale, tiles=st.tiles, backend=st.backend,
+              return_lse=return_lse)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
@@ -408,18 +437,25 @@ def _attention(q, k, v, start, q_offset, kv_len, st: _Static):
 
 
 def _attention_fwd(q, k, v, start, q_offset, kv_len, st: _Static):
-    return _forward(q, k, v, start, q_offset, kv_len, st), (q, k, v, start, q_offset, kv_len)
+    if st.bwd == "xla":
+        return _forward(q, k, v, start, q_offset, kv_len, st), (q, k, v, start, q_offset, kv_len)
+    o, lse = _forward(q, k, v, start, q_offset, kv_len, st, return_lse=True)
+    return o, (q, k, v, start, q_offset, kv_len, o, lse)
 
 
 def _attention_bwd(st: _Static, res, g):
-    q, k, v, start, q_offset, kv_len = res
+    q, k, v, start, q_offset, kv_len = res[:6]
+    kw = dict(start=start, q_offset=q_offset, kv_len=kv_len, kind=st.kind, block_size=st.block_size,
+              scale=st.scale)
+    if st.bwd == "xla":
+        _, vjp = jax.vjp(lambda q, k, v: attention_reference(q, k, v, **kw), q, k, v)
+        return (*vjp(g), None, None, None)
+    from pallas_kernels.backward import attention_backward  # noqa: PLC0415 (import cycle)
 
-    def ref(q, k, v):
-        return attention_reference(q, k, v, start=start, q_offset=q_offset, kv_len=kv_len,
-                                   kind=st.kind, block_size=st.block_size, scale=st.scale)
-
-    _, vjp = jax.vjp(ref, q, k, v)
-    return (*vjp(g), None, None, None)
+    o, lse = res[6:]
+    dq, dk, dv = attention_backward(q, k.astype(q.dtype), v.astype(q.dtype), o, lse, g, **kw,
+                                    tiles=st.tiles, backend=st.backend)
+    return dq, dk.astype(k.dtype), dv.astype(v.dtype), None, None, None
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
@@ -431,12 +467,15 @@ def choose_variant(T: int, S: int) -> str:
 
 
 def attention(q, k, v, *, start, q_offset=0, kv_len=None, kind="causal", block_size=1, scale=None,
-              tiles: Tiles | None = None, backend: str | None = None, variant: str = "auto"):
+              tiles: Tiles | None = None, backend: str | None = None, variant: str = "auto",
+              bwd: str = "pallas"):
     """Pallas attention under the masking rule: q [B, T, H, D], k/v [B, S, KV, D] -> [B, T, H, D].
 
     variant "auto" picks the window (flash-decoding) kernel for T <= 128 over a
-    longer S and the prefill kernel otherwise. Differentiable: the backward is
-    the XLA reference's VJP (no Pallas backward kernel yet).
+    longer S and the prefill kernel otherwise. Differentiable (`jax.custom_vjp`):
+    bwd "pallas" runs the Pallas backward kernels of `backward.py` from the
+    forward's saved row log-sum-exp; bwd "xla" uses the XLA reference's VJP
+    (materialises the [B, H, T, S] scores).
     """
     from jdllm import errors  # noqa: PLC0415 (keeps pallas_kernels importable alone)
 
@@ -459,11 +498,13 @@ def attention(q, k, v, *, start, q_offset=0, kv_len=None, kind="causal", block_s
         variant = choose_variant(q.shape[1], k.shape[1])
     if variant not in ("prefill", "window"):
         raise errors.ConfigError(f"variant={variant!r} is not one of ('auto', 'prefill', 'window')")
+    if bwd not in ("pallas", "xla"):
+        raise errors.ConfigError(f"bwd={bwd!r} is not one of ('pallas', 'xla')")
     if tiles is None:
         tiles = Tiles()
     kv_len = k.shape[1] if kv_len is None else kv_len
     st = _Static(kind=kind, block_size=int(block_size), scale=scale, tiles=tiles, backend=backend,
-                 variant=variant)
+                 variant=variant, bwd=bwd)
     return _attention(q, k, v, jnp.asarray(start, jnp.int32), jnp.asarray(q_offset, jnp.int32),
                       jnp.asarray(kv_len, jnp.int32), st)
 
