@@ -145,7 +145,17 @@ def _need(hf: Mapping[str, Any], *keys: str):
     raise errors.ConfigError(f"config.json of model_type={hf.get('model_type')!r} lacks {keys[0]!r}")
 
 
+def _reject(hf: Mapping[str, Any], unsupported: Mapping[str, Any]) -> None:
+    """Refuse config options jdllm does not implement instead of computing wrong logits."""
+    for key, neutral in unsupported.items():
+        if key in hf and hf[key] is not None and hf[key] != neutral:
+            raise errors.ConfigError(
+                f"config.json of model_type={hf.get('model_type')!r} sets {key}={hf[key]!r}; "
+                f"jdllm only implements {key}={neutral!r}")
+
+
 def _qwen_llama(hf: Mapping[str, Any], **traits) -> ModelConfig:
+    _reject(hf, {"mlp_bias": False, "hidden_act": "silu"})
     heads = int(_need(hf, "num_attention_heads"))
     hidden = int(_need(hf, "hidden_size"))
     theta, scaling = _rope(hf, 10000.0)
@@ -207,6 +217,9 @@ def _dream(hf):
 
 def _llada(hf):
     # LLaDA: LLaMA-like block, OLMo-style config keys and weight names, bidirectional.
+    _reject(hf, {"include_bias": False, "scale_logits": False, "input_emb_norm": False,
+                 "attention_layer_norm": False, "block_group_size": 1, "activation_type": "silu",
+                 "block_type": "llama", "layer_norm_type": "rms", "alibi": False, "rope": True})
     heads = int(_need(hf, "n_heads"))
     hidden = int(_need(hf, "d_model"))
     theta, scaling = _rope(hf, 10000.0)
@@ -228,7 +241,7 @@ def _llada(hf):
         rope_theta=theta,
         rope_scaling=scaling,
         tie_word_embeddings=bool(hf.get("weight_tying", False)),
-        qkv_bias=bool(hf.get("include_qkv_bias", False) or hf.get("include_bias", False)),
+        qkv_bias=bool(hf.get("include_qkv_bias", False)),
         attention="bidirectional",
         mask_token_id=int(hf.get("mask_token_id") or 126336),
         eos_token_ids=_eos(hf.get("eos_token_id", 126081)),

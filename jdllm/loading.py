@@ -31,9 +31,10 @@ class Model:
     path: str | None = None
 
     @classmethod
-    def random(cls, config: ModelConfig, seed: int = 0, dtype=jnp.float32, **kw) -> "Model":
-        """Random weights, for tests and smoke runs."""
-        return cls(config=config, params=init_params(config, jax.random.key(seed), dtype), **kw)
+    def random(cls, config: ModelConfig, seed: int = 0, dtype=jnp.float32, std: float = 0.02,
+               **kw) -> "Model":
+        """Random weights (normal(0, std)), for tests and smoke runs."""
+        return cls(config=config, params=init_params(config, jax.random.key(seed), dtype, std=std), **kw)
 
     @property
     def dtype(self):
@@ -60,7 +61,8 @@ def logits(model: Model, token_ids) -> jax.Array:
     """Full-sequence logits [B, T, V] float32 under the model's own attention kind.
 
     `token_ids`: a list of token-id lists (ragged rows are left-padded and the
-    padding is masked out) or an int array [B, T].
+    padding is masked out; the padded positions' logits are zeros for
+    block-causal models and meaningless otherwise) or an int array [B, T].
     """
     if isinstance(token_ids, (list, tuple)) and token_ids and isinstance(token_ids[0], (list, tuple, np.ndarray)):
         rows = [np.asarray(r, np.int32) for r in token_ids]
@@ -74,14 +76,26 @@ def logits(model: Model, token_ids) -> jax.Array:
         raise errors.SequenceTooLongError(
             f"sequence length {T} exceeds max_position_embeddings="
             f"{model.config.max_position_embeddings}; truncate the input")
+    for r in rows:
+        check_token_ids(r, model.config)
+    cfg = model.config
+    if cfg.attention == "block_causal" and len({len(r) for r in rows}) > 1:
+        # The block grid lies on slots, so a left pad that is not a whole number of
+        # blocks would move a row's block boundaries: run each length on its own.
+        out = jnp.zeros((len(rows), T, cfg.vocab_size), jnp.float32)
+        for n in sorted({len(r) for r in rows}):
+            idx = [b for b, r in enumerate(rows) if len(r) == n]
+            part = _logits_jit(model.params, jnp.asarray(np.stack([rows[b] for b in idx])),
+                               jnp.zeros((len(idx),), jnp.int32), cfg=cfg, attn_impl=model.attn_impl)
+            out = out.at[np.asarray(idx), T - n:].set(part)
+        return out
     tokens = np.zeros((len(rows), T), np.int32)
     start = np.zeros((len(rows),), np.int32)
     for b, r in enumerate(rows):
-        check_token_ids(r, model.config)
         tokens[b, T - len(r):] = r
         start[b] = T - len(r)
     return _logits_jit(model.params, jnp.asarray(tokens), jnp.asarray(start),
-                       cfg=model.config, attn_impl=model.attn_impl)
+                       cfg=cfg, attn_impl=model.attn_impl)
 
 
 @jax.jit(static_argnames=("cfg", "attn_impl"))
