@@ -1,0 +1,255 @@
+"""`masked_diffusion` (LLaDA / Dream / Fast-dLLM) against the plain-loop reference, caches, errors."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import numpy as np
+import pytest
+
+import jdllm
+from jdllm import errors
+from jdllm.config import ModelConfig
+from jdllm.decode import loop
+from jdllm.decode.masked_diffusion import (dream_ratios, exponential_from_bits, exponential_noise, gumbel_argmax,
+                                           transfer_schedule)
+from jdllm.loading import Model
+from jdllm.model import init_params
+from jdllm.sampling import row_keys
+from tests.reference_masked_diffusion import llada_gumbel_argmax, masked_diffusion_reference, num_transfer_tokens
+
+VOCAB, MASK = 96, 95
+PROMPTS = [[5, 17, 3, 44, 9, 12], [70, 2, 31], [8, 21, 55, 90, 13, 4, 27, 66, 1]]
+G = 16
+SEED = 7
+
+
+@functools.lru_cache(maxsize=None)
+def bidir_model(shift: bool = False, layers: int = 2, seed: int = 3) -> Model:
+    """LLaDA-like (same-position logits) or Dream-like (shifted, qkv bias) tiny bidirectional model.
+
+    Init std 0.7 so the distributions are peaked and greedy confidences rarely tie."""
+    cfg = ModelConfig(model_type="dream" if shift else "llada", vocab_size=VOCAB, hidden_size=48,
+                      intermediate_size=96, num_layers=layers, num_heads=4, num_kv_heads=2, head_dim=16,
+                      attention="bidirectional", logit_shift=shift, qkv_bias=shift, mask_token_id=MASK,
+                      max_position_embeddings=256, eos_token_ids=())
+    return Model(cfg, init_params(cfg, jax.random.key(seed), std=0.7), attn_impl="xla")
+
+
+def _sampling(temperature=0.0, stop=(), max_new=G):
+    return jdllm.Sampling(max_new_tokens=max_new, temperature=temperature, seed=SEED, stop_token_ids=stop)
+
+
+def _check(out, ref):
+    assert out.token_ids == ref["tokens"]
+    assert out.step_map == ref["step_map"]
+    np.testing.assert_allclose(out.logprobs, ref["logprobs"], atol=2e-4, rtol=1e-4)
+    assert out.nfe == ref["nfe"]
+    assert out.finish_reason == ref["finish"]
+
+
+def _run_and_compare(m, kw, *, temperature=0.0, prompts=PROMPTS, stop=(), solo=False):
+    """jdllm on the mixed-length batch (and prompt 0 alone) vs the reference per prompt.
+
+    Row b of a call draws from the stream row_keys(seed, B)[b]; the reference gets that key."""
+    outs = jdllm.generate(m, prompts, jdllm.MaskedDiffusion(**kw), _sampling(temperature, stop))
+    keys = row_keys(SEED, len(prompts))
+    refs = [masked_diffusion_reference(m.params, m.config, p, gen_length=G, temperature=temperature, key=keys[b],
+                                       stop_ids=stop, **kw) for b, p in enumerate(prompts)]
+    for out, ref in zip(outs, refs):
+        _check(out, ref)
+        assert MASK not in out.token_ids
+    if solo:
+        (one,) = jdllm.generate(m, [prompts[0]], jdllm.MaskedDiffusion(**kw), _sampling(temperature, stop))
+        _check(one, refs[0])
+    return outs, refs
+
+
+# --------------------------------------------------------------------------- sampling pieces
+def test_gumbel_log_space_argmax_equals_llada_float64():
+    """argmax(l + T * -log E) in float32 == LLaDA's argmax(exp(l) / E^T) in float64 (same noise)."""
+    rng = np.random.default_rng(0)
+    N, V = 2000, 64
+    logits = rng.normal(0, 4, (N, V)).astype(np.float32)
+    logits[: N // 2] += 95.0  # exp() of these overflows float32; float64 and the log form do not
+    E = np.asarray(exponential_noise(jax.random.key(1), (N, V)))
+    for T in (0.3, 1.0, 2.5):
+        ours = np.asarray(gumbel_argmax(jax.numpy.asarray(logits), jax.numpy.asarray(E), T))
+        ref = llada_gumbel_argmax(logits, E, T)
+        # the two may only disagree where float64's top two scores tie to float32 resolution
+        score = logits.astype(np.float64) - T * np.log(E.astype(np.float64))
+        top2 = np.sort(score, axis=-1)[:, -2:]
+        tie = (top2[:, 1] - top2[:, 0]) < 1e-4 * np.maximum(1.0, np.abs(top2[:, 1]))
+        assert np.all((ours == ref) | tie) and np.mean(tie) < 0.01
+    # LLaDA's formula evaluated in float32 breaks on those rows (inf / inf ties): why the log form
+    with np.errstate(over="ignore", invalid="ignore"):
+        naive = np.argmax(np.exp(logits) / E.astype(np.float32) ** np.float32(1.0), axis=-1)
+    assert np.mean(naive[: N // 2] != llada_gumbel_argmax(logits, E, 1.0)[: N // 2]) > 0.5
+
+
+def test_exponential_noise_distribution_and_tails():
+    E = np.asarray(exponential_noise(jax.random.key(3), (400_000,)), np.float64)
+    g = -np.log(E)
+    assert E.min() > 0 and np.isfinite(g).all()
+    assert abs(E.mean() - 1.0) < 0.01 and abs(g.mean() - np.euler_gamma) < 0.01
+    assert abs(g.var() - np.pi ** 2 / 6) < 0.03
+    assert abs(np.mean(E < 0.01) - (1 - np.exp(-0.01))) < 1e-3
+    # extreme bits reach far past float32-uniform's cap (-log(-log(1 - 2^-24)) ~ 16.6) on both sides
+    extreme = np.array([[0x00000000, 0], [0x80000000, 0], [0xFFFFFFFF, 0xFFFFFFFF], [0x7FFFFFFF, 0xFFFFFFFF]],
+                       np.uint32)
+    e = np.asarray(exponential_from_bits(jax.numpy.asarray(extreme)), np.float64)
+    assert -np.log(e[0]) > 40  # smallest E: largest Gumbel
+    assert e[1] > 40  # largest E (u ~ 2^-64)
+    assert abs(e[2] - np.log(2)) < 1e-6 and abs(e[3] - np.log(2)) < 1e-6  # both halves meet at the median
+
+
+def test_schedules_match_published_definitions():
+    for n, steps in [(4, 2), (8, 3), (32, 32), (3, 8)]:
+        assert transfer_schedule(n, steps).tolist() == num_transfer_tokens(n, steps)
+    r = dream_ratios(4, 1e-3)
+    t = np.linspace(1, 1e-3, 5)
+    np.testing.assert_allclose(r[:-1], 1 - t[1:-1] / t[:-2], rtol=1e-6)
+    assert r[-1] == 1.0
+    assert abs(dream_ratios(1000, 1e-9)[10] - 1 / 990) < 1e-6  # ~ 1 / remaining steps
+
+
+# --------------------------------------------------------------------------- LLaDA / Fast-dLLM
+@pytest.mark.parametrize("kw,temperature,solo", [
+    (dict(steps=8, block_length=4), 0.0, True),  # low_confidence, 2 tokens per step
+    (dict(steps=16, block_length=8, remasking="random"), 0.0, False),
+    (dict(block_length=4, confidence_threshold=0.6), 0.0, True),  # Fast-dLLM parallel
+    (dict(steps=8, block_length=8, cfg_scale=1.5), 0.0, False),
+    (dict(steps=8, block_length=4), 0.8, False),  # Gumbel sampling
+    (dict(steps=32, block_length=8), 0.0, False),  # more steps than tokens per block
+], ids=["low_confidence", "random", "threshold", "cfg", "temperature", "more_steps_than_tokens"])
+def test_llada_matches_reference(kw, temperature, solo):
+    m = bidir_model()
+    outs, refs = _run_and_compare(m, kw, temperature=temperature, solo=solo)
+    if "confidence_threshold" not in kw:  # the schedule fixes the number of forwards
+        nb = G // kw["block_length"]
+        # the schedule's zero-transfer tail (steps > tokens per block) comes after the block is full: skipped
+        per_block = min(kw.get("steps", G) // nb, kw["block_length"])
+        assert all(o.nfe == nb * per_block * (2 if kw.get("cfg_scale") else 1) for o in outs)
+        assert all(len(o.token_ids) == G and o.finish_reason == "length" for o in outs)
+    if kw.get("steps") == 32:  # one token per step, step_map dense
+        assert all(sorted(o.step_map) == list(range(1, G + 1)) for o in outs)
+
+
+# --------------------------------------------------------------------------- Dream
+@pytest.mark.parametrize("kw,temperature", [
+    (dict(steps=8, alg="origin"), 0.0),
+    (dict(steps=8, block_length=8, alg="maskgit_plus"), 0.0),
+    (dict(steps=8, alg="topk_margin"), 0.0),
+    (dict(steps=8, alg="entropy"), 0.0),
+    (dict(block_length=8, alg="maskgit_plus", confidence_threshold=0.5), 0.0),
+    (dict(steps=8, alg="maskgit_plus"), 0.7),
+], ids=["origin", "maskgit_plus", "topk_margin", "entropy", "threshold", "temperature"])
+def test_dream_matches_reference(kw, temperature):
+    m = bidir_model(shift=True)
+    _run_and_compare(m, kw, temperature=temperature, solo=kw["alg"] == "maskgit_plus" and temperature == 0)
+
+
+def test_stop_token_ends_rows():
+    m = bidir_model()
+    kw = dict(steps=16, block_length=4)
+    free = masked_diffusion_reference(m.params, m.config, PROMPTS[0], gen_length=G, **kw)
+    stop = free["tokens"][5]
+    outs, refs = _run_and_compare(m, kw, stop=(stop,))
+    assert refs[0]["finish"] == "stop"
+    for out in outs:
+        if out.finish_reason == "stop":
+            assert out.token_ids[-1] == stop and stop not in out.token_ids[:-1]
+    assert outs[0].nfe < 16  # it stopped before the last block
+
+
+# --------------------------------------------------------------------------- caches
+@pytest.mark.parametrize("shift", [False, True], ids=["llada", "dream"])
+def test_caches_exact_on_one_layer_model(shift):
+    """With one layer every K/V depends only on its own slot's token, so the prefix and dual
+    caches (stale only through context) must reproduce the no-cache run exactly."""
+    m = bidir_model(shift=shift, layers=1)
+    kw = dict(block_length=4, confidence_threshold=0.7, alg="maskgit_plus" if shift else None)
+    base = jdllm.generate(m, PROMPTS, jdllm.MaskedDiffusion(**kw), _sampling())
+    for cache in ("prefix", "dual"):
+        got = jdllm.generate(m, PROMPTS, jdllm.MaskedDiffusion(cache=cache, **kw), _sampling())
+        for b, c in zip(base, got):
+            assert c.token_ids == b.token_ids and c.step_map == b.step_map and c.nfe == b.nfe
+            np.testing.assert_allclose(c.logprobs, b.logprobs, atol=1e-4)
+
+
+def test_caches_on_deeper_model_are_valid_and_deviation_is_measured(record_property):
+    """Two layers: the caches are approximations. Outputs must be well formed and the forward
+    count unchanged; the fraction of tokens that differ from the exact run is recorded."""
+    m = bidir_model(layers=2)
+    kw = dict(steps=8, block_length=4)
+    base = jdllm.generate(m, PROMPTS, jdllm.MaskedDiffusion(**kw), _sampling())
+    for cache in ("prefix", "dual"):
+        got = jdllm.generate(m, PROMPTS, jdllm.MaskedDiffusion(cache=cache, **kw), _sampling())
+        for o in got:
+            assert len(o.token_ids) == G and MASK not in o.token_ids and o.nfe == 8
+            assert all(0 <= t < VOCAB for t in o.token_ids)
+            assert np.bincount(o.step_map)[1:].tolist() == [2] * 8  # the schedule, 2 per step
+            assert np.all(np.asarray(o.logprobs) <= 0)
+            # block by block: every token of block j is revealed in that block's steps
+            assert [max(o.step_map[4 * j:4 * j + 4]) for j in range(4)] == [2, 4, 6, 8]
+        diff = np.mean([np.mean(np.asarray(o.token_ids) != b.token_ids) for o, b in zip(got, base)])
+        record_property(f"{cache}_token_diff_fraction", float(diff))
+        # the first block's first step is computed from the same full forward in every mode
+        assert all(o.token_ids[i] == b.token_ids[i] for o, b in zip(got, base)
+                   for i in range(4) if b.step_map[i] == 1)
+
+
+def test_no_retrace_with_same_buckets():
+    m = bidir_model()
+    dec = jdllm.MaskedDiffusion(steps=8, block_length=4)
+    jdllm.generate(m, PROMPTS, dec, _sampling())
+    n = loop.TRACES["masked_diffusion"]
+    other = [[1, 2, 3, 4, 5], [9, 9], [7, 6, 5, 4, 3, 2, 1, 8, 9, 10, 11]]  # same batch / prompt buckets
+    outs = jdllm.generate(m, other, dec, _sampling())
+    assert loop.TRACES["masked_diffusion"] == n
+    ref = masked_diffusion_reference(m.params, m.config, other[2], gen_length=G, steps=8, block_length=4)
+    _check(outs[2], ref)
+
+
+# --------------------------------------------------------------------------- errors
+@pytest.mark.parametrize("kw,match", [
+    (dict(steps=0), "steps=0"),
+    (dict(block_length=2.5), "block_length=2.5"),
+    (dict(remasking="high"), "remasking='high'"),
+    (dict(alg="greedy"), "alg='greedy'"),
+    (dict(cache="suffix"), "cache='suffix'"),
+    (dict(confidence_threshold=1.5), "confidence_threshold=1.5"),
+    (dict(confidence_threshold=0.9, remasking="random"), "confidence_threshold"),
+    (dict(confidence_threshold=0.9, alg="origin"), "confidence_threshold"),
+    (dict(cfg_scale=-1.0), "cfg_scale=-1.0"),
+    (dict(cfg_scale=1.0, cache="dual"), "cache='none'"),
+    (dict(gen_length=16, block_length=5), "block_length=5 must divide gen_length=16"),
+    (dict(gen_length=16, block_length=4, steps=6), "steps=6 must be a multiple"),
+    (dict(eps=0.0), "eps=0.0"),
+    (dict(alg="entropy", remasking="random"), "remasking='random'"),
+])
+def test_bad_config_raises(kw, match):
+    with pytest.raises(errors.DecodingConfigError, match=match.replace("(", r"\(")):
+        jdllm.MaskedDiffusion(**kw)
+
+
+def test_bad_model_or_lengths_raise_before_compiling():
+    n = loop.TRACES["masked_diffusion"]
+    causal = ModelConfig(model_type="qwen3", vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_layers=1,
+                         num_heads=2, num_kv_heads=1, head_dim=16)
+    with pytest.raises(errors.DecodingConfigError, match="mask token"):
+        jdllm.generate(Model(causal, init_params(causal, jax.random.key(0))), [[1, 2]], jdllm.MaskedDiffusion())
+    blk = causal.replace(attention="block_causal", block_size=4, mask_token_id=MASK)
+    with pytest.raises(errors.DecodingConfigError, match="bidirectional"):
+        jdllm.generate(Model(blk, init_params(blk, jax.random.key(0))), [[1, 2]], jdllm.MaskedDiffusion())
+    m = bidir_model()
+    with pytest.raises(errors.DecodingConfigError, match="block_length=4 must divide gen_length=10"):
+        jdllm.generate(m, [[1, 2]], jdllm.MaskedDiffusion(block_length=4), _sampling(max_new=10))
+    with pytest.raises(errors.DecodingConfigError, match="max_new_tokens=8 < gen_length=16"):
+        jdllm.generate(m, [[1, 2]], jdllm.MaskedDiffusion(gen_length=16), _sampling(max_new=8))
+    with pytest.raises(errors.DecodingConfigError, match="steps=6 must be a multiple"):
+        jdllm.generate(m, [[1, 2]], jdllm.MaskedDiffusion(steps=6, block_length=4), _sampling())
+    with pytest.raises(errors.TokenOutOfRangeError):
+        jdllm.generate(m, [[1, VOCAB + 3]], jdllm.MaskedDiffusion(), _sampling())
+    assert loop.TRACES["masked_diffusion"] == n
