@@ -84,21 +84,25 @@ def _hf_qwen3(tmp_path):
 def test_ar_greedy_equals_transformers_generate(tmp_path):
     import torch
 
+    torch.set_num_threads(1)
     hf, m = _hf_qwen3(tmp_path)
     prompts = [[5, 17, 3, 44, 9], [70, 2, 31, 12, 40, 41, 7, 8, 88]]
+    T = max(map(len, prompts))
+    ids = torch.tensor([[0] * (T - len(p)) + p for p in prompts])  # left padding, as transformers expects
+    attn = torch.tensor([[0] * (T - len(p)) + [1] * len(p) for p in prompts])
+    with torch.no_grad():
+        free = hf.generate(ids, attention_mask=attn, max_new_tokens=16, min_new_tokens=16, do_sample=False,
+                           eos_token_id=None, pad_token_id=0)[:, T:].tolist()
     outs = jdllm.generate(m, prompts, jdllm.AR(), jdllm.Sampling(max_new_tokens=16, stop_token_ids=()))
-    for p, out in zip(prompts, outs):
-        with torch.no_grad():
-            g = hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                            max_new_tokens=16, min_new_tokens=16, do_sample=False, eos_token_id=None,
-                            pad_token_id=0)
-        assert out.token_ids == g[0, len(p):].tolist()
-    # the model's eos (95) as stop token: transformers stops at the same place
-    outs = jdllm.generate(m, prompts, jdllm.AR(), jdllm.Sampling(max_new_tokens=16))
-    for p, out in zip(prompts, outs):
-        with torch.no_grad():
-            g = hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                            max_new_tokens=16, do_sample=False, pad_token_id=0)
-        ref = g[0, len(p):].tolist()
-        assert out.token_ids == ref
-        assert out.finish_reason == ("stop" if ref[-1] == 95 else "length")
+    assert [o.token_ids for o in outs] == free
+    # a token the first row produces mid-way as eos: transformers stops at the same place
+    stop = free[0][5]
+    with torch.no_grad():
+        eos = hf.generate(ids, attention_mask=attn, max_new_tokens=16, do_sample=False, eos_token_id=stop,
+                          pad_token_id=0)[:, T:].tolist()
+    outs = jdllm.generate(m, prompts, jdllm.AR(), jdllm.Sampling(max_new_tokens=16, stop_token_ids=(stop,)))
+    assert outs[0].finish_reason == "stop" and len(outs[0].token_ids) <= 6
+    for out, ref in zip(outs, eos):
+        n = ref.index(stop) + 1 if stop in ref else len(ref)
+        assert out.token_ids == ref[:n]
+        assert out.finish_reason == ("stop" if stop in ref else "length")

@@ -102,7 +102,7 @@ def test_bitmask_drives_a_decode_step():
     par, ctx = prep.paradigm, prep.ctx
     opts = dict(FAST_COMPILE)
     prefill = jax.jit(lambda p, s: par.prefill(p, ctx, s), compiler_options=opts)
-    step = jax.jit(lambda p, s, bm=None: par.step(p, ctx, s, bm), compiler_options=opts)
+    step = jax.jit(lambda p, s, bm: par.step(p, ctx, s, bm), compiler_options=opts)
     st = prefill(m.params, prep.state)
     V, W = m.config.vocab_size, -(-m.config.vocab_size // 32)
     allow = [7, 40, 77]
@@ -114,7 +114,8 @@ def test_bitmask_drives_a_decode_step():
     n = int(st2.cache.length)
     new = np.asarray(st2.tokens[:2, n])
     assert set(new.tolist()) <= set(allow)
-    free = np.asarray(step(m.params, st).tokens[:2, n])
+    everything = jnp.full_like(bitmask, -1)  # all bits set: no constraint (same compile)
+    free = np.asarray(step(m.params, st, everything).tokens[:2, n])
     assert not set(free.tolist()) <= set(allow)  # without the mask the model picks other tokens
 
 

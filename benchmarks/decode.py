@@ -1,0 +1,173 @@
+"""Decode speed: tokens/s, NFE and tokens per forward (TPF) per paradigm and batch size.
+
+One small random Qwen3-architecture model, built with `transformers` and
+loaded into jdllm from the same saved directory, so the AR baseline
+(`transformers` `generate()`, greedy, same weights, same machine) produces the
+tokens jdllm must reproduce. The block-diffusion rows run the same weights as
+an SDAR-style block-causal model (mask token = the last id): the speed of the
+decode engine, not the quality of a random model, is measured.
+
+Every configuration runs once to compile, then `--repeats` timed runs (best
+taken). Stop tokens are disabled so every row generates `--new` tokens.
+TPF = generated tokens / forwards (per row, prefill and KV commits counted).
+
+    python benchmarks/decode.py                      # batch 1, 8, 32
+    python benchmarks/decode.py --batches 1 --new 32 # quick
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+import jdllm  # noqa: E402
+from jdllm.decode.block_diffusion import STRATEGIES  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def build_model(tmp: str, args):
+    """(transformers model, jdllm causal Model, jdllm block-causal Model) on the same weights."""
+    import torch  # noqa: PLC0415
+
+    from tests.hf_fixtures import make_transformers_model  # noqa: PLC0415
+
+    hf = make_transformers_model("qwen3", seed=0, vocab_size=args.vocab, hidden_size=args.hidden,
+                                 intermediate_size=args.hidden * 3, layers=args.layers, heads=args.heads,
+                                 kv_heads=max(1, args.heads // 2), head_dim=args.hidden // args.heads,
+                                 max_position_embeddings=1024)
+    with torch.no_grad():  # peaked distributions: greedy comparisons are not decided by ties
+        for name, p in hf.named_parameters():
+            if "norm" not in name:
+                p.mul_(3.0)
+    hf.save_pretrained(tmp)
+    ar = jdllm.load(tmp, dtype="float32")
+    cfg = ar.config.replace(attention="block_causal", block_size=args.block, mask_token_id=args.vocab - 1)
+    bd = jdllm.Model(cfg, ar.params, attn_impl=ar.attn_impl)
+    return hf, ar, bd
+
+
+def timed(fn, repeats: int):
+    fn()  # compile / warm up
+    best, out = float("inf"), None
+    for _ in range(repeats):
+        t = time.perf_counter()
+        out = fn()
+        best = min(best, time.perf_counter() - t)
+    return best, out
+
+
+def run_jdllm(model, prompts, decoding, new: int, repeats: int):
+    sampling = jdllm.Sampling(max_new_tokens=new, stop_token_ids=())
+    dt, outs = timed(lambda: jdllm.generate(model, prompts, decoding, sampling), repeats)
+    toks = sum(len(o.token_ids) for o in outs)
+    nfe = float(np.mean([o.nfe for o in outs]))
+    return dict(seconds=dt, tokens=toks, tokens_per_s=toks / dt, nfe=nfe,
+                tpf=float(np.mean([len(o.token_ids) / o.nfe for o in outs]))), outs
+
+
+def run_transformers(hf, prompts, new: int, repeats: int):
+    import torch  # noqa: PLC0415
+
+    x = torch.tensor(prompts)
+    mask = torch.ones_like(x)
+
+    def gen():
+        with torch.no_grad():
+            return hf.generate(x, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                               eos_token_id=None, pad_token_id=0)
+
+    dt, out = timed(gen, repeats)
+    toks = len(prompts) * new
+    return dict(seconds=dt, tokens=toks, tokens_per_s=toks / dt, nfe=float(new), tpf=1.0), \
+        out[:, len(prompts[0]):].tolist()
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
+    ap.add_argument("--prompt", type=int, default=32, help="prompt length (tokens)")
+    ap.add_argument("--new", type=int, default=64, help="tokens generated per row")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--vocab", type=int, default=512)
+    ap.add_argument("--hidden", type=int, default=128)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--block", type=int, default=4)
+    ap.add_argument("--threshold", type=float, default=0.9)
+    ap.add_argument("--hf-batches", type=int, nargs="+", default=[1, 8],
+                    help="batch sizes for the transformers baseline")
+    ap.add_argument("--machine", default=f"{platform.machine()} CPU, {os.cpu_count()} cores")
+    ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "out", "decode.json"))
+    args = ap.parse_args(argv)
+
+    import torch  # noqa: PLC0415
+    torch.set_num_threads(os.cpu_count() or 1)
+    rng = np.random.default_rng(0)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        hf, ar, bd = build_model(tmp, args)
+        for batch in args.batches:
+            prompts = rng.integers(0, args.vocab - 2, size=(batch, args.prompt)).tolist()
+            r, outs = run_jdllm(ar, prompts, jdllm.AR(), args.new, args.repeats)
+            ar_tokens = [o.token_ids for o in outs]
+            rows.append(dict(engine="jdllm", paradigm="ar", strategy="-", batch=batch, **r))
+            print(_line(rows[-1]), flush=True)
+            if batch in args.hf_batches:
+                r, hf_tokens = run_transformers(hf, prompts, args.new, args.repeats)
+                same = hf_tokens == ar_tokens
+                rows.append(dict(engine="transformers", paradigm="ar", strategy="generate()", batch=batch,
+                                 identical_to_jdllm_ar=same, **r))
+                print(_line(rows[-1]), f"identical greedy tokens: {same}", flush=True)
+            for strategy in STRATEGIES:
+                dec = jdllm.BlockDiffusion(block_length=args.block, denoising_steps=args.block // 2 or 1,
+                                           strategy=strategy, confidence_threshold=args.threshold)
+                r, _ = run_jdllm(bd, prompts, dec, args.new, args.repeats)
+                rows.append(dict(engine="jdllm", paradigm="block_diffusion", strategy=strategy, batch=batch, **r))
+                print(_line(rows[-1]), flush=True)
+    speedup = {}
+    for batch in args.batches:
+        j = [r for r in rows if r["engine"] == "jdllm" and r["paradigm"] == "ar" and r["batch"] == batch]
+        h = [r for r in rows if r["engine"] == "transformers" and r["batch"] == batch]
+        if j and h:
+            speedup[batch] = j[0]["tokens_per_s"] / h[0]["tokens_per_s"]
+    result = dict(machine=args.machine, backend=jax.default_backend(), jax=jax.__version__,
+                  model=dict(vocab=args.vocab, hidden=args.hidden, layers=args.layers, heads=args.heads,
+                             block=args.block, dtype="float32"),
+                  prompt_len=args.prompt, new_tokens=args.new, repeats=args.repeats,
+                  threshold=args.threshold, rows=rows, ar_speedup_vs_transformers=speedup)
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=2)
+    print()
+    print(table(result))
+    print(f"\nwrote {args.out}")
+    return 0
+
+
+def _line(r) -> str:
+    return (f"{r['engine']:12s} {r['paradigm']:15s} {r['strategy']:22s} batch {r['batch']:3d}  "
+            f"{r['tokens_per_s']:9.1f} tok/s  NFE {r['nfe']:6.1f}  TPF {r['tpf']:5.2f}")
+
+
+def table(result) -> str:
+    lines = ["| engine | paradigm | strategy | batch | tokens/s | NFE / row | TPF |",
+             "|---|---|---|---:|---:|---:|---:|"]
+    for r in result["rows"]:
+        lines.append(f"| {r['engine']} | {r['paradigm']} | {r['strategy']} | {r['batch']} | "
+                     f"{r['tokens_per_s']:.1f} | {r['nfe']:.1f} | {r['tpf']:.2f} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
