@@ -20,6 +20,8 @@ _EXPORTS = {
     "generate": "jdllm.api",
     "Output": "jdllm.api",
     "Sampling": "jdllm.sampling",
+    "prepare": "jdllm.api",  # inputs -> initial DecodeState + static context (no compile)
+    "DecodeState": "jdllm.state",
     # paradigm configs: each lives beside its paradigm
     "AR": "jdllm.decode.ar",
     "BlockDiffusion": "jdllm.decode.block_diffusion",

@@ -29,6 +29,17 @@ def _paradigm_fields():
     return classes, fields
 
 
+def _field_type(f: dataclasses.Field):
+    """int / float / str for a config field, from its default or (None default) its annotation."""
+    if f.default is not dataclasses.MISSING and f.default is not None:
+        return type(f.default)
+    ann = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
+    for name, kind in (("float", float), ("int", int)):
+        if name in ann:
+            return kind
+    return str
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from jdllm.decode.loop import PARADIGMS  # noqa: PLC0415
 
@@ -58,9 +69,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
             g.add_argument(flag, dest=f"opt_{name}", action=argparse.BooleanOptionalAction, default=None,
                            help=helptext)
         else:
-            kind = type(f.default) if f.default is not dataclasses.MISSING and f.default is not None else str
-            choices = getattr(classes[owners[0]], name.upper() + "S", None)
-            g.add_argument(flag, dest=f"opt_{name}", type=kind, default=None, help=helptext,
+            kind = _field_type(f)
+            plural = name.upper()[:-1] + "IES" if name.endswith("y") else name.upper() + "S"
+            choices = getattr(classes[owners[0]], plural, None)
+            g.add_argument(flag, dest=f"opt_{name}", type=kind, default=None, help=helptext, metavar=name.upper(),
                            choices=choices if isinstance(choices, tuple) else None)
 
 
