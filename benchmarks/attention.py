@@ -87,6 +87,19 @@ def _attn_fn(impl: str, *, kind, block_size, q_offset, kv_len, tiles):
     return jax.jit(fn)
 
 
+def _grad_fn(impl: str, *, kind, block_size, tiles):
+    """jit(grad) of sum(attention * w): forward plus backward, as a training step runs them."""
+    def loss(q, k, v, w):
+        start = jnp.zeros((q.shape[0],), jnp.int32)
+        if impl == "pallas":
+            out = flash.attention(q, k, v, start=start, kind=kind, block_size=block_size, tiles=tiles)
+        else:
+            out = pallas_kernels.attention(q, k, v, start=start, kind=kind, block_size=block_size,
+                                           impl=impl)
+        return jnp.sum(out.astype(jnp.float32) * w)
+    return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+
+
 def _xla_fits(B, H, T, S, budget_bytes) -> bool:
     return 3 * B * H * T * S * 4 <= budget_bytes  # f32 scores, probabilities and a temporary
 
@@ -134,6 +147,27 @@ def run(args) -> dict:
                 rows.append(row)
     result["prefill"] = rows
 
+    brows = []
+    for kind, bs in (MASKS if args.backward else ()):
+        for S in seqs:
+            q, k, v = _inputs(B, S, S, H, KV, D, dtype)
+            w = jnp.ones(q.shape, jnp.float32)
+            flops = 2.5 * 4 * B * H * D * visible_pairs(S, S, kind, bs)  # forward + backward (5 matmuls)
+            for impl in [i for i in impls if i != "cudnn"]:
+                row = dict(mask=f"{kind}" + (f"(B={bs})" if kind == "block_causal" else ""), S=S,
+                           impl=impl + "+grad")
+                if impl == "xla" and not _xla_fits(B, H, S, S, budget // 2):
+                    row["skipped"] = "XLA reference scores do not fit in memory"
+                else:
+                    try:
+                        sec = bench(_grad_fn(impl, kind=kind, block_size=bs, tiles=tiles), q, k, v, w,
+                                    iters=args.iters)
+                        row.update(ms=sec * 1e3, tflops=flops / sec / 1e12)
+                    except Exception as e:  # noqa: BLE001
+                        row["skipped"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
+                brows.append(row)
+    result["forward_backward"] = brows
+
     wrows = []
     for S in seqs:
         T = args.window
@@ -160,21 +194,21 @@ def print_table(res: dict) -> None:
     print(f"device: {res['device']} ({res['platform']}, Pallas backend {res['pallas_backend']}), "
           f"jax {res['jax']}, mode {res['mode']}, {res['dtype']}, shape {res['shape']}")
     print(f"measured matmul: {res['matmul_tflops']:.3f} TFLOP/s; copy: {res['copy_gbps']:.1f} GB/s")
-    print(f"\n{'mask':<20}{'S':>7}  {'impl':<8}{'ms':>10}{'TFLOP/s':>10}{'vs cudnn':>10}")
+    print(f"\n{'mask':<20}{'S':>7}  {'impl':<12}{'ms':>10}{'TFLOP/s':>10}{'vs cudnn':>10}")
     by = {(r["mask"], r["S"], r["impl"]): r for r in res["prefill"]}
-    for r in res["prefill"]:
+    for r in res["prefill"] + res["forward_backward"]:
         if "skipped" in r:
-            print(f"{r['mask']:<20}{r['S']:>7}  {r['impl']:<8}  skipped: {r['skipped']}")
+            print(f"{r['mask']:<20}{r['S']:>7}  {r['impl']:<12}  skipped: {r['skipped']}")
             continue
         base = by.get((r["mask"], r["S"], "cudnn"), {})
         rel = f"{base['ms'] / r['ms']:.2f}x" if "ms" in base else "-"
-        print(f"{r['mask']:<20}{r['S']:>7}  {r['impl']:<8}{r['ms']:>10.3f}{r['tflops']:>10.3f}{rel:>10}")
-    print(f"\n{'window':<20}{'T':>4}{'S':>7}  {'impl':<8}{'ms':>10}{'GB/s':>10}{'of copy':>10}")
+        print(f"{r['mask']:<20}{r['S']:>7}  {r['impl']:<12}{r['ms']:>10.3f}{r['tflops']:>10.3f}{rel:>10}")
+    print(f"\n{'window':<20}{'T':>4}{'S':>7}  {'impl':<12}{'ms':>10}{'GB/s':>10}{'of copy':>10}")
     for r in res["window"]:
         if "skipped" in r:
-            print(f"{r['mask']:<20}{r['T']:>4}{r['S']:>7}  {r['impl']:<8}  skipped: {r['skipped']}")
+            print(f"{r['mask']:<20}{r['T']:>4}{r['S']:>7}  {r['impl']:<12}  skipped: {r['skipped']}")
             continue
-        print(f"{r['mask']:<20}{r['T']:>4}{r['S']:>7}  {r['impl']:<8}{r['ms']:>10.3f}{r['gbps']:>10.2f}"
+        print(f"{r['mask']:<20}{r['T']:>4}{r['S']:>7}  {r['impl']:<12}{r['ms']:>10.3f}{r['gbps']:>10.2f}"
               f"{100 * r['frac_of_copy']:>9.1f}%")
 
 
@@ -192,6 +226,8 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--impls", default="pallas,cudnn,xla")
     ap.add_argument("--iters", type=int, default=None)
+    ap.add_argument("--backward", action="store_true",
+                    help="also time forward+backward (jax.grad) for Pallas and XLA")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "out",
                                                    "attention.json"))
     args = ap.parse_args(argv)

@@ -4,8 +4,8 @@
 impl=...)` is the single entry point the model calls. `impl`:
 
 - "xla": the reference in `reference.py` (any backend);
-- "pallas": the Pallas flash kernels (Mosaic GPU on Hopper, Triton on other
-  NVIDIA GPUs, `interpret=True` on the CPU);
+- "pallas": the Pallas flash kernels of `flash.py` (the Triton lowering on
+  NVIDIA GPUs, `interpret=True` on the CPU; no Mosaic GPU kernel yet);
 - "cudnn": `jax.nn.dot_product_attention(implementation="cudnn")` with the mask
   as a boolean mask (a GPU baseline);
 - "auto": "pallas" on a GPU, "xla" elsewhere.
