@@ -57,9 +57,20 @@ State contract (see jdllm/state.py): a step must
   - keep paradigm-only arrays in `state.extra` (a dict) and set them in
     `prefill` (the while_loop carry must keep one structure).
 
+  - advance a row's PRNG stream only when it samples for real
+    (`common.sample_window(..., rows=...)`), so sampled rows too do not
+    depend on the rest of the batch.
+
 Shared pieces for all of this live in `jdllm/decode/common.py` (window forward,
 shifted-logit alignment, sampling with the mask token excluded, the
-`select_*` reveal rules, `reveal`, the stop rule).
+`select_*` reveal rules, `reveal`, the stop rule). `ar.py` is the smallest
+complete example, `block_diffusion.py` one with a phase decided by `lax.cond`.
+
+Testing a paradigm: a plain-loop reference (full forward every step, no cache,
+numpy) beside `tests/reference_decoders.py`; jdllm must match it token for
+token and step for step under greedy decoding, batch 1 and a batch of
+different-length prompts. `tests/decode_fixtures.py` has tiny peaked models
+and the `fast_compile` fixture.
 """
 
 from __future__ import annotations
