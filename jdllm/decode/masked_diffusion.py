@@ -228,7 +228,8 @@ class MaskedDiffusion:
                              slots=P + G, prefill_len=P)
 
     def max_iterations(self, state: DecodeState) -> int:
-        return 2 * state.slots + 8  # <= max(steps_per_block, block_length) per block; a guard
+        # per block at most max(steps_per_block, block_length) forwards (+1 slack): a guard
+        return (self.steps or 0) + 2 * state.slots + 8
 
     # ----------------------------------------------------------------- device side
     def prefill(self, params, ctx, state: DecodeState) -> DecodeState:
