@@ -140,6 +140,9 @@ class MaskedDiffusion:
     """
 
     name: ClassVar[str] = "masked_diffusion"
+    REMASKINGS: ClassVar[tuple[str, ...]] = REMASKING  # choices, for the CLI
+    ALGS: ClassVar[tuple[str, ...]] = ALGS
+    CACHES: ClassVar[tuple[str, ...]] = CACHES
 
     gen_length: int | None = None
     steps: int | None = None
