@@ -75,6 +75,14 @@ def test_text_prompts_outputs_and_cli(tmp_path, capsys):
         assert (o.finish_reason == "stop") == (o.token_ids[-1] in m.config.eos_token_ids)
     with pytest.raises(errors.InputError, match="chat template"):
         jdllm.generate(m, prompts, BD, apply_chat_template=True)
+    # (the fixture tokenizer only knows the characters of its training corpus)
+    m.tokenizer.chat_template = ("{% for m in messages %}user says {{ m['content'] }} {% endfor %}"
+                                 "{% if add_generation_prompt %}model says{% endif %}")
+    prep = prepare(m, prompts, BD, jdllm.Sampling(max_new_tokens=7), apply_chat_template=True)
+    rendered = m.tokenizer.apply_chat_template([{"role": "user", "content": prompts[0]}], tokenize=False,
+                                               add_generation_prompt=True)
+    assert rendered == "user says the quick brown fox model says"
+    assert prep.prompts[0] == m.tokenizer.encode(rendered, add_special_tokens=False)
 
     rc = cli.main(["generate", d, "--prompt", prompts[0], "--paradigm", "block_diffusion",
                    "--block-length", "4", "--denoising-steps", "2", "--confidence-threshold", "0.7",
@@ -86,6 +94,17 @@ def test_text_prompts_outputs_and_cli(tmp_path, capsys):
     assert len(shown) == max(outs[0].step_map)  # one line per step, tokens grouped by step
     rc = cli.main(["generate", d, "--prompt", "x", "--paradigm", "block_diffusion", "--denoising-steps", "3"])
     assert rc == 2 and "denoising_steps=3" in capsys.readouterr().err
+
+
+def test_show_steps_formatting():
+    from jdllm.generate_cli import format_steps
+
+    out = jdllm.Output(token_ids=[10, 11, 12, 13], text=None, step_map=[2, 1, 2, 3], logprobs=[0.0] * 4, nfe=3,
+                       finish_reason="length")
+    plain = format_steps(None, out, colour=False).splitlines()
+    assert plain == ["step    1: '11'", "step    2: '10' '12'", "step    3: '13'"]
+    coloured = format_steps(None, out, colour=True)
+    assert coloured.count("\033[") == 8 and "3 steps" in coloured  # one colour + reset per token
 
 
 def _no_compile(fn, exc, match):
