@@ -20,11 +20,12 @@ Backends (`backend=`): "interpret" (Pallas interpret mode, the CPU default and
 what the tests run) and "triton" (the Pallas Triton lowering, the GPU default).
 A Mosaic GPU (Hopper) variant is not written yet; see `default_backend`.
 
-STATUS: the "triton" path has NOT been compiled or run on a GPU yet (no GPU
-was lent to the session that wrote it). The kernel bodies stay inside what the
-Triton lowering accepts (power-of-two 2-D tiles of >= 16 rows, `lax.div` for
-integer division, 0-d scalar blocks, dot_general on 2-D operands), but the
-first GPU session must run `pytest -m gpu tests/test_kernels.py` before relying on it.
+STATUS: the "triton" path has NOT been compiled to PTX or run on a GPU yet (no
+GPU was lent to the session that wrote it). What is checked on the CPU: the
+kernels give the reference's results in interpret mode, and all three kernels
+(forward, backward dq, backward dk/dv) go through the Pallas -> Triton IR
+lowering for CUDA (`test_triton_path_lowers_for_cuda`). The first GPU session
+must run `pytest -m gpu tests/test_kernels.py` and `benchmarks/attention.py`.
 
 Gradients: `attention` is a `jax.custom_vjp`; the forward kernel also saves the
 row log-sum-exp and the backward runs the Pallas kernels of `backward.py`
@@ -139,7 +140,7 @@ def _tile_bounds(*, start, kvl, p_first, p_last, lo_slot, hi_slot, block_k, kind
     lo = jnp.maximum(start, lo_slot)
     hi = jnp.minimum(_end(p_last, kind, block_size, kvl), hi_slot)
     a = lax.div(lo, block_k)
-    d = jnp.maximum(_cdiv(hi, block_k), a)
+    d = jnp.where(hi > lo, jnp.maximum(_cdiv(hi, block_k), a), a)  # nothing visible: no tile
     b = jnp.clip(_cdiv(start, block_k), a, d)
     c = jnp.clip(lax.div(_end(p_first, kind, block_size, kvl), block_k), b, d)
     return a, b, c, d

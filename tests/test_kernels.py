@@ -91,6 +91,74 @@ def test_rows_that_see_nothing_are_zero():
     assert np.all(np.abs(np.asarray(out)[1, 6:]) > 0)
 
 
+@pytest.mark.parametrize("variant,kind,bs,T,qoff,horizon", [
+    ("prefill", "causal", 1, 8, 8, 16),  # last query p = 15 sees slots < 16
+    ("window", "block_causal", 4, 4, 16, 20),  # queries 16..19 see slots < 20
+])
+def test_tiles_outside_the_rule_are_never_read(variant, kind, bs, T, qoff, horizon):
+    """K/V tiles wholly past the horizon, or wholly before a row's start, are NaN: the result stays finite.
+
+    A kernel that loaded such a tile and masked it would still fail: 0 * NaN in
+    the P @ V product is NaN.
+    """
+    B, S, H, KV, D, bk = 2, 48, 4, 2, 64, 8
+    q, k, v = _qkv(11, B, T, S, H, KV, D, jnp.float32)
+    start = jnp.array([0, 8], jnp.int32)
+    slot = jnp.arange(S)[None, :, None, None]
+    dead = (slot >= pl.cdiv(horizon, bk) * bk) | (slot < start[:, None, None, None])  # whole tiles
+    kw = dict(start=start, q_offset=qoff, kv_len=S, kind=kind, block_size=bs)
+    tiles = flash.Tiles(block_q=8, block_k=bk, block_r=8, num_splits=3)
+    fn = flash.prefill_attention if variant == "prefill" else flash.window_attention
+    out = jax.jit(functools.partial(fn, **kw, tiles=tiles, backend="interpret"))(
+        q, jnp.where(dead, jnp.nan, k), jnp.where(dead, jnp.nan, v))
+    ref = attention_reference(q, jnp.where(dead, 0.0, k), jnp.where(dead, 0.0, v), **kw)
+    assert _rel_err(out, ref) <= 1e-5
+
+
+@pytest.mark.parametrize("kind,bs", [("causal", 1), ("block_causal", 4), ("block_causal", 32),
+                                     ("bidirectional", 1)])
+def test_tile_schedule_is_exact(kind, bs):
+    """_tile_bounds vs brute force: visited tiles = tiles with a visible pair; unmasked = fully visible.
+
+    For random (start, kv_len, q_offset, query tile), every tile outside [a, d)
+    has no visible (query, key) pair, every tile in [a, d) that holds a visible
+    pair is visited, and [b, c) is exactly the set of tiles every query of the
+    query tile sees whole, so only boundary tiles pay for the mask.
+    """
+    bq, bk, S, T = 8, 8, 96, 40
+    rng = np.random.default_rng(12)
+    n = 200
+    start = rng.integers(0, 60, n)
+    qoff = rng.integers(0, 50, n)
+    kvl = np.minimum(qoff + T + rng.integers(-10, 30, n), S)
+    tile = rng.integers(0, pl.cdiv(T, bq), n)
+    p_first = qoff + tile * bq
+    p_last = qoff + np.minimum(tile * bq + bq - 1, T - 1)
+
+    def bounds(start, kvl, p_first, p_last):
+        return flash._tile_bounds(start=start, kvl=kvl, p_first=p_first, p_last=p_last, lo_slot=0,
+                                  hi_slot=S, block_k=bk, kind=kind, block_size=bs)
+
+    a, b, c, d = (np.asarray(x) for x in jax.jit(jax.vmap(bounds))(
+        *(jnp.asarray(x, jnp.int32) for x in (start, kvl, p_first, p_last))))
+    for i in range(n):
+        p = np.arange(p_first[i], p_last[i] + 1)
+        hz = {"causal": p + 1, "block_causal": (p // bs + 1) * bs, "bidirectional": np.full_like(p, kvl[i])}
+        end = np.minimum(hz[kind], kvl[i])
+        keys = np.arange(S)
+        vis = (keys[None] >= start[i]) & (keys[None] < end[:, None])  # [queries, S]
+        per_tile = vis.reshape(len(p), S // bk, bk)
+        any_vis = per_tile.any(axis=(0, 2))
+        all_vis = per_tile.all(axis=(0, 2))
+        t = np.arange(S // bk)
+        visited = (t >= a[i]) & (t < d[i])
+        unmasked = (t >= b[i]) & (t < c[i])
+        assert a[i] <= b[i] <= c[i] <= d[i]
+        assert not (any_vis & ~visited).any(), "a tile with visible keys is skipped"
+        assert not (visited & ~any_vis).any(), "a tile without visible keys is loaded"
+        assert (unmasked == all_vis).all(), "mask skipped on a partial tile or paid on a full one"
+
+
 # ----------------------------------------------------------------------------- window
 # (kind, block_size, B, T, S, q_offset, kv_len, H, KV, D, start, (block_r, block_k, splits), dtype)
 WINDOW = [
