@@ -17,7 +17,10 @@ from jdllm.decode.masked_diffusion import (dream_ratios, exponential_from_bits, 
 from jdllm.loading import Model
 from jdllm.model import init_params
 from jdllm.sampling import row_keys
+from tests.decode_fixtures import fast_compile  # noqa: F401 (fixture)
 from tests.reference_masked_diffusion import llada_gumbel_argmax, masked_diffusion_reference, num_transfer_tokens
+
+pytestmark = pytest.mark.usefixtures("fast_compile")
 
 VOCAB, MASK = 96, 95
 PROMPTS = [[5, 17, 3, 44, 9, 12], [70, 2, 31], [8, 21, 55, 90, 13, 4, 27, 66, 1]]
