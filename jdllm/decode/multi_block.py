@@ -5,7 +5,9 @@ Blocks
 The generation region is cut into blocks of `block_size` slots. Block-causal
 models use their absolute block grid (as `block_diffusion`: rows are
 left-padded so every row's first decode block starts at slot `base` =
-prefill_len, the prompt remainder sits pre-revealed at its start).
+prefill_len, the prompt remainder sits pre-revealed at its start); the last
+block is whole, its slots past the row's limit hold the mask token and are
+never generated (as in `block_diffusion`).
 Bidirectional models start block 0 at the first generated slot; their canvas
 is right-aligned so every row's canvas ends exactly at prompt + max_new_tokens
 (= slot S), which is what a full-attention forward must see.
@@ -60,7 +62,9 @@ clean K/V; K/V written while a block still had masks are never committed.
 Under block-causal attention nothing after active_end influences the window,
 so the logits equal the no-cache forward's and so does the output. In a batch
 the window sits at the slowest row's frontier; when a row ahead does not fit
-the step runs one full forward instead (same result, more compute).
+the step runs one full forward instead (same result, more compute). The
+first step, on an empty cache, is such a full forward too; it fills the cache
+with the prompt's blocks.
 
 `cache="approx"` (bidirectional models, off by default; d3LLM's
 `cache_delay_iter` / `refresh_interval`): the cache holds K/V for the whole
@@ -382,25 +386,27 @@ class MultiBlock:
 
     # ----------------------------------------------------------------- the step
     def prefill(self, params, ctx, state: DecodeState) -> DecodeState:
-        """Set up the block grid (block 0 Fully-Activated) and take the first step."""
+        """Set up the block grid (block 0 Fully-Activated); no forward.
+
+        The first step then runs on an empty cache: its window cannot cover the
+        prompt, so it takes the full forward, which also fills the cache with
+        the prompt's blocks (committed right after it).
+        """
         B = state.batch
         if ctx.model.attention == "block_causal":
             base = jnp.asarray(ctx.prefill_len, jnp.int32)
         else:
             base = jnp.min(state.gen_start).astype(jnp.int32)
         NB = self._num_blocks(ctx, state)
-        idx, ok = self._view(state, base, NB)
+        _, ok = self._view(state, base, NB)
         num = jnp.sum(jnp.any(ok, -1), -1).astype(jnp.int32)
         st = jnp.zeros((B, NB), jnp.int32).at[:, 0].set(FULLY_ACTIVATED)
         bsteps = jnp.full((B, NB, 3), -1, jnp.int32).at[:, 0, FULLY_ACTIVATED - 1].set(0)
         extra = dict(block_state=st, block_steps=bsteps, base=base, num_blocks=num,
                      completed_at=jnp.full((B, NB), -1, jnp.int32))
-        return self._step(params, ctx, state.replace(extra=extra), None, first=True)
+        return state.replace(extra=extra)
 
     def step(self, params, ctx, state: DecodeState, bitmask=None) -> DecodeState:
-        return self._step(params, ctx, state, bitmask, first=False)
-
-    def _step(self, params, ctx, state: DecodeState, bitmask, *, first: bool) -> DecodeState:
         Bs, K, S = self.block_size, self.max_blocks, state.slots
         mode = self.cache_mode(ctx.model)
         base = state.extra["base"]
@@ -425,10 +431,9 @@ class MultiBlock:
         if mode == "none":
             state, _, s = self._full_forward(params, ctx, state, rows, bitmask)
         elif mode == "exact":
-            state, s = self._exact_forward(params, ctx, state, rows, bitmask, base, first_open, active_end,
-                                           first)
+            state, s = self._exact_forward(params, ctx, state, rows, bitmask, base, first_open, active_end)
         else:
-            state, s = self._approx_forward(params, ctx, state, rows, bitmask, base, active_end, first)
+            state, s = self._approx_forward(params, ctx, state, rows, bitmask, base, active_end)
         state = common.count_forward(state, rows)
 
         # phase 5: lowest entropy + everything under the threshold
@@ -459,7 +464,7 @@ class MultiBlock:
         return state
 
     # ----------------------------------------------------------------- cached forwards
-    def _exact_forward(self, params, ctx, state, rows, bitmask, base, first_open, active_end, first):
+    def _exact_forward(self, params, ctx, state, rows, bitmask, base, first_open, active_end):
         """Window at cache.length; commit the blocks that were Completed before this forward."""
         Bs, K = self.block_size, self.max_blocks
         running = ~state.done
@@ -472,11 +477,6 @@ class MultiBlock:
                                                 keepdims=False)
             prev = jnp.where(new_len > jnp.maximum(L, offset), last, st.prev_logits)
             return st.replace(cache=st.cache.commit(new_len), prev_logits=prev)
-
-        if first:  # the prompt's blocks ride along with the first window
-            width = ctx.prefill_len + (K + 1) * Bs
-            st, logits, s = self._window_forward(params, ctx, state, 0, width, rows, bitmask, False)
-            return commit(st, logits, 0), s
 
         def windowed(width):
             def run(st):
@@ -493,7 +493,7 @@ class MultiBlock:
         branch = jnp.sum(need > jnp.asarray(widths, jnp.int32)).astype(jnp.int32)  # first width that fits
         return jax.lax.switch(branch, [windowed(w) for w in widths] + [full], state)
 
-    def _approx_forward(self, params, ctx, state, rows, bitmask, base, active_end, first):
+    def _approx_forward(self, params, ctx, state, rows, bitmask, base, active_end):
         """d3LLM-style approximate cache for bidirectional models (see the module docstring)."""
         Bs, K, S = self.block_size, self.max_blocks, state.slots
         lead = int(ctx.model.logit_shift)  # shifted logits: the slot before the window predicts its first
@@ -516,10 +516,8 @@ class MultiBlock:
             s_, _, smp = self._full_forward(params, ctx, s_, rows, bitmask)
             return s_, smp
 
-        if first:
-            return full(state)
         fits = jnp.all(~running | (active_end <= offset + W))
-        refresh = state.forwards % self.refresh_interval == 0
+        refresh = state.forwards % self.refresh_interval == 0  # the first forward always refreshes
         return jax.lax.cond(fits & ~refresh, windowed, full, state)
 
 

@@ -1,0 +1,225 @@
+"""`multi_block` (d3LLM) against the plain-loop reference; exact KV cache == no cache; block states."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import numpy as np
+import pytest
+
+import jdllm
+from jdllm import errors
+from jdllm.api import prepare
+from jdllm.config import ModelConfig
+from jdllm.decode import loop
+from jdllm.decode.multi_block import BLOCK_STATES
+from jdllm.loading import Model
+from jdllm.model import init_params
+from tests.decode_fixtures import MASK, VOCAB, block_model
+from tests.reference_multi_block import STATE_CODE, multi_block_reference, states_during
+
+BS = 4
+PROMPTS = [[5, 17, 3, 44, 9, 12], [70, 2, 31], [8, 21, 55, 90, 13, 4, 27, 66, 1]]
+MAX_NEW = 13
+# threshold paths (dyadic thresholds: progress comparisons are exact in float32 and float64)
+CONFIGS = {
+    # blocks added early as Activated, promoted to Fully-Activated later; some parallel reveals
+    "pipelined": dict(entropy_threshold=0.3, block_add_threshold=0.25, decoded_token_threshold=0.75,
+                      max_blocks=3),
+    # nothing under the entropy bound: one lowest-entropy token plus forced progress per block
+    "forced": dict(entropy_threshold=0.0, block_add_threshold=0.5, decoded_token_threshold=0.5, max_blocks=2),
+    # the next block only once the newest is full, Fully-Activated at once
+    "serial": dict(entropy_threshold=0.6, block_add_threshold=1.0, decoded_token_threshold=1.0, max_blocks=4),
+}
+
+
+@functools.lru_cache(maxsize=None)
+def bidir_model(seed: int = 3, logit_shift: bool = False) -> Model:
+    """LLaDA-like (Dream-like when logit_shift) bidirectional model with a mask token."""
+    cfg = ModelConfig(model_type="llama", vocab_size=VOCAB, hidden_size=48, intermediate_size=96, num_layers=2,
+                      num_heads=4, num_kv_heads=2, head_dim=16, attention="bidirectional", logit_shift=logit_shift,
+                      mask_token_id=MASK, max_position_embeddings=256, eos_token_ids=())
+    return Model(cfg, init_params(cfg, jax.random.key(seed), std=0.7), attn_impl="xla")
+
+
+def _mb(config, **kw):
+    return jdllm.MultiBlock(block_size=BS, **{**CONFIGS[config], **kw})
+
+
+def _ref(m, prompt, config, max_new=MAX_NEW, **kw):
+    return multi_block_reference(m.params, m.config, prompt, max_new_tokens=max_new, block_size=BS,
+                                 **{**CONFIGS[config], **kw})
+
+
+def _check(out, ref):
+    assert out.token_ids == ref["tokens"]
+    assert out.step_map == ref["step_map"]
+    np.testing.assert_allclose(out.logprobs, ref["logprobs"], atol=2e-4, rtol=1e-4)
+    assert out.nfe == ref["nfe"]
+    assert out.finish_reason == ref["finish"]
+    assert out.trace["block_steps"] == ref["entered"]
+    assert [BLOCK_STATES[s] for s in out.trace["block_state"]] == ref["final"]
+
+
+def _sampling(max_new=MAX_NEW, **kw):
+    return jdllm.Sampling(max_new_tokens=max_new, stop_token_ids=(), **kw)
+
+
+@pytest.mark.parametrize("config, shifted", [("pipelined", False), ("forced", False), ("serial", True)])
+def test_block_causal_matches_reference(config, shifted):
+    """SDAR-like (Fast-dLLM-like when shifted) model, exact cache, mixed-length batch and batch 1."""
+    m = block_model(seed=2, logit_shift=True) if shifted else block_model()
+    refs = [_ref(m, p, config) for p in PROMPTS]
+    outs = jdllm.generate(m, PROMPTS, _mb(config, cache="exact"), _sampling())
+    for out, ref in zip(outs, refs):
+        _check(out, ref)
+        assert MASK not in out.token_ids and len(out.token_ids) == MAX_NEW
+    if config == "pipelined":
+        (solo,) = jdllm.generate(m, [PROMPTS[2]], _mb(config, cache="exact"), _sampling())
+        _check(solo, refs[2])
+    if config == "forced":  # one lowest-entropy token, plus forced ones for the other blocks in flight
+        assert max(np.bincount(outs[0].step_map)) <= CONFIGS[config]["max_blocks"]
+
+
+@pytest.mark.parametrize("config, shifted", [("pipelined", False), ("forced", True)])
+def test_bidirectional_matches_reference(config, shifted):
+    """LLaDA-like (Dream-like when shifted) model: whole-canvas forward, mixed-length batch and batch 1."""
+    m = bidir_model(4, True) if shifted else bidir_model()
+    refs = [_ref(m, p, config) for p in PROMPTS]
+    for out, ref in zip(jdllm.generate(m, PROMPTS, _mb(config), _sampling()), refs):
+        _check(out, ref)
+    if not shifted:
+        (solo,) = jdllm.generate(m, [PROMPTS[1]], _mb(config), _sampling())
+        _check(solo, refs[1])
+
+
+def _final_state(m, prompts, decoding, sampling):
+    prep = prepare(m, prompts, decoding, sampling)
+    return prep, loop.decode(m.params, prep.state, paradigm=prep.paradigm, ctx=prep.ctx)
+
+
+def test_exact_cache_equals_no_cache_and_commits_blocks():
+    """Long enough for the window to slide many blocks; greedy and sampled; cache really used."""
+    m = block_model(seed=5)
+    max_new = 30
+    for sampling in (_sampling(max_new), _sampling(max_new, temperature=0.8, seed=3)):
+        outs = {}
+        for cache in ("none", "exact"):
+            prep, final = _final_state(m, PROMPTS, _mb("pipelined", max_blocks=2, cache=cache), sampling)
+            outs[cache] = jdllm.api.outputs(prep, final)
+            if cache == "exact":  # committed well past the prompt blocks, never a stale block
+                assert int(final.cache.length) > prep.ctx.prefill_len + 4 * BS
+        for a, b in zip(outs["none"], outs["exact"]):
+            assert a.token_ids == b.token_ids and a.step_map == b.step_map and a.nfe == b.nfe
+            assert a.trace == b.trace
+            np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-4)
+    greedy = jdllm.generate(m, PROMPTS, _mb("pipelined", max_blocks=2, cache="exact"), _sampling(max_new))
+    for p, out in zip(PROMPTS, greedy):
+        _check(out, _ref(m, p, "pipelined", max_new=max_new, max_blocks=2))
+
+
+@pytest.mark.parametrize("kind, at", [("block_causal", 2), ("bidirectional", 1)])
+def test_eos_early_stop(kind, at):
+    """Stop token = the free run's token `at`: rows stop; with early_stop the rest becomes EOS."""
+    m = block_model() if kind == "block_causal" else bidir_model()
+    free = _ref(m, PROMPTS[0], "pipelined")
+    stop = free["tokens"][at]
+    sampling = jdllm.Sampling(max_new_tokens=MAX_NEW, stop_token_ids=(stop,))
+    for early in (True, False) if kind == "block_causal" else (True,):
+        refs = [_ref(m, p, "pipelined", stop_ids=(stop,), early_stop=early) for p in PROMPTS]
+        assert refs[0]["finish"] == "stop"
+        outs = jdllm.generate(m, PROMPTS, _mb("pipelined", early_stop=early), sampling)
+        for out, ref in zip(outs, refs):
+            _check(out, ref)
+            if out.finish_reason == "stop":
+                assert out.token_ids[-1] == stop and stop not in out.token_ids[:-1]
+        if early:  # blocks wholly after the EOS were completed without ever being added
+            skipped = [b for o in outs for b in o.trace["block_steps"] if b[0] < 0 and b[1] < 0 and b[2] >= 0]
+            assert skipped
+            assert outs[0].nfe <= free["nfe"]
+
+
+def test_block_state_transitions():
+    """Thresholds that force every transition; the per-step state sequence equals the reference's."""
+    m = block_model()
+    kw = dict(entropy_threshold=0.0, block_add_threshold=0.25, decoded_token_threshold=1.0, max_blocks=3)
+    prompt = PROMPTS[0]
+    ref = multi_block_reference(m.params, m.config, prompt, max_new_tokens=20, block_size=BS, **kw)
+    (out,) = jdllm.generate(m, [prompt], jdllm.MultiBlock(block_size=BS, **kw), _sampling(20))
+    _check(out, ref)
+    steps = out.trace["block_steps"]
+    for t, seen in enumerate(ref["trace"], start=1):
+        assert states_during(steps, t) == seen
+    code = [[STATE_CODE[s] for s in states_during(steps, t)] for t in range(1, out.nfe + 1)]
+    # states never go backwards
+    assert all(a <= b for prev, cur in zip(code, code[1:]) for a, b in zip(prev, cur))
+    a, f, c = np.array(steps).T
+    assert np.any((a >= 0) & (f > a)), "Activated -> Fully-Activated"
+    assert f[0] == 0 and a[0] < 0, "block 0 starts Fully-Activated"
+    assert np.all(c >= 0) and np.all(np.maximum(a, f) <= c), "everything Completed, after activation"
+    assert max(len([k for k in s if k in (1, 2)]) for s in code) == kw["max_blocks"], "cap reached"
+    # with decoded_token_threshold 0: every added block is Fully-Activated at once
+    kw0 = dict(kw, decoded_token_threshold=0.0)
+    (out0,) = jdllm.generate(m, [prompt], jdllm.MultiBlock(block_size=BS, **kw0), _sampling(20))
+    _check(out0, multi_block_reference(m.params, m.config, prompt, max_new_tokens=20, block_size=BS, **kw0))
+    a0, f0, _ = np.array(out0.trace["block_steps"]).T
+    assert np.all(a0 < 0) and np.all(f0 >= 0)
+
+
+def test_max_forwards_stops_rows():
+    m = block_model()
+    outs = jdllm.generate(m, PROMPTS, _mb("forced", max_forwards=3), _sampling())
+    for p, out in zip(PROMPTS, outs):
+        ref = _ref(m, p, "forced", max_forwards=3)
+        _check(out, ref)
+        assert out.nfe == 3 and out.finish_reason is None and len(out.token_ids) < MAX_NEW
+
+
+def test_approximate_cache_bidirectional():
+    """Off by default; refresh every step == the exact run; default refresh stays a valid decode."""
+    m = bidir_model()
+    assert jdllm.MultiBlock().cache_mode(m.config) == "none"
+    exact = jdllm.generate(m, PROMPTS, _mb("pipelined"), _sampling())
+    every = jdllm.generate(m, PROMPTS, _mb("pipelined", cache="approx", refresh_interval=1), _sampling())
+    approx = jdllm.generate(m, PROMPTS, _mb("pipelined", cache="approx"), _sampling())
+    for e, r, a in zip(exact, every, approx):
+        assert e.token_ids == r.token_ids and e.step_map == r.step_map
+        assert MASK not in a.token_ids and len(a.token_ids) == MAX_NEW
+
+
+def test_no_retrace_on_second_call_with_same_buckets():
+    m = block_model()
+    d = _mb("pipelined", cache="exact")
+    jdllm.generate(m, PROMPTS, d, _sampling())
+    n = loop.TRACES["multi_block"]
+    outs = jdllm.generate(m, [[1, 2, 3, 4, 5], [9, 8], [7, 7, 7, 7, 7, 7, 7, 7, 7, 7]], d, _sampling(11))
+    assert loop.TRACES["multi_block"] == n
+    assert all(len(o.token_ids) == 11 for o in outs)
+
+
+@pytest.mark.parametrize("kw, word", [
+    (dict(block_size=0), "block_size"), (dict(block_size=2.5), "block_size"),
+    (dict(entropy_threshold=-0.1), "entropy_threshold"), (dict(entropy_threshold=float("nan")), "entropy_threshold"),
+    (dict(block_add_threshold=1.5), "block_add_threshold"),
+    (dict(decoded_token_threshold=-0.2), "decoded_token_threshold"),
+    (dict(max_forwards=0), "max_forwards"), (dict(max_blocks=0), "max_blocks"),
+    (dict(cache="dual"), "cache"), (dict(early_stop="yes"), "early_stop"),
+    (dict(refresh_interval=0), "refresh_interval"), (dict(cache_delay_iter=-1), "cache_delay_iter"),
+])
+def test_bad_config_raises(kw, word):
+    with pytest.raises(errors.DecodingConfigError, match=word):
+        jdllm.MultiBlock(**kw)
+
+
+def test_bad_model_raises():
+    from tests.decode_fixtures import causal_model  # noqa: PLC0415
+
+    with pytest.raises(errors.DecodingConfigError, match="jdllm.AR"):
+        prepare(causal_model(), [[1, 2]], jdllm.MultiBlock(block_size=BS), _sampling())
+    with pytest.raises(errors.DecodingConfigError, match="exact"):
+        prepare(bidir_model(), [[1, 2]], jdllm.MultiBlock(block_size=BS, cache="exact"), _sampling())
+    with pytest.raises(errors.DecodingConfigError, match="approx"):
+        prepare(block_model(), [[1, 2]], jdllm.MultiBlock(block_size=BS, cache="approx"), _sampling())
+    with pytest.warns(UserWarning, match="block_size"):
+        prepare(block_model(), [[1, 2]], jdllm.MultiBlock(block_size=8), _sampling(2))
