@@ -113,6 +113,15 @@ def main(argv=None) -> int:
                          "with 2, OpenMP waits cost ~100x per forward)")
     ap.add_argument("--machine", default=f"{platform.machine()} CPU, {os.cpu_count()} cores")
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "out", "decode.json"))
+    ap.add_argument("--masked-gen-lengths", type=int, nargs="*", default=[64, 256, 1024],
+                    help="masked_diffusion generation lengths (none: skip it)")
+    ap.add_argument("--masked-block", type=int, default=32, help="masked_diffusion block_length")
+    ap.add_argument("--masked-tokens-per-step", type=int, default=4, help="masked_diffusion schedule rate")
+    ap.add_argument("--masked-threshold-max-len", type=int, default=256,
+                    help="longest generation run with the threshold decoding (one forward per token on random "
+                         "weights: bounds the CPU time)")
+    ap.add_argument("--masked-only", action="store_true",
+                    help="run only the masked_diffusion rows (written to benchmarks/out/decode_masked.json)")
     args = ap.parse_args(argv)
 
     import torch  # noqa: PLC0415
@@ -121,6 +130,17 @@ def main(argv=None) -> int:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         hf, ar, bd = build_model(tmp, args)
+        masked = masked_diffusion_rows(ar, args, np.random.default_rng(1)) if args.masked_gen_lengths else []
+        if args.masked_only:
+            out = os.path.join(ROOT, "benchmarks", "out", "decode_masked.json")
+            os.makedirs(os.path.dirname(out), exist_ok=True)
+            with open(out, "w") as f:
+                json.dump(dict(machine=args.machine, backend=jax.default_backend(), jax=jax.__version__,
+                               model=dict(vocab=args.vocab, hidden=args.hidden, layers=args.layers,
+                                          heads=args.heads, dtype="float32"), prompt_len=args.prompt,
+                               rows=masked), f, indent=2)
+            print("\n" + masked_table(masked) + f"\n\nwrote {out}")
+            return 0
         for batch in args.batches:
             prompts = rng.integers(0, args.vocab - 2, size=(batch, args.prompt)).tolist()
             r, outs = run_jdllm(ar, prompts, jdllm.AR(), args.new, args.repeats)
@@ -150,13 +170,74 @@ def main(argv=None) -> int:
                              block=args.block, dtype="float32"),
                   prompt_len=args.prompt, new_tokens=args.new, repeats=args.repeats,
                   threshold=args.threshold, torch_threads=args.torch_threads, rows=rows, ar_speedup_vs_transformers=speedup)
+    result["masked_diffusion"] = masked
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=2)
     print()
     print(table(result))
+    if masked:
+        print("\n" + masked_table(masked))
     print(f"\nwrote {args.out}")
     return 0
+
+
+# --------------------------------------------------------------------------- masked_diffusion (LLaDA / Fast-dLLM)
+def masked_diffusion_rows(ar, args, rng) -> list[dict]:
+    """masked_diffusion per generation length and cache mode, batch 1, on the same weights run as a
+    bidirectional LLaDA-like model (mask token = the last id).
+
+    Two decodings: LLaDA's schedule at a fixed --masked-tokens-per-step (the NFE is set by the
+    schedule, so every length finishes in bounded CPU time) and Fast-dLLM's threshold (--threshold;
+    one forward per token while the random model is unsure), the latter only up to
+    --masked-threshold-max-len. `diff_vs_none` is the fraction of generated tokens that differ from
+    the cache="none" run of the same decoding (the prefix / dual caches are approximations).
+    `first_call_s` includes the compile (the prefix cache compiles one window per block).
+    """
+    cfg = ar.config.replace(attention="bidirectional", mask_token_id=args.vocab - 1)
+    model = jdllm.Model(cfg, ar.params, attn_impl=ar.attn_impl)
+    prompts = rng.integers(0, args.vocab - 2, size=(1, args.prompt)).tolist()
+    rows = []
+    for G in args.masked_gen_lengths:
+        Bl = min(args.masked_block, G)
+        decodings = {f"schedule {args.masked_tokens_per_step}/step": dict(steps=G // args.masked_tokens_per_step)}
+        if G <= args.masked_threshold_max_len:
+            decodings[f"threshold {args.threshold}"] = dict(confidence_threshold=args.threshold)
+        repeats = args.repeats if G < 1024 else 1
+        for label, kw in decodings.items():
+            base = None
+            for cache in ("none", "prefix", "dual"):
+                dec = jdllm.MaskedDiffusion(block_length=Bl, cache=cache, **kw)
+                sampling = jdllm.Sampling(max_new_tokens=G, stop_token_ids=())
+                t0 = time.perf_counter()
+                jdllm.generate(model, prompts, dec, sampling)
+                first = time.perf_counter() - t0
+                best = float("inf")
+                for _ in range(repeats):
+                    t0 = time.perf_counter()
+                    outs = jdllm.generate(model, prompts, dec, sampling)
+                    best = min(best, time.perf_counter() - t0)
+                toks = np.concatenate([o.token_ids for o in outs])
+                base = toks if base is None else base
+                nfe = float(np.mean([o.nfe for o in outs]))
+                rows.append(dict(engine="jdllm", paradigm="masked_diffusion", strategy=label, cache=cache,
+                                 gen_length=G, block_length=Bl, batch=len(prompts), seconds=best,
+                                 first_call_s=first, tokens=int(toks.size), tokens_per_s=toks.size / best, nfe=nfe,
+                                 tpf=toks.size / len(outs) / nfe, diff_vs_none=float(np.mean(toks != base))))
+                r = rows[-1]
+                print(f"masked_diffusion G={G:5d} {label:16s} cache={cache:6s} {r['tokens_per_s']:9.1f} tok/s  "
+                      f"NFE {nfe:6.1f}  TPF {r['tpf']:5.2f}  diff vs none {r['diff_vs_none']:.3f}  "
+                      f"first call {first:5.1f}s", flush=True)
+    return rows
+
+
+def masked_table(rows) -> str:
+    lines = ["| gen length | decoding | cache | tokens/s | NFE | TPF | tokens differing from cache=none | "
+             "first call (s, incl. compile) |", "|---:|---|---|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r['gen_length']} | {r['strategy']} | {r['cache']} | {r['tokens_per_s']:.1f} | "
+                     f"{r['nfe']:.0f} | {r['tpf']:.2f} | {r['diff_vs_none']:.3f} | {r['first_call_s']:.1f} |")
+    return "\n".join(lines)
 
 
 def _line(r) -> str:
