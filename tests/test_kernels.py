@@ -4,7 +4,11 @@ CPU: Pallas interpret mode on small shapes (a sparse grid: every kind, block
 sizes 1/4/32/64, tile and non-tile lengths, left padding with rows that see
 nothing, GQA 1/2/4/8, head_dim 64/128, float32 and bfloat16). Output buffers
 are poisoned with NaN so an element the kernel forgets to write fails the
-comparison. GPU tests (marked `gpu`) compile the Triton kernels and are skipped
+comparison; K/V tiles the rule hides are NaN-filled so a kernel that reads
+them fails too. Also: the tile schedule against brute force, traced offsets
+under jit, vmap, gradients (Pallas backward kernels), the model forward with
+attn_impl="pallas" vs "xla", and the Triton lowering for CUDA (lowering only).
+GPU tests (marked `gpu`) compile and run the Triton kernels and are skipped
 when no GPU is present.
 """
 
