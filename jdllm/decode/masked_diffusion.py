@@ -71,7 +71,8 @@ import numpy as np
 from jdllm import errors
 from jdllm.decode import common
 from jdllm.model import default_positions, forward
-from jdllm.sampling import Sample, distribution_stats, exclude_token, filter_logits, split_rows
+from jdllm.sampling import (Sample, apply_token_bitmask, distribution_stats, exclude_token, filter_logits,
+                            split_rows)
 from jdllm.state import DecodeState, slot_index
 
 REMASKING = ("low_confidence", "random")
@@ -342,8 +343,7 @@ class MaskedDiffusion:
         if ctx.temperature > 0:
             exp_noise = jax.vmap(lambda k: exponential_noise(jax.random.fold_in(k, 0), (Bl, V)))(sub)
         uniform = jax.vmap(lambda k: jax.random.uniform(jax.random.fold_in(k, 1), (Bl,)))(sub)  # [B, Bl]
-        if bitmask is not None:
-            from jdllm.sampling import apply_token_bitmask  # noqa: PLC0415
+        if bitmask is not None:  # [B, Bl, ceil(V/32)] over the block
             logits = apply_token_bitmask(logits, bitmask)
 
         s, conf1, zt = self._sample(ctx, logits, exp_noise)
