@@ -17,7 +17,10 @@ from jdllm.decode.multi_block import BLOCK_STATES
 from jdllm.loading import Model
 from jdllm.model import init_params
 from tests.decode_fixtures import MASK, VOCAB, block_model
+from tests.decode_fixtures import fast_compile  # noqa: F401 (fixture)
 from tests.reference_multi_block import STATE_CODE, multi_block_reference, states_during
+
+pytestmark = pytest.mark.usefixtures("fast_compile")
 
 BS = 4
 PROMPTS = [[5, 17, 3, 44, 9, 12], [70, 2, 31], [8, 21, 55, 90, 13, 4, 27, 66, 1]]
