@@ -109,6 +109,9 @@ def prepare(model: Model, prompts, decoding=None, sampling: Sampling | None = No
     cfg = model.config
     sampling = Sampling() if sampling is None else sampling
     decoding = default_paradigm(cfg) if decoding is None else decoding
+    if isinstance(decoding, type):
+        raise errors.DecodingConfigError(
+            f"decoding={decoding.__name__} is a class; pass an instance such as {decoding.__name__}()")
     if not hasattr(decoding, "layout") or not hasattr(decoding, "step"):
         raise errors.DecodingConfigError(
             f"decoding={decoding!r} is not a paradigm config; use one of jdllm.AR, jdllm.BlockDiffusion, "

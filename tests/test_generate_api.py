@@ -133,6 +133,8 @@ def test_bad_input_raises_before_compiling():
     _no_compile(lambda: jdllm.generate(b, ["text"], BD, ok), errors.InputError, "no tokenizer")
     _no_compile(lambda: jdllm.generate(b, [[1]], "block_diffusion", ok), errors.DecodingConfigError,
                 "not a paradigm config")
+    _no_compile(lambda: jdllm.generate(b, [[1]], jdllm.BlockDiffusion, ok), errors.DecodingConfigError,
+                r"pass an instance such as BlockDiffusion\(\)")
     with pytest.warns(UserWarning, match="block_length=8 differs from the model's trained block_size=4"):
         prep = prepare(b, [[1, 2, 3]], jdllm.BlockDiffusion(block_length=8, denoising_steps=4), ok)
     assert prep.ctx.model.block_size == 8  # the forward's block grid follows block_length

@@ -1,12 +1,12 @@
 """`block_diffusion`: SDAR / lmdeploy block-by-block denoising on block-causal models.
 
 Layout (one slot grid for the batch): with nb_b = len_b // B whole prompt
-blocks and N = bucket(max_b nb_b), row b is left-padded by B * (N - nb_b) so
-every row's prompt blocks end at slot N * B and every row's first decode block
-is slot block N; the prompt remainder (len_b % B tokens) sits pre-revealed at
-the start of that block and generation starts right after it. Slot blocks
-then coincide with each row's own position blocks, so a row in a batch
-computes exactly what it computes alone.
+blocks and N = bucket(max(1, max_b nb_b)), row b is left-padded by
+B * (N - nb_b) so every row's prompt blocks end at slot N * B and every row's
+first decode block is slot block N; the prompt remainder (len_b % B tokens)
+sits pre-revealed at the start of that block and generation starts right
+after it. Slot blocks then coincide with each row's own position blocks, so a
+row in a batch computes exactly what it computes alone.
 
 Each block starts all-mask and is denoised with the block as the active
 window against the cached prefix; every step reveals some masked positions
@@ -20,7 +20,9 @@ the commit of block b rides on the first denoising forward of block b + 1: one
 forward over both blocks (2B slots, block-causal, so block b does not see
 b + 1 and its K/V equal the unfused commit's), then `cache.commit(+B)`. The
 prompt's blocks are fused the same way with the first block's first step.
-Same tokens, one forward fewer per block.
+Same tokens, one forward fewer per block. Every step runs the same two-block
+window shape (see `BlockDiffusion.step`), so the loop body has no branch and
+the cache is updated in place.
 """
 
 from __future__ import annotations
@@ -29,7 +31,6 @@ import dataclasses
 import warnings
 from typing import ClassVar
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -105,7 +106,7 @@ class BlockDiffusion:
         B = self.block_length
         lengths = np.asarray(lengths, np.int64)
         nb = lengths // B
-        N = common.bucket(int(nb.max()), 0)
+        N = common.bucket(int(nb.max()), 1)  # >= 1: a step's window reaches one block back
         gen_blocks = common.bucket(-(-(B - 1 + max_new_tokens) // B), 1)
         start = (B * (N - nb)).astype(np.int32)
         gen_start = (N * B + lengths % B).astype(np.int32)
@@ -116,10 +117,15 @@ class BlockDiffusion:
         return state.batch * state.slots + state.slots // self.block_length + 8
 
     # ----------------------------------------------------------------- device side
-    def _denoise(self, ctx, state: DecodeState, logits, offset, bitmask) -> DecodeState:
-        """Reveal some masked positions of the block at `offset` from aligned logits [B, W, V]."""
+    def _denoise(self, ctx, state: DecodeState, logits, offset, bitmask, allow=None) -> DecodeState:
+        """Reveal some masked positions of the block at `offset` from aligned logits [B, W, V].
+
+        allow ([] bool, optional): False turns the step into a pure commit (no reveal).
+        """
         W = self.block_length
         cand = common.candidates(state, offset, W)  # [B, W]
+        if allow is not None:
+            cand = cand & allow
         state, s = common.sample_window(ctx, state, logits, bitmask, rows=jnp.any(cand, axis=-1))
         k = W // self.denoising_steps
         if self.strategy == "low_confidence_static":
@@ -134,45 +140,43 @@ class BlockDiffusion:
         return common.finish_rows(state, ctx.stop_ids)
 
     def prefill(self, params, ctx, state: DecodeState) -> DecodeState:
-        P, W = ctx.prefill_len, self.block_length
+        P, W = ctx.prefill_len, self.block_length  # P >= W: the layout keeps one prompt block at least
         if self.fuse_commit:
             # prompt blocks + first decode block in one forward; commit the prompt blocks
             logits, state = common.forward_window(params, ctx, state, 0, P + W, commit=P)
             state = common.count_forward(state, ~state.done)
             al = common.aligned(ctx, logits, state.prev_logits)[:, P:]
-            if P:
-                state = state.replace(prev_logits=logits[:, P - 1])
             return self._denoise(ctx, state, al, P, None)
-        if P == 0:
-            return state
         logits, state = common.forward_window(params, ctx, state, 0, P, commit=P)
-        state = common.count_forward(state, ~state.done & (state.start < P))
-        return state.replace(prev_logits=logits[:, P - 1])
+        return common.count_forward(state, ~state.done & (state.start < P))
 
     def step(self, params, ctx, state: DecodeState, bitmask=None) -> DecodeState:
+        """One forward over two blocks, [L - W, L + W) or, once the block is full, [L, L + 2W).
+
+        The current block (slots [L, L + W), L = cache.length) is always the
+        window's second half. While it has masked slots the first half is the
+        committed previous block, recomputed bit for bit as the forward that
+        committed it did (same window shape and inputs; block-causal, so it
+        never sees the second half). Once every running row has filled the
+        current block, the window moves up one block: its first half is the
+        clean block, whose K/V this forward writes and `cache.commit` keeps,
+        and its second half is the next block's first denoising step (fused);
+        unfused, that step only commits (one extra forward, as in SDAR). One
+        window shape for every step: no `lax.cond`, so the KV cache is updated
+        in place. The raw logits of the first half's last slot predict the
+        second half's first token on shifted-logit models.
+        """
         W = self.block_length
-        L = state.cache.length  # the current block is slots [L, L + W)
+        L = state.cache.length
         has_work = jnp.any(common.candidates(state, L, W), axis=-1)  # [B]
-        block_full = ~jnp.any(has_work)
-
-        def denoise(st):
-            logits, st = common.forward_window(params, ctx, st, L, W)
-            st = common.count_forward(st, has_work)
-            return self._denoise(ctx, st, common.aligned(ctx, logits, st.prev_logits), L, bitmask)
-
-        def fused(st):
-            logits, st = common.forward_window(params, ctx, st, L, 2 * W, commit=L + W)
-            st = common.count_forward(st, ~st.done)
-            al = common.aligned(ctx, logits, st.prev_logits)[:, W:]
-            st = st.replace(prev_logits=logits[:, W - 1])
-            return self._denoise(ctx, st, al, L + W, bitmask)
-
-        def commit(st):
-            logits, st = common.forward_window(params, ctx, st, L, W, commit=L + W)
-            st = common.count_forward(st, ~st.done)
-            return st.replace(prev_logits=logits[:, W - 1])
-
-        return jax.lax.cond(block_full, fused if self.fuse_commit else commit, denoise, state)
+        full = ~jnp.any(has_work)  # every running row has filled the current block
+        w0 = jnp.where(full, L, L - W)
+        logits, state = common.forward_window(params, ctx, state, w0, 2 * W,
+                                              commit=jnp.where(full, L + W, L))  # [B, 2W, V]
+        state = common.count_forward(state, jnp.where(full, ~state.done, has_work))
+        al = common.aligned(ctx, logits, state.prev_logits)[:, W:]
+        allow = None if self.fuse_commit else ~full
+        return self._denoise(ctx, state, al, w0 + W, bitmask, allow)
 
 
 __all__ = ["BlockDiffusion", "STRATEGIES"]
