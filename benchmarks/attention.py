@@ -17,6 +17,7 @@ Prints a table and writes JSON to benchmarks/out/attention.json.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -77,11 +78,15 @@ def _inputs(B, T, S, H, KV, D, dtype, seed=0):
 
 
 def _attn_fn(impl: str, *, kind, block_size, q_offset, kv_len, tiles):
+    """impl "pallas" (auto variant), "pallas-packed" (GQA-packed window kernel, one key split,
+    used for prefill: each K/V tile is read once per KV head), or a dispatcher impl."""
     def fn(q, k, v):
         start = jnp.zeros((q.shape[0],), jnp.int32)
-        if impl == "pallas":
+        if impl.startswith("pallas"):
+            packed = impl == "pallas-packed"
             return flash.attention(q, k, v, start=start, q_offset=q_offset, kv_len=kv_len, kind=kind,
-                                   block_size=block_size, tiles=tiles)
+                                   block_size=block_size, variant="window" if packed else "auto",
+                                   tiles=dataclasses.replace(tiles, num_splits=1) if packed else tiles)
         return pallas_kernels.attention(q, k, v, start=start, q_offset=q_offset, kv_len=kv_len,
                                         kind=kind, block_size=block_size, impl=impl)
     return jax.jit(fn)
@@ -153,7 +158,7 @@ def run(args) -> dict:
             q, k, v = _inputs(B, S, S, H, KV, D, dtype)
             w = jnp.ones(q.shape, jnp.float32)
             flops = 2.5 * 4 * B * H * D * visible_pairs(S, S, kind, bs)  # forward + backward (5 matmuls)
-            for impl in [i for i in impls if i != "cudnn"]:
+            for impl in [i for i in impls if i in ("pallas", "xla")]:
                 row = dict(mask=f"{kind}" + (f"(B={bs})" if kind == "block_causal" else ""), S=S,
                            impl=impl + "+grad")
                 if impl == "xla" and not _xla_fits(B, H, S, S, budget // 2):
@@ -194,21 +199,21 @@ def print_table(res: dict) -> None:
     print(f"device: {res['device']} ({res['platform']}, Pallas backend {res['pallas_backend']}), "
           f"jax {res['jax']}, mode {res['mode']}, {res['dtype']}, shape {res['shape']}")
     print(f"measured matmul: {res['matmul_tflops']:.3f} TFLOP/s; copy: {res['copy_gbps']:.1f} GB/s")
-    print(f"\n{'mask':<20}{'S':>7}  {'impl':<12}{'ms':>10}{'TFLOP/s':>10}{'vs cudnn':>10}")
+    print(f"\n{'mask':<20}{'S':>7}  {'impl':<14}{'ms':>10}{'TFLOP/s':>10}{'vs cudnn':>10}")
     by = {(r["mask"], r["S"], r["impl"]): r for r in res["prefill"]}
     for r in res["prefill"] + res["forward_backward"]:
         if "skipped" in r:
-            print(f"{r['mask']:<20}{r['S']:>7}  {r['impl']:<12}  skipped: {r['skipped']}")
+            print(f"{r['mask']:<20}{r['S']:>7}  {r['impl']:<14}  skipped: {r['skipped']}")
             continue
         base = by.get((r["mask"], r["S"], "cudnn"), {})
         rel = f"{base['ms'] / r['ms']:.2f}x" if "ms" in base else "-"
-        print(f"{r['mask']:<20}{r['S']:>7}  {r['impl']:<12}{r['ms']:>10.3f}{r['tflops']:>10.3f}{rel:>10}")
-    print(f"\n{'window':<20}{'T':>4}{'S':>7}  {'impl':<12}{'ms':>10}{'GB/s':>10}{'of copy':>10}")
+        print(f"{r['mask']:<20}{r['S']:>7}  {r['impl']:<14}{r['ms']:>10.3f}{r['tflops']:>10.3f}{rel:>10}")
+    print(f"\n{'window':<20}{'T':>4}{'S':>7}  {'impl':<14}{'ms':>10}{'GB/s':>10}{'of copy':>10}")
     for r in res["window"]:
         if "skipped" in r:
-            print(f"{r['mask']:<20}{r['T']:>4}{r['S']:>7}  {r['impl']:<12}  skipped: {r['skipped']}")
+            print(f"{r['mask']:<20}{r['T']:>4}{r['S']:>7}  {r['impl']:<14}  skipped: {r['skipped']}")
             continue
-        print(f"{r['mask']:<20}{r['T']:>4}{r['S']:>7}  {r['impl']:<12}{r['ms']:>10.3f}{r['gbps']:>10.2f}"
+        print(f"{r['mask']:<20}{r['T']:>4}{r['S']:>7}  {r['impl']:<14}{r['ms']:>10.3f}{r['gbps']:>10.2f}"
               f"{100 * r['frac_of_copy']:>9.1f}%")
 
 
@@ -224,7 +229,8 @@ def main(argv=None) -> int:
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--window", type=int, default=32, help="window length T (its block size too)")
     ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--impls", default="pallas,cudnn,xla")
+    ap.add_argument("--impls", default="pallas,pallas-packed,cudnn,xla",
+                    help="prefill implementations to time (window: pallas and xla)")
     ap.add_argument("--iters", type=int, default=None)
     ap.add_argument("--backward", action="store_true",
                     help="also time forward+backward (jax.grad) for Pallas and XLA")
