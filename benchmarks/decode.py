@@ -122,6 +122,13 @@ def main(argv=None) -> int:
                          "weights: bounds the CPU time)")
     ap.add_argument("--masked-only", action="store_true",
                     help="run only the masked_diffusion rows (written to benchmarks/out/decode_masked.json)")
+    ap.add_argument("--mb-gen-lengths", type=int, nargs="*", default=[64, 256, 1024],
+                    help="multi_block generation lengths (none: skip it)")
+    ap.add_argument("--mb-block", type=int, default=32, help="multi_block block_size")
+    ap.add_argument("--mb-max-blocks", type=int, default=4, help="multi_block max_blocks (blocks in flight)")
+    ap.add_argument("--mb-entropy", type=float, default=0.9, help="multi_block entropy_threshold")
+    ap.add_argument("--mb-only", action="store_true",
+                    help="run only the multi_block rows (written to benchmarks/out/decode_multi_block.json)")
     args = ap.parse_args(argv)
 
     import torch  # noqa: PLC0415
@@ -130,6 +137,8 @@ def main(argv=None) -> int:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         hf, ar, bd = build_model(tmp, args)
+        if args.mb_only:
+            return write_multi_block(multi_block_rows(ar, args, np.random.default_rng(2)), args)
         masked = masked_diffusion_rows(ar, args, np.random.default_rng(1)) if args.masked_gen_lengths else []
         if args.masked_only:
             out = os.path.join(ROOT, "benchmarks", "out", "decode_masked.json")
@@ -171,6 +180,7 @@ def main(argv=None) -> int:
                   prompt_len=args.prompt, new_tokens=args.new, repeats=args.repeats,
                   threshold=args.threshold, torch_threads=args.torch_threads, rows=rows, ar_speedup_vs_transformers=speedup)
     result["masked_diffusion"] = masked
+    result["multi_block"] = mb = multi_block_rows(ar, args, np.random.default_rng(2)) if args.mb_gen_lengths else []
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=2)
@@ -178,6 +188,8 @@ def main(argv=None) -> int:
     print(table(result))
     if masked:
         print("\n" + masked_table(masked))
+    if mb:
+        print("\n" + multi_block_table(mb))
     print(f"\nwrote {args.out}")
     return 0
 
@@ -194,7 +206,8 @@ def masked_diffusion_rows(ar, args, rng) -> list[dict]:
     the cache="none" run of the same decoding (the prefix / dual caches are approximations).
     `first_call_s` includes the compile (the prefix cache compiles one window per block).
     """
-    cfg = ar.config.replace(attention="bidirectional", mask_token_id=args.vocab - 1)
+    ctx_len = max(ar.config.max_position_embeddings, args.prompt + max(args.masked_gen_lengths))  # RoPE: any length
+    cfg = ar.config.replace(attention="bidirectional", mask_token_id=args.vocab - 1, max_position_embeddings=ctx_len)
     model = jdllm.Model(cfg, ar.params, attn_impl=ar.attn_impl)
     prompts = rng.integers(0, args.vocab - 2, size=(1, args.prompt)).tolist()
     rows = []
@@ -238,6 +251,83 @@ def masked_table(rows) -> str:
         lines.append(f"| {r['gen_length']} | {r['strategy']} | {r['cache']} | {r['tokens_per_s']:.1f} | "
                      f"{r['nfe']:.0f} | {r['tpf']:.2f} | {r['diff_vs_none']:.3f} | {r['first_call_s']:.1f} |")
     return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- multi_block (d3LLM)
+def multi_block_rows(ar, args, rng) -> list[dict]:
+    """multi_block per generation length, batch 1, on the same weights run as an SDAR-like block-causal
+    model (block grid --mb-block) and as a LLaDA-like bidirectional one (mask token = the last id).
+
+    Block-causal: cache="none" (every step one forward over the whole canvas) vs the exact KV cache
+    (`identical_to_none`: same tokens and step map). Bidirectional: cache="none" vs the approximate
+    cache (d3LLM's cache_delay_iter=1, refresh_interval=10000; `diff_vs_none` is the fraction of
+    generated tokens that differ). 1024-token runs are timed once. `first_call_s` includes the compile.
+    """
+    models = {}
+    for attention in ("block_causal", "bidirectional"):
+        cfg = ar.config.replace(attention=attention, block_size=args.mb_block if attention == "block_causal" else 1,
+                                mask_token_id=args.vocab - 1)
+        models[attention] = jdllm.Model(cfg, ar.params, attn_impl=ar.attn_impl)
+    prompts = rng.integers(0, args.vocab - 2, size=(1, args.prompt)).tolist()
+    rows = []
+    for G in args.mb_gen_lengths:
+        repeats = args.repeats if G < 1024 else 1
+        for attention, caches in (("block_causal", ("none", "exact")), ("bidirectional", ("none", "approx"))):
+            base = None
+            for cache in caches:
+                dec = jdllm.MultiBlock(block_size=args.mb_block, entropy_threshold=args.mb_entropy,
+                                       max_blocks=args.mb_max_blocks, cache=cache)
+                sampling = jdllm.Sampling(max_new_tokens=G, stop_token_ids=())
+                t0 = time.perf_counter()
+                jdllm.generate(models[attention], prompts, dec, sampling)
+                first = time.perf_counter() - t0
+                best = float("inf")
+                for _ in range(repeats):
+                    t0 = time.perf_counter()
+                    outs = jdllm.generate(models[attention], prompts, dec, sampling)
+                    best = min(best, time.perf_counter() - t0)
+                toks = np.concatenate([o.token_ids for o in outs])
+                smap = np.concatenate([o.step_map for o in outs])
+                if base is None:
+                    base = (toks, smap)
+                nfe = float(np.mean([o.nfe for o in outs]))
+                rows.append(dict(engine="jdllm", paradigm="multi_block", attention=attention, cache=cache,
+                                 gen_length=G, block_size=args.mb_block, max_blocks=args.mb_max_blocks,
+                                 entropy_threshold=args.mb_entropy, batch=len(prompts), seconds=best,
+                                 first_call_s=first, tokens=int(toks.size), tokens_per_s=toks.size / best, nfe=nfe,
+                                 tpf=toks.size / len(outs) / nfe, diff_vs_none=float(np.mean(toks != base[0])),
+                                 identical_to_none=bool(np.array_equal(toks, base[0])
+                                                        and np.array_equal(smap, base[1]))))
+                r = rows[-1]
+                print(f"multi_block G={G:5d} {attention:13s} cache={cache:6s} {r['tokens_per_s']:9.1f} tok/s  "
+                      f"NFE {nfe:6.1f}  TPF {r['tpf']:5.2f}  diff vs none {r['diff_vs_none']:.3f}  "
+                      f"first call {first:5.1f}s", flush=True)
+    return rows
+
+
+def multi_block_table(rows) -> str:
+    lines = ["| gen length | model | cache | tokens/s | NFE | TPF | speedup vs cache=none | "
+             "tokens differing from cache=none | first call (s, incl. compile) |",
+             "|---:|---|---|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        none = [x for x in rows if x["gen_length"] == r["gen_length"] and x["attention"] == r["attention"]
+                and x["cache"] == "none"]
+        speed = r["tokens_per_s"] / none[0]["tokens_per_s"] if none else float("nan")
+        lines.append(f"| {r['gen_length']} | {r['attention']} | {r['cache']} | {r['tokens_per_s']:.1f} | "
+                     f"{r['nfe']:.0f} | {r['tpf']:.2f} | {speed:.2f}x | {r['diff_vs_none']:.3f} | "
+                     f"{r['first_call_s']:.1f} |")
+    return "\n".join(lines)
+
+
+def write_multi_block(rows, args) -> int:
+    out = os.path.join(ROOT, "benchmarks", "out", "decode_multi_block.json")
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    with open(out, "w") as f:
+        json.dump(dict(machine=args.machine, backend=jax.default_backend(), jax=jax.__version__,
+                       model=dict(vocab=args.vocab, hidden=args.hidden, layers=args.layers, heads=args.heads,
+                                  dtype="float32"), prompt_len=args.prompt, rows=rows), f, indent=2)
+    print("\n" + multi_block_table(rows) + f"\n\nwrote {out}")
+    return 0
 
 
 def _line(r) -> str:
