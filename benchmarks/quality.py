@@ -83,7 +83,7 @@ def sweep(attention: str, block_size: int, quick: bool) -> list[Setting]:
     if attention == "causal":
         return [_s("AR", "greedy", "-")]
     if attention == "block_causal":
-        confs = [0.95, 0.7] if quick else [0.99, 0.95, 0.9, 0.8, 0.7, 0.5, 0.3]
+        confs = [0.95, 0.7] if quick else [0.99, 0.95, 0.9, 0.8, 0.7, 0.5]
         out = [_s("BlockDiffusion", "low_confidence_static", f"steps={s}", block_length=B, denoising_steps=s,
                   strategy="low_confidence_static") for s in ([B, 1] if quick else [B, B // 2, 1])]
         out += [_s("BlockDiffusion", "low_confidence_dynamic", f"conf>={c}", block_length=B, denoising_steps=B,
@@ -92,23 +92,25 @@ def sweep(attention: str, block_size: int, quick: bool) -> list[Setting]:
             out += [_s("BlockDiffusion", "sequential", f"steps={B}", block_length=B, denoising_steps=B,
                        strategy="sequential")]
             out += [_s("BlockDiffusion", "entropy_bounded", f"eb<={e}", block_length=B, denoising_steps=B,
-                       strategy="entropy_bounded", eb_threshold=e) for e in (0.1, 0.35, 1.0, 2.0)]
+                       strategy="entropy_bounded", eb_threshold=e) for e in (0.1, 0.5, 1.5)]
         out += [_s("MultiBlock", "entropy", f"H<={e}", block_size=B, entropy_threshold=e)
-                for e in ([0.1, 0.6] if quick else [0.02, 0.1, 0.3, 0.6, 1.0, 1.5])]
+                for e in ([0.1, 0.6] if quick else [0.05, 0.2, 0.5, 1.0, 1.5])]
         return out
     if attention == "bidirectional":
-        steps = [GEN_TOKENS, GEN_TOKENS // 2] if quick else [GEN_TOKENS, GEN_TOKENS // 2, GEN_TOKENS // 3]
+        steps = [GEN_TOKENS, GEN_TOKENS // 2] if quick else [GEN_TOKENS, GEN_TOKENS // 2, GEN_TOKENS // 4]
         out = []
         for cache in ("none",) if quick else ("none", "prefix", "dual"):
-            for rem in ("low_confidence",) if quick else ("low_confidence", "random"):
-                out += [_s("MaskedDiffusion", f"{rem}/cache={cache}", f"steps={s}", gen_length=GEN_TOKENS,
-                           block_length=4, steps=s, remasking=rem, cache=cache) for s in steps]
+            out += [_s("MaskedDiffusion", f"low_confidence/cache={cache}", f"steps={s}", gen_length=GEN_TOKENS,
+                       block_length=4, steps=s, remasking="low_confidence", cache=cache) for s in steps]
+            if not quick:
+                out += [_s("MaskedDiffusion", f"random/cache={cache}", f"steps={s}", gen_length=GEN_TOKENS,
+                           block_length=4, steps=s, remasking="random", cache=cache) for s in (GEN_TOKENS,)]
             out += [_s("MaskedDiffusion", f"threshold/cache={cache}", f"conf>={c}", gen_length=GEN_TOKENS,
                        block_length=4, steps=GEN_TOKENS, remasking="low_confidence", cache=cache,
-                       threshold=c) for c in ([0.9] if quick else [0.95, 0.9, 0.7, 0.5])]
+                       confidence_threshold=c) for c in ([0.9] if quick else [0.9, 0.7, 0.5])]
         for cache in ("none",) if quick else ("none", "approx"):
             out += [_s("MultiBlock", f"entropy/cache={cache}", f"H<={e}", block_size=4, entropy_threshold=e,
-                       cache=cache) for e in ([0.3] if quick else [0.1, 0.3, 0.6, 1.0])]
+                       cache=cache) for e in ([0.3] if quick else [0.1, 0.5, 1.0])]
         return out
     raise ValueError(attention)
 
@@ -271,6 +273,15 @@ def main(argv=None) -> int:
     os.makedirs(args.out, exist_ok=True)
     result = measure(args.models, args.n, args.quick, args.only)
     result["machine"] = args.machine
+    previous = os.path.join(args.out, "quality.json")
+    if args.only and os.path.exists(previous):  # keep the other models' rows from an earlier run
+        with open(previous) as f:
+            old = json.load(f)
+        if old.get("items") == args.n:
+            keep = [m for m in {r["model"] for r in old["rows"] + old["skipped"]} if m not in args.only]
+            result["rows"] = [r for r in old["rows"] if r["model"] in keep] + result["rows"]
+            result["skipped"] = [r for r in old["skipped"] if r["model"] in keep] + result["skipped"]
+            result["aup"] = aup_table(result["rows"])
     with open(os.path.join(args.out, "quality.json"), "w") as f:
         json.dump(result, f, indent=2)
     plot(result, os.path.join(args.out, "quality.png"))

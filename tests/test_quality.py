@@ -54,3 +54,51 @@ def test_aup_rewards_parallelism_at_equal_accuracy():
     aup = _quality().aup
     assert aup([(1.0, 90.0), (3.0, 90.0)]) == pytest.approx(90 + 2 * 90)
     assert aup([(1.0, 90.0), (3.0, 90.0)]) > aup([(1.0, 90.0), (2.0, 90.0)])
+
+
+# --------------------------------------------------------------------------- shipped models
+SHIPPED = ("tiny-ar", "tiny-sdar", "tiny-llada")
+
+
+def _run(name: str, decoding, n: int = 200):
+    """Exact match and TPF of `decoding` on the first n held-out items (one batch)."""
+    model = jdllm.load(os.path.join(MODELS, name), dtype="float32")
+    exs = tasks.test_set(n)
+    outs = jdllm.generate(model, [e.prompt for e in exs], decoding=decoding,
+                          sampling=jdllm.Sampling(temperature=0.0, max_new_tokens=12))
+    acc = tasks.exact_match([tasks.decode(o.token_ids) for o in outs], exs)
+    tpf = sum(len(o.token_ids) for o in outs) / sum(o.nfe for o in outs)
+    return acc, tpf
+
+
+def test_shipped_directories_complete_and_small():
+    total = 0
+    for name in SHIPPED:
+        d = os.path.join(MODELS, name)
+        for fn in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "loss.png"):
+            assert os.path.isfile(os.path.join(d, fn)), (name, fn)
+        total += sum(os.path.getsize(os.path.join(d, f)) for f in os.listdir(d))
+    assert total < 10 * 2**20, f"shipped models take {total / 2**20:.1f} MiB"
+
+
+def test_shipped_ar_matches_transformers():
+    """The shipped Qwen3 directory runs identically in transformers and jdllm."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    path = os.path.join(MODELS, "tiny-ar")
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    model = jdllm.load(path, dtype="float32")
+    ids = [tasks.encode(e.prompt + e.answer) for e in tasks.test_set(4)]
+    T = min(len(r) for r in ids)
+    batch = np.array([r[:T] for r in ids], np.int64)
+    with torch.no_grad():
+        want = hf(torch.from_numpy(batch)).logits.numpy()
+    got = np.asarray(jdllm.logits(model, batch.astype(np.int32)))
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_ar_exact_match_floor():
+    acc, tpf = _run("tiny-ar", jdllm.AR())
+    assert acc > 0.90, f"tiny-ar exact match {acc:.3f} (measured 1.000 on 256 items)"
+    assert tpf == pytest.approx(1.0)
