@@ -50,10 +50,15 @@ both arrays per row (`block_state`, `block_steps`).
 
 KV cache
 --------
+`cache="none"`: every step runs the model without a cache, over the whole
+canvas for bidirectional models and over the prefix [0, active_end) for
+block-causal ones (rounded up to prefill_len + 1, 2, 4, ... blocks: a few
+static shapes).
+
 `cache="exact"` (the default for block-causal models, `"auto"`): slots
 [0, cache.length) hold clean K/V; each forward covers a window starting at
-cache.length, (max_blocks + 1) blocks wide, or 2 * max_blocks blocks when
-more than one finished block still waits for its commit. Commits cost no
+cache.length, the narrowest of 1, 2, 4, ... blocks (up to 2 * max_blocks)
+that reaches the active end. Commits cost no
 forward: the blocks that were already Completed *before* a forward (so the
 forward ran on their final tokens) are committed right after it, up to the
 first block some running row still has in flight. A block completed by a
@@ -202,10 +207,9 @@ class MultiBlock:
             nb = lengths // Bs
             N = common.bucket(int(nb.max()), 0)
             gen_blocks = common.bucket(-(-(Bs - 1 + max_new_tokens) // Bs), 1)
-            pad = 2 * K - 1 if self.cache_mode(cfg) == "exact" else 0  # windows never run off the canvas
             start = (Bs * (N - nb)).astype(np.int32)
             gen_start = (N * Bs + lengths % Bs).astype(np.int32)
-            return common.Layout(start=start, gen_start=gen_start, slots=(N + gen_blocks + pad) * Bs,
+            return common.Layout(start=start, gen_start=gen_start, slots=(N + gen_blocks) * Bs,
                                  prefill_len=N * Bs)
         # bidirectional: right-aligned, every row's canvas ends at S = gen_start + max_new_tokens
         P = common.bucket(int(lengths.max()), 16)
@@ -361,6 +365,33 @@ class MultiBlock:
         state, s = self._sample(ctx, state, al, 0, rows, bitmask)
         return state, logits, s
 
+    def _prefix_forward(self, params, ctx, state: DecodeState, width: int, rows, bitmask):
+        """No cache: the model over slots [0, width) alone -> (state, Sample [B, S])."""
+        tokens = state.tokens[:, :width]  # [B, W]
+        positions = default_positions(state.start, 0, width)
+        logits, _ = forward(params, ctx.model, tokens, positions, start=state.start, attn_impl=ctx.attn_impl)
+        state = state.replace(forwards=state.forwards + 1)
+        al = common.aligned(ctx, logits, jnp.zeros_like(state.prev_logits))
+        bm = None if bitmask is None else bitmask[:, :width]
+        state, s = self._sample(ctx, state, al, 0, rows, bm)
+        return state, self._to_canvas(s, 0, state.slots)
+
+    def _nocache_forward(self, params, ctx, state: DecodeState, rows, bitmask, base, active_end):
+        """Bidirectional: the whole canvas. Block-causal: the prefix up to active_end, rounded up to
+        base + 2^i blocks (a few static widths; later slots cannot change these logits)."""
+        S, Bs = state.slots, self.block_size
+        if ctx.model.attention != "block_causal":
+            return self._prefix_forward(params, ctx, state, S, rows, bitmask)
+        widths, w = [], Bs
+        while ctx.prefill_len + w < S:
+            widths.append(ctx.prefill_len + w)
+            w *= 2
+        widths.append(S)
+        need = jnp.max(jnp.where(~state.done, active_end, 0))
+        branch = jnp.sum(need > jnp.asarray(widths[:-1], jnp.int32)).astype(jnp.int32)
+        fns = [lambda st, w=w: self._prefix_forward(params, ctx, st, w, rows, bitmask) for w in widths]
+        return jax.lax.switch(branch, fns, state)
+
     def _window_forward(self, params, ctx, state: DecodeState, offset, width: int, rows, bitmask,
                         see_all: bool):
         """Forward over slots [offset, offset + width) against the cache -> (state, raw logits, Sample [B, S]).
@@ -429,7 +460,7 @@ class MultiBlock:
 
         # phase 4: one forward
         if mode == "none":
-            state, _, s = self._full_forward(params, ctx, state, rows, bitmask)
+            state, s = self._nocache_forward(params, ctx, state, rows, bitmask, base, active_end)
         elif mode == "exact":
             state, s = self._exact_forward(params, ctx, state, rows, bitmask, base, first_open, active_end)
         else:
@@ -465,8 +496,14 @@ class MultiBlock:
 
     # ----------------------------------------------------------------- cached forwards
     def _exact_forward(self, params, ctx, state, rows, bitmask, base, first_open, active_end):
-        """Window at cache.length; commit the blocks that were Completed before this forward."""
-        Bs, K = self.block_size, self.max_blocks
+        """Window from cache.length; commit the blocks that were Completed before this forward.
+
+        Window widths: 1, 2, 4, ... blocks up to 2 * max_blocks (the narrowest that reaches every
+        running row's active end), else the whole canvas. A window that would run off the canvas
+        starts earlier instead: it then recomputes some committed slots from their final tokens,
+        which rewrites the same K/V.
+        """
+        Bs, K, S = self.block_size, self.max_blocks, state.slots
         running = ~state.done
         F = jnp.min(jnp.where(running, first_open, jnp.iinfo(jnp.int32).max))
         L = state.cache.length
@@ -475,20 +512,24 @@ class MultiBlock:
             new_len = jnp.where(jnp.any(running), jnp.maximum(base + F * Bs, L), L).astype(jnp.int32)
             last = jax.lax.dynamic_index_in_dim(logits, jnp.maximum(new_len - 1 - offset, 0), axis=1,
                                                 keepdims=False)
-            prev = jnp.where(new_len > jnp.maximum(L, offset), last, st.prev_logits)
+            prev = jnp.where(new_len > L, last, st.prev_logits)
             return st.replace(cache=st.cache.commit(new_len), prev_logits=prev)
 
         def windowed(width):
             def run(st):
-                st, logits, s = self._window_forward(params, ctx, st, L, width, rows, bitmask, False)
-                return commit(st, logits, L), s
+                offset = jnp.minimum(L, S - width)
+                st, logits, s = self._window_forward(params, ctx, st, offset, width, rows, bitmask, False)
+                return commit(st, logits, offset), s
             return run
 
         def full(st):
             st, logits, s = self._full_forward(params, ctx, st, rows, bitmask)
             return commit(st, logits, 0), s
 
-        widths = sorted({(K + 1) * Bs, 2 * K * Bs})
+        widths, n = [], 1
+        while n <= 2 * K and n * Bs < S:
+            widths.append(n * Bs)
+            n *= 2
         need = jnp.max(jnp.where(running, active_end - L, 0))  # slots the window must cover
         branch = jnp.sum(need > jnp.asarray(widths, jnp.int32)).astype(jnp.int32)  # first width that fits
         return jax.lax.switch(branch, [windowed(w) for w in widths] + [full], state)
