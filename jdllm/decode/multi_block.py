@@ -73,14 +73,16 @@ with the prompt's blocks.
 
 `cache="approx"` (bidirectional models, off by default; d3LLM's
 `cache_delay_iter` / `refresh_interval`): the cache holds K/V for the whole
-canvas from the last full forward; a step recomputes only the window of
-`max_blocks` blocks starting at the first block that is not yet frozen (a
-block freezes `cache_delay_iter` steps after it is Completed) and attends to
-the stale cached K/V everywhere else (future masks included, as d3LLM does).
-Every `refresh_interval` steps, and whenever the active blocks do not fit in
-the window, a full forward refreshes everything. Output may differ from the
-exact run (the benchmark measures by how much); `refresh_interval=1` is the
-exact run. It uses an explicit attention mask, hence the XLA attention path.
+canvas from the last full forward; a step recomputes only a window of
+`max_blocks + 1` blocks starting at the first block that is not yet frozen (a
+block freezes `cache_delay_iter` steps after it is Completed; with 0 it
+freezes with the K/V of its last masked state) and attends to the stale
+cached K/V everywhere else, future masks included, as d3LLM does (the window
+sees the cached slots after it through `forward(kv_len=S)`). Every
+`refresh_interval` steps, and whenever the active blocks do not fit in the
+window, a full forward refreshes everything. Output may differ from the exact
+run (the benchmark measures by how much); `refresh_interval=1` is the exact
+run.
 
 Sampling: greedy uses `common.sample_window`; at temperature > 0 slot p of a
 row draws with fold_in(step key, p), so the draw does not depend on the
@@ -405,10 +407,8 @@ class MultiBlock:
         else:
             tokens = common.window(state.tokens, offset, width)  # [B, W]
             positions = default_positions(state.start, offset, width)
-            mask = jnp.arange(S)[None, None, :] >= state.start[:, None, None]  # [B, 1, S]
-            mask = jnp.broadcast_to(mask, (state.batch, width, S))
             logits, cache = forward(params, ctx.model, tokens, positions, start=state.start, cache=state.cache,
-                                    offset=offset, attn_impl="xla", attn_mask=mask)
+                                    offset=offset, attn_impl=ctx.attn_impl, kv_len=S)
             state = state.replace(cache=cache, forwards=state.forwards + 1)
         al = common.aligned(ctx, logits, state.prev_logits)
         bm = None if bitmask is None else common.window(bitmask, offset, width)
@@ -438,6 +438,7 @@ class MultiBlock:
         return state.replace(extra=extra)
 
     def step(self, params, ctx, state: DecodeState, bitmask=None) -> DecodeState:
+        """Phases 1-7 (module docstring). bitmask: optional packed [B, S, ceil(V/32)] over the canvas."""
         Bs, K, S = self.block_size, self.max_blocks, state.slots
         mode = self.cache_mode(ctx.model)
         base = state.extra["base"]
