@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jdllm.decode.masked_diffusion import exponential_noise
-from jdllm.model import forward
+from jdllm.model import KVCache, forward
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
@@ -33,6 +33,42 @@ def _forward(params, tokens, *, cfg):
 def model_logits(params, cfg, seqs) -> np.ndarray:
     """Raw float64 logits [N, T, V] of whole sequences [N, T] (no padding: a bidirectional model sees it all)."""
     return np.asarray(_forward(params, jnp.asarray(np.asarray(seqs, np.int32)), cfg=cfg)).astype(np.float64)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",))
+def _forward_cached(params, tokens, cache, offset, kv_len, *, cfg):
+    T = tokens.shape[1]
+    pos = offset + jnp.arange(T, dtype=jnp.int32)[None]
+    logits, cache = forward(params, cfg, tokens, pos, start=jnp.zeros((1,), jnp.int32), cache=cache, offset=offset,
+                            kv_len=kv_len, attn_impl="xla")
+    return logits, cache
+
+
+CACHE_SLOTS = 64  # fixed cache size for the cached reference (fewer compiles); slots >= len(x) stay invisible
+
+
+def cached_logits(params, cfg, x, cache_mode, state, b0, b1) -> np.ndarray:
+    """Raw float64 logits [T, V] (rows outside the computed window are NaN) under Fast-dLLM's caches.
+
+    state["kv"] is None at a block's first step: the whole sequence runs and its K/V become the
+    cache. Later steps run only [b0 - shift, T) ('prefix', against the cached prefix) or
+    [b0 - shift, b1) ('dual', against the cached prefix and suffix), from that block-start cache.
+    Keys at slots >= T are masked off (kv_len = T), so padding the cache to CACHE_SLOTS changes nothing.
+    """
+    T, shift = len(x), int(cfg.logit_shift)
+    assert T <= CACHE_SLOTS
+    if state["kv"] is None:
+        padded = np.full((1, CACHE_SLOTS), cfg.mask_token_id, np.int32)
+        padded[0, :T] = x
+        empty = KVCache.empty(cfg, 1, CACHE_SLOTS)
+        logits, state["kv"] = _forward_cached(params, jnp.asarray(padded), empty, 0, T, cfg=cfg)
+        return np.asarray(logits[0, :T], np.float64)
+    lo = b0 - shift
+    hi = T if cache_mode == "prefix" else b1
+    logits, _ = _forward_cached(params, jnp.asarray(x[None, lo:hi], jnp.int32), state["kv"], lo, T, cfg=cfg)
+    out = np.full((T, cfg.vocab_size), np.nan)
+    out[lo:hi] = np.asarray(logits[0], np.float64)
+    return out
 
 
 def _log_softmax(z):
@@ -54,9 +90,10 @@ def llada_gumbel_argmax(logits: np.ndarray, exp_noise: np.ndarray, temperature: 
 
 def masked_diffusion_reference(params, cfg, prompt, *, gen_length, steps=None, block_length=None,
                                remasking="low_confidence", confidence_threshold=None, cfg_scale=0.0, alg=None,
-                               eps=1e-3, temperature=0.0, key=None, stop_ids=()):
+                               eps=1e-3, temperature=0.0, key=None, stop_ids=(), cache="none"):
     """Decode one prompt; returns dict(tokens, step_map, logprobs, nfe, finish).
 
+    cache: "none" (a full forward every step), or Fast-dLLM's "prefix" / "dual" (`cached_logits`).
     key: the row's typed PRNG key (needed for temperature > 0, remasking='random'
     and alg='origin'). Steps that reveal nothing do not advance step_map's counter.
     """
@@ -84,8 +121,12 @@ def masked_diffusion_reference(params, cfg, prompt, *, gen_length, steps=None, b
         sched = num_transfer_tokens(int(np.sum(x[b0:b1] == mask)), spb)
         t = np.linspace(1.0, eps, spb + 1)
         i = 0
+        kv = {"kv": None}  # refreshed at each block's first step
         while np.any(x[b0:b1] == mask) and finish is None:
-            if cfg_scale > 0:
+            if cache != "none":
+                logits = cached_logits(params, cfg, x, cache, kv, b0, b1)
+                nfe += 1
+            elif cfg_scale > 0:
                 un = x.copy()
                 un[:n] = mask
                 cond, unc = model_logits(params, cfg, np.stack([x, un]))

@@ -181,26 +181,31 @@ def test_caches_exact_on_one_layer_model(shift):
             np.testing.assert_allclose(c.logprobs, b.logprobs, atol=1e-4)
 
 
-def test_caches_on_deeper_model_are_valid_and_deviation_is_measured(record_property):
-    """Two layers: the caches are approximations. Outputs must be well formed and the forward
-    count unchanged; the fraction of tokens that differ from the exact run is recorded."""
-    m = bidir_model(layers=2)
-    kw = dict(steps=8, block_length=8)
+@pytest.mark.parametrize("shift,kw", [
+    (False, dict(steps=8, block_length=8)),
+    (True, dict(block_length=8, alg="maskgit_plus", confidence_threshold=0.5)),
+], ids=["llada_schedule", "dream_threshold"])
+def test_caches_on_deeper_model_match_cache_reference_and_deviation_is_measured(shift, kw, record_property):
+    """Two layers: the caches are approximations. Each must compute Fast-dLLM's approximation
+    exactly (the reference refreshes the cache with a full forward at each block's first step,
+    then runs only the suffix / the block against it), produce well-formed outputs, and its
+    deviation from the exact run is recorded, not asserted away."""
+    m = bidir_model(shift=shift, layers=2)
     base = jdllm.generate(m, PROMPTS, jdllm.MaskedDiffusion(**kw), _sampling())
     for cache in ("prefix", "dual"):
         got = jdllm.generate(m, PROMPTS, jdllm.MaskedDiffusion(cache=cache, **kw), _sampling())
-        for o in got:
-            assert len(o.token_ids) == G and MASK not in o.token_ids and o.nfe == 8
-            assert all(0 <= t < VOCAB for t in o.token_ids)
-            assert np.bincount(o.step_map)[1:].tolist() == [2] * 8  # the schedule, 2 per step
-            assert np.all(np.asarray(o.logprobs) <= 0)
-            # block by block: every token of block j is revealed in that block's 4 steps
-            assert [sorted(set(o.step_map[8 * j:8 * j + 8])) for j in range(2)] == [[1, 2, 3, 4], [5, 6, 7, 8]]
+        for p, o in zip(PROMPTS, got):
+            _check(o, masked_diffusion_reference(m.params, m.config, p, gen_length=G, cache=cache, **kw))
+            assert len(o.token_ids) == G and MASK not in o.token_ids
+            # block by block: every token of block j is revealed during that block's steps
+            assert max(o.step_map[:8]) < min(o.step_map[8:])
+        if "steps" in kw:
+            assert all(np.bincount(o.step_map)[1:].tolist() == [2] * 8 and o.nfe == 8 for o in got)
         diff = np.mean([np.mean(np.asarray(o.token_ids) != b.token_ids) for o, b in zip(got, base)])
         record_property(f"{cache}_token_diff_fraction", float(diff))
-        # the first block's first step is computed from the same full forward in every mode
+        # the first step is computed from the same full forward in every mode
         assert all(o.token_ids[i] == b.token_ids[i] for o, b in zip(got, base)
-                   for i in range(8) if b.step_map[i] == 1)
+                   for i in range(G) if b.step_map[i] == 1)
 
 
 def test_no_retrace_with_same_buckets():
