@@ -13,6 +13,7 @@ TPF = generated tokens / forwards (per row, prefill and KV commits counted).
 
     python benchmarks/decode.py                      # batch 1, 8, 32
     python benchmarks/decode.py --batches 1 --new 32 # quick
+    python benchmarks/decode.py --mb-only            # multi_block rows only (cache on/off, gen 64/256/1024)
 """
 
 from __future__ import annotations
