@@ -55,6 +55,8 @@ class Sampling:
         if int(self.max_new_tokens) != self.max_new_tokens or self.max_new_tokens < 1:
             raise errors.DecodingConfigError(
                 f"max_new_tokens={self.max_new_tokens} must be an integer >= 1")
+        if int(self.seed) != self.seed or not 0 <= self.seed < 2**32:
+            raise errors.DecodingConfigError(f"seed={self.seed} must be an integer in [0, 2**32)")
         if self.stop_token_ids is not None:
             object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
 

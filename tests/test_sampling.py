@@ -120,7 +120,7 @@ def test_bitmask_drives_a_decode_step():
 
 
 @pytest.mark.parametrize("kw", [dict(temperature=-0.1), dict(top_p=0.0), dict(top_p=1.5), dict(top_k=-1),
-                                dict(max_new_tokens=0)])
+                                dict(max_new_tokens=0), dict(seed=-1)])
 def test_bad_sampling_values_raise(kw):
     with pytest.raises(errors.DecodingConfigError, match=next(iter(kw))):
         jdllm.Sampling(**kw)

@@ -11,6 +11,7 @@ plus `count_forward` for the rows that took part in the forward.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import NamedTuple
 
 import jax
@@ -75,20 +76,30 @@ def new_state(cfg: ModelConfig, prompts: list[np.ndarray], layout: Layout, max_n
     gen_start = np.asarray(layout.gen_start, np.int32)
     limit = np.minimum(gen_start + int(max_new_tokens), S).astype(np.int32)
     active = np.ones((B,), bool) if active is None else np.asarray(active, bool)
+    fresh = _fresh_arrays(np.uint32(seed), cfg=cfg, batch=B, slots=S, dtype=jnp.dtype(dtype).name)
     return DecodeState(
         tokens=jnp.asarray(tokens),
         revealed=jnp.asarray(revealed),
-        step_map=jnp.zeros((B, S), jnp.int32),
-        logprobs=jnp.zeros((B, S), jnp.float32),
         start=jnp.asarray(layout.start, jnp.int32),
         gen_start=jnp.asarray(gen_start),
         limit=jnp.asarray(limit),
+        done=jnp.asarray(~active),
+        **fresh,
+    )
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "batch", "slots", "dtype"))
+def _fresh_arrays(seed, *, cfg: ModelConfig, batch: int, slots: int, dtype: str) -> dict:
+    """The state's zero-initialised fields and PRNG keys, made in one compiled call (cheap per call)."""
+    B, S = batch, slots
+    return dict(
+        step_map=jnp.zeros((B, S), jnp.int32),
+        logprobs=jnp.zeros((B, S), jnp.float32),
         steps=jnp.zeros((B,), jnp.int32),
         nfe=jnp.zeros((B,), jnp.int32),
-        done=jnp.asarray(~active),
         finish=jnp.zeros((B,), jnp.int32),
         key=row_keys(seed, B),
-        cache=KVCache.empty(cfg, B, S, dtype),
+        cache=KVCache.empty(cfg, B, S, jnp.dtype(dtype)),
         prev_logits=jnp.zeros((B, cfg.vocab_size), jnp.float32),
         forwards=jnp.zeros((), jnp.int32),
         iteration=jnp.zeros((), jnp.int32),
