@@ -101,3 +101,19 @@ def test_mask_token_is_never_proposed():
     assert MASK not in out.token_ids and len(out.token_ids) == MAX_NEW
     ref = _ref(biased, PROMPTS[0], "low_confidence_dynamic")
     _check(out, ref)
+
+
+def test_sampled_rows_follow_their_own_seed_stream():
+    m = block_model()
+    run = lambda prompts, seed: jdllm.generate(  # noqa: E731
+        m, prompts, _bd("low_confidence_dynamic"),
+        jdllm.Sampling(temperature=1.0, max_new_tokens=MAX_NEW, seed=seed, stop_token_ids=()))
+    a, b, c = run(PROMPTS, 3), run(PROMPTS, 3), run(PROMPTS, 4)
+    assert [o.token_ids for o in a] == [o.token_ids for o in b]
+    assert [o.token_ids for o in a] != [o.token_ids for o in c]
+    greedy = jdllm.generate(m, PROMPTS, _bd("low_confidence_dynamic"),
+                            jdllm.Sampling(max_new_tokens=MAX_NEW, stop_token_ids=()))
+    assert [o.token_ids for o in a] != [o.token_ids for o in greedy]
+    # a row's stream advances only when it samples, so row 0 does not depend on its batch mates
+    (alone,) = run([PROMPTS[0]], 3)
+    assert alone.token_ids == a[0].token_ids and alone.step_map == a[0].step_map
