@@ -163,12 +163,21 @@ def main(argv=None) -> int:
                 rows.append(dict(engine="transformers", paradigm="ar", strategy="generate()", batch=batch,
                                  identical_to_jdllm_ar=same, **r))
                 print(_line(rows[-1]), f"identical greedy tokens: {same}", flush=True)
-            for strategy in STRATEGIES:
+            fused_tokens = None
+            for strategy, fuse in [(s, True) for s in STRATEGIES] + [("low_confidence_static", False)]:
                 dec = jdllm.BlockDiffusion(block_length=args.block, denoising_steps=args.block // 2 or 1,
-                                           strategy=strategy, confidence_threshold=args.threshold)
-                r, _ = run_jdllm(bd, prompts, dec, args.new, args.repeats)
-                rows.append(dict(engine="jdllm", paradigm="block_diffusion", strategy=strategy, batch=batch, **r))
-                print(_line(rows[-1]), flush=True)
+                                           strategy=strategy, confidence_threshold=args.threshold,
+                                           fuse_commit=fuse)
+                r, outs = run_jdllm(bd, prompts, dec, args.new, args.repeats)
+                extra = {}
+                if strategy == "low_confidence_static" and fuse:
+                    fused_tokens = [o.token_ids for o in outs]
+                elif not fuse:  # SDAR's schedule: one commit forward per block
+                    extra = dict(identical_to_fused=[o.token_ids for o in outs] == fused_tokens)
+                name = strategy if fuse else f"{strategy} (unfused commit)"
+                rows.append(dict(engine="jdllm", paradigm="block_diffusion", strategy=name, batch=batch,
+                                 fuse_commit=fuse, **extra, **r))
+                print(_line(rows[-1]), *(f"{k}: {v}" for k, v in extra.items()), flush=True)
     speedup = {}
     for batch in args.batches:
         j = [r for r in rows if r["engine"] == "jdllm" and r["paradigm"] == "ar" and r["batch"] == batch]
@@ -332,7 +341,7 @@ def write_multi_block(rows, args) -> int:
 
 
 def _line(r) -> str:
-    return (f"{r['engine']:12s} {r['paradigm']:15s} {r['strategy']:22s} batch {r['batch']:3d}  "
+    return (f"{r['engine']:12s} {r['paradigm']:15s} {r['strategy']:38s} batch {r['batch']:3d}  "
             f"{r['tokens_per_s']:9.1f} tok/s  NFE {r['nfe']:6.1f}  TPF {r['tpf']:5.2f}")
 
 

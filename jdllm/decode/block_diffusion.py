@@ -155,9 +155,11 @@ class BlockDiffusion:
 
         The current block (slots [L, L + W), L = cache.length) is always the
         window's second half. While it has masked slots the first half is the
-        committed previous block, recomputed bit for bit as the forward that
-        committed it did (same window shape and inputs; block-causal, so it
-        never sees the second half). Once every running row has filled the
+        committed previous block, recomputed from the same clean tokens and
+        the same visible keys (block-causal: it never sees the second half),
+        so its cached K/V are rewritten with the values already there (bit for
+        bit when the committing forward had this window shape; up to float
+        rounding right after the prefill). Once every running row has filled the
         current block, the window moves up one block: its first half is the
         clean block, whose K/V this forward writes and `cache.commit` keeps,
         and its second half is the next block's first denoising step (fused);
