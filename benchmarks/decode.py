@@ -276,7 +276,9 @@ def multi_block_rows(ar, args, rng) -> list[dict]:
     models = {}
     for attention in ("block_causal", "bidirectional"):
         cfg = ar.config.replace(attention=attention, block_size=args.mb_block if attention == "block_causal" else 1,
-                                mask_token_id=args.vocab - 1)
+                                mask_token_id=args.vocab - 1,  # RoPE positions have no hard limit
+                                max_position_embeddings=max(ar.config.max_position_embeddings,
+                                                            args.prompt + max(args.mb_gen_lengths)))
         models[attention] = jdllm.Model(cfg, ar.params, attn_impl=ar.attn_impl)
     prompts = rng.integers(0, args.vocab - 2, size=(1, args.prompt)).tolist()
     rows = []
