@@ -141,9 +141,13 @@ def main(argv=None) -> int:
         if args.mb_only:
             return write_multi_block(multi_block_rows(ar, args, np.random.default_rng(2)), args)
         masked = masked_diffusion_rows(ar, args, np.random.default_rng(1)) if args.masked_gen_lengths else []
-        if args.masked_only:
+        if args.masked_only:  # rows of other generation lengths already in the file are kept
             out = os.path.join(ROOT, "benchmarks", "out", "decode_masked.json")
             os.makedirs(os.path.dirname(out), exist_ok=True)
+            if os.path.exists(out):
+                with open(out) as f:
+                    kept = [r for r in json.load(f).get("rows", []) if r["gen_length"] not in args.masked_gen_lengths]
+                masked = sorted(kept + masked, key=lambda r: r["gen_length"])
             with open(out, "w") as f:
                 json.dump(dict(machine=args.machine, backend=jax.default_backend(), jax=jax.__version__,
                                model=dict(vocab=args.vocab, hidden=args.hidden, layers=args.layers,
