@@ -247,10 +247,10 @@ def test_bad_model_or_lengths_raise_before_compiling():
     causal = ModelConfig(model_type="qwen3", vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_layers=1,
                          num_heads=2, num_kv_heads=1, head_dim=16)
     with pytest.raises(errors.DecodingConfigError, match="mask token"):
-        jdllm.generate(Model(causal, init_params(causal, jax.random.key(0))), [[1, 2]], jdllm.MaskedDiffusion())
+        jdllm.generate(Model(causal, params=None), [[1, 2]], jdllm.MaskedDiffusion())  # refused before any use
     blk = causal.replace(attention="block_causal", block_size=4, mask_token_id=MASK)
     with pytest.raises(errors.DecodingConfigError, match="bidirectional"):
-        jdllm.generate(Model(blk, init_params(blk, jax.random.key(0))), [[1, 2]], jdllm.MaskedDiffusion())
+        jdllm.generate(Model(blk, params=None), [[1, 2]], jdllm.MaskedDiffusion())
     m = bidir_model()
     with pytest.raises(errors.DecodingConfigError, match="block_length=4 must divide gen_length=10"):
         jdllm.generate(m, [[1, 2]], jdllm.MaskedDiffusion(block_length=4), _sampling(max_new=10))
