@@ -145,20 +145,41 @@ def evaluate(params, cfg, examples, batch: int = 100) -> float:
 
 
 # --------------------------------------------------------------------------- training
+def warm_start(params, cfg: ModelConfig, path: str):
+    """Copy every weight of the model at `path` whose name and shape match (AR -> diffusion adaptation,
+    as SDAR and Dream start from Qwen checkpoints); the rest keeps its fresh initialisation."""
+    from convert.io import load_model  # noqa: PLC0415
+
+    src = load_model(path, dtype="float32").params
+
+    def pick(new, old):
+        return {k: pick(v, old.get(k)) if isinstance(v, dict) else
+                (jnp.asarray(old[k]) if k in old and old[k].shape == v.shape else v)
+                for k, v in new.items()} if isinstance(old, dict) else new
+
+    return pick(params, src)
+
+
 def train(kind: str, steps: int, batch: int, lr: float, seed: int, out: str, n_train: int, n_eval: int,
-          quiet: bool = False) -> dict:
+          quiet: bool = False, init_from: str | None = None) -> dict:
+    import functools  # noqa: PLC0415
+
     import optax  # noqa: PLC0415
     from tqdm import tqdm  # noqa: PLC0415
 
     cfg = model_config(kind)
     key = jax.random.key(seed)
     params = init_params(cfg, jax.random.fold_in(key, 0))
+    if init_from:
+        params = warm_start(params, cfg, init_from)
     n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
     sched = optax.warmup_cosine_decay_schedule(0.0, lr, min(100, max(1, steps // 10)), max(steps, 2),
                                                end_value=lr * 0.1)
     opt = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(sched, b2=0.98, weight_decay=0.01))
     opt_state = opt.init(params)
     loss_fn = objectives.loss_for(cfg)
+    if kind != "ar":  # stratified noise levels: the 1/t-weighted loss has far lower variance
+        loss_fn = functools.wraps(loss_fn)(functools.partial(loss_fn, low_discrepancy=True))
 
     @jax.jit
     def update(params, opt_state, tokens, target, start, k):
@@ -183,7 +204,8 @@ def train(kind: str, steps: int, batch: int, lr: float, seed: int, out: str, n_t
     save(out_dir, params, cfg)
     plot_losses(losses, os.path.join(out_dir, "loss.png"), f"{NAMES[kind]} ({cfg.model_type}, {kind} objective)")
     info = {"model": NAMES[kind], "model_type": cfg.model_type, "objective": loss_fn.__name__,
-            "params": n_params, "steps": steps, "batch": batch, "lr": lr, "seed": seed,
+            "params": n_params, "init_from": init_from and os.path.basename(os.path.normpath(init_from)),
+            "steps": steps, "batch": batch, "lr": lr, "seed": seed,
             "train_examples": n_train, "train_seconds": round(train_s, 1),
             "final_loss": float(np.mean(losses[-50:])), "eval_items": n_eval,
             "eval_exact_match": acc}
@@ -234,12 +256,15 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="models")
     ap.add_argument("--smoke", action="store_true", help="tiny run for tests: small data, batch 8, no eval")
     ap.add_argument("--quiet", action="store_true", help="no progress bar")
+    ap.add_argument("--init-from", default=None,
+                    help="warm start from a trained model directory (weights with matching names and shapes)")
     args = ap.parse_args(argv)
     if args.smoke:
         args.batch, args.train_size, args.eval = 8, 200, 0
     kinds = ["ar", "sdar", "llada"] if args.model == "all" else [args.model]
     for kind in kinds:
-        train(kind, args.steps, args.batch, args.lr, args.seed, args.out, args.train_size, args.eval, args.quiet)
+        train(kind, args.steps, args.batch, args.lr, args.seed, args.out, args.train_size, args.eval, args.quiet,
+              args.init_from)
     return 0
 
 

@@ -161,3 +161,15 @@ def test_diffusion_loss_needs_mask_token():
         objectives.masked_diffusion_loss(params, cfg, tokens, target, start, jax.random.key(0))
     with pytest.raises(errors.ConfigError, match="block_causal"):
         objectives.block_diffusion_loss(params, _cfg("bidirectional"), tokens, target, start, jax.random.key(0))
+
+
+def test_low_discrepancy_noise_levels_are_stratified():
+    tokens, target, start = _batch(T=32)
+    eps = 1e-3
+    for block, n in ((None, 4), (4, 32)):
+        _, _, p_mask = objectives.mask_noise(jax.random.key(11), tokens, target, MASK, eps=eps, block_size=block,
+                                             low_discrepancy=True)
+        levels = np.asarray(p_mask)[:, 0] if block is None else np.asarray(p_mask)[:, ::4].reshape(-1)
+        t = np.sort((levels - eps) / (1 - eps))
+        assert t.size == n
+        np.testing.assert_allclose(np.diff(t), 1.0 / n, atol=1e-5)  # one draw per stratum of width 1/n
