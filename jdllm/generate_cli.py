@@ -41,12 +41,8 @@ def _field_type(f: dataclasses.Field):
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from jdllm.decode.loop import PARADIGMS  # noqa: PLC0415
-
     p.add_argument("model", help="Hugging Face model directory or jdllm checkpoint")
     p.add_argument("--prompt", action="append", required=True, help="prompt text (repeat for a batch)")
-    p.add_argument("--paradigm", choices=sorted(PARADIGMS), default=None,
-                   help="decoding paradigm (default: ar for causal models, block_diffusion for block-causal)")
     p.add_argument("--chat", action="store_true", help="wrap each prompt in the tokenizer's chat template")
     p.add_argument("--dtype", default="float32", help="parameter dtype (float32, bfloat16)")
     p.add_argument("--attn-impl", default="auto", choices=("auto", "xla", "pallas", "cudnn"))
@@ -59,6 +55,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--stop-token-id", type=int, action="append", default=None,
                    help="stop token id (repeatable; default: the model's eos ids)")
     s.add_argument("--show-steps", action="store_true", help="show which step revealed each token")
+    add_paradigm_arguments(p)
+
+
+def add_paradigm_arguments(p: argparse.ArgumentParser) -> None:
+    """--paradigm plus one --field-name option per field of every registered paradigm config."""
+    from jdllm.decode.loop import PARADIGMS  # noqa: PLC0415
+
+    p.add_argument("--paradigm", choices=sorted(PARADIGMS), default=None,
+                   help="decoding paradigm (default: ar for causal models, block_diffusion for block-causal)")
     g = p.add_argument_group("paradigm options (each applies to the paradigms that have it)")
     classes, fields = _paradigm_fields()
     for name, f in fields.items():
@@ -76,6 +81,31 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                            choices=choices if isinstance(choices, tuple) else None)
 
 
+def decoding_from_args(args, cfg, command: str = "generate"):
+    """The paradigm config the parsed options describe (the model's default paradigm if none given)."""
+    from jdllm import errors  # noqa: PLC0415
+    from jdllm.api import default_paradigm  # noqa: PLC0415
+
+    classes, fields = _paradigm_fields()
+    if args.paradigm is None:
+        decoding = default_paradigm(cfg)
+        cls = type(decoding)
+        base = {f.name: getattr(decoding, f.name) for f in dataclasses.fields(cls)}
+    else:
+        if args.paradigm not in classes:
+            raise errors.DecodingConfigError(
+                f"paradigm {args.paradigm!r} is not available in this installation; "
+                f"available: {sorted(classes)}")
+        cls, base = classes[args.paradigm], {}
+    own = {f.name for f in dataclasses.fields(cls)}
+    given = {n: getattr(args, f"opt_{n}") for n in fields if getattr(args, f"opt_{n}", None) is not None}
+    ignored = sorted(set(given) - own)
+    if ignored:
+        print(f"jdllm {command}: note: {', '.join('--' + n.replace('_', '-') for n in ignored)} "
+              f"does not apply to {cls.name}", file=sys.stderr)
+    return cls(**{**base, **{n: v for n, v in given.items() if n in own}})
+
+
 def format_steps(tokenizer, out, colour: bool) -> str:
     """Tokens grouped (or coloured) by the step that revealed them."""
     piece = (lambda t: tokenizer.decode([t])) if tokenizer is not None else str
@@ -91,27 +121,10 @@ def format_steps(tokenizer, out, colour: bool) -> str:
 
 def run(args) -> int:
     import jdllm  # noqa: PLC0415
-    from jdllm.api import default_paradigm  # noqa: PLC0415
 
-    classes, fields = _paradigm_fields()
     model = jdllm.load(args.model, dtype=args.dtype, attn_impl=args.attn_impl)
-    if args.paradigm is None:
-        decoding = default_paradigm(model.config)
-        cls = type(decoding)
-        base = {f.name: getattr(decoding, f.name) for f in dataclasses.fields(cls)}
-    else:
-        if args.paradigm not in classes:
-            raise jdllm.errors.DecodingConfigError(
-                f"paradigm {args.paradigm!r} is not available in this installation; "
-                f"available: {sorted(classes)}")
-        cls, base = classes[args.paradigm], {}
-    own = {f.name for f in dataclasses.fields(cls)}
-    given = {n: getattr(args, f"opt_{n}") for n in fields if getattr(args, f"opt_{n}") is not None}
-    ignored = sorted(set(given) - own)
-    if ignored:
-        print(f"jdllm generate: note: {', '.join('--' + n.replace('_', '-') for n in ignored)} "
-              f"does not apply to {cls.name}", file=sys.stderr)
-    decoding = cls(**{**base, **{n: v for n, v in given.items() if n in own}})
+    decoding = decoding_from_args(args, model.config)
+    cls = type(decoding)
     sampling = jdllm.Sampling(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                               max_new_tokens=args.max_new_tokens, seed=args.seed,
                               stop_token_ids=None if args.stop_token_id is None else tuple(args.stop_token_id))

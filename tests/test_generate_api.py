@@ -95,6 +95,16 @@ def test_text_prompts_outputs_and_cli(tmp_path, capsys):
     rc = cli.main(["generate", d, "--prompt", "x", "--paradigm", "block_diffusion", "--denoising-steps", "3"])
     assert rc == 2 and "denoising_steps=3" in capsys.readouterr().err
 
+    report = str(tmp_path / "bench.json")
+    rc = cli.main(["bench", d, "--batch", "2", "--prompt-len", "5", "--max-new-tokens", "7", "--repeats", "1",
+                   "--block-length", "4", "--denoising-steps", "2", "--json", report])
+    assert rc == 0 and "| 2 |" in capsys.readouterr().out
+    import json
+
+    (row,) = json.load(open(report))["rows"]
+    assert row["tokens"] == 2 * 7  # stop tokens off: every row runs to 7
+    assert row["tpf"] >= 1 and row["nfe"] <= 7  # fused commits: >= 1 token per forward
+
 
 def test_show_steps_formatting():
     from jdllm.generate_cli import format_steps
