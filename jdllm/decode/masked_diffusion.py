@@ -7,7 +7,8 @@ reveals some of them:
 
 - LLaDA (`alg=None`): `steps / num_blocks` steps per block; step i reveals
   the k_i most confident masked positions, k from LLaDA's linear schedule
-  (`transfer_schedule`). Confidence (`remasking`): `low_confidence` = the
+  (`transfer_schedule`; with more steps than tokens per block its zero-transfer
+  tail comes after the block is full and is skipped, saving those forwards). Confidence (`remasking`): `low_confidence` = the
   temperature-1 softmax probability of the predicted token, `random` = a
   uniform draw. Optional classifier-free guidance: a second forward with the
   prompt replaced by mask tokens, logits = un + (cfg_scale + 1) (cond - un).
@@ -133,7 +134,7 @@ class MaskedDiffusion:
       max_new_tokens must be >= it). block_length: semi-autoregressive block (None =
       gen_length, one block); must divide gen_length. steps: total denoising steps
       (None = gen_length), a multiple of the number of blocks; steps / num_blocks per
-      block. remasking: LLaDA's `low_confidence` or `random`. alg: Dream's `origin`,
+      block (unused with confidence_threshold). remasking: LLaDA's `low_confidence` or `random`. alg: Dream's `origin`,
       `maskgit_plus`, `topk_margin` or `entropy` (None = LLaDA schedule); eps: Dream's
       final timestep. confidence_threshold: Fast-dLLM parallel decoding in (0, 1]
       (None = the step schedule). cache: `none`, `prefix` or `dual` (Fast-dLLM).
