@@ -40,7 +40,7 @@ def test_second_call_with_same_buckets_does_not_retrace():
     assert _traces() == before
 
 
-def test_pure_decode_inside_a_user_jit_equals_generate():
+def test_pure_decode_inside_a_user_jit_and_vmap_equals_generate():
     b = block_model()
     prompts = [[5, 17, 3, 44, 9, 12], [70, 2, 31]]
     sampling = jdllm.Sampling(max_new_tokens=9, stop_token_ids=())
@@ -57,6 +57,15 @@ def test_pure_decode_inside_a_user_jit_equals_generate():
     assert [o.token_ids for o in mine] == [o.token_ids for o in ref]
     assert [o.step_map for o in mine] == [o.step_map for o in ref]
     assert [o.nfe for o in mine] == [o.nfe for o in ref]
+
+    # vmap over a leading axis of states (e.g. rollout groups), inside jit
+    other = prepare(b, [[9, 9, 1], [4, 8, 15, 16, 23]], BD, sampling)
+    stacked = jax.tree.map(lambda *x: jax.numpy.stack(x), prep.state, other.state)
+    finals = jax.jit(jax.vmap(lambda st: decode(b.params, st, paradigm=prep.paradigm, ctx=prep.ctx)))(stacked)
+    first = outputs(prep, jax.tree.map(lambda x: x[0], finals))
+    second = outputs(other, jax.tree.map(lambda x: x[1], finals))
+    assert [o.token_ids for o in first] == [o.token_ids for o in ref]
+    assert [o.token_ids for o in second] == [o.token_ids for o in jdllm.generate(b, other.prompts, BD, sampling)]
 
 
 def test_text_prompts_outputs_and_cli(tmp_path, capsys):
