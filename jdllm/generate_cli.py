@@ -40,9 +40,18 @@ def _field_type(f: dataclasses.Field):
     return str
 
 
+def _ids(text: str) -> list[int]:
+    try:
+        return [int(t) for t in text.replace(" ", "").split(",") if t]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--prompt-ids {text!r}: expected comma-separated integers") from None
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", help="Hugging Face model directory or jdllm checkpoint")
-    p.add_argument("--prompt", action="append", required=True, help="prompt text (repeat for a batch)")
+    p.add_argument("--prompt", action="append", default=[], help="prompt text (repeat for a batch)")
+    p.add_argument("--prompt-ids", action="append", default=[], type=_ids,
+                   help="a prompt as comma-separated token ids (repeatable; for models without a tokenizer)")
     p.add_argument("--chat", action="store_true", help="wrap each prompt in the tokenizer's chat template")
     p.add_argument("--dtype", default="float32", help="parameter dtype (float32, bfloat16)")
     p.add_argument("--attn-impl", default="auto", choices=("auto", "xla", "pallas", "cudnn"))
@@ -128,8 +137,11 @@ def run(args) -> int:
     sampling = jdllm.Sampling(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                               max_new_tokens=args.max_new_tokens, seed=args.seed,
                               stop_token_ids=None if args.stop_token_id is None else tuple(args.stop_token_id))
+    prompts = list(args.prompt) + list(args.prompt_ids)
+    if not prompts:
+        raise jdllm.errors.InputError("give at least one --prompt TEXT or --prompt-ids 1,2,3")
     t0 = time.perf_counter()
-    outs = jdllm.generate(model, args.prompt, decoding, sampling, apply_chat_template=args.chat)
+    outs = jdllm.generate(model, prompts, decoding, sampling, apply_chat_template=args.chat)
     dt = time.perf_counter() - t0
     colour = sys.stdout.isatty()
     for i, out in enumerate(outs):

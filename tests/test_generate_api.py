@@ -101,6 +101,11 @@ def test_text_prompts_outputs_and_cli(tmp_path, capsys):
     assert outs[0].text in out
     shown = [line for line in out.splitlines() if line.startswith("step ")]
     assert len(shown) == max(outs[0].step_map)  # one line per step, tokens grouped by step
+    ids = ",".join(map(str, outs[0].prompt_ids))
+    rc = cli.main(["generate", d, "--prompt-ids", ids, "--block-length", "4", "--denoising-steps", "2",
+                   "--confidence-threshold", "0.7", "--max-new-tokens", "7"])
+    assert rc == 0 and capsys.readouterr().out.splitlines()[0] == outs[0].text  # default paradigm: block
+    assert cli.main(["generate", d]) == 2 and "--prompt-ids" in capsys.readouterr().err
     rc = cli.main(["generate", d, "--prompt", "x", "--paradigm", "block_diffusion", "--denoising-steps", "3"])
     assert rc == 2 and "denoising_steps=3" in capsys.readouterr().err
 
