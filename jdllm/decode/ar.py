@@ -34,7 +34,7 @@ class AR:
 
     def layout(self, lengths: np.ndarray, max_new_tokens: int, cfg) -> common.Layout:
         P = common.bucket(int(np.max(lengths)), 16)
-        G = common.bucket(max_new_tokens, 16)
+        G = common.bucket(max_new_tokens, 16, steps_per_octave=4)
         start = (P - np.asarray(lengths)).astype(np.int32)
         return common.Layout(start=start, gen_start=np.full_like(start, P), slots=P + G, prefill_len=P)
 

@@ -107,7 +107,7 @@ class BlockDiffusion:
         lengths = np.asarray(lengths, np.int64)
         nb = lengths // B
         N = common.bucket(int(nb.max()), 1)  # >= 1: a step's window reaches one block back
-        gen_blocks = common.bucket(-(-(B - 1 + max_new_tokens) // B), 1)
+        gen_blocks = common.bucket(-(-(B - 1 + max_new_tokens) // B), 1, steps_per_octave=4)
         start = (B * (N - nb)).astype(np.int32)
         gen_start = (N * B + lengths % B).astype(np.int32)
         return common.Layout(start=start, gen_start=gen_start, slots=(N + gen_blocks + 1) * B,

@@ -52,10 +52,19 @@ class Layout(NamedTuple):
     prefill_len: int  # leading slots the paradigm's prefill covers
 
 
-def bucket(n: int, minimum: int = 1) -> int:
-    """Smallest power of two >= max(n, minimum) (0 stays 0 when minimum is 0)."""
+def bucket(n: int, minimum: int = 1, steps_per_octave: int = 1) -> int:
+    """Round max(n, minimum) up to a shape bucket (0 stays 0 when minimum is 0).
+
+    steps_per_octave 1: the next power of two. k > 1: the next multiple of
+    2^(octave) / k inside the octave, so at most ~1/k of the slots are wasted
+    (more buckets, hence more compiles, but shorter canvases for long outputs).
+    """
     n = max(int(n), int(minimum))
-    return 0 if n == 0 else 1 << (n - 1).bit_length()
+    if n == 0:
+        return 0
+    pow2 = 1 << (n - 1).bit_length()
+    step = max(1, (pow2 // 2) // max(1, int(steps_per_octave)))
+    return -(-n // step) * step
 
 
 # --------------------------------------------------------------------------- state construction
