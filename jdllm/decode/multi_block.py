@@ -208,7 +208,7 @@ class MultiBlock:
         if cfg.attention == "block_causal":
             nb = lengths // Bs
             N = common.bucket(int(nb.max()), 0)
-            gen_blocks = common.bucket(-(-(Bs - 1 + max_new_tokens) // Bs), 1)
+            gen_blocks = -(-(Bs - 1 + common.bucket(max_new_tokens, 16)) // Bs)  # bucket the tokens, not blocks
             start = (Bs * (N - nb)).astype(np.int32)
             gen_start = (N * Bs + lengths % Bs).astype(np.int32)
             return common.Layout(start=start, gen_start=gen_start, slots=(N + gen_blocks) * Bs,
