@@ -192,7 +192,8 @@ def main(argv=None) -> int:
                   model=dict(vocab=args.vocab, hidden=args.hidden, layers=args.layers, heads=args.heads,
                              block=args.block, dtype="float32"),
                   prompt_len=args.prompt, new_tokens=args.new, repeats=args.repeats,
-                  threshold=args.threshold, torch_threads=args.torch_threads, rows=rows, ar_speedup_vs_transformers=speedup)
+                  threshold=args.threshold, torch_threads=args.torch_threads, rows=rows,
+                  ar_speedup_vs_transformers=speedup)
     result["masked_diffusion"] = masked
     result["multi_block"] = mb = multi_block_rows(ar, args, np.random.default_rng(2)) if args.mb_gen_lengths else []
     os.makedirs(os.path.dirname(args.out), exist_ok=True)

@@ -15,7 +15,7 @@ Three layers, each usable on its own:
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Sequence
+from typing import Any
 
 import jax
 import numpy as np
