@@ -203,7 +203,7 @@ class MultiBlock:
         return cfg.replace(block_size=self.block_size)
 
     def layout(self, lengths: np.ndarray, max_new_tokens: int, cfg) -> common.Layout:
-        Bs, K = self.block_size, self.max_blocks
+        Bs = self.block_size
         lengths = np.asarray(lengths, np.int64)
         if cfg.attention == "block_causal":
             nb = lengths // Bs
@@ -247,7 +247,6 @@ class MultiBlock:
 
     def _stats(self, state: DecodeState, idx, ok):
         """(size, decoded) per block [B, NB]: slots below the limit, and those holding a token."""
-        Bs = ok.shape[-1]
         rev = jnp.take(state.revealed, idx, axis=1).reshape(ok.shape) & ok  # [B, NB, Bs]
         return jnp.sum(ok, -1).astype(jnp.int32), jnp.sum(rev, -1).astype(jnp.int32)
 
@@ -439,7 +438,7 @@ class MultiBlock:
 
     def step(self, params, ctx, state: DecodeState, bitmask=None) -> DecodeState:
         """Phases 1-7 (module docstring). bitmask: optional packed [B, S, ceil(V/32)] over the canvas."""
-        Bs, K, S = self.block_size, self.max_blocks, state.slots
+        Bs = self.block_size
         mode = self.cache_mode(ctx.model)
         base = state.extra["base"]
         NB = self._num_blocks(ctx, state)
