@@ -94,7 +94,7 @@ def test_apply_token_bitmask_matches_numpy_unpacking():
 
 def test_bitmask_drives_a_decode_step():
     """The paradigm step applies a bitmask over its sampled positions before sampling."""
-    from jdllm.api import prepare
+    from jdllm.api import prepare  # noqa: PLC0415
     from tests.decode_fixtures import causal_model  # noqa: PLC0415
 
     m = causal_model()
@@ -124,3 +124,29 @@ def test_bitmask_drives_a_decode_step():
 def test_bad_sampling_values_raise(kw):
     with pytest.raises(errors.DecodingConfigError, match=next(iter(kw))):
         jdllm.Sampling(**kw)
+
+
+def test_bitmask_drives_a_block_diffusion_step():
+    from jdllm.api import prepare  # noqa: PLC0415
+    from tests.decode_fixtures import block_model  # noqa: PLC0415
+
+    m = block_model()
+    bd = jdllm.BlockDiffusion(block_length=4, denoising_steps=1, strategy="low_confidence_static")
+    prep = prepare(m, [[5, 17, 3, 44, 9], [9, 9]], bd, jdllm.Sampling(max_new_tokens=8, stop_token_ids=()))
+    par, ctx = prep.paradigm, prep.ctx
+    opts = dict(FAST_COMPILE)
+    st = jax.jit(lambda p, s: par.prefill(p, ctx, s), compiler_options=opts)(m.params, prep.state)
+    step = jax.jit(lambda p, s, bm: par.step(p, ctx, s, bm), compiler_options=opts)
+    W = -(-m.config.vocab_size // 32)
+    allow = [3, 33, 64]
+    words = np.zeros((W,), np.uint32)
+    for t in allow:
+        words[t // 32] |= np.uint32(1 << (t % 32))
+    bitmask = jnp.broadcast_to(jnp.asarray(words.view(np.int32)), (st.batch, 4, W))  # [B, block, words]
+    before = np.asarray(st.revealed)
+    after = step(m.params, st, bitmask)
+    new = np.asarray(after.revealed) & ~before
+    assert new[:2].sum(1).tolist() == [4, 4]  # one step per block: the whole block is revealed
+    assert set(np.asarray(after.tokens)[new].tolist()) <= set(allow)
+    free = step(m.params, st, jnp.full_like(bitmask, -1))
+    assert not set(np.asarray(free.tokens)[np.asarray(free.revealed) & ~before].tolist()) <= set(allow)
