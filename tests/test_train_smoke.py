@@ -62,6 +62,7 @@ def test_directory_is_a_loadable_hf_model(smoke_dir, name):
     assert model.tokenizer("rev:abc=")["input_ids"] == tasks.encode("rev:abc=")
     info = json.loads((d / "training.json").read_text())
     assert info["steps"] == 3 and np.isfinite(info["final_loss"])
+    assert info["init_from"] == (None if name == "tiny-ar" else "tiny-ar")  # the recipe's warm start
 
 
 def test_training_is_deterministic(smoke_dir, tmp_path):
