@@ -208,14 +208,15 @@ class MultiBlock:
         if cfg.attention == "block_causal":
             nb = lengths // Bs
             N = common.bucket(int(nb.max()), 0)
-            gen_blocks = -(-(Bs - 1 + common.bucket(max_new_tokens, 16)) // Bs)  # bucket the tokens, not blocks
+            G = common.bucket(max_new_tokens, 16, steps_per_octave=4)  # bucket the tokens, not blocks
+            gen_blocks = -(-(Bs - 1 + G) // Bs)
             start = (Bs * (N - nb)).astype(np.int32)
             gen_start = (N * Bs + lengths % Bs).astype(np.int32)
             return common.Layout(start=start, gen_start=gen_start, slots=(N + gen_blocks) * Bs,
                                  prefill_len=N * Bs)
         # bidirectional: right-aligned, every row's canvas ends at S = gen_start + max_new_tokens
         P = common.bucket(int(lengths.max()), 16)
-        S = P + common.bucket(max_new_tokens, 16)
+        S = P + common.bucket(max_new_tokens, 16, steps_per_octave=4)
         gen_start = np.full(lengths.shape, S - max_new_tokens, np.int32)
         return common.Layout(start=(gen_start - lengths).astype(np.int32), gen_start=gen_start, slots=S,
                              prefill_len=0)
