@@ -68,8 +68,9 @@ Under block-causal attention nothing after active_end influences the window,
 so the logits equal the no-cache forward's and so does the output. In a batch
 the window sits at the slowest row's frontier; when a row ahead does not fit
 the step runs one full forward instead (same result, more compute). The
-first step, on an empty cache, is such a full forward too; it fills the cache
-with the prompt's blocks.
+first step starts from an empty cache at slot 0 (a window when the prompt's
+whole blocks are short enough, else the full forward); it writes the prompt's
+blocks, which are committed right after it.
 
 `cache="approx"` (bidirectional models, off by default; d3LLM's
 `cache_delay_iter` / `refresh_interval`): the cache holds K/V for the whole
