@@ -83,7 +83,7 @@ def sweep(attention: str, block_size: int, quick: bool) -> list[Setting]:
     if attention == "causal":
         return [_s("AR", "greedy", "-")]
     if attention == "block_causal":
-        confs = [0.95, 0.7] if quick else [0.99, 0.95, 0.9, 0.8, 0.7, 0.5]
+        confs = [0.95, 0.7] if quick else [0.95, 0.9, 0.8, 0.7, 0.5]
         out = [_s("BlockDiffusion", "low_confidence_static", f"steps={s}", block_length=B, denoising_steps=s,
                   strategy="low_confidence_static") for s in ([B, 1] if quick else [B, B // 2, 1])]
         out += [_s("BlockDiffusion", "low_confidence_dynamic", f"conf>={c}", block_length=B, denoising_steps=B,
@@ -92,25 +92,25 @@ def sweep(attention: str, block_size: int, quick: bool) -> list[Setting]:
             out += [_s("BlockDiffusion", "sequential", f"steps={B}", block_length=B, denoising_steps=B,
                        strategy="sequential")]
             out += [_s("BlockDiffusion", "entropy_bounded", f"eb<={e}", block_length=B, denoising_steps=B,
-                       strategy="entropy_bounded", eb_threshold=e) for e in (0.1, 0.5, 1.5)]
+                       strategy="entropy_bounded", eb_threshold=e) for e in (0.5, 1.5)]
         out += [_s("MultiBlock", "entropy", f"H<={e}", block_size=B, entropy_threshold=e)
-                for e in ([0.1, 0.6] if quick else [0.05, 0.2, 0.5, 1.0, 1.5])]
+                for e in ([0.1, 0.6] if quick else [0.2, 0.5, 1.0, 1.5])]
         return out
     if attention == "bidirectional":
-        steps = [GEN_TOKENS, GEN_TOKENS // 2] if quick else [GEN_TOKENS, GEN_TOKENS // 2, GEN_TOKENS // 4]
+        G = GEN_TOKENS
         out = []
         for cache in ("none",) if quick else ("none", "prefix", "dual"):
-            out += [_s("MaskedDiffusion", f"low_confidence/cache={cache}", f"steps={s}", gen_length=GEN_TOKENS,
-                       block_length=4, steps=s, remasking="low_confidence", cache=cache) for s in steps]
-            if not quick:
-                out += [_s("MaskedDiffusion", f"random/cache={cache}", f"steps={s}", gen_length=GEN_TOKENS,
-                           block_length=4, steps=s, remasking="random", cache=cache) for s in (GEN_TOKENS,)]
-            out += [_s("MaskedDiffusion", f"threshold/cache={cache}", f"conf>={c}", gen_length=GEN_TOKENS,
-                       block_length=4, steps=GEN_TOKENS, remasking="low_confidence", cache=cache,
-                       confidence_threshold=c) for c in ([0.9] if quick else [0.9, 0.7, 0.5])]
+            out += [_s("MaskedDiffusion", f"low_confidence/cache={cache}", f"steps={s}", gen_length=G,
+                       block_length=4, steps=s, remasking="low_confidence", cache=cache) for s in (G, G // 2)]
+            out += [_s("MaskedDiffusion", f"threshold/cache={cache}", f"conf>={c}", gen_length=G, block_length=4,
+                       steps=G, remasking="low_confidence", cache=cache, confidence_threshold=c)
+                    for c in ((0.9,) if quick or cache == "prefix" else (0.9, 0.7, 0.5))]
+        if not quick:
+            out += [_s("MaskedDiffusion", "random/cache=none", f"steps={G}", gen_length=G, block_length=4,
+                       steps=G, remasking="random", cache="none")]
         for cache in ("none",) if quick else ("none", "approx"):
             out += [_s("MultiBlock", f"entropy/cache={cache}", f"H<={e}", block_size=4, entropy_threshold=e,
-                       cache=cache) for e in ([0.3] if quick else [0.1, 0.5, 1.0])]
+                       cache=cache) for e in ([0.5] if quick else [0.5, 1.0])]
         return out
     raise ValueError(attention)
 

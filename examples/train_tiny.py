@@ -210,7 +210,7 @@ def train(kind: str, steps: int, batch: int, lr: float, seed: int, out: str, n_t
 
     out_dir = os.path.join(out, NAMES[kind])
     save(out_dir, params, cfg)
-    plot_losses(losses, os.path.join(out_dir, "loss.png"), f"{NAMES[kind]} ({cfg.model_type}, {kind} objective)")
+    plot_losses(losses, os.path.join(out_dir, "loss.png"), f"{NAMES[kind]} ({cfg.model_type}, {loss_fn.__name__})")
     info = {"model": NAMES[kind], "model_type": cfg.model_type, "objective": loss_fn.__name__,
             "params": n_params, "init_from": init_from and os.path.basename(os.path.normpath(init_from)),
             "steps": steps, "batch": batch, "lr": lr, "seed": seed,
