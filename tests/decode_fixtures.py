@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 
 import jax
+import numpy as np
 import pytest
 
 from jdllm.config import ModelConfig
@@ -49,3 +50,16 @@ def block_model(seed: int = 1, logit_shift: bool = False, block_size: int = 4) -
                       attention="block_causal", block_size=block_size, logit_shift=logit_shift,
                       mask_token_id=MASK, max_position_embeddings=256, eos_token_ids=())
     return Model(cfg, init_params(cfg, jax.random.key(seed), std=0.7), attn_impl="xla")
+
+
+def assert_matches_reference(out, ref, nfe_key: str = "nfe") -> None:
+    """A jdllm Output equals a plain-loop reference's record token for token.
+
+    `ref` holds tokens, step_map, logprobs, finish and the forward count under
+    `nfe_key` (block diffusion's references record fused and unfused counts).
+    """
+    assert out.token_ids == ref["tokens"]
+    assert out.step_map == ref["step_map"]
+    np.testing.assert_allclose(out.logprobs, ref["logprobs"], atol=2e-4, rtol=1e-4)
+    assert out.nfe == ref[nfe_key]
+    assert out.finish_reason == ref["finish"]

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import jdllm
-from tests.decode_fixtures import causal_model, fast_compile  # noqa: F401 (fast_compile: fixture)
+from tests.decode_fixtures import assert_matches_reference, causal_model, fast_compile  # noqa: F401 (fast_compile: fixture)
 from tests.reference_decoders import ar_reference
 
 pytestmark = pytest.mark.usefixtures("fast_compile")
@@ -15,12 +15,6 @@ PROMPTS = [[5, 17, 3, 44, 9, 12, 60], [70, 2, 31], [8, 8, 21, 55, 90, 13, 4, 4, 
 MAX_NEW = 12
 
 
-def _check(out, ref):
-    assert out.token_ids == ref["tokens"]
-    assert out.step_map == ref["step_map"]
-    np.testing.assert_allclose(out.logprobs, ref["logprobs"], atol=2e-4, rtol=1e-4)
-    assert out.nfe == ref["nfe"]
-    assert out.finish_reason == ref["finish"]
 
 
 def test_ar_batch1_matches_reference():
@@ -28,7 +22,7 @@ def test_ar_batch1_matches_reference():
     for p in PROMPTS[:2]:
         ref = ar_reference(m.params, m.config, p, max_new_tokens=MAX_NEW)
         (out,) = jdllm.generate(m, [p], jdllm.AR(), jdllm.Sampling(max_new_tokens=MAX_NEW))
-        _check(out, ref)
+        assert_matches_reference(out, ref)
         assert out.step_map == list(range(1, MAX_NEW + 1))
 
 
@@ -37,7 +31,7 @@ def test_ar_batch_rows_equal_prompts_alone():
     outs = jdllm.generate(m, PROMPTS, jdllm.AR(), jdllm.Sampling(max_new_tokens=MAX_NEW))
     assert len(outs) == len(PROMPTS)
     for p, out in zip(PROMPTS, outs):
-        _check(out, ar_reference(m.params, m.config, p, max_new_tokens=MAX_NEW))
+        assert_matches_reference(out, ar_reference(m.params, m.config, p, max_new_tokens=MAX_NEW))
 
 
 def test_ar_stop_token_ends_row_and_is_kept():
@@ -49,7 +43,7 @@ def test_ar_stop_token_ends_row_and_is_kept():
     refs = [ar_reference(m.params, m.config, p, max_new_tokens=MAX_NEW, stop_ids=(stop,)) for p in PROMPTS]
     assert refs[0]["finish"] == "stop" and len(refs[0]["tokens"]) <= 5
     for out, ref in zip(outs, refs):
-        _check(out, ref)
+        assert_matches_reference(out, ref)
         assert stop not in out.token_ids[:-1]
 
 

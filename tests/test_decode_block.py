@@ -10,7 +10,7 @@ import pytest
 
 import jdllm
 from jdllm.decode.block_diffusion import STRATEGIES
-from tests.decode_fixtures import MASK, block_model, fast_compile  # noqa: F401 (fast_compile: fixture)
+from tests.decode_fixtures import MASK, assert_matches_reference, block_model, fast_compile  # noqa: F401 (fast_compile: fixture)
 from tests.reference_decoders import block_diffusion_reference
 
 pytestmark = pytest.mark.usefixtures("fast_compile")
@@ -32,11 +32,7 @@ def _ref(m, prompt, strategy, **kw):
 
 
 def _check(out, ref, fused=True):
-    assert out.token_ids == ref["tokens"]
-    assert out.step_map == ref["step_map"]
-    np.testing.assert_allclose(out.logprobs, ref["logprobs"], atol=2e-4, rtol=1e-4)
-    assert out.nfe == (ref["nfe_fused"] if fused else ref["nfe"])
-    assert out.finish_reason == ref["finish"]
+    assert_matches_reference(out, ref, nfe_key="nfe_fused" if fused else "nfe")
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)

@@ -17,7 +17,7 @@ from jdllm.decode.masked_diffusion import (dream_ratios, exponential_from_bits, 
 from jdllm.loading import Model
 from jdllm.model import init_params
 from jdllm.sampling import row_keys
-from tests.decode_fixtures import fast_compile  # noqa: F401 (fixture)
+from tests.decode_fixtures import assert_matches_reference, fast_compile  # noqa: F401 (fixture)
 from tests.reference_masked_diffusion import llada_gumbel_argmax, masked_diffusion_reference, num_transfer_tokens
 
 pytestmark = pytest.mark.usefixtures("fast_compile")
@@ -44,12 +44,6 @@ def _sampling(temperature=0.0, stop=(), max_new=G):
     return jdllm.Sampling(max_new_tokens=max_new, temperature=temperature, seed=SEED, stop_token_ids=stop)
 
 
-def _check(out, ref):
-    assert out.token_ids == ref["tokens"]
-    assert out.step_map == ref["step_map"]
-    np.testing.assert_allclose(out.logprobs, ref["logprobs"], atol=2e-4, rtol=1e-4)
-    assert out.nfe == ref["nfe"]
-    assert out.finish_reason == ref["finish"]
 
 
 def _run_and_compare(m, kw, *, temperature=0.0, prompts=PROMPTS, stop=(), solo=False):
@@ -61,11 +55,11 @@ def _run_and_compare(m, kw, *, temperature=0.0, prompts=PROMPTS, stop=(), solo=F
     refs = [masked_diffusion_reference(m.params, m.config, p, gen_length=G, temperature=temperature, key=keys[b],
                                        stop_ids=stop, **kw) for b, p in enumerate(prompts)]
     for out, ref in zip(outs, refs):
-        _check(out, ref)
+        assert_matches_reference(out, ref)
         assert MASK not in out.token_ids
     if solo:
         (one,) = jdllm.generate(m, [prompts[0]], jdllm.MaskedDiffusion(**kw), _sampling(temperature, stop))
-        _check(one, refs[0])
+        assert_matches_reference(one, refs[0])
     return outs, refs
 
 
@@ -195,7 +189,7 @@ def test_caches_on_deeper_model_match_cache_reference_and_deviation_is_measured(
     for cache in ("prefix", "dual"):
         got = jdllm.generate(m, PROMPTS, jdllm.MaskedDiffusion(cache=cache, **kw), _sampling())
         for p, o in zip(PROMPTS, got):
-            _check(o, masked_diffusion_reference(m.params, m.config, p, gen_length=G, cache=cache, **kw))
+            assert_matches_reference(o, masked_diffusion_reference(m.params, m.config, p, gen_length=G, cache=cache, **kw))
             assert len(o.token_ids) == G and MASK not in o.token_ids
             # block by block: every token of block j is revealed during that block's steps
             assert max(o.step_map[:8]) < min(o.step_map[8:])
@@ -217,7 +211,7 @@ def test_no_retrace_with_same_buckets():
     outs = jdllm.generate(m, other, dec, _sampling())
     assert loop.TRACES["masked_diffusion"] == n
     ref = masked_diffusion_reference(m.params, m.config, other[2], gen_length=G, steps=8, block_length=8)
-    _check(outs[2], ref)
+    assert_matches_reference(outs[2], ref)
 
 
 # --------------------------------------------------------------------------- errors

@@ -16,7 +16,7 @@ from jdllm.decode import loop
 from jdllm.decode.multi_block import BLOCK_STATES
 from jdllm.loading import Model
 from jdllm.model import init_params
-from tests.decode_fixtures import MASK, VOCAB, block_model
+from tests.decode_fixtures import MASK, VOCAB, assert_matches_reference, block_model
 from tests.decode_fixtures import fast_compile  # noqa: F401 (fixture)
 from tests.reference_multi_block import STATE_CODE, multi_block_reference, states_during
 
@@ -56,11 +56,7 @@ def _ref(m, prompt, config, max_new=MAX_NEW, **kw):
 
 
 def _check(out, ref):
-    assert out.token_ids == ref["tokens"]
-    assert out.step_map == ref["step_map"]
-    np.testing.assert_allclose(out.logprobs, ref["logprobs"], atol=2e-4, rtol=1e-4)
-    assert out.nfe == ref["nfe"]
-    assert out.finish_reason == ref["finish"]
+    assert_matches_reference(out, ref)
     assert out.trace["block_steps"] == ref["entered"]
     assert [BLOCK_STATES[s] for s in out.trace["block_state"]] == ref["final"]
 
