@@ -86,14 +86,8 @@ class BlockDiffusion:
 
     # ----------------------------------------------------------------- host side
     def validate(self, cfg) -> None:
-        if cfg.mask_token_id is None:
-            raise errors.DecodingConfigError(
-                "paradigm 'block_diffusion' needs a model with a mask token (mask_token_id is None); "
-                "use jdllm.AR for autoregressive models")
-        if cfg.attention != "block_causal":
-            raise errors.DecodingConfigError(
-                f"paradigm 'block_diffusion' needs a block-causal model, this one has "
-                f"attention={cfg.attention!r}; use jdllm.MaskedDiffusion for bidirectional models")
+        common.require_diffusion_model("block_diffusion", cfg, ("block_causal",),
+                                       "jdllm.MaskedDiffusion for bidirectional models")
         if self.block_length != cfg.block_size:
             warnings.warn(f"block_length={self.block_length} differs from the model's trained "
                           f"block_size={cfg.block_size}; quality may suffer", stacklevel=3)

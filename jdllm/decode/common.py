@@ -67,6 +67,21 @@ def bucket(n: int, minimum: int = 1, steps_per_octave: int = 1) -> int:
     return -(-n // step) * step
 
 
+def require_diffusion_model(paradigm: str, cfg: ModelConfig, attention: tuple[str, ...], alternative: str) -> None:
+    """Host-side check shared by the diffusion paradigms' `validate`: a mask token and an attention kind."""
+    from jdllm import errors  # noqa: PLC0415
+
+    if cfg.mask_token_id is None:
+        raise errors.DecodingConfigError(
+            f"paradigm {paradigm!r} needs a model with a mask token (mask_token_id is None); "
+            "use jdllm.AR for autoregressive models")
+    if cfg.attention not in attention:
+        kinds = " or ".join(a.replace("_", "-") for a in attention)
+        raise errors.DecodingConfigError(
+            f"paradigm {paradigm!r} needs a {kinds} model, this one has attention={cfg.attention!r}; "
+            f"use {alternative}")
+
+
 # --------------------------------------------------------------------------- state construction
 def new_state(cfg: ModelConfig, prompts: list[np.ndarray], layout: Layout, max_new_tokens: int, *,
               seed: int, active: np.ndarray | None = None, dtype=jnp.float32) -> DecodeState:

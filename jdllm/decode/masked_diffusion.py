@@ -208,15 +208,8 @@ class MaskedDiffusion:
         return Bl, nb, steps // nb
 
     def validate(self, cfg) -> None:
-        if cfg.mask_token_id is None:
-            raise errors.DecodingConfigError(
-                "paradigm 'masked_diffusion' needs a model with a mask token (mask_token_id is None); "
-                "use jdllm.AR for autoregressive models")
-        if cfg.attention != "bidirectional":
-            raise errors.DecodingConfigError(
-                f"paradigm 'masked_diffusion' needs a bidirectional model (LLaDA, Dream), this one has "
-                f"attention={cfg.attention!r}; use jdllm.BlockDiffusion or jdllm.MultiBlock for "
-                "block-causal models")
+        common.require_diffusion_model("masked_diffusion", cfg, ("bidirectional",),
+                                       "jdllm.BlockDiffusion or jdllm.MultiBlock for block-causal models")
 
     def layout(self, lengths: np.ndarray, max_new_tokens: int, cfg) -> common.Layout:
         """Left padding to P = bucket(longest prompt): generation is slots [P, P + gen_length)

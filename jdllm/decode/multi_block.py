@@ -171,14 +171,7 @@ class MultiBlock:
 
     # ----------------------------------------------------------------- host side
     def validate(self, cfg) -> None:
-        if cfg.mask_token_id is None:
-            raise errors.DecodingConfigError(
-                "paradigm 'multi_block' needs a model with a mask token (mask_token_id is None); "
-                "use jdllm.AR for autoregressive models")
-        if cfg.attention not in ("block_causal", "bidirectional"):
-            raise errors.DecodingConfigError(
-                f"paradigm 'multi_block' needs a block-causal or bidirectional model, this one has "
-                f"attention={cfg.attention!r}; use jdllm.AR")
+        common.require_diffusion_model("multi_block", cfg, ("block_causal", "bidirectional"), "jdllm.AR")
         if self.cache == "exact" and cfg.attention != "block_causal":
             raise errors.DecodingConfigError(
                 "cache='exact' needs a block-causal model; for bidirectional models use cache='none' "
