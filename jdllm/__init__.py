@@ -27,15 +27,19 @@ _EXPORTS = {
     "BlockDiffusion": "jdllm.decode.block_diffusion",
     "MultiBlock": "jdllm.decode.multi_block",
     "MaskedDiffusion": "jdllm.decode.masked_diffusion",
-    "Speculative": "jdllm.decode.ar_spec",
     "errors": "jdllm.errors",
 }
+
+# Named in the design's public contract but not built yet: a clear error, not an ImportError.
+_PLANNED = {"Speculative": "speculative decoding (the ar_spec paradigm)"}
 
 __all__ = sorted(_EXPORTS) + ["__version__"]
 
 
 def __getattr__(name: str):
     mod = _EXPORTS.get(name)
+    if name in _PLANNED:
+        raise AttributeError(f"jdllm.{name}: {_PLANNED[name]} is not implemented yet")
     if mod is None:
         raise AttributeError(f"module 'jdllm' has no attribute {name!r}")
     if name == "errors":
