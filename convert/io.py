@@ -17,6 +17,7 @@ import json
 import os
 import shutil
 import tempfile
+import warnings
 from typing import Any
 
 import numpy as np
@@ -71,6 +72,14 @@ def load_tokenizer(path: str):
 
     verbosity = transformers.logging.get_verbosity()
     transformers.logging.set_verbosity_error()  # a custom model_type in config.json is expected here
+    with warnings.catch_warnings():
+        # AutoTokenizer reads config.json; its deprecation notes about model keys
+        # (v4 `rope_scaling`, as published checkpoints have) say nothing about the tokenizer.
+        warnings.simplefilter("ignore", FutureWarning)
+        return _load_tokenizer(transformers, path, verbosity)
+
+
+def _load_tokenizer(transformers, path: str, verbosity: int):
     try:
         try:
             # trust_remote_code=False: never run (or prompt for) a model's custom code.

@@ -60,8 +60,9 @@ def main() -> None:
         "block_diffusion (low_confidence_dynamic)", examples)
     run(os.path.join(d, "tiny-sdar"), jdllm.MultiBlock(block_size=4),
         "multi_block", examples)
-    run(os.path.join(d, "tiny-llada"), jdllm.MaskedDiffusion(steps=12, block_length=12),
-        "masked_diffusion", examples)
+    run(os.path.join(d, "tiny-llada"),
+        jdllm.MaskedDiffusion(steps=12, block_length=12, confidence_threshold=0.9, cache="dual"),
+        "masked_diffusion (Fast-dLLM threshold, dual cache)", examples)
 
 
 if __name__ == "__main__":
