@@ -58,14 +58,19 @@ def build_model(tmp: str, args):
     return hf, ar, bd
 
 
-def timed(fn, repeats: int):
-    fn()  # compile / warm up
-    best, out = float("inf"), None
+def timed(fn, repeats: int, with_first: bool = False):
+    """Best wall time of `repeats` calls after a compiling / warm-up call, and the last output.
+
+    with_first: also return the first call's time (compile included)."""
+    t = time.perf_counter()
+    out = fn()
+    first = time.perf_counter() - t
+    best = float("inf")
     for _ in range(repeats):
         t = time.perf_counter()
         out = fn()
         best = min(best, time.perf_counter() - t)
-    return best, out
+    return (best, out, first) if with_first else (best, out)
 
 
 def run_jdllm(model, prompts, decoding, new: int, repeats: int):
@@ -237,14 +242,8 @@ def masked_diffusion_rows(ar, args, rng) -> list[dict]:
             for cache in ("none", "prefix", "dual"):
                 dec = jdllm.MaskedDiffusion(block_length=Bl, cache=cache, **kw)
                 sampling = jdllm.Sampling(max_new_tokens=G, stop_token_ids=())
-                t0 = time.perf_counter()
-                jdllm.generate(model, prompts, dec, sampling)
-                first = time.perf_counter() - t0
-                best = float("inf")
-                for _ in range(repeats):
-                    t0 = time.perf_counter()
-                    outs = jdllm.generate(model, prompts, dec, sampling)
-                    best = min(best, time.perf_counter() - t0)
+                best, outs, first = timed(lambda: jdllm.generate(model, prompts, dec, sampling), repeats,
+                                          with_first=True)
                 toks = np.concatenate([o.token_ids for o in outs])
                 base = toks if base is None else base
                 nfe = float(np.mean([o.nfe for o in outs]))
@@ -295,14 +294,8 @@ def multi_block_rows(ar, args, rng) -> list[dict]:
                 dec = jdllm.MultiBlock(block_size=args.mb_block, entropy_threshold=args.mb_entropy,
                                        max_blocks=args.mb_max_blocks, cache=cache)
                 sampling = jdllm.Sampling(max_new_tokens=G, stop_token_ids=())
-                t0 = time.perf_counter()
-                jdllm.generate(models[attention], prompts, dec, sampling)
-                first = time.perf_counter() - t0
-                best = float("inf")
-                for _ in range(repeats):
-                    t0 = time.perf_counter()
-                    outs = jdllm.generate(models[attention], prompts, dec, sampling)
-                    best = min(best, time.perf_counter() - t0)
+                best, outs, first = timed(lambda: jdllm.generate(models[attention], prompts, dec, sampling),
+                                          repeats, with_first=True)
                 toks = np.concatenate([o.token_ids for o in outs])
                 smap = np.concatenate([o.step_map for o in outs])
                 if base is None:
