@@ -215,6 +215,18 @@ def main(argv=None) -> int:
 
 
 # --------------------------------------------------------------------------- masked_diffusion (LLaDA / Fast-dLLM)
+def cache_run_fields(outs, toks, base_toks, best: float, first: float) -> dict:
+    """Speed figures of one timed run and the fraction of its tokens that differ from the cache-off run."""
+    nfe = float(np.mean([o.nfe for o in outs]))
+    return dict(seconds=best, first_call_s=first, tokens=int(toks.size), tokens_per_s=toks.size / best, nfe=nfe,
+                tpf=toks.size / len(outs) / nfe, diff_vs_none=float(np.mean(toks != base_toks)))
+
+
+def print_cache_row(label: str, r: dict) -> None:
+    print(f"{label} {r['tokens_per_s']:9.1f} tok/s  NFE {r['nfe']:6.1f}  TPF {r['tpf']:5.2f}  "
+          f"diff vs none {r['diff_vs_none']:.3f}  first call {r['first_call_s']:5.1f}s", flush=True)
+
+
 def masked_diffusion_rows(ar, args, rng) -> list[dict]:
     """masked_diffusion per generation length and cache mode, batch 1, on the same weights run as a
     bidirectional LLaDA-like model (mask token = the last id).
@@ -246,15 +258,10 @@ def masked_diffusion_rows(ar, args, rng) -> list[dict]:
                                           with_first=True)
                 toks = np.concatenate([o.token_ids for o in outs])
                 base = toks if base is None else base
-                nfe = float(np.mean([o.nfe for o in outs]))
                 rows.append(dict(engine="jdllm", paradigm="masked_diffusion", strategy=label, cache=cache,
-                                 gen_length=G, block_length=Bl, batch=len(prompts), seconds=best,
-                                 first_call_s=first, tokens=int(toks.size), tokens_per_s=toks.size / best, nfe=nfe,
-                                 tpf=toks.size / len(outs) / nfe, diff_vs_none=float(np.mean(toks != base))))
-                r = rows[-1]
-                print(f"masked_diffusion G={G:5d} {label:16s} cache={cache:6s} {r['tokens_per_s']:9.1f} tok/s  "
-                      f"NFE {nfe:6.1f}  TPF {r['tpf']:5.2f}  diff vs none {r['diff_vs_none']:.3f}  "
-                      f"first call {first:5.1f}s", flush=True)
+                                 gen_length=G, block_length=Bl, batch=len(prompts),
+                                 **cache_run_fields(outs, toks, base, best, first)))
+                print_cache_row(f"masked_diffusion G={G:5d} {label:16s} cache={cache:6s}", rows[-1])
     return rows
 
 
@@ -300,18 +307,13 @@ def multi_block_rows(ar, args, rng) -> list[dict]:
                 smap = np.concatenate([o.step_map for o in outs])
                 if base is None:
                     base = (toks, smap)
-                nfe = float(np.mean([o.nfe for o in outs]))
                 rows.append(dict(engine="jdllm", paradigm="multi_block", attention=attention, cache=cache,
                                  gen_length=G, block_size=args.mb_block, max_blocks=args.mb_max_blocks,
-                                 entropy_threshold=args.mb_entropy, batch=len(prompts), seconds=best,
-                                 first_call_s=first, tokens=int(toks.size), tokens_per_s=toks.size / best, nfe=nfe,
-                                 tpf=toks.size / len(outs) / nfe, diff_vs_none=float(np.mean(toks != base[0])),
+                                 entropy_threshold=args.mb_entropy, batch=len(prompts),
+                                 **cache_run_fields(outs, toks, base[0], best, first),
                                  identical_to_none=bool(np.array_equal(toks, base[0])
                                                         and np.array_equal(smap, base[1]))))
-                r = rows[-1]
-                print(f"multi_block G={G:5d} {attention:13s} cache={cache:6s} {r['tokens_per_s']:9.1f} tok/s  "
-                      f"NFE {nfe:6.1f}  TPF {r['tpf']:5.2f}  diff vs none {r['diff_vs_none']:.3f}  "
-                      f"first call {first:5.1f}s", flush=True)
+                print_cache_row(f"multi_block G={G:5d} {attention:13s} cache={cache:6s}", rows[-1])
     return rows
 
 
