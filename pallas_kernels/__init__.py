@@ -4,8 +4,11 @@
 impl=...)` is the single entry point the model calls. `impl`:
 
 - "xla": the reference in `reference.py` (any backend);
-- "pallas": the Pallas flash kernels of `flash.py` (the Triton lowering on
-  NVIDIA GPUs, `interpret=True` on the CPU; no Mosaic GPU kernel yet);
+- "pallas": the Pallas flash kernels: on Hopper (H100/H200) the prefill
+  forward runs the Mosaic GPU kernel of `mosaic.py` (wgmma + TMA) and the rest
+  the Triton lowering of `flash.py` / `backward.py`; the Triton lowering on other
+  NVIDIA GPUs; `interpret=True` on the CPU. `JDLLM_PALLAS_BACKEND` (one of
+  `flash.BACKENDS`) overrides that choice;
 - "cudnn": `jax.nn.dot_product_attention(implementation="cudnn")` with the mask
   as a boolean mask (a GPU baseline);
 - "auto": "pallas" on a GPU, "xla" elsewhere.

@@ -17,15 +17,23 @@ Both run the online softmax in float32 (base 2: scores are pre-multiplied by
 log2(e)). A query that sees no key returns zeros, like the reference.
 
 Backends (`backend=`): "interpret" (Pallas interpret mode, the CPU default and
-what the tests run) and "triton" (the Pallas Triton lowering, the GPU default).
-A Mosaic GPU (Hopper) variant is not written yet; see `default_backend`.
+what the tests run), "triton" (the Pallas Triton lowering, the default on
+non-Hopper GPUs) and "mosaic" (the default on Hopper): the prefill forward runs
+the Mosaic GPU kernel of `mosaic.py` (wgmma + TMA) when it takes the inputs
+(float16/bfloat16, head_dim a multiple of 64), and everything else (the window
+kernel, the backward kernels, other dtypes) runs the Triton lowering.
+"mosaic_interpret" is "mosaic" on the CPU: the Mosaic kernel in Pallas's GPU
+interpret mode, the rest in interpret mode. `JDLLM_PALLAS_BACKEND` overrides
+the default.
 
-STATUS: the "triton" path has NOT been compiled to PTX or run on a GPU yet (no
-GPU was lent to the session that wrote it). What is checked on the CPU: the
-kernels give the reference's results in interpret mode, and all three kernels
-(forward, backward dq, backward dk/dv) go through the Pallas -> Triton IR
-lowering for CUDA (`test_triton_path_lowers_for_cuda`). The first GPU session
-must run `pytest -m gpu tests/test_kernels.py` and `benchmarks/attention.py`.
+STATUS: the "triton" and "mosaic" paths have NOT been compiled to PTX or run on
+a GPU yet (no GPU was lent to the sessions that wrote them). What is checked on
+the CPU: the kernels give the reference's results in interpret mode (the Mosaic
+one in GPU interpret mode), and every kernel goes through its Pallas -> Triton
+IR or Pallas -> Mosaic GPU lowering for CUDA (`test_*_lowers_for_cuda`). The
+first GPU session must run `pytest -m gpu tests/test_kernels.py` and
+`benchmarks/attention.py`; until then `JDLLM_PALLAS_BACKEND=triton` (or
+`impl="xla"`) is the way around a kernel that fails to compile.
 
 Gradients: `attention` is a `jax.custom_vjp`; the forward kernel also saves the
 row log-sum-exp and the backward runs the Pallas kernels of `backward.py`
@@ -38,6 +46,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import os
 
 import jax
 import jax.numpy as jnp
@@ -50,7 +59,8 @@ from pallas_kernels.reference import KINDS, attention_reference
 LOG2E = math.log2(math.e)
 NEG = -0.7 * float(np.finfo(np.float32).max)  # finite "-inf": keeps exp2(m_old - m_new) NaN-free
 WINDOW_MAX_T = 128  # queries above this use the prefill kernel
-BACKENDS = ("interpret", "triton")
+BACKENDS = ("interpret", "triton", "mosaic", "mosaic_interpret")
+BACKEND_ENV = "JDLLM_PALLAS_BACKEND"
 MIN_TILE = 16  # smallest tile dimension the Triton dot accepts
 
 
@@ -63,6 +73,8 @@ class Tiles:
     splits of the window kernel (None: enough programs for twice the device's
     cores). num_warps / num_stages: Triton launch parameters (ignored when
     interpreting). block_q_bwd / block_k_bwd: tiles of the backward kernels.
+    mosaic_block_k (64 or 128) / mosaic_stages (>= 2): key tile and K/V ring
+    depth of the Mosaic GPU prefill kernel (its query tile is fixed at 64).
     """
 
     block_q: int = 128
@@ -73,6 +85,8 @@ class Tiles:
     num_stages: int = 2
     block_q_bwd: int = 64
     block_k_bwd: int = 64
+    mosaic_block_k: int = 64
+    mosaic_stages: int = 2
 
     def __post_init__(self):
         for name in ("block_q", "block_k", "block_r", "block_q_bwd", "block_k_bwd"):
@@ -84,12 +98,22 @@ class Tiles:
 
 
 def default_backend() -> str:
-    """"triton" on an NVIDIA/AMD GPU, "interpret" elsewhere.
+    """`$JDLLM_PALLAS_BACKEND` if set; else "mosaic" on Hopper, "triton" on other GPUs,
+    "interpret" elsewhere."""
+    env = os.environ.get(BACKEND_ENV)
+    if env:
+        if env not in BACKENDS:
+            raise ValueError(f"{BACKEND_ENV}={env!r} is not one of {BACKENDS}")
+        return env
+    if jax.default_backend() != "gpu":
+        return "interpret"
+    from pallas_kernels.mosaic import is_hopper  # noqa: PLC0415 (import cycle)
+    return "mosaic" if is_hopper() else "triton"
 
-    Hopper would get a Mosaic GPU kernel here once one exists; until then every
-    GPU uses the Triton lowering.
-    """
-    return "triton" if jax.default_backend() == "gpu" else "interpret"
+
+def _plain_backend(backend: str) -> str:
+    """The Triton-or-interpret backend that runs what the Mosaic kernel does not."""
+    return {"mosaic": "triton", "mosaic_interpret": "interpret"}.get(backend, backend)
 
 
 def _next_pow2(n: int) -> int:
@@ -243,7 +267,7 @@ def prefill_attention(q, k, v, *, start, q_offset=0, kv_len=None, kind="causal",
     to write shows up in tests. `return_lse=True` also returns the row
     log2-sum-exp2 [B, H, T] f32 the backward needs.
     """
-    backend = backend or default_backend()
+    backend = _plain_backend(backend or default_backend())
     B, T, H, D = q.shape
     S, KV = k.shape[1], k.shape[2]
     G = H // KV
@@ -344,7 +368,7 @@ def window_attention(q, k, v, *, start, q_offset=0, kv_len=None, kind="causal", 
     `poison=True` pre-fills the partial buffers with NaN; `return_lse` as in
     `prefill_attention`.
     """
-    backend = backend or default_backend()
+    backend = _plain_backend(backend or default_backend())
     B, T, H, D = q.shape
     S, KV = k.shape[1], k.shape[2]
     G = H // KV
@@ -426,10 +450,16 @@ class _Static:
 
 
 def _forward(q, k, v, start, q_offset, kv_len, st: _Static, return_lse: bool = False):
+    kw = dict(start=start, q_offset=q_offset, kv_len=kv_len, kind=st.kind,
+              block_size=st.block_size, scale=st.scale, return_lse=return_lse)
+    if st.backend in ("mosaic", "mosaic_interpret") and st.variant == "prefill":
+        from pallas_kernels import mosaic  # noqa: PLC0415 (import cycle)
+        if mosaic.unsupported_reason(q, k) is None:
+            return mosaic.prefill_attention(q, k, v, **kw, block_k=st.tiles.mosaic_block_k,
+                                            stages=st.tiles.mosaic_stages,
+                                            interpret=st.backend == "mosaic_interpret")
     fn = window_attention if st.variant == "window" else prefill_attention
-    return fn(q, k, v, start=start, q_offset=q_offset, kv_len=kv_len, kind=st.kind,
-              block_size=st.block_size, scale=st.scale, tiles=st.tiles, backend=st.backend,
-              return_lse=return_lse)
+    return fn(q, k, v, **kw, tiles=st.tiles, backend=_plain_backend(st.backend))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
@@ -455,7 +485,7 @@ def _attention_bwd(st: _Static, res, g):
 
     o, lse = res[6:]
     dq, dk, dv = attention_backward(q, k.astype(q.dtype), v.astype(q.dtype), o, lse, g, **kw,
-                                    tiles=st.tiles, backend=st.backend)
+                                    tiles=st.tiles, backend=_plain_backend(st.backend))
     return dq, dk.astype(k.dtype), dv.astype(v.dtype), None, None, None
 
 

@@ -381,6 +381,120 @@ def test_triton_path_lowers_for_cuda(variant, kind, bs, T, S, H, KV, D, dtype):
         assert f'name = "{name}"' in hlo
 
 
+# ----------------------------------------------------------------------------- Mosaic GPU kernel
+# Run in Pallas's GPU interpret mode, whose uninitialised output memory is NaN (the poisoning).
+# (kind, block_size, B, T, S, q_offset, kv_len, H, KV, D, start, dtype)
+MOSAIC = [
+    ("causal", 1, 1, 64, 64, 0, 64, 2, 2, 64, [0], jnp.bfloat16),
+    # T, S not multiples of the 64-row tile; GQA 4; left padding
+    ("block_causal", 4, 2, 45, 45, 0, 45, 8, 2, 64, [0, 13], jnp.float16),
+    # GQA 8, head_dim 128, padding past the first tile
+    ("block_causal", 32, 2, 130, 130, 0, 130, 8, 1, 128, [3, 70], jnp.bfloat16),
+    ("block_causal", 64, 1, 150, 150, 0, 150, 2, 1, 64, [0], jnp.bfloat16),
+    ("bidirectional", 1, 2, 33, 33, 0, 33, 4, 2, 64, [0, 20], jnp.float16),
+    # chunk at an offset into a longer, partly stale cache: row 1's first queries see nothing
+    ("block_causal", 4, 2, 20, 150, 70, 90, 2, 1, 128, [0, 80], jnp.bfloat16),
+]
+
+
+@pytest.mark.parametrize("kind,bs,B,T,S,qoff,kvl,H,KV,D,start,dtype", MOSAIC)
+def test_mosaic_prefill_matches_reference(kind, bs, B, T, S, qoff, kvl, H, KV, D, start, dtype):
+    from pallas_kernels import mosaic
+
+    q, k, v = _qkv(20, B, T, S, H, KV, D, dtype)
+    kw = dict(start=jnp.asarray(start, jnp.int32), q_offset=qoff, kv_len=kvl, kind=kind,
+              block_size=bs)
+    out, lse = mosaic.prefill_attention(q, k, v, **kw, interpret=True, return_lse=True)
+    assert _rel_err(out, attention_reference(q, k, v, **kw)) <= TOL[jnp.bfloat16]
+    # the saved log-sum-exp is the one the Pallas backward kernels read
+    _, lse_ref = flash.prefill_attention(q.astype(jnp.float32), k.astype(jnp.float32),
+                                         v.astype(jnp.float32), **kw, backend="interpret",
+                                         return_lse=True)
+    assert np.abs(np.asarray(lse) - np.asarray(lse_ref)).max() <= 2e-2
+
+
+@pytest.mark.parametrize("block_k,stages", [(128, 2), (64, 3)])
+def test_mosaic_key_tile_and_ring_depth(block_k, stages):
+    """The tuning knobs: 128-key tiles, a three-slot K/V ring (tile loads wrap around it)."""
+    from pallas_kernels import mosaic
+
+    q, k, v = _qkv(25, 2, 100, 420, 4, 1, 64, jnp.bfloat16)
+    kw = dict(start=jnp.array([0, 150]), q_offset=300, kv_len=400, kind="block_causal",
+              block_size=32)
+    out = mosaic.prefill_attention(q, k, v, **kw, block_k=block_k, stages=stages, interpret=True)
+    assert _rel_err(out, attention_reference(q, k, v, **kw)) <= TOL[jnp.bfloat16]
+    with pytest.raises(ValueError, match="block_k"):
+        mosaic.prefill_attention(q, k, v, **kw, block_k=32, interpret=True)
+
+
+def test_mosaic_tiles_outside_the_rule_are_never_read():
+    """K/V tiles wholly past the horizon or before a row's start are NaN: the result stays finite."""
+    from pallas_kernels import mosaic
+
+    B, T, S, H, KV, D, qoff = 2, 64, 256, 2, 1, 64, 64
+    q, k, v = _qkv(21, B, T, S, H, KV, D, jnp.bfloat16)
+    start = np.array([0, 64], np.int32)
+    slot = np.arange(S)[None, :, None, None]
+    dead = (slot >= qoff + T) | (slot < start[:, None, None, None])  # whole 64-key tiles
+    kw = dict(start=jnp.asarray(start), q_offset=qoff, kv_len=S, kind="causal")
+    out = mosaic.prefill_attention(q, jnp.where(dead, jnp.nan, k), jnp.where(dead, jnp.nan, v),
+                                   **kw, interpret=True)
+    ref = attention_reference(q, jnp.where(dead, 0.0, k), jnp.where(dead, 0.0, v), **kw)
+    assert _rel_err(out, ref) <= TOL[jnp.bfloat16]
+
+
+def test_mosaic_backend_through_attention_with_grad_and_fallbacks(monkeypatch):
+    """backend="mosaic_interpret": Mosaic forward + Pallas backward; float32 and windows fall back."""
+    q, k, v = _qkv(22, 2, 70, 70, 4, 2, 64, jnp.bfloat16)
+    kw = dict(start=jnp.array([0, 9]), kind="block_causal", block_size=4)
+
+    def loss(fn, q, k, v):
+        return jnp.sum(fn(q, k, v, **kw).astype(jnp.float32) ** 2)
+
+    mosaic_attn = functools.partial(flash.attention, backend="mosaic_interpret")
+    got = jax.grad(functools.partial(loss, mosaic_attn), argnums=(0, 1, 2))(q, k, v)
+    want = jax.grad(functools.partial(loss, attention_reference), argnums=(0, 1, 2))(q, k, v)
+    for g, w in zip(got, want):
+        assert _rel_err(g, w) <= 5e-2
+    # what the Mosaic kernel does not take runs the interpret-mode flash kernels
+    for T, dtype in ((6, jnp.bfloat16), (40, jnp.float32)):  # a window; a float32 prefill
+        q, k, v = _qkv(23, 2, T, 40, 4, 2, 64, dtype)
+        out = flash.attention(q, k, v, **kw, backend="mosaic_interpret")
+        assert _rel_err(out, attention_reference(q, k, v, **kw)) <= TOL[dtype]
+    monkeypatch.setenv(flash.BACKEND_ENV, "mosaic_interpret")
+    assert flash.default_backend() == "mosaic_interpret"
+    monkeypatch.setenv(flash.BACKEND_ENV, "cuda")
+    with pytest.raises(ValueError, match="JDLLM_PALLAS_BACKEND"):
+        flash.default_backend()
+
+
+@pytest.mark.parametrize("kind,bs,T,S,H,KV,D", [
+    ("block_causal", 32, 300, 300, 8, 2, 128),
+    ("causal", 1, 256, 512, 4, 4, 64),
+])
+@pytest.mark.parametrize("block_k,stages", [(64, 2), (128, 3)])
+def test_mosaic_path_lowers_for_cuda(kind, bs, T, S, H, KV, D, block_k, stages):
+    """backend="mosaic" lowers to one Mosaic GPU custom call (forward) and two Triton ones (backward).
+
+    Cross-platform lowering on the CPU runs the Pallas -> Mosaic GPU lowering
+    (layouts, wgmma and TMA shapes) with the compiled path's wgmma, layout casts
+    and swizzled shared memory; PTX compilation needs a GPU.
+    """
+    q, k, v = (jnp.zeros((2, T, H, D), jnp.bfloat16), jnp.zeros((2, S, KV, D), jnp.bfloat16),
+               jnp.zeros((2, S, KV, D), jnp.bfloat16))
+
+    def loss(q, k, v, off):
+        out = flash.attention(q, k, v, start=jnp.array([0, 3]), q_offset=off, kind=kind,
+                              block_size=bs, backend="mosaic", variant="prefill",
+                              tiles=flash.Tiles(mosaic_block_k=block_k, mosaic_stages=stages))
+        return jnp.sum(out.astype(jnp.float32))
+
+    hlo = jax.jit(jax.value_and_grad(loss)).trace(q, k, v, jnp.int32(S - T)).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert hlo.count("stablehlo.custom_call @mosaic_gpu") == 1
+    assert hlo.count("__gpu$xla.gpu.triton") == 2
+
+
 # ----------------------------------------------------------------------------- GPU (compiled)
 @pytest.mark.gpu
 @on_gpu
@@ -414,3 +528,20 @@ def test_gpu_grad_and_auto_dispatch():
     g = jax.grad(lambda q: jnp.sum(pallas_kernels.attention(q, k, v, **kw, impl="pallas") ** 2))(q)
     gr = jax.grad(lambda q: jnp.sum(attention_reference(q, k, v, **kw) ** 2))(q)
     assert _rel_err(g, gr) <= 1e-5
+
+
+@pytest.mark.gpu
+@on_gpu
+@pytest.mark.parametrize("kind,bs,qoff,dtype", [("causal", 1, 0, jnp.bfloat16),
+                                                ("block_causal", 32, 0, jnp.bfloat16),
+                                                ("block_causal", 4, 100, jnp.float16),
+                                                ("bidirectional", 1, 0, jnp.bfloat16)])
+def test_gpu_mosaic_prefill_compiled(kind, bs, qoff, dtype):
+    from pallas_kernels import mosaic
+
+    if not mosaic.is_hopper():
+        pytest.skip("the Mosaic GPU kernel needs Hopper (sm_90)")
+    q, k, v = _qkv(24, 2, 300, 300 + qoff, 8, 2, 128, dtype)
+    kw = dict(start=jnp.array([0, 77]), q_offset=qoff, kind=kind, block_size=bs)
+    out = jax.jit(functools.partial(mosaic.prefill_attention, **kw))(q, k, v)
+    assert _rel_err(out, attention_reference(q, k, v, **kw)) <= TOL[jnp.bfloat16]
