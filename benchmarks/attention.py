@@ -77,11 +77,24 @@ def _inputs(B, T, S, H, KV, D, dtype, seed=0):
                  for s in ((B, T, H, D), (B, S, KV, D), (B, S, KV, D)))
 
 
+def _pinned_backend(impl: str) -> str:
+    """Pallas backend of "pallas-mosaic" / "pallas-triton" (their interpret modes on the CPU)."""
+    on_gpu = jax.default_backend() == "gpu"
+    if impl == "pallas-mosaic":
+        return "mosaic" if on_gpu else "mosaic_interpret"
+    return "triton" if on_gpu else "interpret"
+
+
 def _attn_fn(impl: str, *, kind, block_size, q_offset, kv_len, tiles):
-    """impl "pallas" (auto variant), "pallas-packed" (GQA-packed window kernel, one key split,
+    """impl "pallas" (auto variant, default backend), "pallas-mosaic" / "pallas-triton" (the
+    prefill kernel on that backend), "pallas-packed" (GQA-packed window kernel, one key split,
     used for prefill: each K/V tile is read once per KV head), or a dispatcher impl."""
     def fn(q, k, v):
         start = jnp.zeros((q.shape[0],), jnp.int32)
+        if impl in ("pallas-mosaic", "pallas-triton"):
+            return flash.attention(q, k, v, start=start, q_offset=q_offset, kv_len=kv_len, kind=kind,
+                                   block_size=block_size, variant="prefill", tiles=tiles,
+                                   backend=_pinned_backend(impl))
         if impl.startswith("pallas"):
             packed = impl == "pallas-packed"
             return flash.attention(q, k, v, start=start, q_offset=q_offset, kv_len=kv_len, kind=kind,
@@ -229,8 +242,9 @@ def main(argv=None) -> int:
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--window", type=int, default=32, help="window length T (its block size too)")
     ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--impls", default="pallas,pallas-packed,cudnn,xla",
-                    help="prefill implementations to time (window: pallas and xla)")
+    ap.add_argument("--impls", default="pallas,pallas-mosaic,pallas-triton,pallas-packed,cudnn,xla",
+                    help="prefill implementations to time (window: pallas and xla); pallas-mosaic "
+                         "is recorded as skipped off Hopper")
     ap.add_argument("--iters", type=int, default=None)
     ap.add_argument("--backward", action="store_true",
                     help="also time forward+backward (jax.grad) for Pallas and XLA")
