@@ -8,8 +8,11 @@ comparison; K/V tiles the rule hides are NaN-filled so a kernel that reads
 them fails too. Also: the tile schedule against brute force, traced offsets
 under jit, vmap, gradients (Pallas backward kernels), the model forward with
 attn_impl="pallas" vs "xla", and the Triton lowering for CUDA (lowering only).
-GPU tests (marked `gpu`) compile and run the Triton kernels and are skipped
-when no GPU is present.
+The Mosaic GPU (Hopper) kernel: Pallas's GPU interpret mode (NaN-initialised
+outputs) against the reference, its knobs, vmap, gradients with the Pallas
+backward, the model on that backend, and its Mosaic GPU lowering for CUDA.
+GPU tests (marked `gpu`) compile and run the Triton and Mosaic kernels and are
+skipped when no GPU (or, for Mosaic, no Hopper GPU) is present.
 """
 
 from __future__ import annotations
@@ -352,6 +355,27 @@ def test_model_forward_pallas_equals_xla(kind):
         assert _rel_err(got, want) <= 1e-5
 
 
+def test_model_forward_on_the_mosaic_backend(monkeypatch):
+    """A bfloat16 block-causal model through attn_impl="pallas" with the Mosaic kernel = "xla"."""
+    from pallas_kernels import mosaic
+
+    calls = []
+    kernel = mosaic.prefill_attention
+    monkeypatch.setattr(mosaic, "prefill_attention", lambda *a, **kw: (calls.append(1),
+                                                                       kernel(*a, **kw))[1])
+    monkeypatch.setenv(flash.BACKEND_ENV, "mosaic_interpret")
+    cfg = ModelConfig(model_type="test", vocab_size=64, hidden_size=64, intermediate_size=128,
+                      num_layers=2, num_heads=2, num_kv_heads=1, head_dim=64,
+                      attention="block_causal", block_size=4)
+    params = init_params(cfg, jax.random.key(0), dtype=jnp.bfloat16, std=0.2)
+    start = jnp.array([0, 6], jnp.int32)
+    tokens = jax.random.randint(jax.random.key(1), (2, 70), 0, cfg.vocab_size)
+    logits = {impl: forward(params, cfg, tokens, default_positions(start, 0, 70), start=start,
+                            attn_impl=impl)[0] for impl in ("pallas", "xla")}
+    assert calls, "the Mosaic kernel did not run"
+    assert _rel_err(logits["pallas"], logits["xla"]) <= 5e-2
+
+
 # ----------------------------------------------------------------------------- Triton lowering
 @pytest.mark.parametrize("variant,kind,bs,T,S,H,KV,D,dtype", [
     ("prefill", "block_causal", 32, 300, 300, 8, 2, 128, jnp.bfloat16),
@@ -466,6 +490,20 @@ def test_mosaic_backend_through_attention_with_grad_and_fallbacks(monkeypatch):
     monkeypatch.setenv(flash.BACKEND_ENV, "cuda")
     with pytest.raises(ValueError, match="JDLLM_PALLAS_BACKEND"):
         flash.default_backend()
+
+
+def test_mosaic_under_vmap():
+    """vmap over examples, each with its own left padding (how RL loops call generation)."""
+    q, k, v = _qkv(26, 3, 70, 70, 4, 2, 64, jnp.bfloat16)
+    start = jnp.array([0, 5, 9])
+
+    def one(fn, q, k, v, s):
+        return fn(q[None], k[None], v[None], start=s[None], kind="causal")[0]
+
+    mosaic_attn = functools.partial(flash.attention, backend="mosaic_interpret")
+    out = jax.vmap(functools.partial(one, mosaic_attn))(q, k, v, start)
+    ref = jax.vmap(functools.partial(one, attention_reference))(q, k, v, start)
+    assert _rel_err(out, ref) <= TOL[jnp.bfloat16]
 
 
 @pytest.mark.parametrize("kind,bs,T,S,H,KV,D", [
