@@ -22,13 +22,14 @@ transposed shared-memory refs, so in interpret mode (and only there) the two
 matrix products are plain `jnp.dot`s on values loaded from shared memory and
 the layout hints are dropped; the copies, barriers, tile bounds, masking and
 softmax are the compiled kernel's own code. What checks the compiled path on a
-CPU is lowering it for CUDA (`test_mosaic_lowers_for_cuda`): that runs the
+CPU is lowering it for CUDA (`test_mosaic_path_lowers_for_cuda`): that runs the
 Pallas -> Mosaic GPU lowering, with its layout inference and `wgmma` shape
 checks, and stops short of PTX.
 
 STATUS: not yet compiled to PTX or run on a GPU (no GPU was lent to the
 session that wrote it). The first GPU session must run
-`pytest -m gpu tests/test_kernels.py` and `benchmarks/attention.py`.
+`bash benchmarks/gpu_session.sh` (the `gpu` tests, then the benchmark);
+`JDLLM_PALLAS_BACKEND=triton` sidesteps this kernel meanwhile.
 """
 
 from __future__ import annotations
