@@ -170,6 +170,33 @@ def _tile_bounds(*, start, kvl, p_first, p_last, lo_slot, hi_slot, block_k, kind
     return a, b, c, d
 
 
+def online_softmax_step(carry, s, vis, pv):
+    """Fold one key tile into the running (acc [R, D], m [R], l [R]) of the online softmax.
+
+    s [R, bk]: f32 scores in log2 units; vis: bool [R, bk] visibility, or None
+    for a tile every row sees whole; pv(p) -> p @ V [R, D] f32 for the tile's
+    probabilities p [R, bk] (the caller's matmul: a dot, or wgmma). Rows with
+    nothing visible yet keep l = 0. Broadcasts are explicit `broadcast_in_dim`s
+    so Mosaic GPU's layouts follow them.
+    """
+    acc, m, l = carry
+    R, bk = s.shape
+    if vis is not None:
+        s = jnp.where(vis, s, NEG)
+    m_new = jnp.maximum(m, jnp.max(s, axis=1))
+    corr = jnp.exp2(m - m_new)
+    p = jnp.exp2(s - lax.broadcast_in_dim(m_new, (R, bk), [0]))
+    if vis is not None:
+        p = jnp.where(vis, p, 0.0)
+    l = corr * l + jnp.sum(p, axis=1)
+    return acc * lax.broadcast_in_dim(corr, acc.shape, [0]) + pv(p), m_new, l
+
+
+def normalise(acc, l):
+    """acc [R, D] / l [R] per row; rows that saw nothing (l = 0) stay zero."""
+    return acc / lax.broadcast_in_dim(jnp.where(l == 0.0, 1.0, l), acc.shape, [0])
+
+
 def _attend(q, rows_p, k_ref, v_ref, bounds, *, start, kvl, block_k, kind, block_size, qk_scale):
     """Online softmax of q [R, D] over key tiles `bounds` of k_ref/v_ref [S, D].
 
@@ -181,26 +208,19 @@ def _attend(q, rows_p, k_ref, v_ref, bounds, *, start, kvl, block_k, kind, block
     a, b, c, d = bounds
 
     def step(t, carry, masked: bool):
-        acc, m, l = carry
         k0 = t * block_k
         k = k_ref[pl.ds(k0, block_k), :]  # [bk, D]
         v = v_ref[pl.ds(k0, block_k), :]  # [bk, D]
         s = lax.dot_general(q, k, (((1,), (1,)), ((), ())),
                             preferred_element_type=jnp.float32) * qk_scale  # [R, bk]
+        vis = None
         if masked:
             cols = k0 + lax.broadcasted_iota(jnp.int32, (1, block_k), 1)  # [1, bk]
             end = _end(rows_p, kind, block_size, kvl)[:, None]  # [R, 1]
             vis = (cols >= start) & (cols < end)  # [R, bk]
-            s = jnp.where(vis, s, NEG)
-        m_new = jnp.maximum(m, jnp.max(s, axis=1))
-        corr = jnp.exp2(m - m_new)
-        p = jnp.exp2(s - m_new[:, None])
-        if masked:
-            p = jnp.where(vis, p, 0.0)  # rows with nothing visible yet keep l = 0
-        l = corr * l + jnp.sum(p, axis=1)
-        pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
-                             preferred_element_type=jnp.float32)  # [R, D]
-        return corr[:, None] * acc + pv, m_new, l
+        return online_softmax_step(
+            carry, s, vis, lambda p: lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
+                                                     preferred_element_type=jnp.float32))
 
     carry = (jnp.zeros((R, D), jnp.float32), jnp.full((R,), NEG, jnp.float32),
              jnp.zeros((R,), jnp.float32))
@@ -223,7 +243,7 @@ def _prefill_kernel(start_ref, qoff_ref, kvl_ref, q_ref, k_ref, v_ref, *refs, T,
                           hi_slot=S, block_k=block_k, kind=kind, block_size=block_size)
     acc, m, l = _attend(q_ref[...], rows_p, k_ref, v_ref, bounds, start=start, kvl=kvl,
                         block_k=block_k, kind=kind, block_size=block_size, qk_scale=qk_scale)
-    o_ref[...] = (acc / jnp.where(l == 0.0, 1.0, l)[:, None]).astype(o_ref.dtype)
+    o_ref[...] = normalise(acc, l).astype(o_ref.dtype)
     if with_lse:
         lse_ref[...] = _lse(m, l)
 

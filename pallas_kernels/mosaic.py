@@ -9,7 +9,8 @@ S = Q K^T from shared memory, O += P V with P from registers. The key loop is
 the prefill kernel's (`flash._tile_bounds`): it starts at `start[b]`'s tile,
 stops at the horizon of the tile's last query (tiles beyond are never loaded),
 and only the boundary tiles (left padding, the diagonal, `kv_len`) apply the
-mask. Online softmax in float32, base 2, like `flash.py`.
+mask. Online softmax in float32, base 2: `flash.online_softmax_step`, the
+Triton and interpret kernels' own step.
 
 Constraints: float16 / bfloat16, head_dim a multiple of 64 (the 128-byte
 swizzle of a 64-element row), forward only (`flash.attention` pairs it with the
@@ -41,7 +42,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels.flash import LOG2E, NEG, _end, _lse, _pad_axis, _scalars, _tile_bounds
+from pallas_kernels.flash import (LOG2E, NEG, _end, _lse, _pad_axis, _scalars, _tile_bounds,
+                                  normalise, online_softmax_step)
 
 BLOCK_Q = 64  # one wgmma M tile per warpgroup
 BLOCK_K = 64  # default key tile (64 or 128)
@@ -93,9 +95,6 @@ def _kernel(start_g, qoff_g, kvl_g, q_g, k_g, v_g, o_g, lse_g, q_s, k_s, v_s, ls
             return lax.broadcasted_iota(jnp.int32, (bq, bk), dim)
         return plgpu.broadcasted_iota(jnp.int32, (bq, bk), dim, layout=plgpu.Layout.WGMMA)
 
-    def row_bcast(x, width):  # [bq] -> [bq, width]
-        return lax.broadcast_in_dim(x, (bq, width), [0])
-
     def fetch(t, slot):
         kv_rows = (b, pl.ds(t * bk, bk), kvh)
         plgpu.copy_gmem_to_smem(k_g.at[kv_rows], k_s.at[slot], k_bar.at[slot])
@@ -135,7 +134,6 @@ def _kernel(start_g, qoff_g, kvl_g, q_g, k_g, v_g, o_g, lse_g, q_s, k_s, v_s, ls
     plgpu.barrier_wait(q_bar)
 
     def step(t, carry, masked: bool):
-        acc, m, l = carry
         slot = lax.rem(t - ta, stages)
         ahead = t + (stages - 1)
 
@@ -145,20 +143,16 @@ def _kernel(start_g, qoff_g, kvl_g, q_g, k_g, v_g, o_g, lse_g, q_s, k_s, v_s, ls
 
         plgpu.barrier_wait(k_bar.at[slot])
         s = qk(slot) * qk_scale
+        vis = None
         if masked:
             cols = t * bk + iota(1)
             end = _end(p_first + iota(0), kind, block_size, kvl)
             vis = (cols >= start) & (cols < end)
-            s = jnp.where(vis, s, NEG)
-        m_new = jnp.maximum(m, jnp.max(s, axis=1))
-        corr = jnp.exp2(m - m_new)
-        p = jnp.exp2(s - row_bcast(m_new, bk))
-        if masked:
-            p = jnp.where(vis, p, 0.0)  # rows with nothing visible yet keep l = 0
-        l = corr * l + jnp.sum(p, axis=1)
-        plgpu.barrier_wait(v_bar.at[slot])
-        acc = acc * row_bcast(corr, D) + pv(p.astype(dtype), slot)
-        return acc, m_new, l
+
+        def pv_after_v_lands(p):
+            plgpu.barrier_wait(v_bar.at[slot])
+            return pv(p.astype(dtype), slot)
+        return online_softmax_step(carry, s, vis, pv_after_v_lands)
 
     wg = plgpu.Layout.WGMMA if not interpret else None
     carry = (layout(jnp.zeros((bq, D), jnp.float32), wg),
@@ -168,7 +162,7 @@ def _kernel(start_g, qoff_g, kvl_g, q_g, k_g, v_g, o_g, lse_g, q_s, k_s, v_s, ls
     carry = lax.fori_loop(tb, tc, functools.partial(step, masked=False), carry)
     acc, m, l = lax.fori_loop(tc, td, functools.partial(step, masked=True), carry)
 
-    q_s[...] = (acc / row_bcast(jnp.where(l == 0.0, 1.0, l), D)).astype(dtype)
+    q_s[...] = normalise(acc, l).astype(dtype)
     lse_s[...] = _lse(m, l)
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(q_s, o_g.at[b, pl.ds(q0, bq), h])
