@@ -77,12 +77,17 @@ def _inputs(B, T, S, H, KV, D, dtype, seed=0):
                  for s in ((B, T, H, D), (B, S, KV, D), (B, S, KV, D)))
 
 
-def _pinned_backend(impl: str) -> str:
-    """Pallas backend of "pallas-mosaic" / "pallas-triton" (their interpret modes on the CPU)."""
+def _pallas_options(impl: str, tiles) -> dict:
+    """flash.attention options of the "pallas*" impls (the pinned backends interpret on the CPU)."""
     on_gpu = jax.default_backend() == "gpu"
-    if impl == "pallas-mosaic":
-        return "mosaic" if on_gpu else "mosaic_interpret"
-    return "triton" if on_gpu else "interpret"
+    return {
+        "pallas": dict(variant="auto", tiles=tiles),
+        "pallas-mosaic": dict(variant="prefill", tiles=tiles,
+                              backend="mosaic" if on_gpu else "mosaic_interpret"),
+        "pallas-triton": dict(variant="prefill", tiles=tiles,
+                              backend="triton" if on_gpu else "interpret"),
+        "pallas-packed": dict(variant="window", tiles=dataclasses.replace(tiles, num_splits=1)),
+    }[impl]
 
 
 def _attn_fn(impl: str, *, kind, block_size, q_offset, kv_len, tiles):
@@ -91,15 +96,9 @@ def _attn_fn(impl: str, *, kind, block_size, q_offset, kv_len, tiles):
     used for prefill: each K/V tile is read once per KV head), or a dispatcher impl."""
     def fn(q, k, v):
         start = jnp.zeros((q.shape[0],), jnp.int32)
-        if impl in ("pallas-mosaic", "pallas-triton"):
-            return flash.attention(q, k, v, start=start, q_offset=q_offset, kv_len=kv_len, kind=kind,
-                                   block_size=block_size, variant="prefill", tiles=tiles,
-                                   backend=_pinned_backend(impl))
         if impl.startswith("pallas"):
-            packed = impl == "pallas-packed"
             return flash.attention(q, k, v, start=start, q_offset=q_offset, kv_len=kv_len, kind=kind,
-                                   block_size=block_size, variant="window" if packed else "auto",
-                                   tiles=dataclasses.replace(tiles, num_splits=1) if packed else tiles)
+                                   block_size=block_size, **_pallas_options(impl, tiles))
         return pallas_kernels.attention(q, k, v, start=start, q_offset=q_offset, kv_len=kv_len,
                                         kind=kind, block_size=block_size, impl=impl)
     return jax.jit(fn)
