@@ -99,11 +99,12 @@ def logical_axes(cfg: ModelConfig) -> Params:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class KVCache:
-    """Static-shape KV cache. Slots [0, length) hold committed keys.
+    """Static-shape KV cache. Row b's slots [0, length[b]) hold committed keys.
 
-    k, v: [layers, B, S_max, kv_heads, head_dim]; length: [] int32 (shared by
-    the batch: rows are laid out on one slot grid, left padding handled by the
-    `start` of the masking rule).
+    k, v: [layers, B, S_max, kv_heads, head_dim]; length: [B] int32, one per
+    row, so rows can sit at different positions (advance by several slots,
+    rewind, or join late). Left padding is hidden by the `start` of the
+    masking rule.
     """
 
     k: jax.Array
@@ -114,15 +115,42 @@ class KVCache:
     def empty(cls, cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.float32) -> "KVCache":
         shape = (cfg.num_layers, batch, max_len, cfg.num_kv_heads, cfg.head_dim)
         return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype),
-                   length=jnp.zeros((), jnp.int32))
+                   length=jnp.zeros((batch,), jnp.int32))
 
     @property
     def max_len(self) -> int:
         return self.k.shape[2]
 
+    @property
+    def batch(self) -> int:
+        return self.k.shape[1]
+
     def commit(self, length) -> "KVCache":
-        """Mark slots [0, length) as committed (their K/V were written by a forward)."""
-        return dataclasses.replace(self, length=jnp.asarray(length, jnp.int32))
+        """Mark slots [0, length) as committed (their K/V were written by a forward).
+
+        length: one value for every row or [B]. Lowering it rewinds a row."""
+        return dataclasses.replace(self, length=jnp.broadcast_to(jnp.asarray(length, jnp.int32), (self.batch,)))
+
+
+def write_rows(buf: jax.Array, x: jax.Array, offset, layer=None) -> jax.Array:
+    """buf [B, S, ...] (or [L, B, S, ...] with `layer`) with x [B, T, ...] written at slots
+    [offset, offset + T) of each row (of that layer).
+
+    offset: a scalar (one dynamic_update_slice) or [B] (each row at its own slot:
+    a scatter). Like dynamic_update_slice, a start is clamped so the window stays
+    inside S.
+    """
+    x = x.astype(buf.dtype)
+    offset = jnp.asarray(offset, jnp.int32)
+    lead = () if layer is None else (jnp.asarray(layer, jnp.int32),)
+    if offset.ndim == 0:
+        start = (*lead, jnp.zeros((), jnp.int32), offset) + (jnp.zeros((), jnp.int32),) * (x.ndim - 2)
+        return jax.lax.dynamic_update_slice(buf, x[None] if lead else x, start)
+    B, T = x.shape[:2]
+    S = buf.shape[len(lead) + 1]
+    slots = jnp.clip(offset, 0, S - T)[:, None] + jnp.arange(T, dtype=jnp.int32)  # [B, T]
+    rows = jnp.arange(B, dtype=jnp.int32)[:, None]
+    return buf.at[(*lead, rows, slots)].set(x, unique_indices=True)
 
 
 # --------------------------------------------------------------------------- pieces
@@ -196,7 +224,8 @@ def apply_rope(x, positions, inv_freq, scale):
 
 # --------------------------------------------------------------------------- forward
 def forward(params: Params, cfg: ModelConfig, tokens, positions, *, start, cache: KVCache | None = None,
-            offset=None, attn_impl: str = "auto", return_hidden: bool = False, attn_mask=None, kv_len=None):
+            offset=None, attn_impl: str = "auto", return_hidden: bool = False, attn_mask=None, kv_len=None,
+            logits_at=None):
     """Run the window `tokens` [B, T] at absolute slots [offset, offset + T).
 
     positions [B, T]: RoPE positions (slot - start for left-padded rows).
@@ -206,16 +235,22 @@ def forward(params: Params, cfg: ModelConfig, tokens, positions, *, start, cache
     (default cache.length) and it attends to cache slots [start, offset + T)
     under the model's attention kind. The returned cache keeps `length`
     unchanged: committing is the caller's decision (`cache.commit`).
+    offset: one slot for the batch, or [B] (each row's window at its own slot).
 
-    kv_len (with a cache), optional: keys at slots >= kv_len are invisible; default
-    offset + T. A bidirectional model may set it past the window so the window
-    also sees cached slots after it (Fast-dLLM's dual cache: prefix and suffix
-    cached, only the window recomputed).
+    kv_len (with a cache), optional, scalar or [B]: keys at slots >= kv_len are
+    invisible; default offset + T. A bidirectional model may set it past the
+    window so the window also sees cached slots after it (Fast-dLLM's dual
+    cache: prefix and suffix cached, only the window recomputed).
 
     attn_mask [B, T, S] (bool), optional: replaces the masking rule (training
     objectives such as BD3-LM's noisy/clean pairing; XLA path only).
 
-    Returns (logits [B, T, V] float32, cache or None[, hidden [B, T, D]]).
+    logits_at [B, N] int32 (window positions), optional: run the LM head only
+    there (logits [B, N, V]); the default is every position. Decoding asks only
+    for the positions whose tokens it chooses: the head is the largest matmul
+    of a small model and its output the largest buffer.
+
+    Returns (logits [B, T or N, V] float32, cache or None[, hidden [B, T, D]]).
     """
     B, T = tokens.shape
     inv_freq, rope_scale = rope_frequencies(cfg)
@@ -226,6 +261,8 @@ def forward(params: Params, cfg: ModelConfig, tokens, positions, *, start, cache
         q_offset, kv_len = 0, T
     else:
         q_offset = cache.length if offset is None else jnp.asarray(offset, jnp.int32)
+        if q_offset.ndim:  # per row: clamp as the cache write does
+            q_offset = jnp.clip(q_offset, 0, cache.max_len - T)
         kv_len = q_offset + T if kv_len is None else jnp.asarray(kv_len, jnp.int32)
 
     def layer(carry, xs):
@@ -245,8 +282,7 @@ def forward(params: Params, cfg: ModelConfig, tokens, positions, *, start, cache
         if ck is None:
             keys, vals = k, v
         else:
-            ck = jax.lax.dynamic_update_slice(ck, k[None].astype(ck.dtype), (i, 0, q_offset, 0, 0))
-            cv = jax.lax.dynamic_update_slice(cv, v[None].astype(cv.dtype), (i, 0, q_offset, 0, 0))
+            ck, cv = write_rows(ck, k, q_offset, layer=i), write_rows(cv, v, q_offset, layer=i)
             keys = jax.lax.dynamic_index_in_dim(ck, i, keepdims=False)
             vals = jax.lax.dynamic_index_in_dim(cv, i, keepdims=False)
         a = attention_op(q, keys.astype(q.dtype), vals.astype(q.dtype), start=start, q_offset=q_offset,
@@ -263,14 +299,24 @@ def forward(params: Params, cfg: ModelConfig, tokens, positions, *, start, cache
     idx = jnp.arange(cfg.num_layers, dtype=jnp.int32)
     (h, ck, cv), _ = jax.lax.scan(layer, (h, ck, cv), (params["layers"], idx))
     h = rms_norm(h, params["final_norm"], cfg.rms_norm_eps)
-    if cfg.tie_word_embeddings:
-        logits = jnp.einsum("btd,vd->btv", h, params["embed"], preferred_element_type=jnp.float32)
-    else:
-        logits = jnp.einsum("btd,dv->btv", h, params["lm_head"], preferred_element_type=jnp.float32)
+    hs = h if logits_at is None else jnp.take_along_axis(h, jnp.asarray(logits_at, jnp.int32)[..., None], axis=1)
+    logits = lm_head(params, cfg, hs)
     new_cache = None if cache is None else dataclasses.replace(cache, k=ck, v=cv)
     if return_hidden:
         return logits, new_cache, h
     return logits, new_cache
+
+
+def lm_head(params: Params, cfg: ModelConfig, h) -> jax.Array:
+    """Final-norm hidden states [..., D] -> float32 logits [..., V]."""
+    if cfg.tie_word_embeddings:
+        return jnp.einsum("...d,vd->...v", h, params["embed"], preferred_element_type=jnp.float32)
+    return jnp.einsum("...d,dv->...v", h, params["lm_head"], preferred_element_type=jnp.float32)
+
+
+def predicts_next(cfg: ModelConfig) -> int:
+    """1 when the logits at slot p predict the token at p + 1 (causal LMs, Dream, Fast-dLLM v2), else 0."""
+    return int(cfg.logit_shift or cfg.attention == "causal")
 
 
 def aligned_logits(logits, cfg: ModelConfig, prev_last=None):
@@ -289,9 +335,13 @@ def aligned_logits(logits, cfg: ModelConfig, prev_last=None):
 
 
 def default_positions(start, offset: int | jax.Array, T: int):
-    """RoPE positions [B, T] of slots [offset, offset + T) for rows starting at `start`."""
-    slots = jnp.asarray(offset, jnp.int32) + jnp.arange(T, dtype=jnp.int32)
-    return jnp.maximum(slots[None, :] - jnp.asarray(start, jnp.int32)[:, None], 0)
+    """RoPE positions [B, T] of slots [offset, offset + T) for rows starting at `start`.
+
+    offset: one slot for the batch or [B]."""
+    offset = jnp.asarray(offset, jnp.int32)
+    base = offset[:, None] if offset.ndim else offset
+    slots = base + jnp.arange(T, dtype=jnp.int32)
+    return jnp.maximum(slots - jnp.asarray(start, jnp.int32)[:, None], 0)
 
 
 # --------------------------------------------------------------------------- NNX view

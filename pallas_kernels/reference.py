@@ -1,13 +1,14 @@
 """XLA reference attention with jdllm's one masking rule.
 
-A query at absolute slot p (p = q_offset + t) sees key slot s iff
+A query of row b at absolute slot p (p = q_offset[b] + t) sees key slot s iff
 
-    start[b] <= s < min(horizon(p), kv_len)
+    start[b] <= s < min(horizon(p), kv_len[b])
 
 with horizon(p) = p + 1 (causal), (p // block_size + 1) * block_size
 (block_causal) or kv_len (bidirectional). `start` skips left padding; keys at
-or past `kv_len` are stale cache slots. Every Pallas kernel is tested against
-this function.
+or past `kv_len` are stale cache slots. q_offset and kv_len may be one value
+for the batch or one per row (rows at their own positions). Every Pallas
+kernel is tested against this function.
 """
 
 from __future__ import annotations
@@ -30,13 +31,18 @@ def horizon(p: jax.Array, kind: str, block_size: int, kv_len) -> jax.Array:
 
 
 def visible_mask(T: int, S: int, *, start, q_offset, kv_len, kind: str, block_size: int):
-    """Boolean [B, T, S]: may query t of row b attend to key slot s."""
-    p = jnp.asarray(q_offset, jnp.int32) + jnp.arange(T, dtype=jnp.int32)  # [T]
+    """Boolean [B, T, S]: may query t of row b attend to key slot s.
+
+    start is [B]; q_offset and kv_len are scalars (shared by the batch) or [B]
+    (each row at its own position).
+    """
+    start = jnp.asarray(start, jnp.int32)
+    qoff = jnp.broadcast_to(jnp.asarray(q_offset, jnp.int32), start.shape)  # [B]
+    kvl = jnp.broadcast_to(jnp.asarray(kv_len, jnp.int32), start.shape)  # [B]
+    p = qoff[:, None] + jnp.arange(T, dtype=jnp.int32)  # [B, T]
     s = jnp.arange(S, dtype=jnp.int32)  # [S]
-    end = jnp.minimum(horizon(p, kind, block_size, kv_len), kv_len)  # [T]
-    m = s[None, :] < end[:, None]  # [T, S]
-    lo = s[None, :] >= jnp.asarray(start, jnp.int32)[:, None]  # [B, S]
-    return m[None, :, :] & lo[:, None, :]
+    end = jnp.minimum(horizon(p, kind, block_size, kvl[:, None]), kvl[:, None])  # [B, T]
+    return (s[None, None, :] < end[:, :, None]) & (s[None, None, :] >= start[:, None, None])
 
 
 def attention_reference(q, k, v, *, start, q_offset=0, kv_len=None, kind="causal",
