@@ -8,13 +8,17 @@ Three layers, each usable on its own:
   `DecodeState` plus the static `DecodeCtx`;
 - `decode(params, state, paradigm=..., ctx=...)` is the pure function (state in,
   state out: prefill + `lax.while_loop`) for use inside a user's own jit / vmap;
-  `jdllm.decode.loop.decode` is the same, compiled with the state donated;
+  `jdllm.decode.loop.decode` is the same, compiled; the prepared state holds no
+  KV cache and is not consumed, so it can be decoded again. A host that drives
+  the steps itself uses `jdllm.decode.loop`'s `prefill` / `plan` / `forward` /
+  `reveal` / `step_n` (`loop.compiled_steps()`);
 - `outputs(prepared, state)` turns the final state into `Output`s.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from typing import Any
 
 import jax
@@ -33,7 +37,9 @@ decode = loop.run  # the pure lower-level function
 class Output:
     """One prompt's result. step_map[i] is the 1-based step that revealed token_ids[i];
     logprobs[i] its log-prob at reveal time; nfe the model forwards the row took part in
-    (prefill and KV-commit passes included); finish_reason "stop" or "length".
+    (prefill and KV-commit passes included); finish_reason "stop" or "length" normally;
+    finish_reason "abort": stopped by the iteration guard or a forward budget; "invalid":
+    no token could be drawn (a warning says so for both).
     trace: paradigm-specific analysis arrays for this row (e.g. multi_block's block states),
     from the paradigm's optional `output_trace(extra, row)`; empty otherwise."""
 
@@ -103,84 +109,109 @@ def tokenize(model: Model, prompts, apply_chat_template: bool) -> list[list[int]
     return out
 
 
-def prepare(model: Model, prompts, decoding=None, sampling: Sampling | None = None, *,
+def row_settings(sampling, n: int) -> list[Sampling]:
+    """`sampling` (one Sampling, a list with one per prompt, or None) -> one Sampling per prompt."""
+    if sampling is None:
+        return [Sampling()] * n
+    if isinstance(sampling, Sampling):
+        return [sampling] * n
+    if isinstance(sampling, (list, tuple)) and all(isinstance(x, Sampling) for x in sampling):
+        if len(sampling) != n:
+            raise errors.InputError(f"sampling has {len(sampling)} entries for {n} prompts; give one "
+                                    "jdllm.Sampling for all prompts or exactly one per prompt")
+        return list(sampling)
+    raise errors.DecodingConfigError(
+        f"sampling={sampling!r} is not a jdllm.Sampling (or a list with one per prompt)")
+
+
+def prepare(model: Model, prompts, decoding=None, sampling: Sampling | list[Sampling] | None = None, *,
             apply_chat_template: bool = False) -> Prepared:
-    """Check inputs and build the initial DecodeState and static context (nothing compiles)."""
+    """Check inputs and build the initial DecodeState and static context (nothing compiles).
+
+    sampling: one `Sampling` for every prompt (row b then draws from the stream
+    fold_in(seed, b)) or a list with one per prompt (each row draws from its own
+    fold_in(seed, 0): its sample does not depend on its neighbours). Settings,
+    stop ids and seeds are per-row data: changing them does not recompile.
+    """
     cfg = model.config
-    sampling = Sampling() if sampling is None else sampling
     decoding = default_paradigm(cfg) if decoding is None else decoding
     if isinstance(decoding, type):
         raise errors.DecodingConfigError(
             f"decoding={decoding.__name__} is a class; pass an instance such as {decoding.__name__}()")
-    if not hasattr(decoding, "layout") or not hasattr(decoding, "step"):
+    if not hasattr(decoding, "layout") or not hasattr(decoding, "plan"):
         raise errors.DecodingConfigError(
             f"decoding={decoding!r} is not a paradigm config; use one of jdllm.AR, jdllm.BlockDiffusion, "
             "jdllm.MultiBlock, jdllm.MaskedDiffusion")
     decoding.validate(cfg)
     ids = tokenize(model, prompts, apply_chat_template)
+    per_row = isinstance(sampling, (list, tuple))
+    settings = row_settings(sampling, len(ids))
+    max_new = [s.max_new_tokens for s in settings]
+    if len(set(max_new)) > 1 and not getattr(decoding, "ragged_lengths", False):
+        raise errors.DecodingConfigError(
+            f"paradigm {decoding.name!r} decodes every row to one length; the prompts ask for "
+            f"max_new_tokens {sorted(set(max_new))}: give them one value")
     for i, p in enumerate(ids):
         check_token_ids(np.asarray(p), cfg)
-        total = len(p) + sampling.max_new_tokens
+        total = len(p) + max_new[i]
         if total > cfg.max_position_embeddings:
             raise errors.SequenceTooLongError(
-                f"prompt {i} has {len(p)} tokens and max_new_tokens={sampling.max_new_tokens}: {total} > "
+                f"prompt {i} has {len(p)} tokens and max_new_tokens={max_new[i]}: {total} > "
                 f"the model's context max_position_embeddings={cfg.max_position_embeddings}; "
                 "shorten the prompt or lower max_new_tokens")
+    stops = [tuple(cfg.eos_token_ids if s.stop_token_ids is None else s.stop_token_ids) for s in settings]
     n = len(ids)
-    rows = ids + [ids[0]] * (common.bucket(n) - n)  # batch padding rows copy prompt 0, inactive
+    pad = common.bucket(n) - n  # batch padding rows copy prompt 0, inactive
+    rows = ids + [ids[0]] * pad
     active = np.arange(len(rows)) < n
     lengths = np.array([len(r) for r in rows], np.int32)
-    layout = decoding.layout(lengths, sampling.max_new_tokens, cfg)
-    state = common.new_state(cfg, [np.asarray(r, np.int32) for r in rows], layout, sampling.max_new_tokens,
-                             seed=sampling.seed, active=active, dtype=model.dtype)
-    stop = cfg.eos_token_ids if sampling.stop_token_ids is None else sampling.stop_token_ids
+    layout = decoding.layout(lengths, max(max_new), cfg)
+    settings, stops, max_new = settings + settings[:1] * pad, stops + stops[:1] * pad, max_new + max_new[:1] * pad
+    seeds = [s.seed for s in settings]
+    state = common.new_state(cfg, [np.asarray(r, np.int32) for r in rows], layout, max_new, settings=settings,
+                             stop_ids=stops, seed=seeds, stream=np.zeros(len(rows)) if per_row else None,
+                             active=active)
     fwd_cfg = decoding.attention_config(cfg) if hasattr(decoding, "attention_config") else cfg
-    ctx = common.DecodeCtx(model=fwd_cfg, attn_impl=model.attn_impl, temperature=float(sampling.temperature),
-                           top_k=int(sampling.top_k), top_p=float(sampling.top_p), stop_ids=tuple(stop),
-                           prefill_len=int(layout.prefill_len))
+    ctx = common.DecodeCtx(model=fwd_cfg, attn_impl=model.attn_impl, prefill_len=int(layout.prefill_len))
     return Prepared(state=state, paradigm=decoding, ctx=ctx, prompts=ids, tokenizer=model.tokenizer)
 
 
-def row_ends(state: dict, stop_ids: tuple[int, ...]) -> np.ndarray:
-    """Host-side mirror of `common.stop_end`: one past the last slot to return, per row."""
-    tokens, revealed = state["tokens"], state["revealed"]
-    B, S = tokens.shape
-    s = np.arange(S)[None]
-    gen = (s >= state["gen_start"][:, None]) & (s < state["limit"][:, None])
-    hole = gen & ~revealed
-    first_hole = np.where(hole, s, S).min(-1)
-    is_stop = gen & revealed & np.isin(tokens, np.asarray(stop_ids, np.int64))
-    first_stop = np.where(is_stop, s, S).min(-1)
-    return np.where(first_stop < first_hole, first_stop + 1, np.minimum(first_hole, state["limit"]))
-
-
 def outputs(prep: Prepared, state: DecodeState) -> list[Output]:
-    """Final state -> one Output per real prompt."""
+    """Final state -> one Output per real prompt (the row's end and finish reason come from the device)."""
     host = jax.device_get({k: getattr(state, k) for k in
-                           ("tokens", "revealed", "step_map", "logprobs", "gen_start", "limit", "nfe",
-                            "finish")})
-    ends = row_ends(host, prep.ctx.stop_ids)
+                           ("tokens", "step_map", "logprobs", "gen_start", "end", "nfe", "finish")})
     trace_fn = getattr(prep.paradigm, "output_trace", None)
     extra = jax.device_get(state.extra) if trace_fn is not None else None
     outs = []
     for b, prompt in enumerate(prep.prompts):
-        g0, e = int(host["gen_start"][b]), int(ends[b])
+        g0, e = int(host["gen_start"][b]), max(int(host["end"][b]), int(host["gen_start"][b]))
         toks = [int(t) for t in host["tokens"][b, g0:e]]
         text = None
         if prep.tokenizer is not None:
             text = prep.tokenizer.decode(toks, skip_special_tokens=True)
+        reason = FINISH_REASONS[int(host["finish"][b])]
+        if reason in ("abort", "invalid"):
+            why = {"abort": "hit the iteration guard or the paradigm's forward budget before finishing",
+                   "invalid": "reached a slot where no token could be drawn (a constraint that allows "
+                              "nothing, or non-finite logits)"}[reason]
+            warnings.warn(f"prompt {b} {why}: finish_reason={reason!r}, {len(toks)} tokens returned",
+                          RuntimeWarning, stacklevel=3)
         outs.append(Output(token_ids=toks, text=text,
                            step_map=[int(x) for x in host["step_map"][b, g0:e]],
                            logprobs=[float(x) for x in host["logprobs"][b, g0:e]],
-                           nfe=int(host["nfe"][b]), finish_reason=FINISH_REASONS[int(host["finish"][b])],
+                           nfe=int(host["nfe"][b]), finish_reason=reason,
                            prompt_ids=list(prompt),
                            trace=trace_fn(extra, b) if trace_fn is not None else {}))
     return outs
 
 
-def generate(model: Model, prompts, decoding=None, sampling: Sampling | None = None, *,
+def generate(model: Model, prompts, decoding=None, sampling: Sampling | list[Sampling] | None = None, *,
              apply_chat_template: bool = False) -> list[Output]:
     """Generate for each prompt (text or token ids; rows of different lengths are fine).
+
+    sampling: one `jdllm.Sampling` for all prompts or a list with one per
+    prompt (rows may differ in temperature, top-k/p, stop ids, seed and, for
+    AR / block diffusion, max_new_tokens).
 
     decoding: a paradigm config (jdllm.AR(), jdllm.BlockDiffusion(...), ...);
     default AR for causal models and BlockDiffusion(block_length=block_size)

@@ -95,55 +95,152 @@ def exclude_token(logits: jax.Array, token_id: int | None) -> jax.Array:
     return logits.at[..., token_id].set(NEG_INF)
 
 
-def filter_logits(logits: jax.Array, *, temperature: float, top_k: int, top_p: float) -> jax.Array:
-    """Temperature-scaled, top-k / top-p filtered float32 logits [..., V] (filtered = -inf)."""
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class RowSampling:
+    """Per-row sampling settings as data ([B] arrays in the decode state), so a new
+    temperature / top-k / top-p never recompiles and rows of one batch may differ."""
+
+    temperature: jax.Array  # [B] float32; 0 = greedy
+    top_k: jax.Array  # [B] int32; 0 = off
+    top_p: jax.Array  # [B] float32; 1 = off
+
+    @classmethod
+    def of(cls, settings) -> "RowSampling":
+        """From one `Sampling` per row (host side)."""
+        return cls(temperature=jnp.asarray([s.temperature for s in settings], jnp.float32),
+                   top_k=jnp.asarray([s.top_k for s in settings], jnp.int32),
+                   top_p=jnp.asarray([s.top_p for s in settings], jnp.float32))
+
+    def per_position(self) -> "RowSampling":
+        """[B] -> [B, 1], to broadcast against positions [B, T]."""
+        return RowSampling(*(x[:, None] for x in (self.temperature, self.top_k, self.top_p)))
+
+
+def _static(x) -> bool:
+    return isinstance(x, (int, float))
+
+
+def _when(flag, fn, x):
+    """fn(x) where `flag` holds: decided in Python for Python values, else a runtime `lax.cond`
+    (data, not a compile-time constant: no recompile when the setting changes)."""
+    if isinstance(flag, bool):
+        return fn(x) if flag else x
+    return jax.lax.cond(jnp.any(flag), fn, lambda y: y, x)
+
+
+def filter_logits(logits: jax.Array, *, temperature=0.0, top_k=0, top_p=1.0) -> jax.Array:
+    """Temperature-scaled, top-k / top-p filtered float32 logits [..., V] (filtered = -inf).
+
+    Settings are Python numbers or arrays that broadcast against logits[..., 0]
+    (e.g. [B, 1] for one setting per row); top-k and top-p (one sort of the
+    vocabulary) run only when some position asks for them. Ties with the k-th
+    logit are kept.
+    """
     z = logits.astype(jnp.float32)
-    if temperature > 0:
-        z = z / temperature
     V = z.shape[-1]
-    if 0 < top_k < V:
-        kth = jax.lax.top_k(z, top_k)[0][..., -1:]  # [..., 1]
-        z = jnp.where(z < kth, NEG_INF, z)
-    if top_p < 1.0:
-        zs = jnp.sort(z, axis=-1)[..., ::-1]  # descending
+    if _static(temperature):
+        z = z / temperature if temperature > 0 else z
+    else:
+        t = jnp.asarray(temperature, jnp.float32)[..., None]
+        z = jnp.where(t > 0, z / jnp.where(t > 0, t, 1.0), z)
+    use_k = (0 < top_k < V) if _static(top_k) else (top_k > 0) & (top_k < V)
+    use_p = (top_p < 1.0) if _static(top_p) else top_p < 1.0
+
+    def cut(z):
+        zs = -jnp.sort(-z, axis=-1)  # descending
+        k = jnp.broadcast_to(jnp.asarray(top_k, jnp.int32), z.shape[:-1])[..., None]
+        kth = jnp.take_along_axis(zs, jnp.clip(k - 1, 0, V - 1), axis=-1)  # [..., 1]
+        on_k = jnp.broadcast_to(jnp.asarray(use_k), z.shape[:-1])[..., None]
+        z = jnp.where(on_k & (z < kth), NEG_INF, z)
+        zs = jnp.where(on_k & (zs < kth), NEG_INF, zs)
         ps = jax.nn.softmax(zs, axis=-1)
-        keep = (jnp.cumsum(ps, axis=-1) - ps) < top_p  # always keeps the first
+        keep = (jnp.cumsum(ps, axis=-1) - ps) < jnp.asarray(top_p, jnp.float32)[..., None]  # keeps the first
         cutoff = jnp.min(jnp.where(keep, zs, jnp.inf), axis=-1, keepdims=True)
-        z = jnp.where(z < cutoff, NEG_INF, z)
-    return z
+        on_p = jnp.broadcast_to(jnp.asarray(use_p), z.shape[:-1])[..., None]
+        return jnp.where(on_p & (z < cutoff), NEG_INF, z)
+
+    return _when(use_k | use_p, cut, z)
 
 
 def distribution_stats(z: jax.Array, token: jax.Array) -> Sample:
-    """prob / entropy / logprob of `token` under softmax(z). z [..., V], token [...]."""
-    logp = jax.nn.log_softmax(z, axis=-1)
+    """prob / entropy / logprob of `token` under softmax(z). z [..., V], token [...].
+
+    A position whose logits are all -inf (nothing allowed) or not finite gets
+    prob 0, entropy 0 and logprob -inf instead of NaN (`allowed_any` flags it).
+    """
+    ok = allowed_any(z)[..., None]
+    logp = jax.nn.log_softmax(jnp.where(ok, z, 0.0), axis=-1)
+    logp = jnp.where(ok & jnp.isfinite(z), logp, NEG_INF)
     p = jnp.exp(logp)
     entropy = -jnp.sum(jnp.where(p > 0, p * logp, 0.0), axis=-1)
     lp = jnp.take_along_axis(logp, token[..., None], axis=-1)[..., 0]
     return Sample(token=token.astype(jnp.int32), prob=jnp.exp(lp), entropy=entropy, logprob=lp)
 
 
-def sample(logits: jax.Array, key: jax.Array, *, temperature: float = 0.0, top_k: int = 0,
-           top_p: float = 1.0) -> Sample:
-    """Draw one token per position from logits [..., V] with one key (greedy ignores it)."""
+def allowed_any(z: jax.Array) -> jax.Array:
+    """[...] bool: some token has a finite logit, none is NaN (a token can be drawn)."""
+    return jnp.any(z > NEG_INF, axis=-1) & ~jnp.any(jnp.isnan(z), axis=-1)
+
+
+def sample(logits: jax.Array, key: jax.Array, *, temperature=0.0, top_k=0, top_p=1.0) -> Sample:
+    """Draw one token per position from logits [..., V] with one key (greedy ignores it).
+
+    Settings as in `filter_logits`; where temperature is 0 the token is the argmax."""
     z = filter_logits(logits, temperature=temperature, top_k=top_k, top_p=top_p)
-    if temperature == 0:
-        token = jnp.argmax(z, axis=-1)
+    greedy = jnp.argmax(z, axis=-1).astype(jnp.int32)
+    if _static(temperature):
+        token = jax.random.categorical(key, z, axis=-1) if temperature > 0 else greedy
     else:
-        token = jax.random.categorical(key, z, axis=-1)
+        hot = jnp.asarray(temperature) > 0
+        drawn = _when(hot, lambda _: jax.random.categorical(key, z, axis=-1).astype(jnp.int32), greedy)
+        token = jnp.where(hot, drawn, greedy)
     return distribution_stats(z, token)
 
 
-def sample_rows(logits: jax.Array, keys: jax.Array, *, temperature: float = 0.0, top_k: int = 0,
-                top_p: float = 1.0) -> Sample:
-    """logits [B, T, V], keys [B] (one stream per row) -> Sample of [B, T]."""
-    fn = lambda lg, k: sample(lg, k, temperature=temperature, top_k=top_k, top_p=top_p)  # noqa: E731
-    return jax.vmap(fn)(logits, keys)
+def sample_rows(logits: jax.Array, keys: jax.Array, *, temperature=0.0, top_k=0, top_p=1.0,
+                slots: jax.Array | None = None) -> Sample:
+    """logits [B, T, V], keys [B] (one stream per row) -> Sample of [B, T].
+
+    Settings: Python numbers or [B] arrays (one per row). Position t of row b
+    draws with fold_in(keys[b], slots[b, t]) (slots default: t), so a token's
+    draw depends on its slot, not on how many positions were sampled with it.
+    """
+    B, T = logits.shape[:2]
+    slots = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T)) if slots is None else slots
+    settings = _per_row(temperature, top_k, top_p)
+    z = filter_logits(logits, **settings)
+    greedy = jnp.argmax(z, axis=-1).astype(jnp.int32)
+
+    def draw(_):
+        pos_keys = jax.vmap(lambda k, sl: jax.vmap(lambda p: jax.random.fold_in(k, p))(sl))(keys, slots)
+        return jax.vmap(jax.vmap(lambda zz, k: jax.random.categorical(k, zz)))(z, pos_keys).astype(jnp.int32)
+
+    t = settings["temperature"]
+    if _static(t):
+        token = draw(None) if t > 0 else greedy
+    else:
+        token = jnp.where(t > 0, _when(t > 0, draw, greedy), greedy)
+    return distribution_stats(z, token)
 
 
-def row_keys(seed: int, batch: int) -> jax.Array:
-    """[B] typed keys: row b draws from fold_in(key(seed), b)."""
-    base = jax.random.key(seed)
-    return jax.vmap(lambda b: jax.random.fold_in(base, b))(jnp.arange(batch, dtype=jnp.uint32))
+def _per_row(temperature=0.0, top_k=0, top_p=1.0) -> dict:
+    """[B] settings -> [B, 1] (Python numbers pass through)."""
+    f = lambda x: x if _static(x) else jnp.asarray(x)[:, None]  # noqa: E731
+    return dict(temperature=f(temperature), top_k=f(top_k), top_p=f(top_p))
+
+
+def row_keys(seed, batch: int | None = None, stream=None) -> jax.Array:
+    """[B] typed keys: row b draws from fold_in(key(seed[b]), stream[b]).
+
+    seed: one int for the batch or [B]; stream default: the row index b (one
+    `Sampling` shared by a batch gives each row its own stream), pass zeros to
+    make a row's draws independent of its place in the batch."""
+    seed = jnp.asarray(seed, jnp.uint32)
+    B = batch if seed.ndim == 0 else seed.shape[0]
+    seed = jnp.broadcast_to(seed, (B,))
+    stream = jnp.arange(B, dtype=jnp.uint32) if stream is None else jnp.asarray(stream, jnp.uint32)
+    return jax.vmap(lambda s, b: jax.random.fold_in(jax.random.key(s), b))(seed, stream)
 
 
 def split_rows(keys: jax.Array) -> tuple[jax.Array, jax.Array]:

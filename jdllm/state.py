@@ -1,9 +1,12 @@
 """DecodeState: the immutable pytree every decoding paradigm carries through the loop.
 
-All rows of a batch share one canvas of slots [0, S). Row b's real tokens start
-at `start[b]` (earlier slots are left padding the masking rule hides), its
+Every row has a canvas of slots [0, S). Row b's real tokens start at
+`start[b]` (earlier slots are left padding the masking rule hides), its
 generation starts at `gen_start[b]` and may not reach `limit[b]`
-(= gen_start + max_new_tokens). RoPE positions are `slot - start[b]`.
+(= gen_start + max_new_tokens). RoPE positions are `slot - start[b]`. Rows are
+independent: each has its own cache length (`cache.length[b]`), sampling
+settings, stop ids and PRNG stream, so a row can advance by several slots in
+one step, rewind, or sit at a different position from its neighbours.
 
 A paradigm reads and replaces fields with `dataclasses.replace`; fields a
 paradigm needs beyond these (block states, a commit flag) go in `extra`, a dict
@@ -19,10 +22,14 @@ import jax
 import jax.numpy as jnp
 
 from jdllm.model import KVCache
+from jdllm.sampling import RowSampling
 
-# finish codes (per row); api.py turns them into strings
-RUNNING, STOP, LENGTH = 0, 1, 2
-FINISH_REASONS = {RUNNING: None, STOP: "stop", LENGTH: "length"}
+# finish codes (per row); api.py turns them into strings.
+# ABORT: stopped by the iteration guard or a forward budget (`max_forwards`) before
+# finishing. INVALID: no token could be drawn (every allowed logit was -inf or the
+# logits were not finite: a constraint that allows nothing, or broken weights).
+RUNNING, STOP, LENGTH, ABORT, INVALID = 0, 1, 2, 3, 4
+FINISH_REASONS = {RUNNING: None, STOP: "stop", LENGTH: "length", ABORT: "abort", INVALID: "invalid"}
 
 
 @jax.tree_util.register_dataclass
@@ -40,10 +47,13 @@ class DecodeState:
     steps: jax.Array  # [B] int32: steps that revealed >= 1 token so far (the step_map counter)
     nfe: jax.Array  # [B] int32: model forwards this row took part in (prefill and commits included)
     done: jax.Array  # [B] bool
-    finish: jax.Array  # [B] int32: RUNNING / STOP / LENGTH
+    finish: jax.Array  # [B] int32: RUNNING / STOP / LENGTH / ABORT / INVALID
+    end: jax.Array  # [B] int32: one past the last slot to return (set when a row finishes)
     key: jax.Array  # [B] typed PRNG keys, one stream per row
-    cache: KVCache  # [layers, B, S, kv_heads, head_dim]; length is shared by the batch
-    prev_logits: jax.Array  # [B, V] float32: raw logits of the slot before the active window
+    sampling: RowSampling  # [B] temperature / top_k / top_p, data (a new value does not recompile)
+    stop_ids: jax.Array  # [B, NS] int32: each row's stop tokens, -1 = unused
+    cache: KVCache | None  # [layers, B, S, kv_heads, head_dim], length [B]; None until `loop.prefill`
+    prev_logits: jax.Array | None  # [B, V] float32: raw logits of the slot before the window; None until prefill
     forwards: jax.Array  # [] int32: forwards the batch ran
     iteration: jax.Array  # [] int32: loop iterations run (a termination guard)
     extra: dict[str, Any] = dataclasses.field(default_factory=dict)  # paradigm-owned arrays

@@ -1,10 +1,14 @@
 """`ar`: autoregressive decoding, one token per step through the KV cache.
 
-Layout: every prompt ends at slot P (the prompt bucket), left-padded before
-its start; generation fills slots P, P + 1, ... The prefill forward covers
-[0, P) and its last logits give the token at P; each step then forwards the
-newest token (committing it to the cache) and samples the next. N tokens cost
-N forwards (prefill included) and step_map is 1, 2, 3, ...
+Layout: row b's prompt fills slots [0, len_b) and its generation starts right
+after, at gen_start_b = len_b: no left padding, every row at its own position
+(per-row cache lengths). The prefill forward covers [0, P) for the whole batch
+(P = the prompt bucket; a row's slots past its prompt hold the mask / pad fill,
+whose K/V later steps overwrite before anything can see them) and commits
+[0, len_b); the logits at len_b - 1 give each row's first token. Each step then
+forwards the row's newest token (slot c - 1, committing it) and samples slot c,
+the row's first unrevealed slot. N tokens cost N forwards (prefill included)
+and step_map is 1, 2, 3, ...
 """
 
 from __future__ import annotations
@@ -12,11 +16,18 @@ from __future__ import annotations
 import dataclasses
 from typing import ClassVar
 
+import jax.numpy as jnp
 import numpy as np
 
 from jdllm import errors
 from jdllm.decode import common
-from jdllm.state import DecodeState
+from jdllm.state import DecodeState, generated_mask, slot_index
+
+
+def first_hole(state: DecodeState) -> jnp.ndarray:
+    """[B] int32: each row's first unrevealed generation slot (S - 1 when there is none)."""
+    hole = generated_mask(state) & ~state.revealed
+    return jnp.min(jnp.where(hole, slot_index(state), state.slots - 1), axis=-1).astype(jnp.int32)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -24,6 +35,7 @@ class AR:
     """Autoregressive decoding (causal models). No options: sampling lives in `jdllm.Sampling`."""
 
     name: ClassVar[str] = "ar"
+    ragged_lengths: ClassVar[bool] = True
 
     def validate(self, cfg) -> None:
         if cfg.attention != "causal":
@@ -32,28 +44,30 @@ class AR:
                 "use jdllm.BlockDiffusion / jdllm.MaskedDiffusion for diffusion models")
 
     def layout(self, lengths: np.ndarray, max_new_tokens: int, cfg) -> common.Layout:
+        lengths = np.asarray(lengths, np.int32)
         P = common.bucket(int(np.max(lengths)), 16)
         G = common.bucket(max_new_tokens, 16, steps_per_octave=4)
-        start = (P - np.asarray(lengths)).astype(np.int32)
-        return common.Layout(start=start, gen_start=np.full_like(start, P), slots=P + G, prefill_len=P)
+        return common.Layout(start=np.zeros_like(lengths), gen_start=lengths, slots=P + G, prefill_len=P)
 
-    def _sample_next(self, ctx, state: DecodeState, last_logits, slot, bitmask) -> DecodeState:
-        """Sample the token at `slot` from the previous slot's logits [B, V]."""
-        state, s = common.sample_window(ctx, state, last_logits[:, None], bitmask)
-        state = common.reveal(state, slot, common.candidates(state, slot, 1), s)
-        return common.finish_rows(state, ctx.stop_ids)
+    def plan(self, ctx, state: DecodeState):
+        return state, common.make_plan(state, first_hole(state), 1)
 
-    def prefill(self, params, ctx, state: DecodeState) -> DecodeState:
+    def prefill(self, params, ctx, state: DecodeState, bitmask=None) -> DecodeState:
         P = ctx.prefill_len
-        logits, state = common.forward_window(params, ctx, state, 0, P, commit=P)  # [B, P, V]
+        p = common.make_plan(state, state.gen_start, 1)
+        logits, state = common.forward_window(params, ctx, state, 0, P, at=p.slots, commit=state.gen_start)
         state = common.count_forward(state, ~state.done)
-        return self._sample_next(ctx, state, logits[:, -1], P, None)
+        return self.reveal(ctx, state, p, logits, bitmask)
 
-    def step(self, params, ctx, state: DecodeState, bitmask=None) -> DecodeState:
-        n = state.cache.length  # the newest token sits at slot n
-        logits, state = common.forward_window(params, ctx, state, n, 1, commit=n + 1)  # [B, 1, V]
-        state = common.count_forward(state, ~state.done)
-        return self._sample_next(ctx, state, logits[:, 0], n + 1, bitmask)
+    def forward(self, params, ctx, state: DecodeState, plan: common.Plan):
+        c = plan.offset  # [B] the slot to sample; its predecessor is the newest token
+        logits, state = common.forward_window(params, ctx, state, c - 1, 1, at=plan.slots, commit=c)
+        return common.count_forward(state, ~state.done), logits
+
+    def reveal(self, ctx, state: DecodeState, plan: common.Plan, logits, bitmask=None) -> DecodeState:
+        state, s = common.sample_window(ctx, state, logits, plan.offset, bitmask)
+        state = common.reveal(state, plan.offset, common.candidates(state, plan.offset, 1), s)
+        return common.finish_rows(state)
 
     def max_iterations(self, state: DecodeState) -> int:
         return state.slots + 2

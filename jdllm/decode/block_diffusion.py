@@ -10,9 +10,9 @@ row in a batch computes exactly what it computes alone.
 
 Each block starts all-mask and is denoised with the block as the active
 window against the cached prefix; every step reveals some masked positions
-(the strategy decides which) until the block is full. The batch moves to the
-next block once every running row has filled the current one (rows that
-finish early idle: no reveal, no step, no NFE).
+(the strategy decides which) until the block is full. Each row moves to its
+next block as soon as it has filled its current one (per-row cache lengths:
+rows of a batch sit in different blocks, none waits for another).
 
 KV commit: a filled block's clean K/V must enter the cache. Unfused (SDAR,
 lmdeploy) that costs one forward over the clean block. Fused (the default)
@@ -21,7 +21,7 @@ forward over both blocks (2B slots, block-causal, so block b does not see
 b + 1 and its K/V equal the unfused commit's), then `cache.commit(+B)`. The
 prompt's blocks are fused the same way with the first block's first step.
 Same tokens, one forward fewer per block. Every step runs the same two-block
-window shape (see `BlockDiffusion.step`), so the loop body has no branch and
+window shape (see `BlockDiffusion.forward`), so the loop body has no branch and
 the cache is updated in place.
 """
 
@@ -36,7 +36,7 @@ import numpy as np
 
 from jdllm import errors
 from jdllm.decode import common
-from jdllm.state import DecodeState
+from jdllm.state import DecodeState, generated_mask, slot_index
 
 STRATEGIES = ("low_confidence_static", "low_confidence_dynamic", "sequential", "entropy_bounded")
 
@@ -59,6 +59,7 @@ class BlockDiffusion:
     """
 
     name: ClassVar[str] = "block_diffusion"
+    ragged_lengths: ClassVar[bool] = True
     STRATEGIES: ClassVar[tuple[str, ...]] = STRATEGIES
 
     block_length: int = 4
@@ -111,16 +112,29 @@ class BlockDiffusion:
         return state.batch * state.slots + state.slots // self.block_length + 8
 
     # ----------------------------------------------------------------- device side
-    def _denoise(self, ctx, state: DecodeState, logits, offset, bitmask, allow=None) -> DecodeState:
-        """Reveal some masked positions of the block at `offset` from aligned logits [B, W, V].
-
-        allow ([] bool, optional): False turns the step into a pure commit (no reveal).
-        """
+    def _current_block(self, state: DecodeState) -> jnp.ndarray:
+        """[B] first slot of each row's current block: the block of its first masked generation slot."""
         W = self.block_length
-        cand = common.candidates(state, offset, W)  # [B, W]
-        if allow is not None:
-            cand = cand & allow
-        state, s = common.sample_window(ctx, state, logits, bitmask, rows=jnp.any(cand, axis=-1))
+        hole = generated_mask(state) & ~state.revealed
+        first = jnp.min(jnp.where(hole, slot_index(state), state.slots - W), axis=-1)
+        return (first // W * W).astype(jnp.int32)
+
+    def plan(self, ctx, state: DecodeState):
+        """Each row's current block. Unfused, a row whose previous block is not committed yet
+        (its cache length is short of the block) has nothing to reveal: its next forward commits."""
+        p = common.make_plan(state, self._current_block(state), self.block_length)
+        if not self.fuse_commit and state.cache is not None:
+            p = dataclasses.replace(p, valid=p.valid & (state.cache.length >= p.offset)[:, None])
+        return state, p
+
+    def reveal(self, ctx, state: DecodeState, plan: common.Plan, logits, bitmask=None) -> DecodeState:
+        """Reveal some masked positions of the planned block from logits [B, W, V] predicting it.
+
+        Only `plan.valid` slots are candidates (unfused: none while the forward was a pure commit).
+        """
+        W, c = self.block_length, plan.offset
+        cand = common.candidates(state, c, W) & plan.valid  # [B, W]
+        state, s = common.sample_window(ctx, state, logits, c, bitmask, rows=jnp.any(cand, axis=-1))
         k = W // self.denoising_steps
         if self.strategy == "low_confidence_static":
             sel = common.select_top_k(cand, s.prob, k)
@@ -130,49 +144,40 @@ class BlockDiffusion:
             sel = common.select_first_k(cand, k)
         else:
             sel = common.select_entropy_bounded(cand, s.entropy, self.eb_threshold)
-        state = common.reveal(state, offset, sel, s)
-        return common.finish_rows(state, ctx.stop_ids)
+        state = common.reveal(state, c, sel, s)
+        return common.finish_rows(state)
 
-    def prefill(self, params, ctx, state: DecodeState) -> DecodeState:
+    def prefill(self, params, ctx, state: DecodeState, bitmask=None) -> DecodeState:
         P, W = ctx.prefill_len, self.block_length  # P >= W: the layout keeps one prompt block at least
         if self.fuse_commit:
             # prompt blocks + first decode block in one forward; commit the prompt blocks
-            logits, state = common.forward_window(params, ctx, state, 0, P + W, commit=P)
+            p = common.make_plan(state, P, W)
+            logits, state = common.forward_window(params, ctx, state, 0, P + W, at=p.slots, commit=P)
             state = common.count_forward(state, ~state.done)
-            al = common.aligned(ctx, logits, state.prev_logits)[:, P:]
-            return self._denoise(ctx, state, al, P, None)
-        logits, state = common.forward_window(params, ctx, state, 0, P, commit=P)
+            return self.reveal(ctx, state, p, logits, bitmask)
+        p = common.make_plan(state, P - 1, 1)  # no token is chosen: the logits are not used
+        _, state = common.forward_window(params, ctx, state, 0, P, at=p.slots, commit=P)
         return common.count_forward(state, ~state.done & (state.start < P))
 
-    def step(self, params, ctx, state: DecodeState, bitmask=None) -> DecodeState:
-        """One forward over two blocks, [L - W, L + W) or, once the block is full, [L, L + 2W).
+    def forward(self, params, ctx, state: DecodeState, plan: common.Plan):
+        """One forward per row over its window [c - W, c + W), c = the row's current block.
 
-        The current block (slots [L, L + W), L = cache.length) is always the
-        window's second half. While it has masked slots the first half is the
-        committed previous block, recomputed from the same clean tokens and
-        the same visible keys (block-causal: it never sees the second half),
-        so its cached K/V are rewritten with the values already there (bit for
-        bit when the committing forward had this window shape; up to float
-        rounding right after the prefill). Once every running row has filled the
-        current block, the window moves up one block: its first half is the
-        clean block, whose K/V this forward writes and `cache.commit` keeps,
-        and its second half is the next block's first denoising step (fused);
+        The current block is always the window's second half; the first half is
+        the previous block, clean. While the cache already holds it (length c)
+        the forward recomputes it from the same clean tokens and the same
+        visible keys (block-causal: it never sees the second half), so its cached
+        K/V are rewritten with the values already there (bit for bit when the
+        committing forward had this window shape; up to float rounding right
+        after the prefill). When the row has just filled that block (length
+        c - W) this forward writes its clean K/V and the commit to c keeps them:
+        the commit rides on the next block's first denoising step (fused);
         unfused, that step only commits (one extra forward, as in SDAR). One
-        window shape for every step: no `lax.cond`, so the KV cache is updated
-        in place. The raw logits of the first half's last slot predict the
-        second half's first token on shifted-logit models.
+        window shape for every step and row: no `lax.cond`, so the KV cache is
+        updated in place.
         """
-        W = self.block_length
-        L = state.cache.length
-        has_work = jnp.any(common.candidates(state, L, W), axis=-1)  # [B]
-        full = ~jnp.any(has_work)  # every running row has filled the current block
-        w0 = jnp.where(full, L, L - W)
-        logits, state = common.forward_window(params, ctx, state, w0, 2 * W,
-                                              commit=jnp.where(full, L + W, L))  # [B, 2W, V]
-        state = common.count_forward(state, jnp.where(full, ~state.done, has_work))
-        al = common.aligned(ctx, logits, state.prev_logits)[:, W:]
-        allow = None if self.fuse_commit else ~full
-        return self._denoise(ctx, state, al, w0 + W, bitmask, allow)
+        W, c = self.block_length, plan.offset
+        logits, state = common.forward_window(params, ctx, state, c - W, 2 * W, at=plan.slots, commit=c)
+        return common.count_forward(state, ~state.done), logits
 
 
 __all__ = ["BlockDiffusion", "STRATEGIES"]

@@ -1,11 +1,16 @@
 """Pieces every paradigm shares: the static context, state construction, the
-window forward, sampling a window, choosing which masked positions to reveal,
-writing a reveal into the state (tokens, step_map, log-probs) and the per-row
-stop rule.
+step plan, the window forward (LM head only at the planned slots), sampling,
+choosing which masked positions to reveal, writing a reveal into the state
+(tokens, step_map, log-probs) and the per-row stop rule.
 
-A paradigm's `step` is usually: `forward_window` -> `aligned` -> `sample_window`
--> one of the `select_*` rules on `candidates` -> `reveal` -> `finish_rows`,
-plus `count_forward` for the rows that took part in the forward.
+A paradigm's step is `plan` (which slots it will choose tokens for) ->
+`forward` (`forward_window`: logits for exactly those slots) -> `reveal`
+(`sample_window` -> one of the `select_*` rules on `candidates` -> `reveal`
+-> `finish_rows`, plus `count_forward` for the rows that took part).
+
+Offsets may be one slot for the batch (lockstep paradigms) or [B] (each row at
+its own position); `window`, `set_window`, `forward_window`, `candidates` and
+`reveal` take either.
 """
 
 from __future__ import annotations
@@ -19,9 +24,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from jdllm.config import ModelConfig
-from jdllm.model import KVCache, aligned_logits, default_positions, forward
-from jdllm.sampling import Sample, apply_token_bitmask, exclude_token, row_keys, sample_rows, split_rows
-from jdllm.state import LENGTH, RUNNING, STOP, DecodeState, generated_mask, slot_index
+from jdllm.model import KVCache, default_positions, forward, predicts_next, write_rows
+from jdllm.sampling import RowSampling, Sample, apply_token_bitmask, exclude_token, row_keys, sample_rows, split_rows
+from jdllm.state import ABORT, INVALID, LENGTH, RUNNING, STOP, DecodeState, generated_mask, slot_index
 
 
 # --------------------------------------------------------------------------- static context
@@ -30,16 +35,13 @@ class DecodeCtx:
     """Static (hashable) settings of one compiled decode: a jit static argument.
 
     prefill_len is layout-derived: how many leading slots the paradigm prefills
-    (AR: the prompt bucket; block_diffusion: the whole prompt blocks). Seeds and
-    max_new_tokens are data in the state, not here, so they never retrace.
+    (AR: the prompt bucket; block_diffusion: the whole prompt blocks). Sampling
+    settings, stop ids, seeds and max_new_tokens are per-row data in the state,
+    not here, so changing them never retraces.
     """
 
     model: ModelConfig
     attn_impl: str = "auto"
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    stop_ids: tuple[int, ...] = ()
     prefill_len: int = 0
 
 
@@ -50,6 +52,35 @@ class Layout(NamedTuple):
     gen_start: np.ndarray  # [B] first generated slot
     slots: int  # canvas size S
     prefill_len: int  # leading slots the paradigm's prefill covers
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """The slots a step will choose tokens for: row b's [offset[b], offset[b] + N).
+
+    `valid` [B, N] marks the masked generation slots among them (the ones a
+    reveal may fill). A constraint supplies its packed bitmask
+    [B, N, ceil(V/32)] in this order; the forward computes logits only here.
+    """
+
+    offset: jax.Array  # [B] int32, clamped so the window fits the canvas
+    valid: jax.Array  # [B, N] bool
+
+    @property
+    def width(self) -> int:
+        return self.valid.shape[1]
+
+    @property
+    def slots(self) -> jax.Array:
+        """[B, N] int32 canvas slots."""
+        return self.offset[:, None] + jnp.arange(self.width, dtype=jnp.int32)
+
+
+def make_plan(state: DecodeState, offset, width: int) -> Plan:
+    """Plan over slots [offset, offset + width) of each row (offset: scalar or [B])."""
+    off = jnp.clip(jnp.broadcast_to(jnp.asarray(offset, jnp.int32), (state.batch,)), 0, state.slots - width)
+    return Plan(offset=off, valid=candidates(state, off, width))
 
 
 def bucket(n: int, minimum: int = 1, steps_per_octave: int = 1) -> int:
@@ -83,12 +114,20 @@ def require_diffusion_model(paradigm: str, cfg: ModelConfig, attention: tuple[st
 
 
 # --------------------------------------------------------------------------- state construction
-def new_state(cfg: ModelConfig, prompts: list[np.ndarray], layout: Layout, max_new_tokens: int, *,
-              seed: int, active: np.ndarray | None = None, dtype=jnp.float32) -> DecodeState:
+def new_state(cfg: ModelConfig, prompts: list[np.ndarray], layout: Layout, max_new_tokens, *,
+              settings=None, stop_ids=(), seed=0, stream=None, active: np.ndarray | None = None) -> DecodeState:
     """Initial state: prompts placed at [start, start + len), generation slots hold the mask token.
 
-    `active` [B] bool: False marks batch-padding rows (done from the start, never returned).
+    max_new_tokens: one int or one per row. settings: one `jdllm.Sampling` per
+    row (temperature / top_k / top_p; default greedy). stop_ids: one tuple for
+    every row or a list of tuples, one per row. seed / stream: row b draws from
+    fold_in(key(seed[b]), stream[b]) (an int or [B]; stream default: b).
+    `active` [B] bool: False marks batch-padding rows (done from the start,
+    never returned). The KV cache is made by `loop.prefill`, so this state is
+    small and can be reused.
     """
+    from jdllm.sampling import Sampling  # noqa: PLC0415
+
     B, S = len(prompts), layout.slots
     fill = cfg.mask_token_id if cfg.mask_token_id is not None else (cfg.pad_token_id or 0)
     tokens = np.full((B, S), fill, np.int32)
@@ -98,9 +137,18 @@ def new_state(cfg: ModelConfig, prompts: list[np.ndarray], layout: Layout, max_n
         tokens[b, s0:s0 + len(p)] = p
         revealed[b, s0:s0 + len(p)] = True
     gen_start = np.asarray(layout.gen_start, np.int32)
-    limit = np.minimum(gen_start + int(max_new_tokens), S).astype(np.int32)
+    limit = np.minimum(gen_start + np.broadcast_to(np.asarray(max_new_tokens, np.int64), (B,)), S).astype(np.int32)
     active = np.ones((B,), bool) if active is None else np.asarray(active, bool)
-    fresh = _fresh_arrays(np.uint32(seed), cfg=cfg, batch=B, slots=S, dtype=jnp.dtype(dtype).name)
+    settings = [Sampling()] * B if settings is None else list(settings)
+    if stop_ids and not isinstance(stop_ids[0], (tuple, list, np.ndarray)):
+        stop_ids = [tuple(stop_ids)] * B
+    rows_stop = [tuple(r) for r in stop_ids] if stop_ids else [()] * B
+    NS = bucket(max(len(r) for r in rows_stop), 1)
+    stops = np.full((B, NS), -1, np.int32)
+    for b, r in enumerate(rows_stop):
+        stops[b, :len(r)] = r
+    seeds = np.broadcast_to(np.asarray(seed, np.uint32), (B,))
+    streams = np.arange(B, dtype=np.uint32) if stream is None else np.broadcast_to(np.asarray(stream, np.uint32), (B,))
     return DecodeState(
         tokens=jnp.asarray(tokens),
         revealed=jnp.asarray(revealed),
@@ -108,12 +156,14 @@ def new_state(cfg: ModelConfig, prompts: list[np.ndarray], layout: Layout, max_n
         gen_start=jnp.asarray(gen_start),
         limit=jnp.asarray(limit),
         done=jnp.asarray(~active),
-        **fresh,
+        sampling=RowSampling.of(settings),
+        stop_ids=jnp.asarray(stops),
+        **_fresh_arrays(jnp.asarray(seeds), jnp.asarray(streams), batch=B, slots=S),
     )
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "batch", "slots", "dtype"))
-def _fresh_arrays(seed, *, cfg: ModelConfig, batch: int, slots: int, dtype: str) -> dict:
+@functools.partial(jax.jit, static_argnames=("batch", "slots"))
+def _fresh_arrays(seeds, streams, *, batch: int, slots: int) -> dict:
     """The state's zero-initialised fields and PRNG keys, made in one compiled call (cheap per call)."""
     B, S = batch, slots
     return dict(
@@ -122,52 +172,78 @@ def _fresh_arrays(seed, *, cfg: ModelConfig, batch: int, slots: int, dtype: str)
         steps=jnp.zeros((B,), jnp.int32),
         nfe=jnp.zeros((B,), jnp.int32),
         finish=jnp.zeros((B,), jnp.int32),
-        key=row_keys(seed, B),
-        cache=KVCache.empty(cfg, B, S, jnp.dtype(dtype)),
-        prev_logits=jnp.zeros((B, cfg.vocab_size), jnp.float32),
+        end=jnp.zeros((B,), jnp.int32),
+        key=row_keys(seeds, stream=streams),
+        cache=None,
+        prev_logits=None,
         forwards=jnp.zeros((), jnp.int32),
         iteration=jnp.zeros((), jnp.int32),
     )
 
 
+def with_buffers(params, cfg: ModelConfig, state: DecodeState) -> DecodeState:
+    """The state with its KV cache (in the parameters' dtype) and prev_logits allocated, if not yet."""
+    if state.cache is not None:
+        return state
+    dtype = params["embed"].dtype
+    return state.replace(cache=KVCache.empty(cfg, state.batch, state.slots, dtype),
+                         prev_logits=jnp.zeros((state.batch, cfg.vocab_size), jnp.float32))
+
+
 # --------------------------------------------------------------------------- windows
+def rows_of(state: DecodeState, offset) -> jax.Array:
+    """Offset (scalar or [B]) as [B] int32."""
+    return jnp.broadcast_to(jnp.asarray(offset, jnp.int32), (state.batch,))
+
+
 def window(x: jax.Array, offset, width: int) -> jax.Array:
-    """x[:, offset:offset + width] for x [B, S, ...] with a traced offset."""
-    return jax.lax.dynamic_slice_in_dim(x, offset, width, axis=1)
+    """x[:, offset:offset + width] for x [B, S, ...]; offset scalar or [B] (clamped into S)."""
+    offset = jnp.asarray(offset, jnp.int32)
+    if offset.ndim == 0:
+        return jax.lax.dynamic_slice_in_dim(x, offset, width, axis=1)
+    idx = jnp.clip(offset, 0, x.shape[1] - width)[:, None] + jnp.arange(width, dtype=jnp.int32)  # [B, W]
+    return jnp.take_along_axis(x, idx.reshape(idx.shape + (1,) * (x.ndim - 2)), axis=1)
 
 
 def set_window(x: jax.Array, offset, value: jax.Array) -> jax.Array:
-    return jax.lax.dynamic_update_slice_in_dim(x, value.astype(x.dtype), offset, axis=1)
+    """x with value [B, W, ...] written at [offset, offset + W) of each row (offset scalar or [B])."""
+    return write_rows(x, value, offset)
 
 
-def forward_window(params, ctx: DecodeCtx, state: DecodeState, offset, width: int, *,
-                   commit=None) -> tuple[jax.Array, DecodeState]:
+def head_index(ctx: DecodeCtx, slots: jax.Array, offset, width: int) -> jax.Array:
+    """[B, N] window position whose logits predict canvas `slots` (negative: the slot before the window)."""
+    return slots - predicts_next(ctx.model) - jnp.asarray(offset, jnp.int32).reshape(-1, 1)
+
+
+def forward_window(params, ctx: DecodeCtx, state: DecodeState, offset, width: int, *, at: jax.Array,
+                   commit=None, also: jax.Array | None = None, kv_len=None) -> tuple[jax.Array, DecodeState]:
     """One model forward over slots [offset, offset + width) against the cache.
 
-    The window's K/V are written into the cache; `commit` (a slot count) marks
-    slots [0, commit) as committed afterwards. Returns raw logits [B, W, V]
-    (position p predicts p, or p + 1 for shifted / causal models) and the state
-    with the cache and the batch forward counter updated. Per-row NFE is the
-    caller's to count (`count_forward`), since only the caller knows which rows
-    had work in this forward.
+    at [B, N]: the canvas slots whose tokens this step chooses. Returns the
+    logits *predicting* them [B, N, V] (float32; the LM head runs only there:
+    for next-token models those of the slot before, the one before the window
+    taken from `state.prev_logits`). also [B, M], optional: canvas slots whose
+    raw logits are appended after the N (a shifted model keeps the last
+    committed slot's). The window's K/V are written into the cache; `commit`
+    (scalar or [B]) then marks [0, commit) as committed. kv_len: as in
+    `jdllm.model.forward` (default: the window end). Per-row NFE is the
+    caller's to count (`count_forward`).
     """
     tokens = window(state.tokens, offset, width)  # [B, W]
     positions = default_positions(state.start, offset, width)
+    src = head_index(ctx, at, rows_of(state, offset), width)
+    idx = jnp.clip(src, 0, width - 1)
+    if also is not None:
+        idx = jnp.concatenate([idx, jnp.clip(also - rows_of(state, offset)[:, None], 0, width - 1)], axis=1)
     logits, cache = forward(params, ctx.model, tokens, positions, start=state.start, cache=state.cache,
-                            offset=offset, attn_impl=ctx.attn_impl)
+                            offset=offset, attn_impl=ctx.attn_impl, logits_at=idx, kv_len=kv_len)
+    N = at.shape[1]
+    if predicts_next(ctx.model) and state.prev_logits is not None:
+        head = jnp.where((src < 0)[..., None], state.prev_logits[:, None], logits[:, :N])
+        logits = head if also is None else jnp.concatenate([head, logits[:, N:]], axis=1)
     if commit is not None:
         cache = cache.commit(commit)
     return logits, state.replace(cache=cache, forwards=state.forwards + 1)
-
-
-def aligned(ctx: DecodeCtx, logits: jax.Array, prev_last: jax.Array) -> jax.Array:
-    """Logits predicting the token *at* each window position [B, W, V].
-
-    Shifted-logit models (Dream, Fast-dLLM v2) take position 0 from `prev_last`
-    [B, V], the raw logits of the slot before the window; same-position models
-    use `logits` as is.
-    """
-    return aligned_logits(logits, ctx.model, prev_last)
 
 
 def count_forward(state: DecodeState, rows: jax.Array) -> DecodeState:
@@ -176,15 +252,18 @@ def count_forward(state: DecodeState, rows: jax.Array) -> DecodeState:
 
 
 # --------------------------------------------------------------------------- sampling a window
-def sample_window(ctx: DecodeCtx, state: DecodeState, logits: jax.Array,
+def sample_window(ctx: DecodeCtx, state: DecodeState, logits: jax.Array, offset,
                   bitmask: jax.Array | None = None, rows: jax.Array | None = None
                   ) -> tuple[DecodeState, Sample]:
-    """Sample every position of aligned logits [B, W, V].
+    """Sample logits [B, W, V] predicting slots [offset, offset + W) (offset scalar or [B]).
 
     The mask token is excluded; `bitmask` [B, W, ceil(V/32)] (packed int32,
-    optional) removes the tokens a constraint disallows. Each row's PRNG
-    stream advances only where `rows` [B] (default: running rows) is True, so
-    a row's samples do not depend on what the rest of the batch is doing.
+    optional) removes the tokens a constraint disallows. Each row uses its own
+    settings (`state.sampling`) and draws the token at position q (slot -
+    start) with fold_in(step key, q), so a draw depends neither on the
+    window's shape nor on the row's left padding. The row's PRNG stream
+    advances only where `rows` [B] (default: running rows) is True, so a row's
+    samples do not depend on what the rest of the batch is doing.
     """
     z = exclude_token(logits, ctx.model.mask_token_id)
     if bitmask is not None:
@@ -194,7 +273,10 @@ def sample_window(ctx: DecodeCtx, state: DecodeState, logits: jax.Array,
     keep = jax.random.key_data(state.key)
     keys = jax.random.wrap_key_data(
         jnp.where(rows[:, None], jax.random.key_data(keys), keep), impl=jax.random.key_impl(state.key))
-    s = sample_rows(z, step_keys, temperature=ctx.temperature, top_k=ctx.top_k, top_p=ctx.top_p)
+    W = z.shape[1]
+    pos = rows_of(state, offset)[:, None] + jnp.arange(W, dtype=jnp.int32) - state.start[:, None]
+    sp = state.sampling
+    s = sample_rows(z, step_keys, temperature=sp.temperature, top_k=sp.top_k, top_p=sp.top_p, slots=pos)
     return state.replace(key=keys), s
 
 
@@ -254,28 +336,40 @@ def select_entropy_bounded(cand: jax.Array, entropy: jax.Array, bound: float) ->
 
 # --------------------------------------------------------------------------- writing a reveal
 def reveal(state: DecodeState, offset, sel: jax.Array, s: Sample) -> DecodeState:
-    """Write the selected sampled tokens [B, W] into the window at `offset`.
+    """Write the selected sampled tokens [B, W] into the window at `offset` (scalar or [B]).
 
     Rows revealing >= 1 token advance their step counter and stamp the new
-    step number into step_map; their log-probs are stored at reveal time.
+    step number into step_map; their log-probs are stored at reveal time. A
+    row that selected a slot where no token could be drawn (log-prob -inf: a
+    constraint allowed nothing, or the logits were not finite) reveals nothing
+    and finishes as INVALID.
     """
+    invalid = jnp.any(sel & ~(s.logprob > -jnp.inf), axis=-1)  # [B]
+    sel = sel & ~invalid[:, None]
     any_new = jnp.any(sel, axis=-1)  # [B]
     steps = state.steps + any_new.astype(jnp.int32)
-    tok = jnp.where(sel, s.token, window(state.tokens, offset, sel.shape[1]))
-    smap = jnp.where(sel, steps[:, None], window(state.step_map, offset, sel.shape[1]))
-    lp = jnp.where(sel, s.logprob, window(state.logprobs, offset, sel.shape[1]))
-    rev = sel | window(state.revealed, offset, sel.shape[1])
-    return state.replace(
+    W = sel.shape[1]
+    tok = jnp.where(sel, s.token, window(state.tokens, offset, W))
+    smap = jnp.where(sel, steps[:, None], window(state.step_map, offset, W))
+    lp = jnp.where(sel, s.logprob, window(state.logprobs, offset, W))
+    rev = sel | window(state.revealed, offset, W)
+    state = state.replace(
         tokens=set_window(state.tokens, offset, tok),
         step_map=set_window(state.step_map, offset, smap),
         logprobs=set_window(state.logprobs, offset, lp),
         revealed=set_window(state.revealed, offset, rev),
         steps=steps,
     )
+    return close_rows(state, invalid & ~state.done, INVALID)
 
 
 # --------------------------------------------------------------------------- stopping
-def stop_end(state: DecodeState, stop_ids: tuple[int, ...]) -> tuple[jax.Array, jax.Array]:
+def is_stop_token(state: DecodeState) -> jax.Array:
+    """[B, S] bool: slot holds one of its row's stop ids (`state.stop_ids`, -1 = unused)."""
+    return jnp.any(state.tokens[:, :, None] == state.stop_ids[:, None, :], axis=-1)
+
+
+def stop_end(state: DecodeState) -> tuple[jax.Array, jax.Array]:
     """Per row: (stopped [B] bool, end [B] int32 = one past the last slot to return).
 
     A row has stopped once some revealed stop token has every generation slot
@@ -287,26 +381,33 @@ def stop_end(state: DecodeState, stop_ids: tuple[int, ...]) -> tuple[jax.Array, 
     hole = gen & ~state.revealed
     S = state.slots
     first_hole = jnp.min(jnp.where(hole, s, S), axis=-1)  # [B]
-    if stop_ids:
-        is_stop = gen & state.revealed & jnp.isin(state.tokens, jnp.asarray(stop_ids, jnp.int32))
-        first_stop = jnp.min(jnp.where(is_stop, s, S), axis=-1)
-    else:
-        first_stop = jnp.full_like(first_hole, S)
+    first_stop = jnp.min(jnp.where(gen & state.revealed & is_stop_token(state), s, S), axis=-1)
     stopped = first_stop < first_hole
     end = jnp.where(stopped, first_stop + 1, jnp.minimum(first_hole, state.limit))
     return stopped, end.astype(jnp.int32)
 
 
-def finish_rows(state: DecodeState, stop_ids: tuple[int, ...]) -> DecodeState:
+def close_rows(state: DecodeState, rows: jax.Array, code) -> DecodeState:
+    """Finish rows [B] (bool) with finish code `code` (scalar or [B]); their `end` is fixed here."""
+    _, end = stop_end(state)
+    return state.replace(done=state.done | rows, finish=jnp.where(rows, code, state.finish).astype(jnp.int32),
+                         end=jnp.where(rows, end, state.end))
+
+
+def finish_rows(state: DecodeState) -> DecodeState:
     """Mark rows done: a stop token reached (STOP) or every generation slot revealed (LENGTH)."""
-    stopped, end = stop_end(state, stop_ids)
-    full = end >= state.limit
-    newly = ~state.done & (stopped | full)
-    finish = jnp.where(newly, jnp.where(stopped, STOP, LENGTH), state.finish)
-    return state.replace(done=state.done | newly, finish=finish.astype(jnp.int32))
+    stopped, end = stop_end(state)
+    newly = ~state.done & (stopped | (end >= state.limit))
+    return close_rows(state, newly, jnp.where(stopped, STOP, LENGTH))
 
 
-__all__ = ["DecodeCtx", "Layout", "bucket", "new_state", "window", "set_window", "forward_window",
-           "aligned", "count_forward", "sample_window", "candidates", "rank", "select_top_k",
-           "select_first_k", "select_threshold", "select_entropy_bounded", "reveal", "stop_end",
-           "finish_rows", "RUNNING", "STOP", "LENGTH"]
+def abort_running(state: DecodeState) -> DecodeState:
+    """Finish every row still running as ABORT (the loop's iteration guard, a forward budget)."""
+    return close_rows(state, ~state.done, ABORT)
+
+
+__all__ = ["DecodeCtx", "Layout", "Plan", "make_plan", "bucket", "new_state", "with_buffers", "window",
+           "set_window", "forward_window", "count_forward", "sample_window", "candidates", "rank",
+           "select_top_k", "select_first_k", "select_threshold", "select_entropy_bounded", "reveal",
+           "is_stop_token", "stop_end", "close_rows", "finish_rows", "abort_running", "RUNNING", "STOP",
+           "LENGTH", "ABORT", "INVALID"]

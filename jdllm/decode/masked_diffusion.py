@@ -72,8 +72,7 @@ import numpy as np
 from jdllm import errors
 from jdllm.decode import common
 from jdllm.model import default_positions, forward
-from jdllm.sampling import (Sample, apply_token_bitmask, distribution_stats, exclude_token, filter_logits,
-                            split_rows)
+from jdllm.sampling import apply_token_bitmask, distribution_stats, exclude_token, filter_logits, split_rows
 from jdllm.state import DecodeState, slot_index
 
 REMASKING = ("low_confidence", "random")
@@ -230,35 +229,39 @@ class MaskedDiffusion:
         return (self.steps or 0) + 2 * state.slots + 8
 
     # ----------------------------------------------------------------- device side
-    def prefill(self, params, ctx, state: DecodeState) -> DecodeState:
+    def prefill(self, params, ctx, state: DecodeState, bitmask=None) -> DecodeState:
         """No forward here: the first step's forward is the first refresh."""
         zero = jnp.zeros((), jnp.int32)
         return state.replace(extra={"block": zero, "i": zero})
 
-    def _full_logits(self, params, ctx, state: DecodeState, with_cache: bool):
-        """Raw logits [B, S, V] of the whole canvas (and the cache refreshed when with_cache)."""
+    def _full_logits(self, params, ctx, state: DecodeState, with_cache: bool, at):
+        """Logits [B, N, V] at canvas slots `at` [B, N] of a forward over the whole canvas
+        (and the cache refreshed when with_cache)."""
         S = state.slots
         pos = default_positions(state.start, 0, S)
         if self.cfg_scale > 0:
             prompt = slot_index(state) < state.gen_start[:, None]
             un = jnp.where(prompt, jnp.int32(ctx.model.mask_token_id), state.tokens)
             both, _ = forward(params, ctx.model, jnp.concatenate([state.tokens, un]), jnp.concatenate([pos, pos]),
-                              start=jnp.concatenate([state.start, state.start]), attn_impl=ctx.attn_impl)
+                              start=jnp.concatenate([state.start, state.start]), attn_impl=ctx.attn_impl,
+                              logits_at=jnp.concatenate([at, at]))
             cond, unc = both[:state.batch], both[state.batch:]
             return unc + (self.cfg_scale + 1.0) * (cond - unc), state.replace(forwards=state.forwards + 2)
         if not with_cache:
-            raw, _ = forward(params, ctx.model, state.tokens, pos, start=state.start, attn_impl=ctx.attn_impl)
+            raw, _ = forward(params, ctx.model, state.tokens, pos, start=state.start, attn_impl=ctx.attn_impl,
+                             logits_at=at)
             return raw, state.replace(forwards=state.forwards + 1)
         raw, cache = forward(params, ctx.model, state.tokens, pos, start=state.start, cache=state.cache, offset=0,
-                             attn_impl=ctx.attn_impl)
+                             attn_impl=ctx.attn_impl, logits_at=at)
         return raw, state.replace(cache=cache, forwards=state.forwards + 1)
 
-    def _window_logits(self, params, ctx, state: DecodeState, lo, width: int, kv_len=None):
-        """Raw logits [B, width, V] of slots [lo, lo + width) against the cache."""
+    def _window_logits(self, params, ctx, state: DecodeState, lo, width: int, n: int, kv_len=None):
+        """Logits [B, n, V] of the first n slots of a forward over [lo, lo + width) against the cache."""
         toks = common.window(state.tokens, lo, width)
         pos = default_positions(state.start, lo, width)
+        at = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), (state.batch, n))
         raw, cache = forward(params, ctx.model, toks, pos, start=state.start, cache=state.cache, offset=lo,
-                             attn_impl=ctx.attn_impl, kv_len=kv_len)
+                             attn_impl=ctx.attn_impl, kv_len=kv_len, logits_at=at)
         return raw, state.replace(cache=cache, forwards=state.forwards + 1)
 
     def _block_logits(self, params, ctx, state: DecodeState, blk, i, Bl: int, nb: int):
@@ -266,65 +269,70 @@ class MaskedDiffusion:
         P, S = ctx.prefill_len, state.slots
         shift = int(ctx.model.logit_shift)
         b0 = P + blk * Bl
+        at = jnp.broadcast_to(b0 - shift + jnp.arange(Bl, dtype=jnp.int32), (state.batch, Bl))
         if self.cache == "none":
-            raw, state = self._full_logits(params, ctx, state, False)
-            return common.window(raw, b0 - shift, Bl), state
+            return self._full_logits(params, ctx, state, False, at)
 
         def full(st):
-            raw, st = self._full_logits(params, ctx, st, True)
-            return common.window(raw, b0 - shift, Bl), st
+            return self._full_logits(params, ctx, st, True, at)
 
         if self.cache == "dual":
             def win(st):
-                raw, st = self._window_logits(params, ctx, st, b0 - shift, Bl + shift, kv_len=S)
-                return raw[:, :Bl], st
+                return self._window_logits(params, ctx, st, b0 - shift, Bl + shift, Bl, kv_len=S)
         else:
             def branch(k):
                 lo = P + k * Bl - shift  # static per block: window [lo, S)
-
-                def run(st):
-                    raw, st = self._window_logits(params, ctx, st, lo, S - lo)
-                    return raw[:, :Bl], st
-                return run
+                return lambda st: self._window_logits(params, ctx, st, lo, S - lo, Bl)
 
             def win(st):
                 return jax.lax.switch(jnp.clip(blk, 0, nb - 1), [branch(k) for k in range(nb)], st)
 
         return jax.lax.cond(i == 0, full, win, state)
 
-    def _sample(self, ctx, logits: jax.Array, exp_noise):
-        """Tokens and statistics from aligned logits [B, W, V] (mask token excluded).
+    def _sample(self, state: DecodeState, ctx, logits: jax.Array, exp_noise):
+        """Tokens and statistics from aligned logits [B, W, V] (mask token excluded), per-row settings.
 
         Returns (Sample under the distribution sampled from, conf1 = temperature-1
         probability of the token (LLaDA's confidence), the sampled distribution's
         filtered logits zt)."""
-        T = ctx.temperature
+        sp = state.sampling
+        T = sp.temperature[:, None]  # [B, 1]
         z = exclude_token(logits, ctx.model.mask_token_id)
-        zt = filter_logits(z, temperature=T, top_k=ctx.top_k, top_p=ctx.top_p)  # [B, W, V]
-        if T > 0:
-            tok = gumbel_argmax(jnp.where(jnp.isfinite(zt), z, -jnp.inf), exp_noise, T)
-        else:
-            tok = jnp.argmax(zt, axis=-1).astype(jnp.int32)
+        zt = filter_logits(z, temperature=T, top_k=sp.top_k[:, None], top_p=sp.top_p[:, None])  # [B, W, V]
+        greedy = jnp.argmax(zt, axis=-1).astype(jnp.int32)
+        drawn = gumbel_argmax(jnp.where(jnp.isfinite(zt), z, -jnp.inf), exp_noise, T[..., None])
+        tok = jnp.where(T > 0, drawn, greedy)
         s = distribution_stats(zt, tok)
         conf1 = jnp.exp(jnp.take_along_axis(jax.nn.log_softmax(z, axis=-1), tok[..., None], axis=-1)[..., 0])
         return s, conf1, zt
 
-    def step(self, params, ctx, state: DecodeState, bitmask=None) -> DecodeState:
+    def plan(self, ctx, state: DecodeState):
+        """The current block; the batch moves on once no running row has a masked slot left in it."""
         P, S = ctx.prefill_len, state.slots
-        Bl, nb, spb = self.geometry(S - P)
+        Bl, nb, _ = self.geometry(S - P)
         blk, i = state.extra["block"], state.extra["i"]
-        # the batch moves on once no running row has a masked slot left in the current block
         filled = ~jnp.any(common.candidates(state, P + blk * Bl, Bl))
         blk = jnp.minimum(jnp.where(filled, blk + 1, blk), nb - 1)
         i = jnp.where(filled, 0, i)
-        b0 = P + blk * Bl
-        cand = common.candidates(state, b0, Bl)  # [B, Bl]
-        work = jnp.any(cand, axis=-1)  # [B]
+        state = state.replace(extra={"block": blk, "i": i})
+        return state, common.make_plan(state, P + blk * Bl, Bl)
 
-        logits, state = self._block_logits(params, ctx, state, blk, i, Bl, nb)
+    def forward(self, params, ctx, state: DecodeState, plan: common.Plan):
+        P, S = ctx.prefill_len, state.slots
+        Bl, nb, _ = self.geometry(S - P)
+        logits, state = self._block_logits(params, ctx, state, state.extra["block"], state.extra["i"], Bl, nb)
+        work = jnp.any(plan.valid, axis=-1)  # [B]
         state = common.count_forward(state, work)
         if self.cfg_scale > 0:
             state = common.count_forward(state, work)
+        return state, logits
+
+    def reveal(self, ctx, state: DecodeState, plan: common.Plan, logits, bitmask=None) -> DecodeState:
+        P, S = ctx.prefill_len, state.slots
+        Bl, nb, spb = self.geometry(S - P)
+        i = state.extra["i"]
+        b0, cand = plan.offset, plan.valid  # [B], [B, Bl]
+        work = jnp.any(cand, axis=-1)  # [B]
 
         # per-row noise; a row's stream advances only when it has work
         nxt, sub = split_rows(state.key)
@@ -333,14 +341,15 @@ class MaskedDiffusion:
                                        impl=jax.random.key_impl(state.key))
         state = state.replace(key=key)
         V = logits.shape[-1]
-        exp_noise = None
-        if ctx.temperature > 0:
-            exp_noise = jax.vmap(lambda k: exponential_noise(jax.random.fold_in(k, 0), (Bl, V)))(sub)
+        hot = state.sampling.temperature > 0  # [B]
+        exp_noise = jax.lax.cond(
+            jnp.any(hot), lambda: jax.vmap(lambda k: exponential_noise(jax.random.fold_in(k, 0), (Bl, V)))(sub),
+            lambda: jnp.ones((state.batch, Bl, V), jnp.float32))
         uniform = jax.vmap(lambda k: jax.random.uniform(jax.random.fold_in(k, 1), (Bl,)))(sub)  # [B, Bl]
         if bitmask is not None:  # [B, Bl, ceil(V/32)] over the block
             logits = apply_token_bitmask(logits, bitmask)
 
-        s, conf1, zt = self._sample(ctx, logits, exp_noise)
+        s, conf1, zt = self._sample(state, ctx, logits, exp_noise)
         last = i >= spb - 1
         if self.alg is None:
             conf = uniform if self.remasking == "random" else conf1
@@ -367,9 +376,9 @@ class MaskedDiffusion:
                     n = jnp.sum(cand, axis=-1).astype(jnp.float32)  # [B]
                     k = jnp.where(last, n, jnp.floor(n * ratio)).astype(jnp.int32)
                     sel = common.select_top_k(cand, conf, k)
-        state = common.reveal(state, b0, sel, Sample(s.token, s.prob, s.entropy, s.logprob))
-        state = common.finish_rows(state, ctx.stop_ids)
-        return state.replace(extra={"block": blk, "i": i + 1})
+        state = common.reveal(state, b0, sel, s)
+        state = common.finish_rows(state)
+        return state.replace(extra={**state.extra, "i": i + 1})
 
 
 __all__ = ["MaskedDiffusion", "REMASKING", "CACHES", "ALGS", "transfer_schedule", "dream_ratios",

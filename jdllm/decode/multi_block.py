@@ -85,8 +85,14 @@ window, a full forward refreshes everything. Output may differ from the exact
 run (the benchmark measures by how much); `refresh_interval=1` is the exact
 run.
 
-Sampling: greedy uses `common.sample_window`; at temperature > 0 slot p of a
-row draws with fold_in(step key, p), so the draw does not depend on the
+Step split (`jdllm.decode.loop`): `plan` runs phases 1-3 and names the slots
+in flight, row b's [first non-Completed block, + max_blocks blocks) (every
+candidate lies there); `forward` is phase 4 and computes the LM head only at
+those slots (plus the last committed slot on shifted models); `reveal` is
+phases 5-7. A constraint's bitmask covers the planned slots.
+
+Sampling: `common.sample_window`: at temperature > 0 the token at position q
+of a row draws with fold_in(step key, q), so the draw does not depend on the
 window's shape and cache / no-cache runs sample the same tokens.
 """
 
@@ -103,7 +109,7 @@ import numpy as np
 from jdllm import errors
 from jdllm.decode import common
 from jdllm.model import default_positions, forward
-from jdllm.sampling import Sample, apply_token_bitmask, exclude_token, sample, split_rows
+from jdllm.sampling import Sample
 from jdllm.state import DecodeState, generated_mask, slot_index
 
 INACTIVE, ACTIVATED, FULLY_ACTIVATED, COMPLETED = 0, 1, 2, 3
@@ -122,7 +128,7 @@ class MultiBlock:
     decoded_token_threshold: a block is Fully-Activated once its predecessor's
       progress reaches this, in [0, 1].
     early_stop: fill everything after the first revealed stop token with it.
-    max_forwards: stop a row after this many forwards (finish_reason None,
+    max_forwards: stop a row after this many forwards (finish_reason "abort",
       output up to its first masked slot); None = no cap.
     max_blocks: blocks in flight per row, counted from its first non-Completed
       block (>= 1); sizes the KV-cache window.
@@ -269,12 +275,12 @@ class MultiBlock:
 
     # ----------------------------------------------------------------- phases 1-3
     def _early_stop(self, ctx, state: DecodeState, idx, ok, base) -> DecodeState:
-        if not (self.early_stop and ctx.stop_ids):
+        if not self.early_stop:
             return state
         s = slot_index(state)
         S = state.slots
         gen = generated_mask(state)
-        is_eos = gen & state.revealed & jnp.isin(state.tokens, jnp.asarray(ctx.stop_ids, jnp.int32))
+        is_eos = gen & state.revealed & common.is_stop_token(state)
         first = jnp.min(jnp.where(is_eos, s, S), axis=-1)  # [B]
         eos = jnp.take_along_axis(state.tokens, jnp.minimum(first, S - 1)[:, None], axis=-1)  # [B, 1]
         fill = gen & (s > first[:, None]) & ~state.done[:, None]
@@ -291,7 +297,7 @@ class MultiBlock:
         new = jnp.where(((new == ACTIVATED) | (new == FULLY_ACTIVATED)) & (dec >= size), COMPLETED, new)
         bsteps = self._stamp(state.extra["block_steps"], st, new, state.steps)
         state = state.replace(extra={**state.extra, "block_state": new, "block_steps": bsteps})
-        return common.finish_rows(state, ctx.stop_ids)
+        return common.finish_rows(state)
 
     def _activate_and_add(self, state: DecodeState, idx, ok) -> DecodeState:
         st = state.extra["block_state"]
@@ -320,30 +326,11 @@ class MultiBlock:
         bsteps = self._stamp(state.extra["block_steps"], st, new, state.steps + 1)
         return state.replace(extra={**state.extra, "block_state": new, "block_steps": bsteps})
 
-    # ----------------------------------------------------------------- sampling a window
-    def _sample(self, ctx, state: DecodeState, logits, offset, rows, bitmask):
-        """Sample aligned logits [B, W, V] of slots [offset, offset + W) -> (state, Sample [B, W])."""
-        if ctx.temperature == 0:
-            return common.sample_window(ctx, state, logits, bitmask, rows=rows)
-        z = exclude_token(logits, ctx.model.mask_token_id)
-        if bitmask is not None:
-            z = apply_token_bitmask(z, bitmask)
-        keys, step_keys = split_rows(state.key)
-        keep = jax.random.key_data(state.key)
-        keys = jax.random.wrap_key_data(
-            jnp.where(rows[:, None], jax.random.key_data(keys), keep), impl=jax.random.key_impl(state.key))
-        slots = offset + jnp.arange(z.shape[1], dtype=jnp.int32)
-
-        def row(zr, key):  # zr [W, V]
-            ks = jax.vmap(lambda p: jax.random.fold_in(key, p))(slots)
-            return jax.vmap(lambda lg, kk: sample(lg, kk, temperature=ctx.temperature, top_k=ctx.top_k,
-                                                  top_p=ctx.top_p))(zr, ks)
-
-        return state.replace(key=keys), jax.vmap(row)(z, step_keys)
-
+    # ----------------------------------------------------------------- the canvas view of a window
     @staticmethod
     def _to_canvas(s: Sample, offset, S: int) -> Sample:
-        """Place a window's Sample [B, W] on the whole canvas [B, S] (entropy +inf elsewhere)."""
+        """Place a window's Sample [B, W] (offset scalar or [B]) on the whole canvas [B, S]
+        (entropy +inf elsewhere)."""
         B = s.token.shape[0]
 
         def put(x, fill):
@@ -353,31 +340,21 @@ class MultiBlock:
                       logprob=put(s.logprob, 0.0))
 
     # ----------------------------------------------------------------- forwards
-    def _full_forward(self, params, ctx, state: DecodeState, rows, bitmask):
-        """Forward over the whole canvas (slots [0, S)) -> (state, raw logits, Sample [B, S])."""
-        S = state.slots
-        logits, state = common.forward_window(params, ctx, state, 0, S)
-        al = common.aligned(ctx, logits, jnp.zeros_like(state.prev_logits))
-        state, s = self._sample(ctx, state, al, 0, rows, bitmask)
-        return state, logits, s
-
-    def _prefix_forward(self, params, ctx, state: DecodeState, width: int, rows, bitmask):
-        """No cache: the model over slots [0, width) alone -> (state, Sample [B, S])."""
+    def _prefix_logits(self, params, ctx, state: DecodeState, width: int, at):
+        """No cache: the model over slots [0, width) alone -> (state, logits predicting `at` [B, N, V])."""
         tokens = state.tokens[:, :width]  # [B, W]
         positions = default_positions(state.start, 0, width)
-        logits, _ = forward(params, ctx.model, tokens, positions, start=state.start, attn_impl=ctx.attn_impl)
-        state = state.replace(forwards=state.forwards + 1)
-        al = common.aligned(ctx, logits, jnp.zeros_like(state.prev_logits))
-        bm = None if bitmask is None else bitmask[:, :width]
-        state, s = self._sample(ctx, state, al, 0, rows, bm)
-        return state, self._to_canvas(s, 0, state.slots)
+        idx = jnp.clip(common.head_index(ctx, at, 0, width), 0, width - 1)
+        logits, _ = forward(params, ctx.model, tokens, positions, start=state.start, attn_impl=ctx.attn_impl,
+                            logits_at=idx)
+        return state.replace(forwards=state.forwards + 1), logits
 
-    def _nocache_forward(self, params, ctx, state: DecodeState, rows, bitmask, base, active_end):
+    def _nocache_forward(self, params, ctx, state: DecodeState, at, active_end):
         """Bidirectional: the whole canvas. Block-causal: the prefix up to active_end, rounded up to
         base + 2^i blocks (a few static widths; later slots cannot change these logits)."""
         S, Bs = state.slots, self.block_size
         if ctx.model.attention != "block_causal":
-            return self._prefix_forward(params, ctx, state, S, rows, bitmask)
+            return self._prefix_logits(params, ctx, state, S, at)
         widths, w = [], Bs
         while ctx.prefill_len + w < S:
             widths.append(ctx.prefill_len + w)
@@ -385,32 +362,11 @@ class MultiBlock:
         widths.append(S)
         need = jnp.max(jnp.where(~state.done, active_end, 0))
         branch = jnp.sum(need > jnp.asarray(widths[:-1], jnp.int32)).astype(jnp.int32)
-        fns = [lambda st, w=w: self._prefix_forward(params, ctx, st, w, rows, bitmask) for w in widths]
+        fns = [lambda st, w=w: self._prefix_logits(params, ctx, st, w, at) for w in widths]
         return jax.lax.switch(branch, fns, state)
 
-    def _window_forward(self, params, ctx, state: DecodeState, offset, width: int, rows, bitmask,
-                        see_all: bool):
-        """Forward over slots [offset, offset + width) against the cache -> (state, raw logits, Sample [B, S]).
-
-        see_all: queries attend to every cached slot of the row (approximate cache of
-        bidirectional models) instead of the model's rule bounded by the window end.
-        """
-        S = state.slots
-        if not see_all:
-            logits, state = common.forward_window(params, ctx, state, offset, width)
-        else:
-            tokens = common.window(state.tokens, offset, width)  # [B, W]
-            positions = default_positions(state.start, offset, width)
-            logits, cache = forward(params, ctx.model, tokens, positions, start=state.start, cache=state.cache,
-                                    offset=offset, attn_impl=ctx.attn_impl, kv_len=S)
-            state = state.replace(cache=cache, forwards=state.forwards + 1)
-        al = common.aligned(ctx, logits, state.prev_logits)
-        bm = None if bitmask is None else common.window(bitmask, offset, width)
-        state, s = self._sample(ctx, state, al, offset, rows, bm)
-        return state, logits, self._to_canvas(s, offset, S)
-
     # ----------------------------------------------------------------- the step
-    def prefill(self, params, ctx, state: DecodeState) -> DecodeState:
+    def prefill(self, params, ctx, state: DecodeState, bitmask=None) -> DecodeState:
         """Set up the block grid (block 0 Fully-Activated); no forward.
 
         The first step then runs on an empty cache: its window cannot cover the
@@ -431,38 +387,58 @@ class MultiBlock:
                      completed_at=jnp.full((B, NB), -1, jnp.int32))
         return state.replace(extra=extra)
 
-    def step(self, params, ctx, state: DecodeState, bitmask=None) -> DecodeState:
-        """Phases 1-7 (module docstring). bitmask: optional packed [B, S, ceil(V/32)] over the canvas."""
-        Bs = self.block_size
-        mode = self.cache_mode(ctx.model)
-        base = state.extra["base"]
-        NB = self._num_blocks(ctx, state)
-        k = jnp.arange(NB, dtype=jnp.int32)
-        idx, ok = self._view(state, base, NB)
-
-        # phases 1-3
-        state = self._early_stop(ctx, state, idx, ok, base)
-        state = self._activate_and_add(state, idx, ok)
+    def _frontier(self, state: DecodeState):
+        """(active_end [B], candidate slots [B, S]): masked generation slots of running rows before
+        the end of their rightmost Activated / Fully-Activated block."""
         st = state.extra["block_state"]
+        k = jnp.arange(st.shape[-1], dtype=jnp.int32)
         in_flight = (st == ACTIVATED) | (st == FULLY_ACTIVATED)
         newest = jnp.max(jnp.where(in_flight, k, -1), axis=-1)  # [B]
-        active_end = base + (newest + 1) * Bs  # [B]; = base when nothing is in flight
-        s_idx = slot_index(state)
-        cand = generated_mask(state) & ~state.revealed & ~state.done[:, None] & (s_idx < active_end[:, None])
-        rows = jnp.any(cand, axis=-1)  # [B] rows with work in this forward
-        first_open = self._first_open(st)  # [B] at forward time
-        running = ~state.done
+        active_end = state.extra["base"] + (newest + 1) * self.block_size  # [B]; = base when nothing is in flight
+        cand = (generated_mask(state) & ~state.revealed & ~state.done[:, None]
+                & (slot_index(state) < active_end[:, None]))
+        return active_end, cand
 
-        # phase 4: one forward
+    def plan(self, ctx, state: DecodeState):
+        """Phases 1-3, then the slots in flight: row b's [first open block, + max_blocks blocks)."""
+        base = state.extra["base"]
+        NB = self._num_blocks(ctx, state)
+        idx, ok = self._view(state, base, NB)
+        state = self._early_stop(ctx, state, idx, ok, base)
+        state = self._activate_and_add(state, idx, ok)
+        _, cand = self._frontier(state)
+        width = min(self.max_blocks * self.block_size, state.slots)
+        p = common.make_plan(state, base + self._first_open(state.extra["block_state"]) * self.block_size, width)
+        return state, dataclasses.replace(p, valid=common.window(cand, p.offset, width))
+
+    def forward(self, params, ctx, state: DecodeState, plan: common.Plan):
+        """Phase 4: one forward, per the cache mode; logits predicting the planned slots."""
+        mode = self.cache_mode(ctx.model)
+        active_end, _ = self._frontier(state)
+        rows = jnp.any(plan.valid, axis=-1)  # [B] rows with work in this forward
+        at = plan.slots
         if mode == "none":
-            state, s = self._nocache_forward(params, ctx, state, rows, bitmask, base, active_end)
+            state, logits = self._nocache_forward(params, ctx, state, at, active_end)
         elif mode == "exact":
-            state, s = self._exact_forward(params, ctx, state, rows, bitmask, base, first_open, active_end)
+            state, logits = self._exact_forward(params, ctx, state, at, active_end)
         else:
-            state, s = self._approx_forward(params, ctx, state, rows, bitmask, base, active_end)
-        state = common.count_forward(state, rows)
+            state, logits = self._approx_forward(params, ctx, state, at, active_end)
+        return common.count_forward(state, rows), logits
+
+    def reveal(self, ctx, state: DecodeState, plan: common.Plan, logits, bitmask=None) -> DecodeState:
+        """Phases 5-7 (module docstring). bitmask: optional packed [B, N, ceil(V/32)] over the plan."""
+        Bs = self.block_size
+        base = state.extra["base"]
+        NB = self._num_blocks(ctx, state)
+        idx, ok = self._view(state, base, NB)
+        st = state.extra["block_state"]
+        _, cand = self._frontier(state)
+        running = ~state.done
+        state, s = common.sample_window(ctx, state, logits, plan.offset, bitmask, rows=jnp.any(plan.valid, -1))
+        s = self._to_canvas(s, plan.offset, state.slots)
 
         # phase 5: lowest entropy + everything under the threshold
+        s_idx = slot_index(state)
         ent = jnp.where(cand, s.entropy, jnp.inf)  # [B, S]
         lowest = jnp.argmin(ent, axis=-1)  # [B], leftmost among ties
         sel = cand & ((s.entropy <= self.entropy_threshold) | (s_idx == lowest[:, None]))
@@ -484,42 +460,44 @@ class MultiBlock:
         done_at = jnp.where((new == COMPLETED) & (done_at < 0), state.forwards, done_at)
         state = state.replace(extra={**state.extra, "block_state": new, "block_steps": bsteps,
                                      "completed_at": done_at})
-        state = common.finish_rows(state, ctx.stop_ids)
+        state = common.finish_rows(state)
         if self.max_forwards is not None:
-            state = state.replace(done=state.done | (state.nfe >= self.max_forwards))
+            state = common.close_rows(state, ~state.done & (state.nfe >= self.max_forwards), common.ABORT)
         return state
 
     # ----------------------------------------------------------------- cached forwards
-    def _exact_forward(self, params, ctx, state, rows, bitmask, base, first_open, active_end):
+    def _exact_forward(self, params, ctx, state, at, active_end):
         """Window from cache.length; commit the blocks that were Completed before this forward.
 
         Window widths: 1, 2, 4, ... blocks up to 2 * max_blocks (the narrowest that reaches every
         running row's active end), else the whole canvas. A window that would run off the canvas
         starts earlier instead: it then recomputes some committed slots from their final tokens,
-        which rewrites the same K/V.
+        which rewrites the same K/V. The batch shares one cache length (the slowest row's frontier).
         """
         Bs, K, S = self.block_size, self.max_blocks, state.slots
+        base = state.extra["base"]
         running = ~state.done
+        first_open = self._first_open(state.extra["block_state"])  # [B] at forward time
         F = jnp.min(jnp.where(running, first_open, jnp.iinfo(jnp.int32).max))
-        L = state.cache.length
+        L = jnp.max(state.cache.length)
+        new_len = jnp.where(jnp.any(running), jnp.maximum(base + F * Bs, L), L).astype(jnp.int32)
+        also = jnp.broadcast_to(new_len - 1, (state.batch, 1))  # the last committed slot's raw logits
 
-        def commit(st, logits, offset):
-            new_len = jnp.where(jnp.any(running), jnp.maximum(base + F * Bs, L), L).astype(jnp.int32)
-            last = jax.lax.dynamic_index_in_dim(logits, jnp.maximum(new_len - 1 - offset, 0), axis=1,
-                                                keepdims=False)
-            prev = jnp.where(new_len > L, last, st.prev_logits)
-            return st.replace(cache=st.cache.commit(new_len), prev_logits=prev)
+        def commit(st, logits):
+            N = at.shape[1]
+            prev = jnp.where(new_len > L, logits[:, N], st.prev_logits)
+            return st.replace(cache=st.cache.commit(new_len), prev_logits=prev), logits[:, :N]
 
         def windowed(width):
             def run(st):
                 offset = jnp.minimum(L, S - width)
-                st, logits, s = self._window_forward(params, ctx, st, offset, width, rows, bitmask, False)
-                return commit(st, logits, offset), s
+                logits, st = common.forward_window(params, ctx, st, offset, width, at=at, also=also)
+                return commit(st, logits)
             return run
 
         def full(st):
-            st, logits, s = self._full_forward(params, ctx, st, rows, bitmask)
-            return commit(st, logits, 0), s
+            logits, st = common.forward_window(params, ctx, st, 0, S, at=at, also=also)
+            return commit(st, logits)
 
         widths, n = [], 1
         while n <= 2 * K and n * Bs < S:
@@ -529,9 +507,10 @@ class MultiBlock:
         branch = jnp.sum(need > jnp.asarray(widths, jnp.int32)).astype(jnp.int32)  # first width that fits
         return jax.lax.switch(branch, [windowed(w) for w in widths] + [full], state)
 
-    def _approx_forward(self, params, ctx, state, rows, bitmask, base, active_end):
+    def _approx_forward(self, params, ctx, state, at, active_end):
         """d3LLM-style approximate cache for bidirectional models (see the module docstring)."""
         Bs, K, S = self.block_size, self.max_blocks, state.slots
+        base = state.extra["base"]
         lead = int(ctx.model.logit_shift)  # shifted logits: the slot before the window predicts its first
         W = min((K + 1) * Bs + lead, S)
         running = ~state.done
@@ -545,12 +524,12 @@ class MultiBlock:
         offset = jnp.clip(base + first_live * Bs - lead, 0, S - W).astype(jnp.int32)
 
         def windowed(s_):
-            s_, _, smp = self._window_forward(params, ctx, s_, offset, W, rows, bitmask, True)
-            return s_, smp
+            logits, s_ = common.forward_window(params, ctx, s_, offset, W, at=at, kv_len=S)
+            return s_, logits
 
         def full(s_):
-            s_, _, smp = self._full_forward(params, ctx, s_, rows, bitmask)
-            return s_, smp
+            logits, s_ = common.forward_window(params, ctx, s_, 0, S, at=at)
+            return s_, logits
 
         fits = jnp.all(~running | (active_end <= offset + W))
         refresh = state.forwards % self.refresh_interval == 0  # the first forward always refreshes
