@@ -108,7 +108,7 @@ def test_exact_cache_equals_no_cache_and_commits_blocks():
             prep, final = _final_state(m, PROMPTS, _mb("pipelined", max_blocks=2, cache=cache), sampling)
             outs[cache] = jdllm.api.outputs(prep, final)
             if cache == "exact":  # committed well past the prompt blocks, never a stale block
-                assert int(final.cache.length) > prep.ctx.prefill_len + 4 * BS
+                assert int(final.cache.length.min()) > prep.ctx.prefill_len + 4 * BS
         for a, b in zip(outs["none"], outs["exact"]):
             assert a.token_ids == b.token_ids and a.step_map == b.step_map and a.nfe == b.nfe
             assert a.trace == b.trace

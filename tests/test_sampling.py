@@ -9,6 +9,7 @@ import pytest
 
 import jdllm
 from jdllm import errors
+from jdllm.decode import loop
 from jdllm.sampling import (apply_token_bitmask, row_keys, sample, sample_rows, split_rows,
                             unpack_bitmask)
 from tests.decode_fixtures import FAST_COMPILE, fast_compile  # noqa: F401 (fast_compile: fixture)
@@ -92,18 +93,28 @@ def test_apply_token_bitmask_matches_numpy_unpacking():
     assert allowed[np.arange(2)[:, None], np.arange(3)[None], np.asarray(s.token)].all()
 
 
+def _host_pieces(prep):
+    """The jitted host-driven prefill / plan / step of a prepared decode (fast compile)."""
+    par, ctx = prep.paradigm, prep.ctx
+    opts = dict(FAST_COMPILE)
+    prefill = jax.jit(lambda p, s: loop.prefill(p, s, paradigm=par, ctx=ctx), compiler_options=opts)
+    plan = jax.jit(lambda s: loop.plan(s, paradigm=par, ctx=ctx), compiler_options=opts)
+    step = jax.jit(lambda p, s, bm: loop.step(p, s, bm, paradigm=par, ctx=ctx), compiler_options=opts)
+    return prefill, plan, step
+
+
 def test_bitmask_drives_a_decode_step():
-    """The paradigm step applies a bitmask over its sampled positions before sampling."""
+    """The paradigm step applies a bitmask over its planned slots before sampling."""
     from jdllm.api import prepare  # noqa: PLC0415
     from tests.decode_fixtures import causal_model  # noqa: PLC0415
 
     m = causal_model()
     prep = prepare(m, [[5, 17, 3], [9, 9]], jdllm.AR(), jdllm.Sampling(max_new_tokens=4))
-    par, ctx = prep.paradigm, prep.ctx
-    opts = dict(FAST_COMPILE)
-    prefill = jax.jit(lambda p, s: par.prefill(p, ctx, s), compiler_options=opts)
-    step = jax.jit(lambda p, s, bm: par.step(p, ctx, s, bm), compiler_options=opts)
+    prefill, plan, step = _host_pieces(prep)
     st = prefill(m.params, prep.state)
+    _, p = plan(st)
+    slots = np.asarray(p.slots)[:2, 0]  # each row's next slot (rows at different positions)
+    assert slots.tolist() == [4, 3]
     V, W = m.config.vocab_size, -(-m.config.vocab_size // 32)
     allow = [7, 40, 77]
     words = np.zeros((W,), np.uint32)
@@ -111,11 +122,10 @@ def test_bitmask_drives_a_decode_step():
         words[t // 32] |= np.uint32(1 << (t % 32))
     bitmask = jnp.broadcast_to(jnp.asarray(words.view(np.int32)), (st.batch, 1, W))
     st2 = step(m.params, st, bitmask)
-    n = int(st2.cache.length)
-    new = np.asarray(st2.tokens[:2, n])
+    new = np.asarray(st2.tokens)[[0, 1], slots]
     assert set(new.tolist()) <= set(allow)
     everything = jnp.full_like(bitmask, -1)  # all bits set: no constraint (same compile)
-    free = np.asarray(step(m.params, st, everything).tokens[:2, n])
+    free = np.asarray(step(m.params, st, everything).tokens)[[0, 1], slots]
     assert not set(free.tolist()) <= set(allow)  # without the mask the model picks other tokens
 
 
@@ -133,10 +143,8 @@ def test_bitmask_drives_a_block_diffusion_step():
     m = block_model()
     bd = jdllm.BlockDiffusion(block_length=4, denoising_steps=1, strategy="low_confidence_static")
     prep = prepare(m, [[5, 17, 3, 44, 9], [9, 9]], bd, jdllm.Sampling(max_new_tokens=8, stop_token_ids=()))
-    par, ctx = prep.paradigm, prep.ctx
-    opts = dict(FAST_COMPILE)
-    st = jax.jit(lambda p, s: par.prefill(p, ctx, s), compiler_options=opts)(m.params, prep.state)
-    step = jax.jit(lambda p, s, bm: par.step(p, ctx, s, bm), compiler_options=opts)
+    prefill, _, step = _host_pieces(prep)
+    st = prefill(m.params, prep.state)
     W = -(-m.config.vocab_size // 32)
     allow = [3, 33, 64]
     words = np.zeros((W,), np.uint32)

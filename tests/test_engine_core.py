@@ -1,0 +1,267 @@
+"""The engine core's shape: rows at their own positions, the host-driven step (`plan` / `forward` /
+`reveal`, `step_n`) equal to the one-jit loop, per-row sampling as data, truthful endings,
+reusable prepared states and the LM head only where tokens are chosen."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jdllm
+from jdllm.api import outputs, prepare
+from jdllm.decode import loop
+from jdllm.model import KVCache, default_positions, forward
+from pallas_kernels import attention_reference, visible_mask
+from pallas_kernels.flash import attention as flash_attention
+from tests.decode_fixtures import FAST_COMPILE, block_model, causal_model, fast_compile  # noqa: F401
+from tests.test_decode_masked import bidir_model
+
+pytestmark = pytest.mark.usefixtures("fast_compile")
+
+PROMPTS = [[5, 17, 3, 44, 9, 12, 60], [70, 2], [8, 8, 31, 4]]
+
+
+def _paradigms():
+    """(model, paradigm) pairs covering every paradigm and attention kind."""
+    return [
+        (causal_model(), jdllm.AR()),
+        (block_model(), jdllm.BlockDiffusion(block_length=4, denoising_steps=2, confidence_threshold=0.7)),
+        (block_model(), jdllm.BlockDiffusion(block_length=4, denoising_steps=4, strategy="low_confidence_static",
+                                             fuse_commit=False)),
+        (block_model(logit_shift=True), jdllm.MultiBlock(block_size=4, max_blocks=2)),
+        (bidir_model(), jdllm.MaskedDiffusion(block_length=4, steps=8, cache="dual")),
+        (bidir_model(shift=True), jdllm.MultiBlock(block_size=4, cache="approx", refresh_interval=3)),
+    ]
+
+
+def _fields(outs):
+    return [(o.token_ids, o.step_map, o.nfe, o.finish_reason) for o in outs]
+
+
+# --------------------------------------------------------------------------- per-row positions
+def test_masking_rule_per_row_equals_each_row_alone():
+    B, T, S = 3, 5, 16
+    start = jnp.asarray([0, 2, 1])
+    qoff, kvl = jnp.asarray([0, 7, 11]), jnp.asarray([9, 12, 16])
+    for kind, bs in (("causal", 1), ("block_causal", 4), ("bidirectional", 1)):
+        m = visible_mask(T, S, start=start, q_offset=qoff, kv_len=kvl, kind=kind, block_size=bs)
+        for b in range(B):
+            solo = visible_mask(T, S, start=start[b:b + 1], q_offset=int(qoff[b]), kv_len=int(kvl[b]),
+                                kind=kind, block_size=bs)
+            np.testing.assert_array_equal(np.asarray(m[b]), np.asarray(solo[0]))
+
+
+@pytest.mark.parametrize("T", [3, 24])  # window kernel and prefill kernel
+def test_pallas_kernels_take_per_row_offsets(T):
+    B, S, H, KV, D = 3, 40, 4, 2, 16
+    ks = jax.random.split(jax.random.key(0), 3)
+    q = jax.random.normal(ks[0], (B, T, H, D))
+    k = jax.random.normal(ks[1], (B, S, KV, D))
+    v = jax.random.normal(ks[2], (B, S, KV, D))
+    start = jnp.asarray([0, 3, 1])
+    qoff = jnp.asarray([0, 9, S - T])
+    kvl = qoff + T
+    for kind in ("causal", "block_causal"):
+        kw = dict(start=start, q_offset=qoff, kv_len=kvl, kind=kind, block_size=4)
+        ref = attention_reference(q, k, v, **kw)
+        out = flash_attention(q, k, v, **kw, backend="interpret")
+        np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=2e-5, rtol=2e-5)
+
+
+def test_forward_with_per_row_offsets_equals_each_row_alone():
+    """Rows writing and attending at different cache positions in one call give each row's solo result."""
+    m = block_model()
+    cfg, B, S, T = m.config, 3, 24, 4
+    toks = jax.random.randint(jax.random.key(1), (B, S), 0, cfg.vocab_size - 1)
+    start = jnp.asarray([0, 4, 0])
+    cache = KVCache.empty(cfg, B, S)
+    _, cache = forward(m.params, cfg, toks, default_positions(start, 0, S), start=start, cache=cache, offset=0)
+    off = jnp.asarray([4, 12, 20])
+    win = jnp.stack([toks[b, int(off[b]):int(off[b]) + T] for b in range(B)])
+    got, new = forward(m.params, cfg, win, default_positions(start, off, T), start=start,
+                       cache=cache.commit(off), logits_at=jnp.asarray([[3, 0]] * B))
+    for b in range(B):
+        one = jax.tree.map(lambda x: x[:, b:b + 1] if x.ndim == 5 else x[b:b + 1], cache)
+        o = int(off[b])
+        solo, solo_cache = forward(m.params, cfg, win[b:b + 1], default_positions(start[b:b + 1], o, T),
+                                   start=start[b:b + 1], cache=one.commit(o), offset=o)
+        np.testing.assert_allclose(np.asarray(got[b]), np.asarray(solo[0, jnp.asarray([3, 0])]), atol=1e-5)
+        np.testing.assert_allclose(np.asarray(new.k[:, b]), np.asarray(solo_cache.k[:, 0]), atol=1e-6)
+
+
+def test_lm_head_at_chosen_positions_equals_full_logits():
+    m = causal_model()
+    toks = jnp.asarray([[3, 4, 5, 6, 7, 8]])
+    pos = default_positions(jnp.zeros((1,), jnp.int32), 0, 6)
+    full, _ = forward(m.params, m.config, toks, pos, start=jnp.zeros((1,), jnp.int32))
+    some, _ = forward(m.params, m.config, toks, pos, start=jnp.zeros((1,), jnp.int32),
+                      logits_at=jnp.asarray([[5, 1]]))
+    np.testing.assert_allclose(np.asarray(some[0]), np.asarray(full[0, [5, 1]]), atol=1e-6)
+
+
+@pytest.mark.parametrize("which", [0, 1], ids=["ar", "block_diffusion"])
+def test_rows_at_different_positions_decode_as_alone(which):
+    """AR rows start generating at their own prompt ends; block-diffusion rows move to their next
+    block as soon as they fill the current one: in one batch each row is at its own position, and
+    each still decodes exactly as it does alone."""
+    m, par = _paradigms()[which]
+    settings = [jdllm.Sampling(max_new_tokens=n, stop_token_ids=()) for n in (9, 14, 5)]
+    prep = prepare(m, PROMPTS, par, settings)
+    final = loop.decode(m.params, prep.state, paradigm=prep.paradigm, ctx=prep.ctx)
+    batch = outputs(prep, final)
+    alone = [jdllm.generate(m, [p], par, s)[0] for p, s in zip(PROMPTS, settings)]
+    assert _fields(batch) == _fields(alone)
+    assert [len(o.token_ids) for o in batch] == [9, 14, 5]
+    lengths = np.asarray(final.cache.length)[:3]
+    assert len(set(lengths.tolist())) > 1  # the rows really ended at different cache positions
+
+
+# --------------------------------------------------------------------------- the host-driven step
+@functools.lru_cache(maxsize=None)
+def _steps():
+    return loop.compiled_steps(FAST_COMPILE)
+
+
+@pytest.mark.parametrize("case", range(6))
+def test_step_n_and_host_steps_equal_run(case):
+    m, par = _paradigms()[case]
+    sampling = jdllm.Sampling(max_new_tokens=8, stop_token_ids=(7,))
+    prep = prepare(m, PROMPTS, par, sampling)
+    kw = dict(paradigm=prep.paradigm, ctx=prep.ctx)
+    want = _fields(outputs(prep, loop.decode(m.params, prep.state, **kw)))
+
+    fns = _steps()
+    st = fns["prefill"](m.params, prep.state, **kw)
+    calls = 0
+    while not bool(np.all(np.asarray(st.done))):
+        st = fns["step_n"](m.params, st, 3, **kw)
+        calls += 1
+        assert calls < 100
+    assert _fields(outputs(prep, fns["finalize"](st, paradigm=prep.paradigm))) == want
+    assert calls > 1  # step_n stopped after 3 iterations and resumed
+
+    # plan / forward / reveal one at a time, as a constraint driver would
+    st = fns["prefill"](m.params, prep.state, **kw)
+    while not bool(np.all(np.asarray(st.done))):
+        st, plan = fns["plan"](st, **kw)
+        assert plan.valid.shape == (st.batch, plan.width)
+        st, logits = fns["forward"](m.params, st, plan, **kw)
+        assert logits.shape == (st.batch, plan.width, m.config.vocab_size)
+        st = fns["reveal"](st, plan, logits, **kw)
+    assert _fields(outputs(prep, st)) == want
+
+
+def test_planned_slots_hold_every_reveal():
+    """Every token a step reveals lies in the slots its plan named (what a constraint masks)."""
+    m, par = _paradigms()[3]
+    prep = prepare(m, PROMPTS, par, jdllm.Sampling(max_new_tokens=12, stop_token_ids=()))
+    kw = dict(paradigm=prep.paradigm, ctx=prep.ctx)
+    fns = _steps()
+    st = fns["prefill"](m.params, prep.state, **kw)
+    while not bool(np.all(np.asarray(st.done))):
+        before = np.asarray(st.revealed)
+        st, plan = fns["plan"](st, **kw)
+        before = before | np.asarray(st.revealed)  # plan's own bookkeeping (early-stop fill) excluded
+        slots, valid = np.asarray(plan.slots), np.asarray(plan.valid)
+        st, logits = fns["forward"](m.params, st, plan, **kw)
+        st = fns["reveal"](st, plan, logits, **kw)
+        new = np.asarray(st.revealed) & ~before
+        for b in range(st.batch):
+            assert set(np.flatnonzero(new[b])) <= set(slots[b][valid[b]])
+
+
+# --------------------------------------------------------------------------- per-row sampling
+def test_new_temperature_does_not_recompile_and_rows_may_differ():
+    m = causal_model()
+    greedy = jdllm.Sampling(max_new_tokens=10, stop_token_ids=())
+    base = jdllm.generate(m, PROMPTS, jdllm.AR(), greedy)
+    before = (sum(loop.TRACES.values()), loop.decode._cache_size())
+    hot = jdllm.Sampling(temperature=0.9, top_k=20, top_p=0.9, max_new_tokens=10, stop_token_ids=(), seed=4)
+    sampled = jdllm.generate(m, PROMPTS, jdllm.AR(), hot)
+    mixed = jdllm.generate(m, PROMPTS, jdllm.AR(), [greedy, hot, greedy])
+    assert (sum(loop.TRACES.values()), loop.decode._cache_size()) == before
+    assert [o.token_ids for o in sampled] != [o.token_ids for o in base]
+    assert mixed[0].token_ids == base[0].token_ids and mixed[2].token_ids == base[2].token_ids
+    # a per-request Sampling list: a row's sample does not depend on its place in the batch
+    alone = jdllm.generate(m, [PROMPTS[1]], jdllm.AR(), [hot])
+    assert mixed[1].token_ids == alone[0].token_ids
+    moved = jdllm.generate(m, [PROMPTS[1], PROMPTS[0]], jdllm.AR(), [hot, greedy])
+    assert moved[0].token_ids == alone[0].token_ids
+
+
+def test_per_row_stop_ids():
+    m = causal_model()
+    free = jdllm.generate(m, [PROMPTS[0]], jdllm.AR(), jdllm.Sampling(max_new_tokens=10, stop_token_ids=()))[0]
+    stop = free.token_ids[3]
+    outs = jdllm.generate(m, [PROMPTS[0]] * 2, jdllm.AR(),
+                          [jdllm.Sampling(max_new_tokens=10, stop_token_ids=(stop,)),
+                           jdllm.Sampling(max_new_tokens=10, stop_token_ids=())])
+    first = free.token_ids.index(stop)
+    assert outs[0].token_ids == free.token_ids[:first + 1] and outs[0].finish_reason == "stop"
+    assert outs[1].token_ids == free.token_ids and outs[1].finish_reason == "length"
+
+
+# --------------------------------------------------------------------------- truthful endings
+class _ShortAR(jdllm.AR):
+    """AR with an iteration guard of 3 (a distinct class: its own compile)."""
+
+    def max_iterations(self, state):
+        return 3
+
+
+def test_iteration_guard_gives_abort_and_a_warning():
+    m = causal_model()
+    with pytest.warns(RuntimeWarning, match="abort"):
+        outs = jdllm.generate(m, PROMPTS[:2], _ShortAR(), jdllm.Sampling(max_new_tokens=10, stop_token_ids=()))
+    assert [o.finish_reason for o in outs] == ["abort", "abort"]
+    assert [len(o.token_ids) for o in outs] == [4, 4]  # prefill + 3 steps
+
+
+def test_max_forwards_gives_abort():
+    m = block_model()
+    with pytest.warns(RuntimeWarning, match="abort"):
+        (o,) = jdllm.generate(m, [PROMPTS[0]], jdllm.MultiBlock(block_size=4, max_forwards=2),
+                              jdllm.Sampling(max_new_tokens=16, stop_token_ids=()))
+    assert o.finish_reason == "abort" and o.nfe == 2
+
+
+@pytest.mark.parametrize("case", [0, 1, 4])
+def test_mask_that_allows_nothing_stops_cleanly(case):
+    m, par = _paradigms()[case]
+    prep = prepare(m, PROMPTS[:1], par, jdllm.Sampling(max_new_tokens=8, stop_token_ids=()))
+    kw = dict(paradigm=prep.paradigm, ctx=prep.ctx)
+    fns = _steps()
+    st = fns["prefill"](m.params, prep.state, **kw)
+    st, plan = fns["plan"](st, **kw)
+    words = -(-m.config.vocab_size // 32)
+    st, logits = fns["forward"](m.params, st, plan, **kw)
+    st = fns["reveal"](st, plan, logits, jnp.zeros((st.batch, plan.width, words), jnp.int32), **kw)
+    with pytest.warns(RuntimeWarning, match="invalid"):
+        (o,) = outputs(prep, fns["finalize"](st, paradigm=prep.paradigm))
+    assert o.finish_reason == "invalid"
+    assert np.all(np.isfinite(o.logprobs))
+
+
+def test_non_finite_logits_finish_invalid():
+    m = causal_model()
+    params = jax.tree.map(lambda x: x, m.params)
+    params["final_norm"] = params["final_norm"].at[0].set(jnp.nan)
+    broken = jdllm.Model(m.config, params, attn_impl="xla")
+    with pytest.warns(RuntimeWarning, match="invalid"):
+        (o,) = jdllm.generate(broken, [PROMPTS[0]], jdllm.AR(), jdllm.Sampling(max_new_tokens=5))
+    assert o.finish_reason == "invalid" and o.token_ids == []
+
+
+# --------------------------------------------------------------------------- reusable prepared state
+def test_prepared_state_can_be_decoded_twice():
+    m, par = _paradigms()[1]
+    prep = prepare(m, PROMPTS, par, jdllm.Sampling(max_new_tokens=8))
+    assert prep.state.cache is None  # the KV cache is made inside the decode
+    kw = dict(paradigm=prep.paradigm, ctx=prep.ctx)
+    first = _fields(outputs(prep, loop.decode(m.params, prep.state, **kw)))
+    again = _fields(outputs(prep, loop.decode(m.params, prep.state, **kw)))
+    assert first == again
