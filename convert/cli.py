@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from convert.io import DTYPES
+from jdllm.checkpoint import DTYPES
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

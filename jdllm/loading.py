@@ -1,9 +1,9 @@
-"""The model handle, `load()` and `logits()`.
+"""The model handle and `logits()`.
 
 `Model` bundles what generation needs: the static config, the parameter
 pytree, the tokenizer (or None for token-id-only use) and the attention
-implementation. `load` reads a Hugging Face directory or a converted jdllm
-checkpoint.
+implementation. `jdllm.load` (in `jdllm.checkpoint`) reads one from a Hugging
+Face directory or a converted jdllm checkpoint.
 """
 
 from __future__ import annotations
@@ -39,13 +39,6 @@ class Model:
     @property
     def dtype(self):
         return self.params["embed"].dtype
-
-
-def load(path: str, dtype: str | Any = "bfloat16", attn_impl: str = "auto") -> Model:
-    """Load a Hugging Face model directory or a jdllm checkpoint directory."""
-    from convert.io import load_model  # noqa: PLC0415 (the converter owns checkpoint formats)
-
-    return load_model(path, dtype=dtype, attn_impl=attn_impl)
 
 
 def check_token_ids(ids: np.ndarray, config: ModelConfig) -> None:
