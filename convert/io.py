@@ -20,9 +20,10 @@ import numpy as np
 from convert import hf
 from jdllm import errors
 from jdllm.checkpoint import (CONFIG_FILE, FORMAT_VERSION, HF_CONFIG_COPY, MARKER_FILE, PARAMS_DIR,
-                              SafetensorsDir, is_hf_dir, np_dtype)
+                              SafetensorsDir, is_hf_dir, is_jdllm_dir, np_dtype)
 from jdllm.config import ModelConfig
 from jdllm.hf_layout import check_tensor_names, hf_tensor_names, params_from_hf_tensors
+from jdllm.inputs import check_output_path
 
 
 def save_params(params_dir: str, params) -> None:
@@ -53,16 +54,22 @@ def convert_checkpoint(hf_dir: str, out_dir: str, dtype="bfloat16", overwrite: b
         raise errors.CheckpointError(
             f"{hf_dir} is not a Hugging Face model directory (no {CONFIG_FILE}): "
             "pass the directory that holds config.json and the safetensors weights")
-    if os.path.abspath(hf_dir) == out_dir:
-        raise errors.OutputExistsError(f"OUT_DIR {out_dir} is the input directory; choose another OUT_DIR")
+    _check_not_nested(hf_dir, out_dir)
+    if os.path.lexists(out_dir):
+        _check_replaceable(out_dir)
+    check_output_path(out_dir, "OUT_DIR", create_parents=True)
     want = np_dtype(dtype)
     cfg = ModelConfig.from_hf(hf_dir)
     tensors = SafetensorsDir(hf_dir)
     check_tensor_names(tensors.keys(), cfg, source=hf_dir)
 
     parent = os.path.dirname(out_dir)
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.tmp-", dir=parent)
+    try:
+        os.makedirs(parent, exist_ok=True)
+        tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.tmp-", dir=parent)
+    except OSError as e:
+        raise errors.OutputPathError(
+            f"cannot create OUT_DIR {out_dir} ({e.strerror or e}); choose a writable location") from None
     try:
         os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes it 0700; OUT_DIR gets ordinary permissions
         with tqdm(total=len(hf_tensor_names(cfg)), desc=f"convert {os.path.basename(hf_dir.rstrip('/'))}",
@@ -83,6 +90,30 @@ def convert_checkpoint(hf_dir: str, out_dir: str, dtype="bfloat16", overwrite: b
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out_dir
+
+
+def _check_not_nested(hf_dir: str, out_dir: str) -> None:
+    """OUT_DIR may neither be, contain nor lie inside the input: replacing it would delete the model."""
+    src, dst = os.path.realpath(hf_dir), os.path.realpath(out_dir)
+    if src == dst:
+        raise errors.OutputExistsError(f"OUT_DIR {out_dir} is the input directory; choose another OUT_DIR")
+    if os.path.commonpath([src, dst]) == dst:
+        raise errors.OutputExistsError(
+            f"OUT_DIR {out_dir} contains the input directory {hf_dir}; replacing it would delete the "
+            "model being converted: choose an OUT_DIR outside it")
+    if os.path.commonpath([src, dst]) == src:
+        raise errors.OutputExistsError(
+            f"OUT_DIR {out_dir} lies inside the input directory {hf_dir}; choose an OUT_DIR outside it")
+
+
+def _check_replaceable(out_dir: str) -> None:
+    """--overwrite replaces a jdllm checkpoint or an empty directory, nothing else."""
+    if os.path.isdir(out_dir) and (is_jdllm_dir(out_dir) or not os.listdir(out_dir)):
+        return
+    kind = "a file" if not os.path.isdir(out_dir) else "a non-empty directory that is not a jdllm checkpoint"
+    raise errors.OutputExistsError(
+        f"OUT_DIR {out_dir} is {kind}; --overwrite only replaces a jdllm checkpoint or an empty "
+        "directory: remove it yourself or choose another OUT_DIR")
 
 
 def _umask() -> int:
@@ -106,6 +137,7 @@ def _move_into_place(tmp: str, out_dir: str, overwrite: bool) -> None:
         if not overwrite:
             raise errors.OutputExistsError(
                 f"{out_dir} appeared during conversion: pass --overwrite or choose another OUT_DIR")
+        _check_replaceable(out_dir)
         old = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.old-", dir=os.path.dirname(out_dir))
         os.rmdir(old)
         os.rename(out_dir, old)

@@ -20,7 +20,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jdllm import errors
+from jdllm import errors, inputs
 from jdllm.decode import common, loop
 from jdllm.loading import Model, check_token_ids
 from jdllm.sampling import Sampling
@@ -88,15 +88,15 @@ def tokenize(model: Model, prompts, apply_chat_template: bool) -> list[list[int]
                     raise errors.InputError(
                         "apply_chat_template=True but the tokenizer has no chat template; "
                         "pass apply_chat_template=False")
-                ids = tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
-                                              tokenize=True)
+                ids = inputs.encode_text(tok, p, i, lambda: tok.apply_chat_template(
+                    [{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True))
                 if isinstance(ids, dict) or hasattr(ids, "keys"):
                     ids = ids["input_ids"]
             else:
-                ids = tok.encode(p, add_special_tokens=False)
+                ids = inputs.encode_text(tok, p, i, lambda: tok.encode(p, add_special_tokens=False))
             ids = [int(t) for t in ids]
         else:
-            ids = [int(t) for t in np.asarray(p).reshape(-1)]
+            ids = [int(t) for t in inputs.id_row(p, f"prompt {i}")]
         if len(ids) == 0:
             raise errors.InputError(f"prompt {i} is empty; give at least one token")
         out.append(ids)
@@ -108,6 +108,7 @@ def prepare(model: Model, prompts, decoding=None, sampling: Sampling | None = No
     """Check inputs and build the initial DecodeState and static context (nothing compiles)."""
     cfg = model.config
     sampling = Sampling() if sampling is None else sampling
+    inputs.check_sampling(sampling)
     decoding = default_paradigm(cfg) if decoding is None else decoding
     if isinstance(decoding, type):
         raise errors.DecodingConfigError(
@@ -116,8 +117,9 @@ def prepare(model: Model, prompts, decoding=None, sampling: Sampling | None = No
         raise errors.DecodingConfigError(
             f"decoding={decoding!r} is not a paradigm config; use one of jdllm.AR, jdllm.BlockDiffusion, "
             "jdllm.MultiBlock, jdllm.MaskedDiffusion")
-    decoding.validate(cfg)
+    inputs.validate_paradigm(decoding, cfg)
     ids = tokenize(model, prompts, apply_chat_template)
+    sampling = inputs.check_prompts(ids, cfg, sampling)
     for i, p in enumerate(ids):
         check_token_ids(np.asarray(p), cfg)
         total = len(p) + sampling.max_new_tokens

@@ -245,13 +245,72 @@ def _flat(tree, leaf=None) -> list[tuple[str, Any]]:
 
 
 # --------------------------------------------------------------------------- load
-def load_model(path: str, dtype="bfloat16", attn_impl: str = "auto", shardings=None):
+ATTN_IMPLS = ("auto", "xla", "pallas", "cudnn")
+
+
+def check_attn_impl(attn_impl: str) -> None:
+    """`attn_impl` is one jdllm knows and one this machine can run (cuDNN needs an NVIDIA GPU)."""
+    if not isinstance(attn_impl, str) or attn_impl not in ATTN_IMPLS:
+        raise errors.ConfigError(f"attn_impl={attn_impl!r} is not one of {ATTN_IMPLS}; 'auto' picks for you")
+    if attn_impl == "cudnn":
+        import jax  # noqa: PLC0415
+
+        if jax.default_backend() != "gpu":
+            raise errors.ConfigError(
+                f"attn_impl='cudnn' needs an NVIDIA GPU, but JAX runs on {jax.default_backend()!r}; "
+                "use attn_impl='auto' (or 'xla')")
+
+
+def check_special_ids(cfg: ModelConfig, source: str) -> None:
+    """mask / eos / pad / bos ids lie inside the vocabulary: an id outside it would never be
+    generated (eos: rows never stop) or never match (mask: the model decodes garbage)."""
+    named = [("mask_token_id", cfg.mask_token_id), ("pad_token_id", cfg.pad_token_id),
+             ("bos_token_id", cfg.bos_token_id)] + [("eos_token_id", t) for t in cfg.eos_token_ids]
+    for key, tid in named:
+        if tid is None:
+            continue
+        if isinstance(tid, bool) or not isinstance(tid, int) or not 0 <= tid < cfg.vocab_size:
+            raise errors.ConfigError(
+                f"{source}: {key}={tid!r} is outside the vocabulary [0, {cfg.vocab_size}); "
+                f"set {key} in config.json to the tokenizer's id for that token")
+
+
+def check_params_finite(params, cfg: ModelConfig, source: str) -> None:
+    """Raise NonFiniteWeightsError naming the first tensor (by its Hugging Face name) holding NaN/inf."""
+    import jax  # noqa: PLC0415
+    import jax.numpy as jnp  # noqa: PLC0415
+
+    for slot_name, slot in hf_layout.hf_tensor_names(cfg).items():
+        x = params
+        for key in slot.path:
+            x = x[key]
+        if slot.layer is not None:
+            x = x[slot.layer]
+        if isinstance(x, np.ndarray):
+            bad = ~np.isfinite(x.astype(np.float32))
+            count = int(bad.sum())
+        else:
+            count = int(jax.device_get(jnp.sum(~jnp.isfinite(x))))
+        if count:
+            where = "/".join(slot.path) + (f"[{slot.layer}]" if slot.layer is not None else "")
+            raise errors.NonFiniteWeightsError(
+                f"tensor {slot_name!r} ({where}) in {source} holds {count} NaN/inf values: the weights "
+                "are corrupt or overflowed on export; re-download or re-export them "
+                "(check_finite=False / --no-check-finite loads them anyway)")
+
+
+def load_model(path: str, dtype="bfloat16", attn_impl: str = "auto", shardings=None,
+               check_finite: bool = False):
     """A `jdllm.loading.Model` from a Hugging Face directory or a jdllm checkpoint directory."""
     import jax  # noqa: PLC0415 (jax and the model stay unimported until a model is read)
     import jax.numpy as jnp  # noqa: PLC0415
 
     from jdllm.loading import Model  # noqa: PLC0415
 
+    if not isinstance(path, (str, os.PathLike)):
+        raise errors.ArgumentTypeError(
+            f"load(path={path!r}): expected a directory path (str or os.PathLike), got {type(path).__name__}")
+    check_attn_impl(attn_impl)
     path = os.fspath(path)
     if not os.path.isdir(path):
         raise errors.CheckpointError(
@@ -259,11 +318,16 @@ def load_model(path: str, dtype="bfloat16", attn_impl: str = "auto", shardings=N
             "safetensors) or a jdllm checkpoint made by `jdllm convert`")
     if is_jdllm_dir(path):
         cfg = read_jdllm_meta(path)["config"]
+        check_special_ids(cfg, path)
         params = restore_params(path, dtype=dtype, shardings=shardings)
     elif is_hf_dir(path):
         cfg = ModelConfig.from_hf(path)
+        check_special_ids(cfg, os.path.join(path, CONFIG_FILE))
         want = np_dtype(dtype)
         host = hf_layout.params_from_hf_tensors(SafetensorsDir(path), cfg, dtype=want, source=path)
+        if check_finite:
+            check_params_finite(host, cfg, source=path)
+            check_finite = False  # checked on the host, before the copy to the device
         if shardings is not None:
             params = jax.tree.map(jax.device_put, host, shardings)
         else:
@@ -272,9 +336,17 @@ def load_model(path: str, dtype="bfloat16", attn_impl: str = "auto", shardings=N
         raise errors.CheckpointError(
             f"{path} has neither {CONFIG_FILE} (Hugging Face) nor {MARKER_FILE} (jdllm): "
             "point at a model directory")
+    if check_finite:
+        check_params_finite(params, cfg, source=path)
     return Model(config=cfg, params=params, tokenizer=load_tokenizer(path), attn_impl=attn_impl, path=path)
 
 
-def load(path: str, dtype: str | Any = "bfloat16", attn_impl: str = "auto"):
-    """Load a Hugging Face model directory or a jdllm checkpoint directory (`jdllm.load`)."""
-    return load_model(path, dtype=dtype, attn_impl=attn_impl)
+def load(path: str, dtype: str | Any = "bfloat16", attn_impl: str = "auto", check_finite: bool = False):
+    """Load a Hugging Face model directory or a jdllm checkpoint directory (`jdllm.load`).
+
+    attn_impl: "auto" | "xla" | "pallas" | "cudnn" (see `pallas_kernels`).
+    check_finite: scan every weight for NaN/inf first and raise
+    `errors.NonFiniteWeightsError` naming the tensor (one pass over the weights;
+    the `jdllm` command line does it by default).
+    """
+    return load_model(path, dtype=dtype, attn_impl=attn_impl, check_finite=check_finite)

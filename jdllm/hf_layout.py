@@ -182,6 +182,18 @@ def check_tensor_names(names: Iterable[str], cfg: ModelConfig, source: str = "ch
             "(num_hidden_layers, attention_bias, tie_word_embeddings)")
 
 
+FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
+
+
+def check_tensor_dtype(name: str, dtype, source: str = "checkpoint") -> None:
+    """Weights are floating point; an integer or bool tensor is not cast silently into one."""
+    if np.dtype(dtype).name not in FLOAT_DTYPES:
+        raise errors.CorruptCheckpointError(
+            f"tensor {name!r} in {source} has dtype {np.dtype(dtype).name}, but weights must be one of "
+            f"{FLOAT_DTYPES}: the file is not a model's weights (quantized checkpoints are not supported); "
+            "use the unquantized safetensors")
+
+
 def check_tensor_shape(name: str, shape: tuple[int, ...], slot: TensorSlot, cfg: ModelConfig,
                        source: str = "checkpoint") -> None:
     if tuple(shape) != slot.hf_shape:
@@ -212,6 +224,7 @@ def params_from_hf_tensors(tensors: Mapping[str, Any], cfg: ModelConfig, dtype=N
     for name, slot in table.items():
         x = np.asarray(tensors[name])
         check_tensor_shape(name, x.shape, slot, cfg, source)
+        check_tensor_dtype(name, x.dtype, source)
         full = shapes
         for key in slot.path:
             full = full[key]

@@ -216,6 +216,13 @@ def test_out_dir_exists(tmp_path):
     with pytest.raises(errors.OutputExistsError, match="--overwrite"):
         cio.convert_checkpoint(hf_dir, str(out), progress=False)
     assert (out / "keep.txt").read_text() == "mine"
+    # --overwrite replaces a jdllm checkpoint (or an empty directory), never a directory of other files
+    with pytest.raises(errors.OutputExistsError, match="not a jdllm checkpoint"):
+        cio.convert_checkpoint(hf_dir, str(out), overwrite=True, progress=False)
+    assert (out / "keep.txt").read_text() == "mine"
+    (out / "keep.txt").unlink()
+    cio.convert_checkpoint(hf_dir, str(out), dtype="float32", overwrite=True, progress=False)  # empty
+    (out / "keep.txt").write_text("inside the old checkpoint")
     cio.convert_checkpoint(hf_dir, str(out), dtype="float32", overwrite=True, progress=False)
     assert not (out / "keep.txt").exists() and ckpt.is_jdllm_dir(str(out))
     umask = os.umask(0)
