@@ -1,6 +1,7 @@
 """Hugging Face <-> jdllm checkpoint conversion.
 
-`convert.hf`: the families' published tensor names and config.json keys.
-`convert.io`: `load_model` (either directory kind) and `convert_checkpoint`.
+`convert.hf`: writing Hugging Face directories (config.json keys, safetensors).
+`convert.io`: `convert_checkpoint` (HF directory -> jdllm checkpoint, atomic).
+Reading either kind of directory is the library's: `jdllm.checkpoint`.
 `convert.cli`: the `jdllm convert` / `python -m convert` command.
 """

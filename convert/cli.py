@@ -5,16 +5,17 @@ from __future__ import annotations
 import argparse
 import sys
 
-from convert.io import DTYPES
-
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from jdllm.checkpoint import DTYPES  # noqa: PLC0415 (light: no JAX)
+
     parser.add_argument("hf_dir", metavar="HF_DIR",
                         help="Hugging Face model directory (config.json + model.safetensors or a sharded index)")
     parser.add_argument("out_dir", metavar="OUT_DIR", help="jdllm checkpoint directory to create")
     parser.add_argument("--dtype", choices=DTYPES, default="bfloat16",
                         help="parameter dtype of the checkpoint (default: bfloat16)")
-    parser.add_argument("--overwrite", action="store_true", help="replace OUT_DIR if it exists")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace OUT_DIR if it is a jdllm checkpoint or an empty directory")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
@@ -27,19 +28,27 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Stand-alone entry point: same arguments as `jdllm convert`, errors as one line."""
-    from jdllm.errors import JdllmError  # noqa: PLC0415
-
-    parser = argparse.ArgumentParser(prog="python -m convert",
-                                     description="Hugging Face directory -> jdllm checkpoint")
-    add_arguments(parser)
-    args = parser.parse_args(argv)
+def main(argv: list[str] | None = None, *, own_process: bool = False) -> int:
+    """Stand-alone entry point: same arguments as `jdllm convert`, errors as one line (exit 2),
+    Ctrl-C as exit 130 (own_process: as `jdllm.cli.main`)."""
     try:
-        return run(args)
-    except JdllmError as e:
-        print(f"convert: error: {type(e).__name__}: {e}", file=sys.stderr)
-        return 2
+        from jdllm import __version__  # noqa: PLC0415
+        from jdllm.cli import interrupt_outside_gc, quiet_transformers  # noqa: PLC0415
+        from jdllm.errors import JdllmError  # noqa: PLC0415
+
+        quiet_transformers()
+        parser = argparse.ArgumentParser(prog="python -m convert",
+                                         description="Hugging Face directory -> jdllm checkpoint")
+        parser.add_argument("--version", action="version", version=f"jdllm {__version__}")
+        add_arguments(parser)
+        args = parser.parse_args(argv)
+        if own_process:
+            interrupt_outside_gc()
+        try:
+            return run(args)
+        except JdllmError as e:
+            print(f"convert: error: {type(e).__name__}: {e}", file=sys.stderr)
+            return 2
     except KeyboardInterrupt:
         print("convert: interrupted (nothing was written to OUT_DIR)", file=sys.stderr)
         return 130

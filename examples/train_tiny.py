@@ -156,7 +156,7 @@ def evaluate(params, cfg, examples, batch: int = 100) -> float:
 def warm_start(params, cfg: ModelConfig, path: str):
     """Copy every weight of the model at `path` whose name and shape match (AR -> diffusion adaptation,
     as SDAR and Dream start from Qwen checkpoints); the rest keeps its fresh initialisation."""
-    from convert.io import load_model  # noqa: PLC0415
+    from jdllm.checkpoint import load_model  # noqa: PLC0415
 
     src = load_model(path, dtype="float32").params
 

@@ -13,7 +13,7 @@ __version__ = "0.1.0"
 _EXPORTS = {
     # loading and the model handle
     "Model": "jdllm.loading",
-    "load": "jdllm.loading",
+    "load": "jdllm.checkpoint",
     "logits": "jdllm.loading",
     "ModelConfig": "jdllm.config",
     # generation

@@ -24,7 +24,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jdllm import errors
+from jdllm import errors, inputs
 from jdllm.decode import common, loop
 from jdllm.loading import Model, check_token_ids
 from jdllm.sampling import Sampling
@@ -94,15 +94,15 @@ def tokenize(model: Model, prompts, apply_chat_template: bool) -> list[list[int]
                     raise errors.InputError(
                         "apply_chat_template=True but the tokenizer has no chat template; "
                         "pass apply_chat_template=False")
-                ids = tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
-                                              tokenize=True)
+                ids = inputs.encode_text(tok, p, i, lambda: tok.apply_chat_template(
+                    [{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True))
                 if isinstance(ids, dict) or hasattr(ids, "keys"):
                     ids = ids["input_ids"]
             else:
-                ids = tok.encode(p, add_special_tokens=False)
+                ids = inputs.encode_text(tok, p, i, lambda: tok.encode(p, add_special_tokens=False))
             ids = [int(t) for t in ids]
         else:
-            ids = [int(t) for t in np.asarray(p).reshape(-1)]
+            ids = [int(t) for t in inputs.id_row(p, f"prompt {i}")]
         if len(ids) == 0:
             raise errors.InputError(f"prompt {i} is empty; give at least one token")
         out.append(ids)
@@ -115,13 +115,15 @@ def row_settings(sampling, n: int) -> list[Sampling]:
         return [Sampling()] * n
     if isinstance(sampling, Sampling):
         return [sampling] * n
-    if isinstance(sampling, (list, tuple)) and all(isinstance(x, Sampling) for x in sampling):
+    if isinstance(sampling, (list, tuple)):
+        for s in sampling:
+            inputs.check_sampling(s)
         if len(sampling) != n:
             raise errors.InputError(f"sampling has {len(sampling)} entries for {n} prompts; give one "
                                     "jdllm.Sampling for all prompts or exactly one per prompt")
         return list(sampling)
-    raise errors.DecodingConfigError(
-        f"sampling={sampling!r} is not a jdllm.Sampling (or a list with one per prompt)")
+    inputs.check_sampling(sampling)
+    return [sampling] * n
 
 
 def prepare(model: Model, prompts, decoding=None, sampling: Sampling | list[Sampling] | None = None, *,
@@ -142,10 +144,10 @@ def prepare(model: Model, prompts, decoding=None, sampling: Sampling | list[Samp
         raise errors.DecodingConfigError(
             f"decoding={decoding!r} is not a paradigm config; use one of jdllm.AR, jdllm.BlockDiffusion, "
             "jdllm.MultiBlock, jdllm.MaskedDiffusion")
-    decoding.validate(cfg)
+    inputs.validate_paradigm(decoding, cfg)
     ids = tokenize(model, prompts, apply_chat_template)
     per_row = isinstance(sampling, (list, tuple))
-    settings = row_settings(sampling, len(ids))
+    settings = inputs.check_prompts(ids, cfg, row_settings(sampling, len(ids)))
     max_new = [s.max_new_tokens for s in settings]
     if len(set(max_new)) > 1 and not getattr(decoding, "ragged_lengths", False):
         raise errors.DecodingConfigError(

@@ -17,18 +17,43 @@ import time
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from jdllm.generate_cli import add_paradigm_arguments  # noqa: PLC0415
+    from jdllm.checkpoint import ATTN_IMPLS, DTYPES  # noqa: PLC0415
+    from jdllm.generate_cli import add_check_finite_argument, add_paradigm_arguments  # noqa: PLC0415
 
     p.add_argument("model", help="Hugging Face model directory or jdllm checkpoint")
-    p.add_argument("--batch", type=int, nargs="+", default=[1, 8], help="batch sizes")
-    p.add_argument("--prompt-len", type=int, default=32)
-    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--batch", type=int, nargs="+", default=[1, 8], help="batch sizes (default: 1 8)")
+    p.add_argument("--prompt-len", type=int, default=None,
+                   help=f"prompt tokens (default: {PROMPT_LEN}, or half the model's context if less)")
+    p.add_argument("--max-new-tokens", type=int, default=None,
+                   help=f"tokens generated per row (default: {MAX_NEW_TOKENS}, or what the context leaves)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dtype", default="float32")
-    p.add_argument("--attn-impl", default="auto", choices=("auto", "xla", "pallas", "cudnn"))
-    p.add_argument("--json", default=None, help="write the rows to this JSON file")
+    p.add_argument("--dtype", default="float32", choices=DTYPES)
+    p.add_argument("--attn-impl", default="auto", choices=ATTN_IMPLS)
+    add_check_finite_argument(p)
+    p.add_argument("--json", default=None, help="write the rows to this JSON file (its directory must exist)")
     add_paradigm_arguments(p)
+
+
+PROMPT_LEN = 32
+MAX_NEW_TOKENS = 64
+
+
+def lengths(args, context: int) -> tuple[int, int]:
+    """(prompt length, new tokens): the defaults shrunk to fit the model's context (with a note),
+    explicit values checked against it."""
+    from jdllm import errors  # noqa: PLC0415
+
+    prompt = args.prompt_len if args.prompt_len is not None else min(PROMPT_LEN, context // 2)
+    new = args.max_new_tokens if args.max_new_tokens is not None else min(MAX_NEW_TOKENS, context - prompt)
+    if args.prompt_len is None and args.max_new_tokens is None and (prompt, new) != (PROMPT_LEN, MAX_NEW_TOKENS):
+        errors.warn(f"the model's context is {context} tokens: benchmarking prompts of {prompt} tokens and "
+                    f"{new} new tokens (set --prompt-len / --max-new-tokens to choose)")
+    if prompt < 1 or new < 1 or prompt + new > context:
+        raise errors.InputError(
+            f"--prompt-len {prompt} + --max-new-tokens {new} must both be >= 1 and fit the model's context "
+            f"of {context} tokens; lower them")
+    return prompt, new
 
 
 def run(args) -> int:
@@ -37,11 +62,15 @@ def run(args) -> int:
     import jdllm  # noqa: PLC0415
     from jdllm.generate_cli import decoding_from_args  # noqa: PLC0415
 
-    if min(args.batch) < 1 or args.prompt_len < 1 or args.repeats < 1:
-        raise jdllm.errors.InputError(
-            f"--batch {args.batch}, --prompt-len {args.prompt_len} and --repeats {args.repeats} must be >= 1")
-    model = jdllm.load(args.model, dtype=args.dtype, attn_impl=args.attn_impl)
+    from jdllm.inputs import check_output_path  # noqa: PLC0415
+
+    if min(args.batch) < 1 or args.repeats < 1:
+        raise jdllm.errors.InputError(f"--batch {args.batch} and --repeats {args.repeats} must be >= 1")
+    if args.json:
+        check_output_path(args.json, "--json", create_parents=False)  # before the benchmark, not after
+    model = jdllm.load(args.model, dtype=args.dtype, attn_impl=args.attn_impl, check_finite=args.check_finite)
     cfg = model.config
+    args.prompt_len, args.max_new_tokens = lengths(args, cfg.max_position_embeddings)
     decoding = decoding_from_args(args, cfg, command="bench")
     sampling = jdllm.Sampling(max_new_tokens=args.max_new_tokens, stop_token_ids=())
     specials = [t for t in (cfg.mask_token_id, cfg.pad_token_id, cfg.bos_token_id, *cfg.eos_token_ids)

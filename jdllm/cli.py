@@ -1,15 +1,23 @@
 """`jdllm` command line: convert, generate, bench.
 
 Each subcommand lives beside the code it drives and registers itself through
-`add_arguments(parser)` / `run(args)`; this file only dispatches and turns a
-`jdllm.errors.JdllmError` into one line on stderr and a non-zero exit.
+`add_arguments(parser)` / `run(args)`; this file only dispatches, shows
+jdllm's warnings as one-line notes, and turns a `jdllm.errors.JdllmError` into
+one line on stderr and exit code 2 (Ctrl-C: exit code 130).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
+import os
+import signal
 import sys
+import warnings
+
+from jdllm import __version__
+from jdllm.errors import JdllmError
 
 # subcommand -> module exposing add_arguments(parser) and run(args) -> int
 SUBCOMMANDS = {
@@ -17,10 +25,18 @@ SUBCOMMANDS = {
     "generate": ("jdllm.generate_cli", "generate text with a model directory"),
     "bench": ("jdllm.bench_cli", "run the decode benchmark on a model directory"),
 }
+INTERRUPTED = 130
+
+
+def quiet_transformers() -> None:
+    """Silence transformers' import-time advice ("PyTorch was not found ..."): jdllm never needs
+    PyTorch, and the notice reads as an error. Entry points only: they own their process."""
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="jdllm", description="Diffusion language models on JAX/XLA.")
+    p.add_argument("--version", action="version", version=f"jdllm {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
     for name, (mod, help_) in SUBCOMMANDS.items():
         try:
@@ -35,19 +51,97 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
-    from jdllm.errors import JdllmError  # noqa: PLC0415
+@contextlib.contextmanager
+def notes(command: str):
+    """Warnings raised while the command runs print as `<command>: note: <message>`."""
+    def show(message, category, filename, lineno, file=None, line=None):
+        print(f"{command}: note: {message}", file=sys.stderr)
 
-    args = build_parser().parse_args(argv)
+    with warnings.catch_warnings():
+        warnings.showwarning = show
+        yield
+
+
+def exit_on_interrupt(command: str) -> None:
+    """Make Ctrl-C end the process at once with code 130. A KeyboardInterrupt raised while JAX
+    runs can be swallowed (in one of its gc callbacks) or crash the interpreter's teardown, so
+    for commands with nothing to clean up the handler leaves directly."""
+    def handler(signum, frame):
+        print(f"{command}: interrupted", file=sys.stderr)
+        exit_with(INTERRUPTED)
+
+    signal.signal(signal.SIGINT, handler)
+
+
+def interrupt_outside_gc() -> None:
+    """Make Ctrl-C raise KeyboardInterrupt, but never inside a garbage-collector callback (JAX
+    registers one), where Python would print the exception and drop it: there the signal is
+    sent again a moment later, so the command still stops and cleans up."""
+    import gc  # noqa: PLC0415
+    import threading  # noqa: PLC0415
+
+    def handler(signum, frame):
+        callbacks = {getattr(cb, "__code__", None) for cb in gc.callbacks} - {None}
+        f = frame
+        while f is not None:
+            if f.f_code in callbacks:
+                again = threading.Timer(0.05, os.kill, (os.getpid(), signal.SIGINT))
+                again.daemon = True
+                again.start()
+                return
+            f = f.f_back
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, handler)
+
+
+def main(argv: list[str] | None = None, *, own_process: bool = False) -> int:
+    """Run one command; returns the exit code (2 on a jdllm error, 130 on Ctrl-C).
+
+    own_process: the console script's call; Ctrl-C then ends the process at once
+    (`exit_on_interrupt`), except for `convert`, which removes its partial
+    output on the way out (`interrupt_outside_gc`).
+    """
+    quiet_transformers()
+    command = "jdllm"
     try:
-        return int(importlib.import_module(args._module).run(args) or 0)
+        args = build_parser().parse_args(argv)
+        command = f"jdllm {args.command}"
+        if own_process:
+            interrupt_outside_gc() if args.command == "convert" else exit_on_interrupt(command)
+        with notes(command):
+            return int(importlib.import_module(args._module).run(args) or 0)
     except JdllmError as e:
-        print(f"jdllm {args.command}: error: {type(e).__name__}: {e}", file=sys.stderr)
+        print(f"{command}: error: {type(e).__name__}: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print(f"jdllm {args.command}: interrupted", file=sys.stderr)
-        return 130
+        print(f"{command}: interrupted", file=sys.stderr)
+        return INTERRUPTED
+
+
+def exit_with(code: int):
+    """Leave the process with `code`. After Ctrl-C, skip the interpreter's teardown: JAX can
+    crash there (a segmentation fault) when interrupted mid-compile. Once the command is done,
+    a Ctrl-C during the teardown is ignored for the same reason."""
+    if code != INTERRUPTED:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    else:
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        os._exit(code)
+    sys.exit(code)
+
+
+def entry() -> None:
+    """The `jdllm` console script."""
+    exit_on_interrupt("jdllm")  # until the command is known (imports can crash when interrupted)
+    try:
+        code = main(own_process=True)
+    except KeyboardInterrupt:  # between main's handlers and here
+        code = INTERRUPTED
+    exit_with(code)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

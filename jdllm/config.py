@@ -48,6 +48,11 @@ class ModelConfig:
     weight_layout: str = "hf"  # "hf" (model.layers.N.*) | "llada" (model.transformer.blocks.N.*)
 
     def __post_init__(self):
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                     "num_kv_heads", "head_dim", "max_position_embeddings"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise errors.ConfigError(f"{name}={v!r} must be an integer >= 1; fix config.json")
         if self.attention not in ATTENTION_KINDS:
             raise errors.ConfigError(
                 f"attention={self.attention!r} is not one of {ATTENTION_KINDS}")
@@ -98,8 +103,12 @@ class ModelConfig:
             try:
                 with open(path) as f:
                     hf = json.load(f)
-            except json.JSONDecodeError as e:
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
                 raise errors.ConfigError(f"{path} is not valid JSON ({e})") from e
+            if not isinstance(hf, Mapping):
+                raise errors.ConfigError(
+                    f"{path} holds a JSON {type(hf).__name__}, not an object of config keys; "
+                    "use the config.json that came with the model")
         model_type = hf.get("model_type")
         family = _FAMILIES.get(model_type)
         if family is None:
@@ -138,6 +147,27 @@ def _rope(hf: Mapping[str, Any], default_theta: float) -> tuple[float, tuple]:
     return float(theta), _freeze(scaling)
 
 
+def _first(hf: Mapping[str, Any], keys: tuple[str, ...], default):
+    """The first of `keys` that config.json sets (to anything but null), else `default`.
+
+    Unlike `hf.get(a) or default`, a 0 stays 0, so the checks below see it.
+    """
+    for k in keys:
+        if hf.get(k) is not None:
+            return hf[k]
+    return default
+
+
+def _int(hf: Mapping[str, Any], keys: tuple[str, ...], default):
+    v = _first(hf, keys, default)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or int(v) != v:
+        raise errors.ConfigError(
+            f"config.json of model_type={hf.get('model_type')!r} sets {keys[0]}={v!r}; expected an integer")
+    return int(v)
+
+
 def _need(hf: Mapping[str, Any], *keys: str):
     for k in keys:
         if k in hf and hf[k] is not None:
@@ -166,9 +196,9 @@ def _qwen_llama(hf: Mapping[str, Any], **traits) -> ModelConfig:
         intermediate_size=int(_need(hf, "intermediate_size")),
         num_layers=int(_need(hf, "num_hidden_layers")),
         num_heads=heads,
-        num_kv_heads=int(hf.get("num_key_value_heads") or heads),
-        head_dim=int(hf.get("head_dim") or hidden // heads),
-        max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
+        num_kv_heads=_int(hf, ("num_key_value_heads",), heads),
+        head_dim=_int(hf, ("head_dim",), hidden // heads if heads else 0),
+        max_position_embeddings=_int(hf, ("max_position_embeddings",), 4096),
         rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
         rope_theta=theta,
         rope_scaling=scaling,
@@ -197,22 +227,22 @@ def _llama(hf):
 def _sdar(hf):
     # SDAR / TraDo: Qwen3 layout, block-causal, same-position logits.
     return _qwen_llama(hf, qk_norm=True, attention="block_causal",
-                       block_size=int(hf.get("block_size") or hf.get("bd_size") or 4),
-                       mask_token_id=int(hf.get("mask_token_id") or 151669))
+                       block_size=_int(hf, ("block_size", "bd_size"), 4),
+                       mask_token_id=_int(hf, ("mask_token_id",), 151669))
 
 
 def _fast_dllm(hf):
     # Fast-dLLM v2: Qwen2.5 layout, block-causal over bd_size, logits shifted by one.
     return _qwen_llama(hf, qkv_bias=True, attention="block_causal",
-                       block_size=int(hf.get("bd_size") or hf.get("block_size") or 32),
+                       block_size=_int(hf, ("bd_size", "block_size"), 32),
                        logit_shift=True,
-                       mask_token_id=int(hf.get("mask_token_id") or 151665))
+                       mask_token_id=_int(hf, ("mask_token_id",), 151665))
 
 
 def _dream(hf):
     # Dream: Qwen2.5 layout, bidirectional, logits shifted by one.
     return _qwen_llama(hf, qkv_bias=True, attention="bidirectional", logit_shift=True,
-                       mask_token_id=int(hf.get("mask_token_id") or 151666))
+                       mask_token_id=_int(hf, ("mask_token_id",), 151666))
 
 
 def _llada(hf):
@@ -223,27 +253,28 @@ def _llada(hf):
     heads = int(_need(hf, "n_heads"))
     hidden = int(_need(hf, "d_model"))
     theta, scaling = _rope(hf, 10000.0)
-    if hf.get("mlp_hidden_size"):
-        inter = int(hf["mlp_hidden_size"])
+    if hf.get("mlp_hidden_size") is not None:
+        inter = _int(hf, ("mlp_hidden_size",), None)
     else:
         inter = int(hf.get("mlp_ratio", 4) * hidden)
     return ModelConfig(
         model_type="llada",
-        vocab_size=int(hf.get("embedding_size") or _need(hf, "vocab_size")),
+        vocab_size=_int(hf, ("embedding_size", "vocab_size"), None) if "embedding_size" in hf
+        else int(_need(hf, "vocab_size")),
         hidden_size=hidden,
         intermediate_size=inter,
         num_layers=int(_need(hf, "n_layers")),
         num_heads=heads,
-        num_kv_heads=int(hf.get("n_kv_heads") or heads),
-        head_dim=hidden // heads,
-        max_position_embeddings=int(hf.get("max_sequence_length", 4096)),
+        num_kv_heads=_int(hf, ("n_kv_heads",), heads),
+        head_dim=hidden // heads if heads else 0,
+        max_position_embeddings=_int(hf, ("max_sequence_length",), 4096),
         rms_norm_eps=float(hf.get("rms_norm_eps", 1e-5)),
         rope_theta=theta,
         rope_scaling=scaling,
         tie_word_embeddings=bool(hf.get("weight_tying", False)),
         qkv_bias=bool(hf.get("include_qkv_bias", False)),
         attention="bidirectional",
-        mask_token_id=int(hf.get("mask_token_id") or 126336),
+        mask_token_id=_int(hf, ("mask_token_id",), 126336),
         eos_token_ids=_eos(hf.get("eos_token_id", 126081)),
         pad_token_id=hf.get("pad_token_id", 126081),
         bos_token_id=hf.get("bos_token_id"),

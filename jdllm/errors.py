@@ -55,3 +55,34 @@ class SequenceTooLongError(InputError):
 
 class DecodingConfigError(JdllmError, ValueError):
     """A paradigm or sampling setting outside its accepted range."""
+
+
+class ArgumentTypeError(JdllmError, TypeError):
+    """An argument of the wrong type (a dict where a Sampling goes, a string where a number goes)."""
+
+
+class NonFiniteWeightsError(CheckpointError):
+    """A weight tensor holds NaN or infinity (`load(..., check_finite=True)`)."""
+
+
+class OutputPathError(JdllmError, OSError):
+    """An output path that cannot be written (missing or read-only directory, a file in the way)."""
+
+
+def user_stacklevel() -> int:
+    """The `stacklevel` that makes a warning issued here point at the first caller outside jdllm."""
+    import os  # noqa: PLC0415
+    import sys  # noqa: PLC0415
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    frame, level = sys._getframe(1), 1
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(here + os.sep):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+def warn(message: str, category: type[Warning] = UserWarning) -> None:
+    """`warnings.warn` attributed to the user's code that called into jdllm, not to jdllm itself."""
+    import warnings  # noqa: PLC0415
+
+    warnings.warn(message, category, stacklevel=user_stacklevel())

@@ -48,18 +48,25 @@ def _ids(text: str) -> list[int]:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    from jdllm.checkpoint import ATTN_IMPLS, DTYPES  # noqa: PLC0415 (light: no JAX)
+
     p.add_argument("model", help="Hugging Face model directory or jdllm checkpoint")
-    p.add_argument("--prompt", action="append", default=[], help="prompt text (repeat for a batch)")
-    p.add_argument("--prompt-ids", action="append", default=[], type=_ids,
+    # One list for both flags, so prompts come out in the order they were given.
+    p.add_argument("--prompt", dest="prompts", action="append", default=[],
+                   help="prompt text (repeat for a batch)")
+    p.add_argument("--prompt-ids", dest="prompts", action="append", type=_ids,
                    help="a prompt as comma-separated token ids (repeatable; for models without a tokenizer)")
     p.add_argument("--chat", action="store_true", help="wrap each prompt in the tokenizer's chat template")
-    p.add_argument("--dtype", default="float32", help="parameter dtype (float32, bfloat16)")
-    p.add_argument("--attn-impl", default="auto", choices=("auto", "xla", "pallas", "cudnn"))
+    p.add_argument("--dtype", default="float32", choices=DTYPES, help="parameter dtype (default: float32)")
+    p.add_argument("--attn-impl", default="auto", choices=ATTN_IMPLS,
+                   help="attention implementation (default: auto = Pallas on a GPU, XLA elsewhere)")
+    add_check_finite_argument(p)
     s = p.add_argument_group("sampling")
-    s.add_argument("--max-new-tokens", type=int, default=128)
-    s.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    s.add_argument("--top-k", type=int, default=0)
-    s.add_argument("--top-p", type=float, default=1.0)
+    s.add_argument("--max-new-tokens", type=int, default=None,
+                   help="tokens to generate at most (default: 256, or what the model's context leaves)")
+    s.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    s.add_argument("--top-k", type=int, default=0, help="0 = off (default)")
+    s.add_argument("--top-p", type=float, default=1.0, help="1 = off (default)")
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--stop-token-id", type=int, action="append", default=None,
                    help="stop token id (repeatable; default: the model's eos ids)")
@@ -67,31 +74,65 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_paradigm_arguments(p)
 
 
+def add_check_finite_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--check-finite", action=argparse.BooleanOptionalAction, default=True,
+                   help="check every weight is finite while loading (default: on)")
+
+
+def _choices(cls, name: str):
+    """A string option's accepted values, as the paradigm config declares them (or None)."""
+    import sys as _sys  # noqa: PLC0415
+
+    plural = name.upper()[:-1] + "IES" if name.endswith("y") else name.upper() + "S"
+    module = _sys.modules[cls.__module__]
+    for found in (getattr(cls, plural, None), getattr(module, plural, None),
+                  getattr(module, name.upper() + "_MODES", None)):
+        if isinstance(found, tuple):
+            return found
+    return None
+
+
 def add_paradigm_arguments(p: argparse.ArgumentParser) -> None:
-    """--paradigm plus one --field-name option per field of every registered paradigm config."""
+    """--paradigm plus one --field-name option per field of every registered paradigm config.
+
+    An option several paradigms share lists each one's default (and choices) in
+    its help; it is passed only to the chosen paradigm.
+    """
     from jdllm.decode.loop import PARADIGMS  # noqa: PLC0415
 
     p.add_argument("--paradigm", choices=sorted(PARADIGMS), default=None,
-                   help="decoding paradigm (default: ar for causal models, block_diffusion for block-causal)")
-    g = p.add_argument_group("paradigm options (each applies to the paradigms that have it)")
+                   help="decoding paradigm (default: ar for causal models, block_diffusion for block-causal, "
+                        "masked_diffusion for bidirectional)")
+    g = p.add_argument_group(
+        "paradigm options (each applies to the paradigms named in its help; block sizes default to the "
+        "model's block_size on block-causal models)")
     classes, fields = _paradigm_fields()
     for name, f in fields.items():
-        owners = [n for n, c in classes.items() if name in {x.name for x in dataclasses.fields(c)}]
+        owners = {n: c for n, c in classes.items() if name in {x.name for x in dataclasses.fields(c)}}
         flag = "--" + name.replace("_", "-")
-        helptext = f"{', '.join(owners)} (default {f.default!r})"
+        per = []
+        union: list[str] = []
+        for owner, cls in owners.items():
+            default = next(x.default for x in dataclasses.fields(cls) if x.name == name)
+            choices = _choices(cls, name)
+            union += [c for c in choices or () if c not in union]
+            per.append(f"{owner}: default {default!r}" + (f", one of {', '.join(choices)}" if choices else ""))
+        helptext = "; ".join(per)
         if isinstance(f.default, bool):
             g.add_argument(flag, dest=f"opt_{name}", action=argparse.BooleanOptionalAction, default=None,
                            help=helptext)
         else:
-            kind = _field_type(f)
-            plural = name.upper()[:-1] + "IES" if name.endswith("y") else name.upper() + "S"
-            choices = getattr(classes[owners[0]], plural, None)
-            g.add_argument(flag, dest=f"opt_{name}", type=kind, default=None, help=helptext, metavar=name.upper(),
-                           choices=choices if isinstance(choices, tuple) else None)
+            g.add_argument(flag, dest=f"opt_{name}", type=_field_type(f), default=None, help=helptext,
+                           metavar=name.upper(), choices=union or None)
 
 
 def decoding_from_args(args, cfg, command: str = "generate"):
-    """The paradigm config the parsed options describe (the model's default paradigm if none given)."""
+    """The paradigm config the parsed options describe (the model's default paradigm if none given).
+
+    On a block-causal model the block size (block_diffusion's block_length,
+    multi_block's block_size) defaults to the model's own, as the default
+    paradigm does.
+    """
     from jdllm import errors  # noqa: PLC0415
     from jdllm.api import default_paradigm  # noqa: PLC0415
 
@@ -112,7 +153,20 @@ def decoding_from_args(args, cfg, command: str = "generate"):
     if ignored:
         print(f"jdllm {command}: note: {', '.join('--' + n.replace('_', '-') for n in ignored)} "
               f"does not apply to {cls.name}", file=sys.stderr)
-    return cls(**{**base, **{n: v for n, v in given.items() if n in own}})
+    given = {n: v for n, v in given.items() if n in own}
+    if cfg.attention == "block_causal":
+        for n in ("block_length", "block_size"):
+            if n in own and n not in given:
+                base[n] = cfg.block_size
+                steps = next((f.default for f in dataclasses.fields(cls) if f.name == "denoising_steps"), None)
+                if steps is not None and "denoising_steps" not in given and cfg.block_size % steps:
+                    base["denoising_steps"] = cfg.block_size
+    choices = {n: _choices(cls, n) for n in given if isinstance(given[n], str)}
+    for n, allowed in choices.items():
+        if allowed is not None and given[n] not in allowed:
+            raise errors.DecodingConfigError(
+                f"--{n.replace('_', '-')} {given[n]} is not one of {allowed} for {cls.name}")
+    return cls(**{**base, **given})
 
 
 def format_steps(tokenizer, out, colour: bool) -> str:
@@ -131,17 +185,17 @@ def format_steps(tokenizer, out, colour: bool) -> str:
 def run(args) -> int:
     import jdllm  # noqa: PLC0415
 
-    model = jdllm.load(args.model, dtype=args.dtype, attn_impl=args.attn_impl)
+    if not args.prompts:
+        raise jdllm.errors.InputError("give at least one --prompt TEXT or --prompt-ids 1,2,3")
+    model = jdllm.load(args.model, dtype=args.dtype, attn_impl=args.attn_impl, check_finite=args.check_finite)
     decoding = decoding_from_args(args, model.config)
     cls = type(decoding)
-    sampling = jdllm.Sampling(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                              max_new_tokens=args.max_new_tokens, seed=args.seed,
-                              stop_token_ids=None if args.stop_token_id is None else tuple(args.stop_token_id))
-    prompts = list(args.prompt) + list(args.prompt_ids)
-    if not prompts:
-        raise jdllm.errors.InputError("give at least one --prompt TEXT or --prompt-ids 1,2,3")
+    extra = {} if args.max_new_tokens is None else {"max_new_tokens": args.max_new_tokens}
+    sampling = jdllm.Sampling(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                              stop_token_ids=None if args.stop_token_id is None else tuple(args.stop_token_id),
+                              **extra)
     t0 = time.perf_counter()
-    outs = jdllm.generate(model, prompts, decoding, sampling, apply_chat_template=args.chat)
+    outs = jdllm.generate(model, list(args.prompts), decoding, sampling, apply_chat_template=args.chat)
     dt = time.perf_counter() - t0
     colour = sys.stdout.isatty()
     for i, out in enumerate(outs):

@@ -1,9 +1,9 @@
-"""The model handle, `load()` and `logits()`.
+"""The model handle and `logits()`.
 
 `Model` bundles what generation needs: the static config, the parameter
 pytree, the tokenizer (or None for token-id-only use) and the attention
-implementation. `load` reads a Hugging Face directory or a converted jdllm
-checkpoint.
+implementation. `jdllm.load` (in `jdllm.checkpoint`) reads one from a Hugging
+Face directory or a converted jdllm checkpoint.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jdllm import errors
+from jdllm import errors, inputs
 from jdllm.config import ModelConfig
 from jdllm.model import Params, default_positions, forward, init_params
 
@@ -41,20 +41,8 @@ class Model:
         return self.params["embed"].dtype
 
 
-def load(path: str, dtype: str | Any = "bfloat16", attn_impl: str = "auto") -> Model:
-    """Load a Hugging Face model directory or a jdllm checkpoint directory."""
-    from convert.io import load_model  # noqa: PLC0415 (the converter owns checkpoint formats)
-
-    return load_model(path, dtype=dtype, attn_impl=attn_impl)
-
-
 def check_token_ids(ids: np.ndarray, config: ModelConfig) -> None:
-    ids = np.asarray(ids)
-    if ids.size and (ids.min() < 0 or ids.max() >= config.vocab_size):
-        bad = int(ids.min()) if ids.min() < 0 else int(ids.max())
-        raise errors.TokenOutOfRangeError(
-            f"token id {bad} is outside the vocabulary [0, {config.vocab_size}); "
-            "check the tokenizer matches the model")
+    inputs.check_id_range(ids, config.vocab_size)
 
 
 def logits(model: Model, token_ids) -> jax.Array:
@@ -64,11 +52,7 @@ def logits(model: Model, token_ids) -> jax.Array:
     padding is masked out; the padded positions' logits are zeros for
     block-causal models and meaningless otherwise) or an int array [B, T].
     """
-    if isinstance(token_ids, (list, tuple)) and token_ids and isinstance(token_ids[0], (list, tuple, np.ndarray)):
-        rows = [np.asarray(r, np.int32) for r in token_ids]
-    else:
-        arr = np.asarray(token_ids, np.int32)
-        rows = list(arr[None] if arr.ndim == 1 else arr)
+    rows = inputs.id_rows(token_ids)
     if not rows or any(len(r) == 0 for r in rows):
         raise errors.InputError("logits() needs at least one non-empty row of token ids")
     T = max(len(r) for r in rows)
@@ -78,6 +62,7 @@ def logits(model: Model, token_ids) -> jax.Array:
             f"{model.config.max_position_embeddings}; truncate the input")
     for r in rows:
         check_token_ids(r, model.config)
+    rows = [r.astype(np.int32) for r in rows]
     cfg = model.config
     if cfg.attention == "block_causal" and len({len(r) for r in rows}) > 1:
         # The block grid lies on slots, so a left pad that is not a whole number of

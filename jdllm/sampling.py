@@ -32,7 +32,8 @@ class Sampling:
 
     temperature: 0 = greedy; > 0 divides the logits. top_k: 0 = off.
     top_p: nucleus mass in (0, 1]; 1 = off. max_new_tokens: tokens generated
-    per prompt at most. seed: row b of a call uses the stream fold_in(seed, b).
+    per prompt at most. seed: with one Sampling for a batch, row b draws from
+    fold_in(seed, b); with one Sampling per prompt, each row from fold_in(seed, 0).
     stop_token_ids: tokens that end a row (kept in the output); None = the
     model's eos_token_ids; () = never stop early.
     """
@@ -45,9 +46,16 @@ class Sampling:
     stop_token_ids: tuple[int, ...] | None = None
 
     def __post_init__(self):
-        if not self.temperature >= 0:
+        import numbers  # noqa: PLC0415 (numbers.Integral / Real also admit NumPy scalars)
+
+        for name in ("temperature", "top_k", "top_p", "max_new_tokens", "seed"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, numbers.Real):
+                raise errors.ArgumentTypeError(
+                    f"Sampling({name}={v!r}): expected a number, got {type(v).__name__}")
+        if not 0 <= self.temperature < float("inf"):
             raise errors.DecodingConfigError(
-                f"temperature={self.temperature} must be >= 0 (0 = greedy)")
+                f"temperature={self.temperature} must be finite and >= 0 (0 = greedy)")
         if int(self.top_k) != self.top_k or self.top_k < 0:
             raise errors.DecodingConfigError(f"top_k={self.top_k} must be an integer >= 0 (0 = off)")
         if not 0 < self.top_p <= 1:
@@ -58,7 +66,19 @@ class Sampling:
         if int(self.seed) != self.seed or not 0 <= self.seed < 2**32:
             raise errors.DecodingConfigError(f"seed={self.seed} must be an integer in [0, 2**32)")
         if self.stop_token_ids is not None:
-            object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+            ids = self.stop_token_ids
+            hint = f"stop_token_ids=[{ids}] for one id, " if isinstance(ids, numbers.Integral) else ""
+            if not isinstance(ids, (str, bytes)) and hasattr(ids, "__iter__"):
+                ids = tuple(ids)
+            if not isinstance(ids, tuple) or any(isinstance(t, bool) or not isinstance(t, numbers.Integral)
+                                                 for t in ids):
+                raise errors.ArgumentTypeError(
+                    f"Sampling(stop_token_ids={self.stop_token_ids!r}): expected a list or tuple of integer "
+                    f"token ids ({hint}None for the model's eos ids, () for none)")
+            if any(t < 0 for t in ids):
+                raise errors.DecodingConfigError(
+                    f"stop_token_ids={tuple(ids)} holds a negative id; token ids are >= 0")
+            object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in ids))
 
     @property
     def greedy(self) -> bool:

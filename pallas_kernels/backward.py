@@ -25,8 +25,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels.flash import (LOG2E, Tiles, _cdiv, _compiler_params, _end, _pad_axis, _pad_head_dim,
-                                  _scalars, _tile, _tile_bounds)
+from pallas_kernels.common import (LOG2E, Tiles, cdiv, key_end, pad_axis, pad_head_dim, row_scalars, tile_bounds,
+                                   tile_size, triton_params)
 
 
 def _first_seeing(s, kind: str, block_size: int, qoff):
@@ -50,7 +50,7 @@ def _dq_kernel(start_ref, qoff_ref, kvl_ref, q_ref, k_ref, v_ref, do_ref, lse_re
     i = num_q_tiles - 1 - pl.program_id(0)
     start, qoff, kvl = start_ref[()], qoff_ref[()], kvl_ref[()]
     rows_p = qoff + i * block_q + lax.broadcasted_iota(jnp.int32, (block_q,), 0)
-    a, b, c, d = _tile_bounds(start=start, kvl=kvl, p_first=qoff + i * block_q,
+    a, b, c, d = tile_bounds(start=start, kvl=kvl, p_first=qoff + i * block_q,
                               p_last=qoff + jnp.minimum(i * block_q + (block_q - 1), T - 1), lo_slot=0,
                               hi_slot=S, block_k=block_k, kind=kind, block_size=block_size)
     q, do = q_ref[...], do_ref[...]  # [bq, D]
@@ -63,7 +63,7 @@ def _dq_kernel(start_ref, qoff_ref, kvl_ref, q_ref, k_ref, v_ref, do_ref, lse_re
         vis = None
         if masked:
             cols = k0 + lax.broadcasted_iota(jnp.int32, (1, block_k), 1)
-            vis = (cols >= start) & (cols < _end(rows_p, kind, block_size, kvl)[:, None])
+            vis = (cols >= start) & (cols < key_end(rows_p, kind, block_size, kvl)[:, None])
         p = _probs(q, k, lse, qk_scale, vis)  # [bq, bk]
         dp = lax.dot_general(do, v, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
         ds = p * (dp - delta[:, None])
@@ -90,7 +90,7 @@ def _dkv_kernel(start_ref, qoff_ref, kvl_ref, q_ref, k_ref, v_ref, do_ref, lse_r
     qa = lax.div(jnp.clip(_first_seeing(kmin, kind, block_size, qoff) - qoff, 0, T), block_q)
     qe = jnp.where(empty, qa, nq)
     full_from = _first_seeing(k0 + (block_k - 1), kind, block_size, qoff) - qoff
-    qb = jnp.clip(_cdiv(jnp.clip(full_from, 0, T), block_q), qa, qe)
+    qb = jnp.clip(cdiv(jnp.clip(full_from, 0, T), block_q), qa, qe)
     qb = jnp.where((k0 >= start) & (k0 + block_k <= kvl), qb, qe)
 
     def step(qt, carry, g, masked: bool):
@@ -103,7 +103,7 @@ def _dkv_kernel(start_ref, qoff_ref, kvl_ref, q_ref, k_ref, v_ref, do_ref, lse_r
         vis = None
         if masked:
             rows_p = qoff + t0 + lax.broadcasted_iota(jnp.int32, (block_q,), 0)
-            vis = (cols >= start) & (cols < _end(rows_p, kind, block_size, kvl)[:, None])
+            vis = (cols >= start) & (cols < key_end(rows_p, kind, block_size, kvl)[:, None])
         p = _probs(q, k, lse, qk_scale, vis)  # [bq, bk]
         dv = dv + lax.dot_general(p.astype(do.dtype), do, (((0,), (0,)), ((), ())),
                                   preferred_element_type=jnp.float32)
@@ -133,20 +133,20 @@ def attention_backward(q, k, v, o, lse, do, *, start, q_offset, kv_len, kind, bl
     S, KV = k.shape[1], k.shape[2]
     G = H // KV
     scale = D ** -0.5 if scale is None else scale
-    bq, bk = _tile(tiles.block_q_bwd, T, backend), _tile(tiles.block_k_bwd, S, backend)
+    bq, bk = tile_size(tiles.block_q_bwd, T, backend), tile_size(tiles.block_k_bwd, S, backend)
     Tp, Sp = pl.cdiv(T, bq) * bq, pl.cdiv(S, bk) * bk
     nq, nk = Tp // bq, Sp // bk
     delta = jnp.einsum("bthd,bthd->bht", o.astype(jnp.float32), do.astype(jnp.float32))  # [B, H, T]
-    q, k, v = _pad_head_dim(q, k, v, backend)
-    do = _pad_axis(do.astype(q.dtype), 3, q.shape[-1])
+    q, k, v = pad_head_dim(q, k, v, backend)
+    do = pad_axis(do.astype(q.dtype), 3, q.shape[-1])
     Dp = q.shape[-1]
-    q, do = _pad_axis(q, 1, Tp), _pad_axis(do, 1, Tp)
-    k, v = _pad_axis(k, 1, Sp), _pad_axis(v, 1, Sp)
-    lse, delta = _pad_axis(lse, 2, Tp), _pad_axis(delta, 2, Tp)  # [B, H, Tp]
-    start, qoff, kvl = _scalars(start, q_offset, kv_len, B, S)
+    q, do = pad_axis(q, 1, Tp), pad_axis(do, 1, Tp)
+    k, v = pad_axis(k, 1, Sp), pad_axis(v, 1, Sp)
+    lse, delta = pad_axis(lse, 2, Tp), pad_axis(delta, 2, Tp)  # [B, H, Tp]
+    start, qoff, kvl = row_scalars(start, q_offset, kv_len, B, S)
     common = dict(block_q=bq, block_k=bk, kind=kind, block_size=block_size, qk_scale=scale * LOG2E,
                   scale=scale)
-    params = _compiler_params(backend, tiles, Dp)
+    params = triton_params(backend, tiles, Dp)
     interpret = backend == "interpret"
 
     row = pl.BlockSpec((None,), lambda i, b, h: (b,))

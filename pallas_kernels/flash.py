@@ -45,156 +45,21 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
-import os
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
+from pallas_kernels import mosaic
+from pallas_kernels.backward import attention_backward
+from pallas_kernels.common import (BACKEND_ENV, BACKENDS, LOG2E, MIN_TILE, NEG, Tiles,  # noqa: F401 (re-exported)
+                                   cdiv, default_backend, key_end, normalise, online_softmax_step,
+                                   pad_axis, pad_head_dim, plain_backend, row_lse, row_scalars, tile_bounds,
+                                   tile_size, triton_params)
 from pallas_kernels.reference import KINDS, attention_reference
 
-LOG2E = math.log2(math.e)
-NEG = -0.7 * float(np.finfo(np.float32).max)  # finite "-inf": keeps exp2(m_old - m_new) NaN-free
 WINDOW_MAX_T = 128  # queries above this use the prefill kernel
-BACKENDS = ("interpret", "triton", "mosaic", "mosaic_interpret")
-BACKEND_ENV = "JDLLM_PALLAS_BACKEND"
-MIN_TILE = 16  # smallest tile dimension the Triton dot accepts
-
-
-@dataclasses.dataclass(frozen=True)
-class Tiles:
-    """Tile sizes (powers of two) and launch knobs; hashable, so usable as a static argument.
-
-    block_q: query rows per prefill program. block_k: keys per inner-loop step.
-    block_r: packed (query, head) rows per window program. num_splits: key
-    splits of the window kernel (None: enough programs for twice the device's
-    cores). num_warps / num_stages: Triton launch parameters (ignored when
-    interpreting). block_q_bwd / block_k_bwd: tiles of the backward kernels.
-    mosaic_block_k (64 or 128) / mosaic_stages (>= 2): key tile and K/V ring
-    depth of the Mosaic GPU prefill kernel (its query tile is fixed at 64).
-    """
-
-    block_q: int = 128
-    block_k: int = 64
-    block_r: int = 128
-    num_splits: int | None = None
-    num_warps: int | None = None
-    num_stages: int = 2
-    block_q_bwd: int = 64
-    block_k_bwd: int = 64
-    mosaic_block_k: int = 64
-    mosaic_stages: int = 2
-
-    def __post_init__(self):
-        for name in ("block_q", "block_k", "block_r", "block_q_bwd", "block_k_bwd"):
-            val = getattr(self, name)
-            if val < 1 or val & (val - 1):
-                raise ValueError(f"Tiles.{name}={val} must be a power of two")
-        if self.num_splits is not None and self.num_splits < 1:
-            raise ValueError(f"Tiles.num_splits={self.num_splits} must be >= 1 (or None)")
-
-
-def default_backend() -> str:
-    """`$JDLLM_PALLAS_BACKEND` if set; else "mosaic" on Hopper, "triton" on other GPUs,
-    "interpret" elsewhere."""
-    env = os.environ.get(BACKEND_ENV)
-    if env:
-        if env not in BACKENDS:
-            raise ValueError(f"{BACKEND_ENV}={env!r} is not one of {BACKENDS}")
-        return env
-    if jax.default_backend() != "gpu":
-        return "interpret"
-    from pallas_kernels.mosaic import is_hopper  # noqa: PLC0415 (import cycle)
-    return "mosaic" if is_hopper() else "triton"
-
-
-def _plain_backend(backend: str) -> str:
-    """The Triton-or-interpret backend that runs what the Mosaic kernel does not."""
-    return {"mosaic": "triton", "mosaic_interpret": "interpret"}.get(backend, backend)
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, int(n) - 1).bit_length()
-
-
-def _tile(want: int, n: int, backend: str) -> int:
-    """Tile for a dimension of size n: at most `want`, no larger than needed.
-
-    Triton needs >= 16; interpret mode takes any power of two.
-    """
-    floor = MIN_TILE if backend == "triton" else 1
-    return max(floor, min(want, _next_pow2(n)))
-
-
-def _compiler_params(backend: str, tiles: Tiles, head_dim: int):
-    if backend != "triton":
-        return None
-    from jax.experimental.pallas import triton as plgpu  # noqa: PLC0415 (GPU-only import)
-    cls = getattr(plgpu, "CompilerParams", None) or getattr(plgpu, "TritonCompilerParams")
-    warps = tiles.num_warps or (4 if head_dim <= 64 else 8)
-    return cls(num_warps=warps, num_stages=tiles.num_stages)
-
-
-# --------------------------------------------------------------------------- in-kernel pieces
-def _cdiv(x, d: int):
-    return lax.div(x + (d - 1), d)
-
-
-def _end(p, kind: str, block_size: int, kvl):
-    """min(horizon(p), kv_len) for slot(s) p (nonnegative int32); `lax.div` lowers on Triton."""
-    if kind == "causal":
-        hz = p + 1
-    elif kind == "block_causal":
-        hz = (lax.div(p, block_size) + 1) * block_size
-    else:
-        return jnp.zeros_like(p) + kvl
-    return jnp.minimum(hz, kvl)
-
-
-def _tile_bounds(*, start, kvl, p_first, p_last, lo_slot, hi_slot, block_k, kind, block_size):
-    """Key-tile ranges [a, b) masked, [b, c) unmasked, [c, d) masked, inside [lo_slot, hi_slot).
-
-    Tiles past the horizon of the last query (or before `start`) are never
-    visited; a tile is unmasked when every query of the tile sees all its keys:
-    it starts at or after `start` and ends before the horizon of the first query.
-    """
-    lo = jnp.maximum(start, lo_slot)
-    hi = jnp.minimum(_end(p_last, kind, block_size, kvl), hi_slot)
-    a = lax.div(lo, block_k)
-    d = jnp.where(hi > lo, jnp.maximum(_cdiv(hi, block_k), a), a)  # nothing visible: no tile
-    b = jnp.clip(_cdiv(start, block_k), a, d)
-    c = jnp.clip(lax.div(_end(p_first, kind, block_size, kvl), block_k), b, d)
-    return a, b, c, d
-
-
-def online_softmax_step(carry, s, vis, pv):
-    """Fold one key tile into the running (acc [R, D], m [R], l [R]) of the online softmax.
-
-    s [R, bk]: f32 scores in log2 units; vis: bool [R, bk] visibility, or None
-    for a tile every row sees whole; pv(p) -> p @ V [R, D] f32 for the tile's
-    probabilities p [R, bk] (the caller's matmul: a dot, or wgmma). Rows with
-    nothing visible yet keep l = 0. Broadcasts are explicit `broadcast_in_dim`s
-    so Mosaic GPU's layouts follow them.
-    """
-    acc, m, l = carry
-    R, bk = s.shape
-    if vis is not None:
-        s = jnp.where(vis, s, NEG)
-    m_new = jnp.maximum(m, jnp.max(s, axis=1))
-    corr = jnp.exp2(m - m_new)
-    p = jnp.exp2(s - lax.broadcast_in_dim(m_new, (R, bk), [0]))
-    if vis is not None:
-        p = jnp.where(vis, p, 0.0)
-    l = corr * l + jnp.sum(p, axis=1)
-    return acc * lax.broadcast_in_dim(corr, acc.shape, [0]) + pv(p), m_new, l
-
-
-def normalise(acc, l):
-    """acc [R, D] / l [R] per row; rows that saw nothing (l = 0) stay zero."""
-    return acc / lax.broadcast_in_dim(jnp.where(l == 0.0, 1.0, l), acc.shape, [0])
 
 
 def _attend(q, rows_p, k_ref, v_ref, bounds, *, start, kvl, block_k, kind, block_size, qk_scale):
@@ -216,7 +81,7 @@ def _attend(q, rows_p, k_ref, v_ref, bounds, *, start, kvl, block_k, kind, block
         vis = None
         if masked:
             cols = k0 + lax.broadcasted_iota(jnp.int32, (1, block_k), 1)  # [1, bk]
-            end = _end(rows_p, kind, block_size, kvl)[:, None]  # [R, 1]
+            end = key_end(rows_p, kind, block_size, kvl)[:, None]  # [R, 1]
             vis = (cols >= start) & (cols < end)  # [R, bk]
         return online_softmax_step(
             carry, s, vis, lambda p: lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
@@ -239,41 +104,13 @@ def _prefill_kernel(start_ref, qoff_ref, kvl_ref, q_ref, k_ref, v_ref, *refs, T,
     rows_p = qoff + i * block_q + lax.broadcasted_iota(jnp.int32, (block_q,), 0)  # [bq]
     p_first = qoff + i * block_q
     p_last = qoff + jnp.minimum(i * block_q + (block_q - 1), T - 1)
-    bounds = _tile_bounds(start=start, kvl=kvl, p_first=p_first, p_last=p_last, lo_slot=0,
+    bounds = tile_bounds(start=start, kvl=kvl, p_first=p_first, p_last=p_last, lo_slot=0,
                           hi_slot=S, block_k=block_k, kind=kind, block_size=block_size)
     acc, m, l = _attend(q_ref[...], rows_p, k_ref, v_ref, bounds, start=start, kvl=kvl,
                         block_k=block_k, kind=kind, block_size=block_size, qk_scale=qk_scale)
     o_ref[...] = normalise(acc, l).astype(o_ref.dtype)
     if with_lse:
-        lse_ref[...] = _lse(m, l)
-
-
-def _lse(m, l):
-    """log2-sum-exp2 of a row's scores (0 for rows that see nothing; the backward masks them)."""
-    return jnp.where(l == 0.0, 0.0, m + jnp.log2(jnp.where(l == 0.0, 1.0, l)))
-
-
-def _scalars(start, q_offset, kv_len, B: int, S: int):
-    """Per-row int32 [B] arrays of start, q_offset and kv_len (clipped to S); traced values welcome."""
-    start = jnp.broadcast_to(jnp.asarray(start, jnp.int32), (B,))
-    qoff = jnp.broadcast_to(jnp.asarray(q_offset, jnp.int32), (B,))
-    kvl = jnp.broadcast_to(jnp.minimum(jnp.asarray(kv_len, jnp.int32), S), (B,))
-    return start, qoff, kvl
-
-
-def _pad_axis(x, axis: int, size: int):
-    if x.shape[axis] == size:
-        return x
-    widths = [(0, 0)] * x.ndim
-    widths[axis] = (0, size - x.shape[axis])
-    return jnp.pad(x, widths)
-
-
-def _pad_head_dim(q, k, v, backend: str):
-    """Zero-pad head_dim to a power of two (>= 16 on Triton); zeros change no score."""
-    D = q.shape[-1]
-    Dp = _tile(_next_pow2(D), D, backend) if backend == "triton" else _next_pow2(D)
-    return _pad_axis(q, 3, Dp), _pad_axis(k, 3, Dp), _pad_axis(v, 3, Dp)
+        lse_ref[...] = row_lse(m, l)
 
 
 def prefill_attention(q, k, v, *, start, q_offset=0, kv_len=None, kind="causal", block_size=1,
@@ -287,18 +124,18 @@ def prefill_attention(q, k, v, *, start, q_offset=0, kv_len=None, kind="causal",
     to write shows up in tests. `return_lse=True` also returns the row
     log2-sum-exp2 [B, H, T] f32 the backward needs.
     """
-    backend = _plain_backend(backend or default_backend())
+    backend = plain_backend(backend or default_backend())
     B, T, H, D = q.shape
     S, KV = k.shape[1], k.shape[2]
     G = H // KV
     kv_len = S if kv_len is None else kv_len
     scale = D ** -0.5 if scale is None else scale
-    bq, bk = _tile(tiles.block_q, T, backend), _tile(tiles.block_k, S, backend)
+    bq, bk = tile_size(tiles.block_q, T, backend), tile_size(tiles.block_k, S, backend)
     Tp, Sp = pl.cdiv(T, bq) * bq, pl.cdiv(S, bk) * bk
-    q, k, v = _pad_head_dim(q, k.astype(q.dtype), v.astype(q.dtype), backend)
+    q, k, v = pad_head_dim(q, k.astype(q.dtype), v.astype(q.dtype), backend)
     Dp = q.shape[-1]
-    q, k, v = _pad_axis(q, 1, Tp), _pad_axis(k, 1, Sp), _pad_axis(v, 1, Sp)
-    start, qoff, kvl = _scalars(start, q_offset, kv_len, B, S)
+    q, k, v = pad_axis(q, 1, Tp), pad_axis(k, 1, Sp), pad_axis(v, 1, Sp)
+    start, qoff, kvl = row_scalars(start, q_offset, kv_len, B, S)
     nq = Tp // bq
 
     kernel = functools.partial(_prefill_kernel, T=T, S=S, num_q_tiles=nq, block_q=bq, block_k=bk,
@@ -322,7 +159,7 @@ def prefill_attention(q, k, v, *, start, q_offset=0, kv_len=None, kind="causal",
         out_specs=out_specs,
         out_shape=out_shape,
         input_output_aliases=aliases,
-        compiler_params=_compiler_params(backend, tiles, Dp),
+        compiler_params=triton_params(backend, tiles, Dp),
         interpret=backend == "interpret",
         name="jdllm_flash_prefill",
     )(*args)
@@ -355,10 +192,10 @@ def _window_kernel(start_ref, qoff_ref, kvl_ref, q_ref, k_ref, v_ref, *refs, T, 
     # Split the tiles this row tile can see, [start, horizon of its last query), evenly over the
     # splits: the work follows kv_len at run time, not the static cache length S.
     first = lax.div(start, block_k)
-    last = jnp.maximum(_cdiv(jnp.minimum(_end(p_last, kind, block_size, kvl), S), block_k), first)
-    per_split = _cdiv(last - first, num_splits)
+    last = jnp.maximum(cdiv(jnp.minimum(key_end(p_last, kind, block_size, kvl), S), block_k), first)
+    per_split = cdiv(last - first, num_splits)
     lo_slot = (first + sj * per_split) * block_k
-    bounds = _tile_bounds(start=start, kvl=kvl, p_first=p_first, p_last=p_last, lo_slot=lo_slot,
+    bounds = tile_bounds(start=start, kvl=kvl, p_first=p_first, p_last=p_last, lo_slot=lo_slot,
                           hi_slot=jnp.minimum(lo_slot + per_split * block_k, S), block_k=block_k,
                           kind=kind, block_size=block_size)
     acc, m, l = _attend(q_ref[...], rows_p, k_ref, v_ref, bounds, start=start, kvl=kvl,
@@ -388,26 +225,26 @@ def window_attention(q, k, v, *, start, q_offset=0, kv_len=None, kind="causal", 
     `poison=True` pre-fills the partial buffers with NaN; `return_lse` as in
     `prefill_attention`.
     """
-    backend = _plain_backend(backend or default_backend())
+    backend = plain_backend(backend or default_backend())
     B, T, H, D = q.shape
     S, KV = k.shape[1], k.shape[2]
     G = H // KV
     kv_len = S if kv_len is None else kv_len
     scale = D ** -0.5 if scale is None else scale
     R = T * G
-    br, bk = _tile(tiles.block_r, R, backend), _tile(tiles.block_k, S, backend)
+    br, bk = tile_size(tiles.block_r, R, backend), tile_size(tiles.block_k, S, backend)
     Rp, Sp = pl.cdiv(R, br) * br, pl.cdiv(S, bk) * bk
     nr = Rp // br
     key_tiles = Sp // bk
     ns = tiles.num_splits or _default_splits(B * KV * nr, key_tiles)
     split_tiles = pl.cdiv(key_tiles, min(ns, key_tiles))
     ns = pl.cdiv(key_tiles, split_tiles)  # no empty trailing split
-    q, k, v = _pad_head_dim(q, k.astype(q.dtype), v.astype(q.dtype), backend)
+    q, k, v = pad_head_dim(q, k.astype(q.dtype), v.astype(q.dtype), backend)
     Dp = q.shape[-1]
-    k, v = _pad_axis(k, 1, Sp), _pad_axis(v, 1, Sp)
+    k, v = pad_axis(k, 1, Sp), pad_axis(v, 1, Sp)
     qp = q.reshape(B, T, KV, G, Dp).transpose(0, 2, 1, 3, 4).reshape(B, KV, R, Dp)
-    qp = _pad_axis(qp, 2, Rp)  # [B, KV, Rp, Dp]
-    start, qoff, kvl = _scalars(start, q_offset, kv_len, B, S)
+    qp = pad_axis(qp, 2, Rp)  # [B, KV, Rp, Dp]
+    start, qoff, kvl = row_scalars(start, q_offset, kv_len, B, S)
 
     kernel = functools.partial(_window_kernel, T=T, G=G, S=S, num_splits=ns,
                                block_r=br, block_k=bk, kind=kind, block_size=block_size,
@@ -431,7 +268,7 @@ def window_attention(q, k, v, *, start, q_offset=0, kv_len=None, kind="causal", 
         out_specs=out_specs,
         out_shape=out_shape,
         input_output_aliases=aliases,
-        compiler_params=_compiler_params(backend, tiles, Dp),
+        compiler_params=triton_params(backend, tiles, Dp),
         interpret=backend == "interpret",
         name="jdllm_flash_window",
     )(*args)
@@ -454,7 +291,7 @@ def combine_splits(acc, m, l):
     w = jnp.exp2(m - m_all[:, :, None])  # [B, KV, n, R]
     num = jnp.einsum("bkns,bknsd->bksd", w, acc)
     den = jnp.einsum("bkns,bkns->bks", w, l)
-    return num / jnp.where(den == 0.0, 1.0, den)[..., None], _lse(m_all, den)
+    return num / jnp.where(den == 0.0, 1.0, den)[..., None], row_lse(m_all, den)
 
 
 # --------------------------------------------------------------------------- entry point
@@ -473,13 +310,12 @@ def _forward(q, k, v, start, q_offset, kv_len, st: _Static, return_lse: bool = F
     kw = dict(start=start, q_offset=q_offset, kv_len=kv_len, kind=st.kind,
               block_size=st.block_size, scale=st.scale, return_lse=return_lse)
     if st.backend in ("mosaic", "mosaic_interpret") and st.variant == "prefill":
-        from pallas_kernels import mosaic  # noqa: PLC0415 (import cycle)
         if mosaic.unsupported_reason(q, k) is None:
             return mosaic.prefill_attention(q, k, v, **kw, block_k=st.tiles.mosaic_block_k,
                                             stages=st.tiles.mosaic_stages,
                                             interpret=st.backend == "mosaic_interpret")
     fn = window_attention if st.variant == "window" else prefill_attention
-    return fn(q, k, v, **kw, tiles=st.tiles, backend=_plain_backend(st.backend))
+    return fn(q, k, v, **kw, tiles=st.tiles, backend=plain_backend(st.backend))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
@@ -501,11 +337,9 @@ def _attention_bwd(st: _Static, res, g):
     if st.bwd == "xla":
         _, vjp = jax.vjp(lambda q, k, v: attention_reference(q, k, v, **kw), q, k, v)
         return (*vjp(g), None, None, None)
-    from pallas_kernels.backward import attention_backward  # noqa: PLC0415 (import cycle)
-
     o, lse = res[6:]
     dq, dk, dv = attention_backward(q, k.astype(q.dtype), v.astype(q.dtype), o, lse, g, **kw,
-                                    tiles=st.tiles, backend=_plain_backend(st.backend))
+                                    tiles=st.tiles, backend=plain_backend(st.backend))
     return dq, dk.astype(k.dtype), dv.astype(v.dtype), None, None, None
 
 

@@ -6,10 +6,10 @@ K and V tiles stream through a ring of `stages` shared-memory slots filled by
 TMA on mbarriers, the copies of tiles t + 1 .. t + stages - 1 in flight while
 tile t is computed. Both matrix products are `wgmma`:
 S = Q K^T from shared memory, O += P V with P from registers. The key loop is
-the prefill kernel's (`flash._tile_bounds`): it starts at `start[b]`'s tile,
+the prefill kernel's (`common.tile_bounds`): it starts at `start[b]`'s tile,
 stops at the horizon of the tile's last query (tiles beyond are never loaded),
 and only the boundary tiles (left padding, the diagonal, `kv_len`) apply the
-mask. Online softmax in float32, base 2: `flash.online_softmax_step`, the
+mask. Online softmax in float32, base 2: `common.online_softmax_step`, the
 Triton and interpret kernels' own step.
 
 Constraints: float16 / bfloat16, head_dim a multiple of 64 (the 128-byte
@@ -42,8 +42,9 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels.flash import (LOG2E, NEG, _end, _lse, _pad_axis, _scalars, _tile_bounds,
-                                  normalise, online_softmax_step)
+from pallas_kernels.common import is_hopper  # noqa: F401 (re-exported: mosaic.is_hopper)
+from pallas_kernels.common import (LOG2E, NEG, key_end, normalise, online_softmax_step, pad_axis, row_lse,
+                                   row_scalars, tile_bounds)
 
 BLOCK_Q = 64  # one wgmma M tile per warpgroup
 BLOCK_K = 64  # default key tile (64 or 128)
@@ -58,15 +59,6 @@ def unsupported_reason(q, k) -> str | None:
     if q.shape[-1] % 64:
         return f"head_dim {q.shape[-1]} (Mosaic kernel needs a multiple of 64)"
     return None
-
-
-def is_hopper() -> bool:
-    """True on an sm_90 device (H100 / H200)."""
-    dev = jax.devices()[0]
-    if dev.platform != "gpu":
-        return False
-    cc = getattr(dev, "compute_capability", None)
-    return str(cc).startswith("9")
 
 
 def _plgpu():
@@ -123,7 +115,7 @@ def _kernel(start_g, qoff_g, kvl_g, q_g, k_g, v_g, o_g, lse_g, q_s, k_s, v_s, ls
     plgpu.copy_gmem_to_smem(q_g.at[b, pl.ds(q0, bq), h], q_s, q_bar)
     p_first = qoff + q0
     p_last = qoff + jnp.minimum(q0 + (bq - 1), T - 1)
-    ta, tb, tc, td = _tile_bounds(start=start, kvl=kvl, p_first=p_first, p_last=p_last, lo_slot=0,
+    ta, tb, tc, td = tile_bounds(start=start, kvl=kvl, p_first=p_first, p_last=p_last, lo_slot=0,
                                   hi_slot=S, block_k=bk, kind=kind, block_size=block_size)
 
     for j in range(stages - 1):  # fill the ring but its last slot
@@ -146,7 +138,7 @@ def _kernel(start_g, qoff_g, kvl_g, q_g, k_g, v_g, o_g, lse_g, q_s, k_s, v_s, ls
         vis = None
         if masked:
             cols = t * bk + iota(1)
-            end = _end(p_first + iota(0), kind, block_size, kvl)
+            end = key_end(p_first + iota(0), kind, block_size, kvl)
             vis = (cols >= start) & (cols < end)
 
         def pv_after_v_lands(p):
@@ -163,7 +155,7 @@ def _kernel(start_g, qoff_g, kvl_g, q_g, k_g, v_g, o_g, lse_g, q_s, k_s, v_s, ls
     acc, m, l = lax.fori_loop(tc, td, functools.partial(step, masked=True), carry)
 
     q_s[...] = normalise(acc, l).astype(dtype)
-    lse_s[...] = _lse(m, l)
+    lse_s[...] = row_lse(m, l)
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(q_s, o_g.at[b, pl.ds(q0, bq), h])
     plgpu.copy_smem_to_gmem(lse_s, lse_g.at[b, h, pl.ds(q0, bq)])
@@ -193,8 +185,8 @@ def prefill_attention(q, k, v, *, start, q_offset=0, kv_len=None, kind="causal",
     scale = D ** -0.5 if scale is None else scale
     Tp, Sp = pl.cdiv(T, BLOCK_Q) * BLOCK_Q, pl.cdiv(S, block_k) * block_k
     k, v = k.astype(q.dtype), v.astype(q.dtype)
-    q, k, v = _pad_axis(q, 1, Tp), _pad_axis(k, 1, Sp), _pad_axis(v, 1, Sp)
-    start, qoff, kvl = _scalars(start, q_offset, kv_len, B, S)
+    q, k, v = pad_axis(q, 1, Tp), pad_axis(k, 1, Sp), pad_axis(v, 1, Sp)
+    start, qoff, kvl = row_scalars(start, q_offset, kv_len, B, S)
     nq = Tp // BLOCK_Q
 
     if interpret:

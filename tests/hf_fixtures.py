@@ -6,7 +6,7 @@
   in each family's *own* config keys and weight names, made from the weights
   of the equivalent transformers model (Qwen3 for SDAR, LLaMA for LLaDA,
   Qwen2 for Dream and Fast-dLLM v2). The renaming here is written out
-  independently of `convert.hf`, so loading these directories tests it.
+  independently of `jdllm.hf_layout`, so loading these directories tests it.
 * `build_tokenizer`: a small trained BPE tokenizer.json (+ tokenizer_config.json).
 * `reference_logits`: the transformers model's float32 logits under an
   explicit attention mask (causal, block-causal or bidirectional, with left

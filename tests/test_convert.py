@@ -19,7 +19,8 @@ import hf_fixtures as fx
 import jdllm
 from convert import hf
 from convert import io as cio
-from jdllm import errors
+from jdllm import checkpoint as ckpt
+from jdllm import errors, hf_layout
 from jdllm.cli import main as jdllm_main
 from jdllm.config import ModelConfig
 from jdllm.model import init_params
@@ -48,7 +49,7 @@ def _no_leftovers(parent, name="out"):
 
 
 def _hf_tensors(hf_dir) -> dict[str, np.ndarray]:
-    sd = hf.SafetensorsDir(hf_dir)
+    sd = ckpt.SafetensorsDir(hf_dir)
     return {k: sd[k] for k in sd}
 
 
@@ -57,14 +58,14 @@ def test_round_trip_float32_bit_exact(tmp_path):
     hf_dir, _ = fx.build_transformers_model("qwen3", str(tmp_path / "hf"), seed=0, tokenizer=True)
     src = _hf_tensors(hf_dir)
     out = cio.convert_checkpoint(hf_dir, str(tmp_path / "out"), dtype="float32", progress=False)
-    assert sorted(os.listdir(out)) == sorted(["params", cio.MARKER_FILE, cio.HF_CONFIG_COPY,
+    assert sorted(os.listdir(out)) == sorted(["params", ckpt.MARKER_FILE, ckpt.HF_CONFIG_COPY,
                                               "tokenizer.json", "tokenizer_config.json",
                                               "generation_config.json"])
     cfg = ModelConfig.from_hf(hf_dir)
-    restored = cio.restore_params(out)  # stored dtype
-    _assert_bit_equal(restored, hf.params_from_hf_tensors(src, cfg))
+    restored = ckpt.restore_params(out)  # stored dtype
+    _assert_bit_equal(restored, hf_layout.params_from_hf_tensors(src, cfg))
     # ... and back to the Hugging Face arrays, bit for bit.
-    back = hf.params_to_hf_tensors(jax.tree.map(np.asarray, restored), cfg)
+    back = hf_layout.params_to_hf_tensors(jax.tree.map(np.asarray, restored), cfg)
     assert sorted(back) == sorted(src)
     _assert_bit_equal(back, src)
     m = jdllm.load(out, dtype="float32")
@@ -79,17 +80,17 @@ def test_round_trip_bfloat16_bit_exact(tmp_path):
     assert {x.dtype for x in src.values()} == {np.dtype(ml_dtypes.bfloat16)}
     out = cio.convert_checkpoint(hf_dir, str(tmp_path / "out"), dtype="bfloat16", progress=False)
     cfg = ModelConfig.from_hf(hf_dir)
-    restored = cio.restore_params(out)
-    _assert_bit_equal(restored, hf.params_from_hf_tensors(src, cfg))
-    _assert_bit_equal(hf.params_to_hf_tensors(jax.tree.map(np.asarray, restored), cfg), src)
-    assert cio.read_jdllm_meta(out)["dtype"] == "bfloat16"
+    restored = ckpt.restore_params(out)
+    _assert_bit_equal(restored, hf_layout.params_from_hf_tensors(src, cfg))
+    _assert_bit_equal(hf_layout.params_to_hf_tensors(jax.tree.map(np.asarray, restored), cfg), src)
+    assert ckpt.read_jdllm_meta(out)["dtype"] == "bfloat16"
 
 
 def test_float32_to_bfloat16_rounds_like_torch(tmp_path):
     hf_dir, model = fx.build_transformers_model("qwen2", str(tmp_path / "hf"), seed=2)
     out = cio.convert_checkpoint(hf_dir, str(tmp_path / "out"), dtype="bfloat16", progress=False)
     cfg = ModelConfig.from_hf(hf_dir)
-    back = hf.params_to_hf_tensors(jax.tree.map(np.asarray, cio.restore_params(out)), cfg)
+    back = hf_layout.params_to_hf_tensors(jax.tree.map(np.asarray, ckpt.restore_params(out)), cfg)
     for name, p in model.state_dict().items():
         want = p.to(torch.bfloat16).view(torch.int16).numpy()
         assert np.array_equal(back[name].view(np.int16), want), name
@@ -115,7 +116,7 @@ def test_save_hf_dir_round_trip(family, tmp_path):
 
 def test_sharded_input(tmp_path):
     hf_dir, model = fx.build_transformers_model("qwen2", str(tmp_path / "hf"), seed=8, max_shard_size="20KB")
-    index = json.load(open(os.path.join(hf_dir, hf.INDEX_FILE)))
+    index = json.load(open(os.path.join(hf_dir, ckpt.INDEX_FILE)))
     assert len(set(index["weight_map"].values())) >= 3
     out = cio.convert_checkpoint(hf_dir, str(tmp_path / "out"), dtype="float32", progress=False)
     tokens = np.random.default_rng(0).integers(0, 128, (1, 12))
@@ -130,7 +131,7 @@ def test_sharded_input(tmp_path):
 @pytest.fixture
 def sharded(tmp_path):
     hf_dir, _ = fx.build_family_dir("llada", str(tmp_path / "hf"), seed=1, shards=3)
-    index = json.load(open(os.path.join(hf_dir, hf.INDEX_FILE)))
+    index = json.load(open(os.path.join(hf_dir, ckpt.INDEX_FILE)))
     return hf_dir, index["weight_map"]
 
 
@@ -167,7 +168,7 @@ def test_missing_shard(sharded, tmp_path):
 
 def test_missing_tensor(tmp_path):
     hf_dir, _ = fx.build_family_dir("sdar", str(tmp_path / "hf"), seed=1)
-    path = os.path.join(hf_dir, hf.SINGLE_FILE)
+    path = os.path.join(hf_dir, ckpt.SINGLE_FILE)
     t = load_file(path)
     gone = "model.layers.1.self_attn.k_norm.weight"
     del t[gone]
@@ -179,7 +180,7 @@ def test_missing_tensor(tmp_path):
 
 def test_unexpected_tensor(tmp_path):
     hf_dir, _ = fx.build_transformers_model("qwen3", str(tmp_path / "hf"), seed=1)
-    path = os.path.join(hf_dir, hf.SINGLE_FILE)
+    path = os.path.join(hf_dir, ckpt.SINGLE_FILE)
     t = load_file(path)
     extra = "model.layers.2.mlp.gate_proj.weight"  # a third layer config.json does not declare
     t[extra] = t["model.layers.0.mlp.gate_proj.weight"]
@@ -215,8 +216,15 @@ def test_out_dir_exists(tmp_path):
     with pytest.raises(errors.OutputExistsError, match="--overwrite"):
         cio.convert_checkpoint(hf_dir, str(out), progress=False)
     assert (out / "keep.txt").read_text() == "mine"
+    # --overwrite replaces a jdllm checkpoint (or an empty directory), never a directory of other files
+    with pytest.raises(errors.OutputExistsError, match="not a jdllm checkpoint"):
+        cio.convert_checkpoint(hf_dir, str(out), overwrite=True, progress=False)
+    assert (out / "keep.txt").read_text() == "mine"
+    (out / "keep.txt").unlink()
+    cio.convert_checkpoint(hf_dir, str(out), dtype="float32", overwrite=True, progress=False)  # empty
+    (out / "keep.txt").write_text("inside the old checkpoint")
     cio.convert_checkpoint(hf_dir, str(out), dtype="float32", overwrite=True, progress=False)
-    assert not (out / "keep.txt").exists() and cio.is_jdllm_dir(str(out))
+    assert not (out / "keep.txt").exists() and ckpt.is_jdllm_dir(str(out))
     umask = os.umask(0)
     os.umask(umask)
     assert os.stat(out).st_mode & 0o777 == 0o777 & ~umask  # not mkdtemp's 0700
@@ -228,7 +236,7 @@ def test_out_dir_exists(tmp_path):
 def test_interrupted_conversion_leaves_nothing(where, exc, tmp_path, monkeypatch):
     hf_dir, _ = fx.build_transformers_model("qwen2", str(tmp_path / "hf"), seed=1)
     if where == "tensors":  # half-way through the tensors
-        real, calls = hf._to_jdllm, []
+        real, calls = hf_layout._to_jdllm, []
 
         def flaky(*a):
             calls.append(1)
@@ -236,7 +244,7 @@ def test_interrupted_conversion_leaves_nothing(where, exc, tmp_path, monkeypatch
                 raise exc("interrupted")
             return real(*a)
 
-        monkeypatch.setattr(hf, "_to_jdllm", flaky)
+        monkeypatch.setattr(hf_layout, "_to_jdllm", flaky)
     else:  # after Orbax has written part of the checkpoint
         real_save = cio.save_params
 
@@ -272,8 +280,8 @@ def test_python_m_convert(tmp_path):
                         capture_output=True, text=True, env=env, cwd=str(tmp_path), timeout=300)
     assert ok.returncode == 0, ok.stderr
     assert "tensor" in ok.stderr  # the progress bar
-    assert cio.is_jdllm_dir(out)
-    os.remove(os.path.join(hf_dir, hf.SINGLE_FILE))
+    assert ckpt.is_jdllm_dir(out)
+    os.remove(os.path.join(hf_dir, ckpt.SINGLE_FILE))
     bad = subprocess.run([sys.executable, "-m", "convert", hf_dir, str(tmp_path / "out2")],
                          capture_output=True, text=True, env=env, cwd=str(tmp_path), timeout=300)
     assert bad.returncode != 0
@@ -285,7 +293,7 @@ def test_python_m_convert(tmp_path):
 def test_tolerated_extra_tensors(tmp_path):
     """A tied checkpoint that still ships lm_head, and old rotary inv_freq buffers, load unchanged."""
     hf_dir, model = fx.build_transformers_model("qwen2", str(tmp_path / "hf"), seed=1, tied=True)
-    path = os.path.join(hf_dir, hf.SINGLE_FILE)
+    path = os.path.join(hf_dir, ckpt.SINGLE_FILE)
     t = load_file(path)
     assert "lm_head.weight" not in t
     t["lm_head.weight"] = t["model.embed_tokens.weight"]
@@ -309,7 +317,7 @@ def test_restore_into_shardings(tmp_path):
     shardings = jax.tree.map(lambda s: jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()),
                              param_shapes(cfg), is_leaf=lambda x: isinstance(x, tuple))
     for path in (out, hf_dir):
-        m = cio.load_model(path, dtype="bfloat16", shardings=shardings)
+        m = ckpt.load_model(path, dtype="bfloat16", shardings=shardings)
         leaves = jax.tree.leaves(m.params)
         assert all(x.sharding == jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()) for x in leaves)
         assert {x.dtype for x in leaves} == {jax.numpy.bfloat16.dtype}
@@ -318,7 +326,7 @@ def test_restore_into_shardings(tmp_path):
 def test_damaged_jdllm_checkpoint(tmp_path):
     hf_dir, _ = fx.build_transformers_model("llama", str(tmp_path / "hf"), seed=1)
     out = cio.convert_checkpoint(hf_dir, str(tmp_path / "out"), dtype="float32", progress=False)
-    meta_path = os.path.join(out, cio.MARKER_FILE)
+    meta_path = os.path.join(out, ckpt.MARKER_FILE)
     meta = json.load(open(meta_path))
     meta["config"]["intermediate_size"] = 64  # config no longer describes the stored params
     json.dump(meta, open(meta_path, "w"))

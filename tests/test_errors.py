@@ -93,3 +93,155 @@ def test_corrupt_jdllm_marker(tmp_path):
     (tmp_path / "jdllm_config.json").write_text("{not json")
     with pytest.raises(errors.CorruptCheckpointError, match="jdllm_config.json.*jdllm convert"):
         jdllm.load(str(tmp_path))
+
+
+# --------------------------------------------------------------------------- issue 19: rough edges
+SHIPPED = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "models")
+
+
+@pytest.fixture(scope="module")
+def tiny_sdar():
+    return jdllm.load(os.path.join(SHIPPED, "tiny-sdar"), dtype="float32")
+
+
+@pytest.mark.parametrize("text,char,pos", [("Add:1+2=", "A", 0), ("sort:3 1?", "?", 8), ("ab\ncd", "\n", 2),
+                                           ("x\x00", "\x00", 1), ("日本", "日", 0), ("ok 🙂", "🙂", 3)])
+def test_text_the_tokenizer_cannot_encode(tiny_sdar, text, char, pos):
+    with pytest.raises(errors.InputError) as info:
+        jdllm.generate(tiny_sdar, [text])
+    msg = str(info.value)
+    assert repr(char) in msg and f"position {pos}" in msg and "abcdefghijklmnopqrstuvwxyz" in msg
+
+
+def test_text_that_is_not_utf8(tiny_sdar):
+    with pytest.raises(errors.InputError, match="not valid UTF-8.*position 2"):
+        jdllm.generate(tiny_sdar, ["ab\udcff"])  # how Python decodes a stray byte in argv
+
+
+@pytest.mark.parametrize("kw,exc,match", [
+    (dict(temperature="0.5"), errors.ArgumentTypeError, r"temperature='0.5'.*a number"),
+    (dict(top_k=None), errors.ArgumentTypeError, "top_k=None"),
+    (dict(stop_token_ids=5), errors.ArgumentTypeError, r"stop_token_ids=\[5\]"),
+    (dict(stop_token_ids="12"), errors.ArgumentTypeError, "stop_token_ids='12'"),
+    (dict(stop_token_ids=[-1]), errors.DecodingConfigError, "negative"),
+    (dict(temperature=float("inf")), errors.DecodingConfigError, "temperature=inf must be finite"),
+])
+def test_sampling_types_and_ranges(kw, exc, match):
+    with pytest.raises(exc, match=match):
+        jdllm.Sampling(**kw)
+
+
+def test_sampling_accepts_numpy_scalars_and_arrays():
+    s = jdllm.Sampling(temperature=np.float32(0.5), top_k=np.int64(3), stop_token_ids=np.array([1, 4]))
+    assert s.stop_token_ids == (1, 4)
+
+
+def test_generate_argument_types_and_special_ids(tiny_sdar):
+    with pytest.raises(errors.ArgumentTypeError, match=r"jdllm.Sampling\(\*\*\{'temperature': 0\}\)"):
+        jdllm.generate(tiny_sdar, ["sort:1 2="], sampling={"temperature": 0})
+    with pytest.raises(errors.TokenOutOfRangeError, match="stop token id 999.*0, 48"):
+        jdllm.generate(tiny_sdar, ["sort:1 2="], sampling=jdllm.Sampling(stop_token_ids=[999]))
+    with pytest.raises(errors.InputError, match="mask token id 2 at position 1"):
+        jdllm.generate(tiny_sdar, [[31, 2, 30]])
+    with pytest.raises(errors.ArgumentTypeError, match="prompt 0 holds float64"):
+        jdllm.generate(tiny_sdar, [[1.5, 3.0]])
+
+
+@pytest.mark.parametrize("bad,exc,match", [
+    ("abc", errors.ArgumentTypeError, "text"), (np.zeros((1, 2, 3), np.int32), errors.ArgumentTypeError, "3 dim"),
+    (5, errors.ArgumentTypeError, "0 dim"), ([[2**31]], errors.TokenOutOfRangeError, "2147483648"),
+    ([[1.5]], errors.ArgumentTypeError, "float64"),
+])
+def test_logits_argument_types(model, bad, exc, match):
+    with pytest.raises(exc, match=match):
+        jdllm.logits(model, bad)
+
+
+def test_default_max_new_tokens_fits_the_model(tiny_sdar):
+    """The default 256 is clipped to the 64-token context with a note pointing at the caller."""
+    with pytest.warns(UserWarning, match="generating at most 53 tokens") as rec:
+        out = jdllm.generate(tiny_sdar, ["sort:3 1 2="])
+    assert out[0].text == "1 2 3"
+    assert rec[0].filename == __file__  # stacklevel: the user's line, not jdllm/api.py
+    with pytest.raises(errors.SequenceTooLongError):  # an explicit value is not second-guessed
+        jdllm.generate(tiny_sdar, ["sort:3 1 2="], sampling=jdllm.Sampling(max_new_tokens=200))
+
+
+def test_paradigm_warnings_point_at_the_caller(tiny_sdar):
+    with pytest.warns(UserWarning, match="block_length=8 differs") as rec:
+        jdllm.generate(tiny_sdar, ["sort:1 2="], jdllm.BlockDiffusion(block_length=8, denoising_steps=8),
+                       jdllm.Sampling(max_new_tokens=8))
+    assert rec[0].filename == __file__
+
+
+def test_load_argument_checks(tmp_path):
+    with pytest.raises(errors.ArgumentTypeError, match="path=None"):
+        jdllm.load(None)
+    with pytest.raises(errors.ConfigError, match="attn_impl='nonsense'"):
+        jdllm.load(os.path.join(SHIPPED, "tiny-ar"), attn_impl="nonsense")
+    with pytest.raises(errors.ConfigError, match="cudnn.*GPU"):
+        jdllm.load(os.path.join(SHIPPED, "tiny-ar"), attn_impl="cudnn")
+    (tmp_path / "config.json").write_text("[1, 2]")
+    with pytest.raises(errors.ConfigError, match="JSON list"):
+        jdllm.load(str(tmp_path))
+
+
+def _hf_copy(tmp_path, name="tiny-sdar", **config):
+    import shutil  # noqa: PLC0415
+
+    d = tmp_path / name
+    shutil.copytree(os.path.join(SHIPPED, name), d)
+    c = json.loads((d / "config.json").read_text())
+    c.update(config)
+    (d / "config.json").write_text(json.dumps(c))
+    return str(d)
+
+
+def test_config_zero_is_not_replaced_by_a_default(tmp_path):
+    cfg = ModelConfig.from_hf({"model_type": "sdar", "vocab_size": 48, "hidden_size": 32, "intermediate_size": 64,
+                               "num_hidden_layers": 1, "num_attention_heads": 4, "mask_token_id": 0})
+    assert cfg.mask_token_id == 0
+    for key in ("block_size", "num_key_value_heads", "head_dim"):
+        with pytest.raises(errors.ConfigError, match=f"{key.replace('num_key_value_heads', 'num_kv_heads')}=0"):
+            jdllm.load(_hf_copy(tmp_path / key, **{key: 0}))
+    llada = {"model_type": "llada", "d_model": 32, "n_heads": 4, "n_layers": 1, "mlp_hidden_size": 64,
+             "vocab_size": 64, "embedding_size": 0}
+    with pytest.raises(errors.ConfigError, match="vocab_size=0"):
+        ModelConfig.from_hf(llada)
+
+
+@pytest.mark.parametrize("key,value", [("mask_token_id", 999), ("eos_token_id", 48), ("pad_token_id", -1)])
+def test_special_ids_outside_the_vocabulary(tmp_path, key, value):
+    with pytest.raises(errors.ConfigError, match=f"{key}={value}.*0, 48"):
+        jdllm.load(_hf_copy(tmp_path, **{key: value}))
+
+
+def test_integer_weights_are_refused(tmp_path):
+    from safetensors.numpy import load_file, save_file  # noqa: PLC0415
+
+    d = _hf_copy(tmp_path)
+    path = os.path.join(d, "model.safetensors")
+    tensors = load_file(path)
+    tensors["model.norm.weight"] = tensors["model.norm.weight"].astype(np.int32)
+    save_file(tensors, path, metadata={"format": "pt"})
+    with pytest.raises(errors.CorruptCheckpointError, match="'model.norm.weight'.*int32"):
+        jdllm.load(d)
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_check_finite_names_the_tensor(tmp_path, value):
+    from safetensors.numpy import load_file, save_file  # noqa: PLC0415
+
+    from convert.io import convert_checkpoint  # noqa: PLC0415
+
+    d = _hf_copy(tmp_path)
+    path = os.path.join(d, "model.safetensors")
+    tensors = load_file(path)
+    tensors["model.layers.2.self_attn.k_proj.weight"][0, 0] = value
+    save_file(tensors, path, metadata={"format": "pt"})
+    jdllm.load(d)  # off by default in Python
+    with pytest.raises(errors.NonFiniteWeightsError, match=r"'model.layers.2.self_attn.k_proj.weight' \(layers/k\[2\]\)"):
+        jdllm.load(d, check_finite=True)
+    out = convert_checkpoint(d, str(tmp_path / "ckpt"), dtype="float32", progress=False)
+    with pytest.raises(errors.NonFiniteWeightsError, match="model.layers.2.self_attn.k_proj.weight"):
+        jdllm.load(out, check_finite=True)  # a jdllm checkpoint: checked on the device

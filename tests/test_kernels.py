@@ -29,7 +29,7 @@ import pallas_kernels
 from jdllm import errors
 from jdllm.config import ModelConfig
 from jdllm.model import KVCache, default_positions, forward, init_params
-from pallas_kernels import flash
+from pallas_kernels import common, flash
 from pallas_kernels.reference import attention_reference
 
 TOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
@@ -144,7 +144,7 @@ def test_tile_schedule_is_exact(kind, bs):
     p_last = qoff + np.minimum(tile * bq + bq - 1, T - 1)
 
     def bounds(start, kvl, p_first, p_last):
-        return flash._tile_bounds(start=start, kvl=kvl, p_first=p_first, p_last=p_last, lo_slot=0,
+        return common.tile_bounds(start=start, kvl=kvl, p_first=p_first, p_last=p_last, lo_slot=0,
                                   hi_slot=S, block_k=bk, kind=kind, block_size=bs)
 
     a, b, c, d = (np.asarray(x) for x in jax.jit(jax.vmap(bounds))(
@@ -583,3 +583,30 @@ def test_gpu_mosaic_prefill_compiled(kind, bs, qoff, dtype):
     kw = dict(start=jnp.array([0, 77]), q_offset=qoff, kind=kind, block_size=bs)
     out = jax.jit(functools.partial(mosaic.prefill_attention, **kw))(q, k, v)
     assert _rel_err(out, attention_reference(q, k, v, **kw)) <= TOL[jnp.bfloat16]
+
+
+def test_kernel_modules_import_without_a_cycle():
+    """flash, backward and mosaic share `common`; none reaches into a sibling's private names,
+    and no module-level import is deferred into a function to dodge a circle."""
+    import ast
+    import pathlib
+
+    root = pathlib.Path(flash.__file__).parent
+    deps, problems = {}, []
+    for path in root.glob("*.py"):
+        mod = path.stem
+        deps[mod] = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("pallas_kernels"):
+                target = (node.module.split(".") + [a.name for a in node.names])[1]
+                deps[mod].add(target)
+                problems += [f"{mod} imports private {a.name}" for a in node.names if a.name.startswith("_")]
+                if node.col_offset and mod != "__init__":
+                    problems.append(f"{mod} imports {node.module} inside a function")
+    assert not problems
+
+    def reaches(a, b, seen=()):
+        return any(d == b or (d not in seen and reaches(d, b, seen + (d,))) for d in deps.get(a, ()))
+
+    assert not [m for m in deps if reaches(m, m)]
+    assert deps["backward"] <= {"common"} and deps["mosaic"] <= {"common"}

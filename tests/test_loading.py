@@ -37,3 +37,19 @@ def test_qwen_unsupported_activation_refused():
           "num_hidden_layers": 1, "num_attention_heads": 4, "hidden_act": "gelu"}
     with pytest.raises(errors.ConfigError, match="hidden_act"):
         ModelConfig.from_hf(hf)
+
+
+def test_library_never_imports_the_converter():
+    """`convert` depends on jdllm (it writes what jdllm.checkpoint reads), never the reverse."""
+    import ast
+    import pathlib
+
+    root = pathlib.Path(jdllm.__file__).parent
+    offenders = []
+    for path in root.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            offenders += [f"{path.relative_to(root)}: {n}" for n in names if n.split(".")[0] == "convert"]
+    assert not offenders
+    assert any(root.rglob("checkpoint.py"))

@@ -38,7 +38,7 @@ def smoke_dir(tmp_path_factory):
 
 @pytest.mark.parametrize("name", sorted(EXPECTED))
 def test_directory_is_a_loadable_hf_model(smoke_dir, name):
-    from convert.io import load_model
+    from jdllm.checkpoint import load_model
 
     d = smoke_dir / name
     model_type, tensor, attention = EXPECTED[name]

@@ -70,6 +70,11 @@ class BlockDiffusion:
     fuse_commit: bool = True
 
     def __post_init__(self):
+        for name in ("block_length", "denoising_steps", "confidence_threshold", "eb_threshold"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating)):
+                raise errors.ArgumentTypeError(f"BlockDiffusion({name}={v!r}): expected a number, "
+                                               f"got {type(v).__name__}")
         if int(self.block_length) != self.block_length or self.block_length < 1:
             raise errors.DecodingConfigError(f"block_length={self.block_length} must be an integer >= 1")
         s = self.denoising_steps

@@ -76,7 +76,7 @@ from jdllm.sampling import apply_token_bitmask, distribution_stats, exclude_toke
 from jdllm.state import DecodeState, slot_index
 
 REMASKING = ("low_confidence", "random")
-CACHES = ("none", "prefix", "dual")
+CACHES = ("auto", "none", "prefix", "dual")
 ALGS = ("origin", "maskgit_plus", "topk_margin", "entropy")
 
 
@@ -136,7 +136,8 @@ class MaskedDiffusion:
       block (unused with confidence_threshold). remasking: LLaDA's `low_confidence` or `random`. alg: Dream's `origin`,
       `maskgit_plus`, `topk_margin` or `entropy` (None = LLaDA schedule); eps: Dream's
       final timestep. confidence_threshold: Fast-dLLM parallel decoding in (0, 1]
-      (None = the step schedule). cache: `none`, `prefix` or `dual` (Fast-dLLM).
+      (None = the step schedule). cache: `none`, `prefix` or `dual` (Fast-dLLM's approximate
+      caches); `auto` = the fastest exact choice, which is `none` here.
       cfg_scale: classifier-free guidance (0 = off; needs cache="none").
     """
 
@@ -156,6 +157,8 @@ class MaskedDiffusion:
     eps: float = 1e-3
 
     def __post_init__(self):
+        if self.cache == "auto":
+            object.__setattr__(self, "cache", "none")
         for f in ("gen_length", "steps", "block_length"):
             v = getattr(self, f)
             if v is not None and (int(v) != v or v < 1):

@@ -1,0 +1,352 @@
+"""Reading models from disk: Hugging Face directories and jdllm (Orbax) checkpoints.
+
+A Hugging Face directory holds config.json, model.safetensors (or shards listed
+in model.safetensors.index.json) and the tokenizer files. A jdllm checkpoint
+directory (written by `convert`) holds
+  jdllm_config.json   {"format": "jdllm", "version": 1, "dtype": ..., "config": ModelConfig.to_dict()}
+  params/             the parameter pytree, saved with Orbax (restorable straight into shardings)
+  hf_config.json      the source config.json, kept for reference
+  tokenizer files     copied from the source (tokenizer.json, tokenizer_config.json, ...)
+
+`load` reads either kind into a `jdllm.loading.Model`. The tensor-name mapping
+lives in `jdllm.hf_layout`; writing checkpoints is `convert`'s job.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+from typing import Any, Mapping
+
+import numpy as np
+
+from jdllm import errors, hf_layout
+from jdllm.config import ModelConfig
+
+CONFIG_FILE = "config.json"
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+MARKER_FILE = "jdllm_config.json"
+PARAMS_DIR = "params"
+HF_CONFIG_COPY = "hf_config.json"
+FORMAT_VERSION = 1
+DTYPES = ("bfloat16", "float16", "float32")
+
+
+def one_line(e: BaseException) -> str:
+    """An exception's text on one line (library messages may span several)."""
+    return " ".join(str(e).split())
+
+
+def np_dtype(dtype) -> np.dtype | None:
+    """'bfloat16' | 'float16' | 'float32' | a NumPy/JAX dtype | None -> NumPy dtype (None keeps)."""
+    if dtype is None:
+        return None
+    import ml_dtypes  # noqa: PLC0415
+
+    names = {"bfloat16": np.dtype(ml_dtypes.bfloat16), "float16": np.dtype(np.float16),
+             "float32": np.dtype(np.float32)}
+    if isinstance(dtype, str):
+        if dtype not in names:
+            raise errors.ConfigError(f"dtype={dtype!r} is not one of {DTYPES}")
+        return names[dtype]
+    try:
+        d = np.dtype(dtype)
+    except TypeError as e:
+        raise errors.ConfigError(f"dtype={dtype!r} is not one of {DTYPES}") from e
+    if d.name not in names:
+        raise errors.ConfigError(f"dtype={d.name!r} is not one of {DTYPES}")
+    return d
+
+
+def is_jdllm_dir(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, MARKER_FILE))
+
+
+def is_hf_dir(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, CONFIG_FILE))
+
+
+# --------------------------------------------------------------------------- safetensors (Hugging Face)
+def _safetensors_error(path: str, e: Exception) -> errors.CorruptCheckpointError:
+    return errors.CorruptCheckpointError(
+        f"{path} is not a readable safetensors file ({type(e).__name__}: {one_line(e)}); "
+        "re-download or re-export this file")
+
+
+class SafetensorsDir(Mapping):
+    """Lazy {tensor name: NumPy array} over a HF directory's single or sharded safetensors.
+
+    Opening checks the index and every shard header; a tensor is read from disk
+    when it is accessed.
+    """
+
+    def __init__(self, hf_dir: str):
+        from safetensors import safe_open  # noqa: PLC0415
+
+        self.dir = os.fspath(hf_dir)
+        index = os.path.join(self.dir, INDEX_FILE)
+        single = os.path.join(self.dir, SINGLE_FILE)
+        if os.path.exists(index):
+            try:
+                with open(index) as f:
+                    weight_map = dict(json.load(f)["weight_map"])
+            except (OSError, ValueError, KeyError, TypeError) as e:
+                raise errors.CorruptCheckpointError(
+                    f"{index} is not a valid safetensors index ({type(e).__name__}: {one_line(e)}); "
+                    "it needs a 'weight_map' of tensor name -> shard file") from e
+            files = sorted(set(weight_map.values()))
+            for fn in files:
+                if not os.path.exists(os.path.join(self.dir, fn)):
+                    users = sorted(n for n, s in weight_map.items() if s == fn)
+                    raise errors.MissingShardError(
+                        f"shard {os.path.join(self.dir, fn)} listed in {INDEX_FILE} (holding "
+                        f"{users[0]!r} and {len(users) - 1} more tensors) is missing: "
+                        "download every shard of the checkpoint")
+        elif os.path.exists(single):
+            files, weight_map = [SINGLE_FILE], None
+        else:
+            raise errors.CheckpointError(
+                f"{self.dir} holds neither {SINGLE_FILE} nor {INDEX_FILE}: point at a Hugging Face "
+                "model directory with safetensors weights (convert .bin weights with transformers first)")
+        self._handles = {}
+        self._where: dict[str, str] = {}
+        for fn in files:
+            path = os.path.join(self.dir, fn)
+            try:
+                h = safe_open(path, framework="numpy")
+                names = list(h.keys())
+            except Exception as e:  # noqa: BLE001 (safetensors raises its own error types)
+                raise _safetensors_error(path, e) from e
+            self._handles[fn] = h
+            for n in names:
+                self._where[n] = fn
+        if weight_map is not None:
+            for n, fn in weight_map.items():
+                if self._where.get(n) != fn:
+                    raise errors.CorruptCheckpointError(
+                        f"{INDEX_FILE} places tensor {n!r} in {fn} but that shard does not hold it: "
+                        "re-download the checkpoint (the index and shards disagree)")
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        fn = self._where[name]
+        try:
+            return self._handles[fn].get_tensor(name)
+        except Exception as e:  # noqa: BLE001
+            raise _safetensors_error(os.path.join(self.dir, fn), e) from e
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._handles[self._where[name]].get_slice(name).get_shape())
+
+    def __iter__(self):
+        return iter(self._where)
+
+    def __len__(self) -> int:
+        return len(self._where)
+
+
+# --------------------------------------------------------------------------- tokenizer
+def load_tokenizer(path: str):
+    """The directory's tokenizer (local files only, no hub access), or None without tokenizer.json."""
+    if not os.path.isfile(os.path.join(path, "tokenizer.json")):
+        return None
+    import transformers  # noqa: PLC0415
+
+    verbosity = transformers.logging.get_verbosity()
+    transformers.logging.set_verbosity_error()  # a custom model_type in config.json is expected here
+    with warnings.catch_warnings():
+        # AutoTokenizer reads config.json; its deprecation notes about model keys
+        # (v4 `rope_scaling`, as published checkpoints have) say nothing about the tokenizer.
+        warnings.simplefilter("ignore", FutureWarning)
+        return _load_tokenizer(transformers, path, verbosity)
+
+
+def _load_tokenizer(transformers, path: str, verbosity: int):
+    try:
+        try:
+            # trust_remote_code=False: never run (or prompt for) a model's custom code.
+            return transformers.AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=False)
+        except Exception:  # noqa: BLE001 (a custom tokenizer_class or model_type: use the generic fast one)
+            pass
+        try:
+            return transformers.PreTrainedTokenizerFast.from_pretrained(path, local_files_only=True)
+        except Exception as e:  # noqa: BLE001
+            raise errors.CorruptCheckpointError(
+                f"{os.path.join(path, 'tokenizer.json')} cannot be loaded ({type(e).__name__}: {one_line(e)}); "
+                "replace it with the tokenizer that came with the model, or remove it to use token ids only") from e
+    finally:
+        transformers.logging.set_verbosity(verbosity)
+
+
+# --------------------------------------------------------------------------- jdllm checkpoints
+def read_jdllm_meta(path: str) -> dict[str, Any]:
+    marker = os.path.join(path, MARKER_FILE)
+    try:
+        with open(marker) as f:
+            meta = json.load(f)
+        meta["config"] = ModelConfig.from_dict(meta["config"])
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise errors.CorruptCheckpointError(
+            f"{marker} is not a valid jdllm checkpoint marker ({type(e).__name__}: {one_line(e)}); "
+            "re-run `jdllm convert` to rebuild the checkpoint") from e
+    if meta.get("version", 0) > FORMAT_VERSION:
+        raise errors.CheckpointError(
+            f"{marker} has format version {meta.get('version')}, newer than this jdllm reads "
+            f"({FORMAT_VERSION}); upgrade jdllm")
+    return meta
+
+
+def restore_params(path: str, dtype=None, shardings=None):
+    """Restore a jdllm checkpoint's params as jax Arrays.
+
+    dtype: cast on restore (None keeps the stored dtype, bit for bit).
+    shardings: optional pytree of `jax.sharding.Sharding` matching the params,
+    so each device reads only its own shards; default: the first device.
+    """
+    import jax  # noqa: PLC0415
+    import orbax.checkpoint as ocp  # noqa: PLC0415
+
+    from jdllm.model import param_shapes  # noqa: PLC0415
+
+    meta = read_jdllm_meta(path)
+    cfg = meta["config"]
+    params_dir = os.path.abspath(os.path.join(path, PARAMS_DIR))
+    want = np_dtype(dtype)
+    try:
+        with ocp.StandardCheckpointer() as ckpt:
+            stored = ckpt.metadata(params_dir).item_metadata.tree
+            expected = param_shapes(cfg)
+            got_shapes = {k: tuple(m.shape) for k, m in _flat(stored)}
+            want_shapes = {k: tuple(v) for k, v in _flat(expected, leaf=lambda x: isinstance(x, tuple))}
+            if got_shapes != want_shapes:
+                bad = sorted(set(got_shapes.items()) ^ set(want_shapes.items()))[0]
+                raise errors.CorruptCheckpointError(
+                    f"{params_dir} disagrees with {MARKER_FILE} at parameter {bad[0]} "
+                    f"(stored {got_shapes.get(bad[0])}, config implies {want_shapes.get(bad[0])}); "
+                    "re-run `jdllm convert`")
+            default = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+            shard_tree = shardings if shardings is not None else jax.tree.map(lambda _: default, stored)
+            abstract = jax.tree.map(
+                lambda m, s: jax.ShapeDtypeStruct(tuple(m.shape), want if want is not None else m.dtype, sharding=s),
+                stored, shard_tree)
+            return ckpt.restore(params_dir, abstract)
+    except errors.JdllmError:
+        raise
+    except Exception as e:  # noqa: BLE001 (orbax / tensorstore raise many types)
+        raise errors.CorruptCheckpointError(
+            f"cannot restore {params_dir} ({type(e).__name__}: {one_line(e)}); re-run `jdllm convert`") from e
+
+
+def _flat(tree, leaf=None) -> list[tuple[str, Any]]:
+    import jax  # noqa: PLC0415
+
+    return [(jax.tree_util.keystr(k), v) for k, v in jax.tree_util.tree_flatten_with_path(tree, is_leaf=leaf)[0]]
+
+
+# --------------------------------------------------------------------------- load
+ATTN_IMPLS = ("auto", "xla", "pallas", "cudnn")
+
+
+def check_attn_impl(attn_impl: str) -> None:
+    """`attn_impl` is one jdllm knows and one this machine can run (cuDNN needs an NVIDIA GPU)."""
+    if not isinstance(attn_impl, str) or attn_impl not in ATTN_IMPLS:
+        raise errors.ConfigError(f"attn_impl={attn_impl!r} is not one of {ATTN_IMPLS}; 'auto' picks for you")
+    if attn_impl == "cudnn":
+        import jax  # noqa: PLC0415
+
+        if jax.default_backend() != "gpu":
+            raise errors.ConfigError(
+                f"attn_impl='cudnn' needs an NVIDIA GPU, but JAX runs on {jax.default_backend()!r}; "
+                "use attn_impl='auto' (or 'xla')")
+
+
+def check_special_ids(cfg: ModelConfig, source: str) -> None:
+    """mask / eos / pad / bos ids lie inside the vocabulary: an id outside it would never be
+    generated (eos: rows never stop) or never match (mask: the model decodes garbage)."""
+    named = [("mask_token_id", cfg.mask_token_id), ("pad_token_id", cfg.pad_token_id),
+             ("bos_token_id", cfg.bos_token_id)] + [("eos_token_id", t) for t in cfg.eos_token_ids]
+    for key, tid in named:
+        if tid is None:
+            continue
+        if isinstance(tid, bool) or not isinstance(tid, int) or not 0 <= tid < cfg.vocab_size:
+            raise errors.ConfigError(
+                f"{source}: {key}={tid!r} is outside the vocabulary [0, {cfg.vocab_size}); "
+                f"set {key} in config.json to the tokenizer's id for that token")
+
+
+def check_params_finite(params, cfg: ModelConfig, source: str) -> None:
+    """Raise NonFiniteWeightsError naming the first tensor (by its Hugging Face name) holding NaN/inf."""
+    import jax  # noqa: PLC0415
+    import jax.numpy as jnp  # noqa: PLC0415
+
+    for slot_name, slot in hf_layout.hf_tensor_names(cfg).items():
+        x = params
+        for key in slot.path:
+            x = x[key]
+        if slot.layer is not None:
+            x = x[slot.layer]
+        if isinstance(x, np.ndarray):
+            bad = ~np.isfinite(x.astype(np.float32))
+            count = int(bad.sum())
+        else:
+            count = int(jax.device_get(jnp.sum(~jnp.isfinite(x))))
+        if count:
+            where = "/".join(slot.path) + (f"[{slot.layer}]" if slot.layer is not None else "")
+            raise errors.NonFiniteWeightsError(
+                f"tensor {slot_name!r} ({where}) in {source} holds {count} NaN/inf values: the weights "
+                "are corrupt or overflowed on export; re-download or re-export them "
+                "(check_finite=False / --no-check-finite loads them anyway)")
+
+
+def load_model(path: str, dtype="bfloat16", attn_impl: str = "auto", shardings=None,
+               check_finite: bool = False):
+    """A `jdllm.loading.Model` from a Hugging Face directory or a jdllm checkpoint directory."""
+    import jax  # noqa: PLC0415 (jax and the model stay unimported until a model is read)
+    import jax.numpy as jnp  # noqa: PLC0415
+
+    from jdllm.loading import Model  # noqa: PLC0415
+
+    if not isinstance(path, (str, os.PathLike)):
+        raise errors.ArgumentTypeError(
+            f"load(path={path!r}): expected a directory path (str or os.PathLike), got {type(path).__name__}")
+    check_attn_impl(attn_impl)
+    path = os.fspath(path)
+    if not os.path.isdir(path):
+        raise errors.CheckpointError(
+            f"{path} is not a directory: pass a Hugging Face model directory (config.json + "
+            "safetensors) or a jdllm checkpoint made by `jdllm convert`")
+    if is_jdllm_dir(path):
+        cfg = read_jdllm_meta(path)["config"]
+        check_special_ids(cfg, path)
+        params = restore_params(path, dtype=dtype, shardings=shardings)
+    elif is_hf_dir(path):
+        cfg = ModelConfig.from_hf(path)
+        check_special_ids(cfg, os.path.join(path, CONFIG_FILE))
+        want = np_dtype(dtype)
+        host = hf_layout.params_from_hf_tensors(SafetensorsDir(path), cfg, dtype=want, source=path)
+        if check_finite:
+            check_params_finite(host, cfg, source=path)
+            check_finite = False  # checked on the host, before the copy to the device
+        if shardings is not None:
+            params = jax.tree.map(jax.device_put, host, shardings)
+        else:
+            params = jax.tree.map(jnp.asarray, host)
+    else:
+        raise errors.CheckpointError(
+            f"{path} has neither {CONFIG_FILE} (Hugging Face) nor {MARKER_FILE} (jdllm): "
+            "point at a model directory")
+    if check_finite:
+        check_params_finite(params, cfg, source=path)
+    return Model(config=cfg, params=params, tokenizer=load_tokenizer(path), attn_impl=attn_impl, path=path)
+
+
+def load(path: str, dtype: str | Any = "bfloat16", attn_impl: str = "auto", check_finite: bool = False):
+    """Load a Hugging Face model directory or a jdllm checkpoint directory (`jdllm.load`).
+
+    attn_impl: "auto" | "xla" | "pallas" | "cudnn" (see `pallas_kernels`).
+    check_finite: scan every weight for NaN/inf first and raise
+    `errors.NonFiniteWeightsError` naming the tensor (one pass over the weights;
+    the `jdllm` command line does it by default).
+    """
+    return load_model(path, dtype=dtype, attn_impl=attn_impl, check_finite=check_finite)

@@ -1,0 +1,193 @@
+"""Checks on what a user hands to `generate` / `logits`, before anything compiles.
+
+Each check raises a `jdllm.errors` exception naming the value and the fix;
+`prepare` and `logits` call them, so the compiled code only ever sees inputs it
+can decode.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import numbers
+import warnings
+
+import numpy as np
+
+from jdllm import errors
+
+INT32_MAX = 2**31 - 1
+
+
+def id_rows(token_ids, what: str = "token_ids") -> list[np.ndarray]:
+    """A list of token-id lists or an int array [B, T] / [T] -> int64 rows (unchecked range).
+
+    Text, floats, nesting deeper than two levels and scalars are refused with
+    ArgumentTypeError, so nothing downstream sees a silently cast value.
+    """
+    if isinstance(token_ids, (str, bytes)):
+        raise errors.ArgumentTypeError(
+            f"{what} is text ({token_ids[:20]!r}); pass token ids, e.g. model.tokenizer.encode(text), "
+            "or use jdllm.generate, which tokenizes")
+    if isinstance(token_ids, (list, tuple)) and token_ids and not isinstance(token_ids[0], numbers.Integral):
+        rows = [id_row(r, f"{what}[{b}]") for b, r in enumerate(token_ids)]
+    else:
+        arr = _int_array(token_ids, what)
+        if arr.ndim == 0 or arr.ndim > 2:
+            raise errors.ArgumentTypeError(
+                f"{what} has {arr.ndim} dimensions (shape {arr.shape}); pass a list of token-id lists "
+                "or an int array [batch, length]")
+        rows = list(arr[None] if arr.ndim == 1 else arr)
+    return rows
+
+
+def id_row(row, what: str = "prompt") -> np.ndarray:
+    """One row of token ids -> int64 [T]."""
+    if isinstance(row, (str, bytes)):
+        raise errors.ArgumentTypeError(f"{what} is text ({row[:20]!r}) where token ids were expected")
+    arr = _int_array(row, what)
+    if arr.ndim != 1:
+        raise errors.ArgumentTypeError(
+            f"{what} has shape {arr.shape}; a row of token ids is one-dimensional")
+    return arr
+
+
+def _int_array(x, what: str) -> np.ndarray:
+    try:
+        arr = np.asarray(x)
+    except (ValueError, TypeError) as e:  # ragged nesting and the like
+        raise errors.ArgumentTypeError(f"{what} is not a list of integer token ids ({e})") from None
+    if arr.size == 0:
+        return arr.astype(np.int64).reshape(arr.shape)
+    if arr.dtype == bool or not np.issubdtype(arr.dtype, np.integer):
+        raise errors.ArgumentTypeError(
+            f"{what} holds {arr.dtype} values, not integer token ids (e.g. {arr.reshape(-1)[0]!r})")
+    if arr.dtype == np.uint64 and arr.max() > INT32_MAX:
+        raise errors.TokenOutOfRangeError(f"token id {int(arr.max())} in {what} is outside the vocabulary")
+    return arr.astype(np.int64)
+
+
+def check_id_range(ids: np.ndarray, vocab_size: int, what: str = "token id") -> None:
+    ids = np.asarray(ids)
+    if ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
+        bad = int(ids.min()) if ids.min() < 0 else int(ids.max())
+        raise errors.TokenOutOfRangeError(
+            f"{what} {bad} is outside the vocabulary [0, {vocab_size}); "
+            "check the tokenizer matches the model")
+
+
+# --------------------------------------------------------------------------- text
+def encode_text(tokenizer, text, index: int, encode):
+    """`encode()` (the tokenizer call for prompt `index`), with text it cannot encode turned into an
+    InputError naming the first such character, its position and the characters the tokenizer knows."""
+    if not isinstance(text, str):
+        raise errors.ArgumentTypeError(f"prompt {index} is a {type(text).__name__}, not text or token ids")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise errors.InputError(
+            f"prompt {index} is not valid UTF-8 text (a stray byte at position {e.start}, shown as "
+            f"{text[e.start]!r}); re-encode the prompt as UTF-8") from None
+    try:
+        return encode()
+    except Exception as e:  # noqa: BLE001 (tokenizers raise a bare Exception for unknown characters)
+        pos, ch = _first_unencodable(tokenizer, text)
+        if pos is None:
+            raise errors.InputError(
+                f"prompt {index} cannot be tokenized ({type(e).__name__}: {' '.join(str(e).split())})") from None
+        raise errors.InputError(
+            f"prompt {index} has {ch!r} (U+{ord(ch):04X}) at position {pos}, which the tokenizer cannot "
+            f"encode (it has no usable unknown token){_alphabet(tokenizer)}; remove or replace it") from None
+
+
+def _first_unencodable(tokenizer, text: str):
+    for pos, ch in enumerate(text):
+        try:
+            tokenizer.encode(ch, add_special_tokens=False)
+        except Exception:  # noqa: BLE001
+            return pos, ch
+    return None, None
+
+
+def _alphabet(tokenizer, limit: int = 256) -> str:
+    """', it knows: <characters>' for a small character-level vocabulary, else ''."""
+    try:
+        vocab = tokenizer.get_vocab()
+        special = set(getattr(tokenizer, "all_special_tokens", ()))
+    except Exception:  # noqa: BLE001
+        return ""
+    chars = sorted(t for t in vocab if len(t) == 1 and t not in special)
+    if not chars or len(vocab) > limit:
+        return ""
+    return ", it knows only " + repr("".join(chars))
+
+
+# --------------------------------------------------------------------------- generate()
+def check_sampling(sampling):
+    """`sampling` is a jdllm.Sampling (not a dict of its fields)."""
+    from jdllm.sampling import Sampling  # noqa: PLC0415
+
+    if not isinstance(sampling, Sampling):
+        hint = f"jdllm.Sampling(**{sampling!r})" if isinstance(sampling, dict) else "jdllm.Sampling(...)"
+        raise errors.ArgumentTypeError(
+            f"sampling={sampling!r} is a {type(sampling).__name__}; pass {hint}")
+
+
+def validate_paradigm(decoding, cfg) -> None:
+    """`decoding.validate(cfg)`, its warnings attributed to the user's call rather than to jdllm."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        decoding.validate(cfg)
+    for w in caught:
+        errors.warn(str(w.message), w.category)
+
+
+def check_prompts(ids: list[list[int]], cfg, settings: list):
+    """Prompts and stop ids against the model; returns the settings (one `Sampling` per prompt),
+    a default max_new_tokens clipped to what the model's context leaves (with a note)."""
+    for s in settings:
+        if s.stop_token_ids:
+            check_id_range(np.asarray(s.stop_token_ids), cfg.vocab_size, what="stop token id")
+    if cfg.mask_token_id is not None:
+        for i, p in enumerate(ids):
+            hits = np.flatnonzero(np.asarray(p) == cfg.mask_token_id)
+            if hits.size:
+                raise errors.InputError(
+                    f"prompt {i} holds the mask token id {cfg.mask_token_id} at position {int(hits[0])}; "
+                    "a diffusion model would treat it as a blank to fill, not as prompt text: remove it")
+    out = list(settings)
+    for i, (p, s) in enumerate(zip(ids, settings)):
+        default = next(f.default for f in dataclasses.fields(s) if f.name == "max_new_tokens")
+        room = cfg.max_position_embeddings - len(p)
+        if s.max_new_tokens == default and 1 <= room < default:
+            errors.warn(f"max_new_tokens: the default {default} does not fit the model's context "
+                        f"(max_position_embeddings={cfg.max_position_embeddings}, prompt {i} has "
+                        f"{len(p)} tokens); generating at most {room} tokens. "
+                        "Set max_new_tokens (--max-new-tokens) to choose.")
+            out[i] = dataclasses.replace(s, max_new_tokens=room)
+    return out
+
+
+# --------------------------------------------------------------------------- output paths
+def check_output_path(path: str, what: str, create_parents: bool) -> None:
+    """Fail before any work if `path` cannot be written: its directory missing (when not
+    `create_parents`), a regular file where a directory must be, or a read-only location."""
+    import os  # noqa: PLC0415
+    import tempfile  # noqa: PLC0415
+
+    path = os.path.abspath(os.fspath(path))
+    parent = os.path.dirname(path)
+    if not create_parents and not os.path.isdir(parent):
+        raise errors.OutputPathError(
+            f"{what} {path}: the directory {parent} does not exist; create it first or choose another path")
+    existing = parent
+    while not os.path.lexists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise errors.OutputPathError(
+            f"{what} {path}: {existing} is a file, not a directory; choose another path")
+    try:
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as e:
+        raise errors.OutputPathError(
+            f"{what} {path}: cannot write in {existing} ({e.strerror or e}); choose a writable location") from None

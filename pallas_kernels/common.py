@@ -1,0 +1,194 @@
+"""What the Pallas attention kernels share: tiles, backends, and the in-kernel pieces.
+
+`flash.py` (Triton / interpret forward), `backward.py` (its backward kernels)
+and `mosaic.py` (the Mosaic GPU forward on Hopper) all import from here and
+from nowhere else in this package, except `flash.py`, which dispatches to the
+other two. Scores are in log2 units throughout (pre-multiplied by LOG2E).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+LOG2E = math.log2(math.e)
+NEG = -0.7 * float(np.finfo(np.float32).max)  # finite "-inf": keeps exp2(m_old - m_new) NaN-free
+BACKENDS = ("interpret", "triton", "mosaic", "mosaic_interpret")
+BACKEND_ENV = "JDLLM_PALLAS_BACKEND"
+MIN_TILE = 16  # smallest tile dimension the Triton dot accepts
+
+
+# --------------------------------------------------------------------------- tiles and backends
+@dataclasses.dataclass(frozen=True)
+class Tiles:
+    """Tile sizes (powers of two) and launch knobs; hashable, so usable as a static argument.
+
+    block_q: query rows per prefill program. block_k: keys per inner-loop step.
+    block_r: packed (query, head) rows per window program. num_splits: key
+    splits of the window kernel (None: enough programs for twice the device's
+    cores). num_warps / num_stages: Triton launch parameters (ignored when
+    interpreting). block_q_bwd / block_k_bwd: tiles of the backward kernels.
+    mosaic_block_k (64 or 128) / mosaic_stages (>= 2): key tile and K/V ring
+    depth of the Mosaic GPU prefill kernel (its query tile is fixed at 64).
+    """
+
+    block_q: int = 128
+    block_k: int = 64
+    block_r: int = 128
+    num_splits: int | None = None
+    num_warps: int | None = None
+    num_stages: int = 2
+    block_q_bwd: int = 64
+    block_k_bwd: int = 64
+    mosaic_block_k: int = 64
+    mosaic_stages: int = 2
+
+    def __post_init__(self):
+        for name in ("block_q", "block_k", "block_r", "block_q_bwd", "block_k_bwd"):
+            val = getattr(self, name)
+            if val < 1 or val & (val - 1):
+                raise ValueError(f"Tiles.{name}={val} must be a power of two")
+        if self.num_splits is not None and self.num_splits < 1:
+            raise ValueError(f"Tiles.num_splits={self.num_splits} must be >= 1 (or None)")
+
+
+def default_backend() -> str:
+    """`$JDLLM_PALLAS_BACKEND` if set; else "mosaic" on Hopper, "triton" on other GPUs,
+    "interpret" elsewhere."""
+    env = os.environ.get(BACKEND_ENV)
+    if env:
+        if env not in BACKENDS:
+            raise ValueError(f"{BACKEND_ENV}={env!r} is not one of {BACKENDS}")
+        return env
+    if jax.default_backend() != "gpu":
+        return "interpret"
+    return "mosaic" if is_hopper() else "triton"
+
+
+def plain_backend(backend: str) -> str:
+    """The Triton-or-interpret backend that runs what the Mosaic kernel does not."""
+    return {"mosaic": "triton", "mosaic_interpret": "interpret"}.get(backend, backend)
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def tile_size(want: int, n: int, backend: str) -> int:
+    """Tile for a dimension of size n: at most `want`, no larger than needed.
+
+    Triton needs >= 16; interpret mode takes any power of two.
+    """
+    floor = MIN_TILE if backend == "triton" else 1
+    return max(floor, min(want, next_pow2(n)))
+
+
+def triton_params(backend: str, tiles: Tiles, head_dim: int):
+    if backend != "triton":
+        return None
+    from jax.experimental.pallas import triton as plgpu  # noqa: PLC0415 (GPU-only import)
+    cls = getattr(plgpu, "CompilerParams", None) or getattr(plgpu, "TritonCompilerParams")
+    warps = tiles.num_warps or (4 if head_dim <= 64 else 8)
+    return cls(num_warps=warps, num_stages=tiles.num_stages)
+
+
+# --------------------------------------------------------------------------- in-kernel pieces
+def cdiv(x, d: int):
+    return lax.div(x + (d - 1), d)
+
+
+def key_end(p, kind: str, block_size: int, kvl):
+    """min(horizon(p), kv_len) for slot(s) p (nonnegative int32); `lax.div` lowers on Triton."""
+    if kind == "causal":
+        hz = p + 1
+    elif kind == "block_causal":
+        hz = (lax.div(p, block_size) + 1) * block_size
+    else:
+        return jnp.zeros_like(p) + kvl
+    return jnp.minimum(hz, kvl)
+
+
+def tile_bounds(*, start, kvl, p_first, p_last, lo_slot, hi_slot, block_k, kind, block_size):
+    """Key-tile ranges [a, b) masked, [b, c) unmasked, [c, d) masked, inside [lo_slot, hi_slot).
+
+    Tiles past the horizon of the last query (or before `start`) are never
+    visited; a tile is unmasked when every query of the tile sees all its keys:
+    it starts at or after `start` and ends before the horizon of the first query.
+    """
+    lo = jnp.maximum(start, lo_slot)
+    hi = jnp.minimum(key_end(p_last, kind, block_size, kvl), hi_slot)
+    a = lax.div(lo, block_k)
+    d = jnp.where(hi > lo, jnp.maximum(cdiv(hi, block_k), a), a)  # nothing visible: no tile
+    b = jnp.clip(cdiv(start, block_k), a, d)
+    c = jnp.clip(lax.div(key_end(p_first, kind, block_size, kvl), block_k), b, d)
+    return a, b, c, d
+
+
+def online_softmax_step(carry, s, vis, pv):
+    """Fold one key tile into the running (acc [R, D], m [R], l [R]) of the online softmax.
+
+    s [R, bk]: f32 scores in log2 units; vis: bool [R, bk] visibility, or None
+    for a tile every row sees whole; pv(p) -> p @ V [R, D] f32 for the tile's
+    probabilities p [R, bk] (the caller's matmul: a dot, or wgmma). Rows with
+    nothing visible yet keep l = 0. Broadcasts are explicit `broadcast_in_dim`s
+    so Mosaic GPU's layouts follow them.
+    """
+    acc, m, l = carry
+    R, bk = s.shape
+    if vis is not None:
+        s = jnp.where(vis, s, NEG)
+    m_new = jnp.maximum(m, jnp.max(s, axis=1))
+    corr = jnp.exp2(m - m_new)
+    p = jnp.exp2(s - lax.broadcast_in_dim(m_new, (R, bk), [0]))
+    if vis is not None:
+        p = jnp.where(vis, p, 0.0)
+    l = corr * l + jnp.sum(p, axis=1)
+    return acc * lax.broadcast_in_dim(corr, acc.shape, [0]) + pv(p), m_new, l
+
+
+def normalise(acc, l):
+    """acc [R, D] / l [R] per row; rows that saw nothing (l = 0) stay zero."""
+    return acc / lax.broadcast_in_dim(jnp.where(l == 0.0, 1.0, l), acc.shape, [0])
+
+
+def row_lse(m, l):
+    """log2-sum-exp2 of a row's scores (0 for rows that see nothing; the backward masks them)."""
+    return jnp.where(l == 0.0, 0.0, m + jnp.log2(jnp.where(l == 0.0, 1.0, l)))
+
+
+def row_scalars(start, q_offset, kv_len, B: int, S: int):
+    """Per-row int32 [B] arrays of start, q_offset and kv_len (clipped to S); traced values welcome."""
+    start = jnp.broadcast_to(jnp.asarray(start, jnp.int32), (B,))
+    qoff = jnp.broadcast_to(jnp.asarray(q_offset, jnp.int32), (B,))
+    kvl = jnp.broadcast_to(jnp.minimum(jnp.asarray(kv_len, jnp.int32), S), (B,))
+    return start, qoff, kvl
+
+
+def pad_axis(x, axis: int, size: int):
+    if x.shape[axis] == size:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, size - x.shape[axis])
+    return jnp.pad(x, widths)
+
+
+def pad_head_dim(q, k, v, backend: str):
+    """Zero-pad head_dim to a power of two (>= 16 on Triton); zeros change no score."""
+    D = q.shape[-1]
+    Dp = tile_size(next_pow2(D), D, backend) if backend == "triton" else next_pow2(D)
+    return pad_axis(q, 3, Dp), pad_axis(k, 3, Dp), pad_axis(v, 3, Dp)
+
+
+def is_hopper() -> bool:
+    """True on an sm_90 device (H100 / H200)."""
+    dev = jax.devices()[0]
+    if dev.platform != "gpu":
+        return False
+    cc = getattr(dev, "compute_capability", None)
+    return str(cc).startswith("9")
