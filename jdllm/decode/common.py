@@ -216,7 +216,8 @@ def head_index(ctx: DecodeCtx, slots: jax.Array, offset, width: int) -> jax.Arra
 
 
 def forward_window(params, ctx: DecodeCtx, state: DecodeState, offset, width: int, *, at: jax.Array,
-                   commit=None, also: jax.Array | None = None, kv_len=None) -> tuple[jax.Array, DecodeState]:
+                   commit=None, also: jax.Array | None = None, kv_len=None,
+                   use_prev: bool = False) -> tuple[jax.Array, DecodeState]:
     """One model forward over slots [offset, offset + width) against the cache.
 
     at [B, N]: the canvas slots whose tokens this step chooses. Returns the
@@ -238,7 +239,7 @@ def forward_window(params, ctx: DecodeCtx, state: DecodeState, offset, width: in
     logits, cache = forward(params, ctx.model, tokens, positions, start=state.start, cache=state.cache,
                             offset=offset, attn_impl=ctx.attn_impl, logits_at=idx, kv_len=kv_len)
     N = at.shape[1]
-    if predicts_next(ctx.model) and state.prev_logits is not None:
+    if use_prev and predicts_next(ctx.model):
         head = jnp.where((src < 0)[..., None], state.prev_logits[:, None], logits[:, :N])
         logits = head if also is None else jnp.concatenate([head, logits[:, N:]], axis=1)
     if commit is not None:
@@ -342,7 +343,7 @@ def reveal(state: DecodeState, offset, sel: jax.Array, s: Sample) -> DecodeState
     step number into step_map; their log-probs are stored at reveal time. A
     row that selected a slot where no token could be drawn (log-prob -inf: a
     constraint allowed nothing, or the logits were not finite) reveals nothing
-    and finishes as INVALID.
+    and gets finish code INVALID, which the next `finish_rows` closes.
     """
     invalid = jnp.any(sel & ~(s.logprob > -jnp.inf), axis=-1)  # [B]
     sel = sel & ~invalid[:, None]
@@ -359,8 +360,9 @@ def reveal(state: DecodeState, offset, sel: jax.Array, s: Sample) -> DecodeState
         logprobs=set_window(state.logprobs, offset, lp),
         revealed=set_window(state.revealed, offset, rev),
         steps=steps,
+        finish=jnp.where(invalid & ~state.done, INVALID, state.finish),
     )
-    return close_rows(state, invalid & ~state.done, INVALID)
+    return state
 
 
 # --------------------------------------------------------------------------- stopping
@@ -395,10 +397,14 @@ def close_rows(state: DecodeState, rows: jax.Array, code) -> DecodeState:
 
 
 def finish_rows(state: DecodeState) -> DecodeState:
-    """Mark rows done: a stop token reached (STOP) or every generation slot revealed (LENGTH)."""
+    """Mark rows done: a stop token reached (STOP), every generation slot revealed (LENGTH), or
+    `reveal` found no drawable token (INVALID, already in `finish`)."""
     stopped, end = stop_end(state)
-    newly = ~state.done & (stopped | (end >= state.limit))
-    return close_rows(state, newly, jnp.where(stopped, STOP, LENGTH))
+    invalid = state.finish == INVALID
+    newly = ~state.done & (stopped | (end >= state.limit) | invalid)
+    code = jnp.where(invalid, INVALID, jnp.where(stopped, STOP, LENGTH))
+    return state.replace(done=state.done | newly, finish=jnp.where(newly, code, state.finish).astype(jnp.int32),
+                         end=jnp.where(newly, end, state.end))
 
 
 def abort_running(state: DecodeState) -> DecodeState:

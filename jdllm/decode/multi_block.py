@@ -491,7 +491,8 @@ class MultiBlock:
         def windowed(width):
             def run(st):
                 offset = jnp.minimum(L, S - width)
-                logits, st = common.forward_window(params, ctx, st, offset, width, at=at, also=also)
+                logits, st = common.forward_window(params, ctx, st, offset, width, at=at, also=also,
+                                                   use_prev=True)
                 return commit(st, logits)
             return run
 
