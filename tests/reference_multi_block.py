@@ -129,6 +129,7 @@ def multi_block_reference(params, cfg, prompt, *, max_new_tokens, block_size, en
         if finish is not None:
             break
         if max_forwards is not None and nfe >= max_forwards:
+            finish = "abort"  # stopped by the forward budget, not by the algorithm
             break
         # 2. activation
         for k in range(len(blocks)):

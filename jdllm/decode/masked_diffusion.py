@@ -8,8 +8,9 @@ reveals some of them:
 - LLaDA (`alg=None`): `steps / num_blocks` steps per block; step i reveals
   the k_i most confident masked positions, k from LLaDA's linear schedule
   (`transfer_schedule`; with more steps than tokens per block its zero-transfer
-  tail comes after the block is full and is skipped, saving those forwards). Confidence (`remasking`): `low_confidence` = the
-  temperature-1 softmax probability of the predicted token, `random` = a
+  tail comes after the block is full and is skipped, saving those forwards).
+  Confidence (`remasking`): `low_confidence` = the temperature-1 softmax
+  probability of the predicted token, `random` = a
   uniform draw. Optional classifier-free guidance: a second forward with the
   prompt replaced by mask tokens, logits = un + (cfg_scale + 1) (cond - un).
 - Dream (`alg=...`, logits shifted by one where the model has `logit_shift`):
