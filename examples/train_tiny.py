@@ -12,7 +12,8 @@ keys, model.safetensors with its published weight names, tokenizer.json) and
 a loss curve PNG. Deterministic from --seed. The AR model trains from
 scratch; the diffusion models start from its weights (RECIPES).
 
-    python examples/train_tiny.py --model all --out models      # the shipped recipes (RECIPES)
+    python examples/train_tiny.py                               # the shipped recipes, into a scratch folder
+    python examples/train_tiny.py --model all --out models      # ... over the shipped models themselves
     python examples/train_tiny.py --model sdar --steps 20 --smoke --out /tmp/tiny
 """
 
@@ -22,6 +23,7 @@ import argparse
 import json
 import os
 import sys
+import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -261,7 +263,9 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--train-size", type=int, default=60000)
     ap.add_argument("--eval", type=int, default=300, help="held-out items scored after training (0: skip)")
-    ap.add_argument("--out", default="models")
+    ap.add_argument("--out", default=os.path.join(tempfile.gettempdir(), "jdllm-tiny"),
+                    help="where the model directories go (default: a scratch folder, so a bare run never "
+                         "overwrites the shipped models; `--out models` reproduces them)")
     ap.add_argument("--smoke", action="store_true", help="tiny run for tests: small data, batch 8, no eval")
     ap.add_argument("--quiet", action="store_true", help="no progress bar")
     ap.add_argument("--init-from", default=None,
