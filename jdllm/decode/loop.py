@@ -17,7 +17,7 @@ last slot to return).
 Entry points (all pure; `compiled` / `decode` / `step_n` are their jitted forms):
 
     run(params, state)            prefill + while_loop(step) + finalize: the default path
-    prefill(params, state, mask)  allocate the KV cache, then the paradigm's prefill
+    prefill(params, state, bitmask=None)  allocate the KV cache, then the paradigm's prefill
     plan(state) -> (state, Plan)  the slots the next step chooses tokens for
     forward(params, state, plan)  -> (state, logits [B, N, V]) for exactly those slots
     reveal(state, plan, logits, bitmask=None) -> state
@@ -179,8 +179,9 @@ def max_iterations(paradigm, state: DecodeState) -> int:
     return int(fn(state)) if fn is not None else 2 * state.slots + 8
 
 
-def prefill(params, state: DecodeState, *, paradigm, ctx: DecodeCtx, bitmask=None) -> DecodeState:
-    """Allocate the KV cache (parameters' dtype) and run the paradigm's prefill."""
+def prefill(params, state: DecodeState, bitmask=None, *, paradigm, ctx: DecodeCtx) -> DecodeState:
+    """Allocate the KV cache (parameters' dtype) and run the paradigm's prefill (bitmask: for the
+    slots `plan(state)` names, where the prefill also takes the first step)."""
     state = common.with_buffers(params, ctx.model, state)
     return paradigm.prefill(params, ctx, state, bitmask)
 
