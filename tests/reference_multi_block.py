@@ -86,6 +86,9 @@ class D3llmPrefixCache:
         self.k = self.v = None  # prefix K/V [L, 1, edge, H, D], None before the first caching
         self.edge = 0
         self.completed_at = {}  # generation block index -> nfe
+        # blocks the EOS early stop creates (never added): complete at that nfe and marked cached
+        # without being cached (lines 474-486): after the delay the scan passes them, moving no edge
+        self.eos_created = {}
         self.kinds = []  # per forward: "suffix+cache", "suffix", "refresh" or "full"
 
     def logits(self, seq, nfe: int, blocks, masked_blocks) -> np.ndarray:
@@ -99,13 +102,18 @@ class D3llmPrefixCache:
         for k, _, b in scan:
             if b <= edge:
                 continue
+            if k in self.eos_created:
+                if nfe - self.eos_created[k] < self.delay:
+                    break
+                continue
             if k in masked_blocks:
                 break
             at = 0 if k < 0 else self.completed_at.setdefault(k, nfe)
             if nfe - at < self.delay:
                 break
             new_edge = b
-        stable = [a for k, (a, b) in enumerate(blocks) if k in self.completed_at and b > new_edge]
+        stable = [a for k, (a, b) in enumerate(blocks)
+                  if k in self.completed_at and k not in self.eos_created and b > new_edge]
         stabilising = bool(stable) or self.n > new_edge  # the prompt too, until it is cached
         if new_edge > edge:
             kind = "suffix+cache"
@@ -219,6 +227,8 @@ def multi_block_reference(params, cfg, prompt, *, max_new_tokens, block_size, en
                     lp_of.pop(p, None)
                 for k, (a, _) in enumerate(blocks):
                     if a > e and state[k] != COMPLETED:
+                        if d3 is not None and state[k] == INACTIVE:  # d3LLM creates it complete, "cached"
+                            d3.eos_created.setdefault(k, nfe + 1)
                         set_state(k, COMPLETED, steps)
                     elif state[k] in (ACTIVATED, FULLY) and not masked(k):
                         set_state(k, COMPLETED, steps)

@@ -178,9 +178,10 @@ def test_max_forwards_stops_rows():
         assert out.nfe == 3 and out.finish_reason == "abort" and len(out.token_ids) < MAX_NEW
 
 
-@pytest.mark.parametrize("delay, refresh, config", [(2, 10000, "pipelined"), (0, 10000, "serial"),
-                                                   (1, 3, "pipelined"), (3, 10000, "forced")])
-def test_approx_cache_follows_d3llm(delay, refresh, config):
+@pytest.mark.parametrize("delay, refresh, config, mixed", [
+    (2, 10000, "pipelined", False), (0, 10000, "serial", False), (1, 3, "pipelined", True),
+    (3, 10000, "forced", False)])
+def test_approx_cache_follows_d3llm(delay, refresh, config, mixed):
     """cache="approx" == d3LLM's delayed prefix cache replayed with explicit stale K/V, token for
     token, step for step, in NFE and block trajectory; mixed-length batch and batch 1."""
     m = bidir_model()
@@ -197,9 +198,33 @@ def test_approx_cache_follows_d3llm(delay, refresh, config):
     assert "suffix" in kinds and "suffix+cache" in kinds  # the cache is really used
     if delay >= 1:
         assert "refresh" in kinds  # stabilising blocks force full forwards
+    if mixed:  # some batch forwards serve a row in a refresh beside rows running their suffix
+        assert any(len({r["kinds"][i] for r in refs if i < len(r["kinds"])}) > 1
+                   for i in range(max(len(r["kinds"]) for r in refs)))
     plain = [_ref(m, p, config, max_new=max_new) for p in PROMPTS]
     assert any(r["tokens"] != p["tokens"] or r["step_map"] != p["step_map"] for r, p in zip(refs, plain)), \
         "stale K/V should change some decision, else this test cannot tell the cache from no cache"
+
+
+def test_approx_cache_with_eos_early_stop():
+    """The approximate cache under EOS early stop against the replay (stop ids, early_stop).
+
+    The blocks d3LLM's early stop creates (complete, marked cached, never stabilising) cannot
+    change a token: the caching scan reaches them only once every block before them is complete,
+    and then the row has stopped. Both sides model them anyway; this checks the whole path."""
+    m = bidir_model()
+    max_new = 24
+    ac = dict(cache_delay_iter=2, refresh_interval=10000)
+    free = _ref(m, PROMPTS[0], "pipelined", max_new=max_new, approx_cache=ac)
+    stop = free["tokens"][5]
+    refs = [_ref(m, p, "pipelined", max_new=max_new, approx_cache=ac, stop_ids=(stop,)) for p in PROMPTS]
+    assert refs[0]["finish"] == "stop"
+    sampling = jdllm.Sampling(max_new_tokens=max_new, stop_token_ids=(stop,))
+    outs = jdllm.generate(m, PROMPTS, _mb("pipelined", cache="approx", **ac), sampling)
+    for out, ref in zip(outs, refs):
+        _check(out, ref)
+    created = [b for o in outs for b in o.trace["block_steps"] if b[0] < 0 and b[1] < 0 and b[2] >= 0]
+    assert created  # the early stop did create blocks
 
 
 def test_window_cache_bidirectional():

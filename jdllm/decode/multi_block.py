@@ -556,6 +556,12 @@ class MultiBlock:
         # the caching scan: the prompt (complete at nfe 0), then the added blocks, in order
         complete = (st != INACTIVE) & (size > 0) & (dec >= size)  # [B, NB]
         seen = state.extra["scanned_at"]  # [B, NB] d3LLM's completed_at_nfe (-1: None)
+        # blocks the EOS early stop completed without their being added: d3LLM creates them
+        # complete at that forward and marks them cached; the scan passes them after the delay,
+        # caching nothing, and they never count as stabilising
+        bst = state.extra["block_steps"]
+        eos = (st == COMPLETED) & (bst[..., ACTIVATED - 1] < 0) & (bst[..., FULLY_ACTIVATED - 1] < 0)
+        seen = jnp.where(running[:, None] & eos & (seen < 0), n[:, None], seen)
         since = jnp.where(seen >= 0, n[:, None] - seen, 0)
         ripe = jnp.concatenate([(n >= self.cache_delay_iter)[:, None],
                                 complete & (since >= self.cache_delay_iter)], axis=-1)  # [B, 1 + NB]
@@ -563,10 +569,11 @@ class MultiBlock:
                                    jnp.broadcast_to(ends, st.shape)], axis=-1)
         passed = jnp.cumprod(((col_end <= edge[:, None]) | ripe).astype(jnp.int32), axis=-1) > 0
         reached = jnp.concatenate([jnp.ones_like(passed[:, :1]), passed[:, :-1]], axis=-1)[:, 1:]
-        new_edge = jnp.maximum(edge, jnp.max(jnp.where(passed, col_end, 0), axis=-1))
+        caches = passed & ~jnp.concatenate([jnp.zeros_like(eos[:, :1]), eos], axis=-1)
+        new_edge = jnp.maximum(edge, jnp.max(jnp.where(caches, col_end, 0), axis=-1))
         seen = jnp.where(running[:, None] & reached & complete & (ends[None] > edge[:, None]) & (seen < 0),
                          n[:, None], seen)
-        stabilising = jnp.any((seen >= 0) & (ends[None] > new_edge[:, None]), axis=-1) | (base > new_edge)
+        stabilising = jnp.any((seen >= 0) & ~eos & (ends[None] > new_edge[:, None]), axis=-1) | (base > new_edge)
         suffix = (new_edge > edge) | ((edge > 0) & ~stabilising & (n % self.refresh_interval != 0))
         floor = jnp.where(running, jnp.where(suffix, edge, 0), S).astype(jnp.int32)  # [B] first slot recomputed
         commit = jnp.where(running, new_edge, edge)
