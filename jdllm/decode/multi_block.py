@@ -92,6 +92,9 @@ or before every row's own first slot (its edge, or 0), the narrowest of 1,
 2, 4, ... blocks or the canvas; `forward(keep_below=...)` keeps each row's
 cached prefix as it is, so a row computes what it computes alone.
 `tests/reference_multi_block.py` replays d3LLM's cache with explicit K/V.
+Blocks the EOS early stop completes without their being added are, as d3LLM
+creates them, complete at that forward and marked cached: the scan passes
+them after the delay without caching them, and they never stabilise.
 Shifted models (Dream) are not checked against d3LLM's Dream code, which
 predicts the slot at its cache edge from that slot's own logits: here a slot
 is predicted from the slot before it as this window computes it (the
@@ -103,8 +106,11 @@ canvas from the last full forward; a step recomputes only a window of
 `max_blocks + 1` blocks starting at the first block that is not yet frozen (a
 block freezes `cache_delay_iter` steps after it is Completed; with 0 it
 freezes with the K/V of its last masked state) and attends to the stale
-cached K/V everywhere else, future masks included, as d3LLM does (the window
-sees the cached slots after it through `forward(kv_len=S)`). Every
+cached K/V everywhere else, future masks included (the window sees the
+cached slots after it through `forward(kv_len=S)`); d3LLM instead recomputes
+the whole suffix from its prefix cache's edge (`cache="approx"`). Not
+d3LLM's algorithm, but the fastest of the two on the CPU (fewer slots per
+step). Every
 `refresh_interval` steps, and whenever the active blocks do not fit in the
 window, a full forward refreshes everything. Output may differ from the exact
 run (the benchmark measures by how much); `refresh_interval=1` is the exact
