@@ -281,8 +281,9 @@ def multi_block_rows(ar, args, rng) -> list[dict]:
 
     Block-causal: cache="none" (every step one forward over the whole canvas) vs the exact KV cache
     (`identical_to_none`: same tokens and step map). Bidirectional: cache="none" vs the approximate
-    cache (d3LLM's cache_delay_iter=1, refresh_interval=10000; `diff_vs_none` is the fraction of
-    generated tokens that differ). 1024-token runs are timed once. `first_call_s` includes the compile.
+    caches, d3LLM's delayed prefix cache ("approx") and jdllm's windowed one ("window"), both at
+    cache_delay_iter=1, refresh_interval=10000 (`diff_vs_none` is the fraction of generated tokens
+    that differ). 1024-token runs are timed once. `first_call_s` includes the compile.
     """
     models = {}
     for attention in ("block_causal", "bidirectional"):
@@ -295,7 +296,8 @@ def multi_block_rows(ar, args, rng) -> list[dict]:
     rows = []
     for G in args.mb_gen_lengths:
         repeats = args.repeats if G < 1024 else 1
-        for attention, caches in (("block_causal", ("none", "exact")), ("bidirectional", ("none", "approx"))):
+        for attention, caches in (("block_causal", ("none", "exact")),
+                                  ("bidirectional", ("none", "approx", "window"))):
             base = None
             for cache in caches:
                 dec = jdllm.MultiBlock(block_size=args.mb_block, entropy_threshold=args.mb_entropy,

@@ -108,7 +108,7 @@ def sweep(attention: str, block_size: int, quick: bool) -> list[Setting]:
         if not quick:
             out += [_s("MaskedDiffusion", "random/cache=none", f"steps={G}", gen_length=G, block_length=4,
                        steps=G, remasking="random", cache="none")]
-        for cache in ("none",) if quick else ("none", "approx"):
+        for cache in ("none",) if quick else ("none", "approx", "window"):
             out += [_s("MultiBlock", f"entropy/cache={cache}", f"H<={e}", block_size=4, entropy_threshold=e,
                        cache=cache) for e in ([0.5] if quick else [0.5, 1.0])]
         return out

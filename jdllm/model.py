@@ -225,7 +225,7 @@ def apply_rope(x, positions, inv_freq, scale):
 # --------------------------------------------------------------------------- forward
 def forward(params: Params, cfg: ModelConfig, tokens, positions, *, start, cache: KVCache | None = None,
             offset=None, attn_impl: str = "auto", return_hidden: bool = False, attn_mask=None, kv_len=None,
-            logits_at=None):
+            logits_at=None, keep_below=None):
     """Run the window `tokens` [B, T] at absolute slots [offset, offset + T).
 
     positions [B, T]: RoPE positions (slot - start for left-padded rows).
@@ -241,6 +241,12 @@ def forward(params: Params, cfg: ModelConfig, tokens, positions, *, start, cache
     invisible; default offset + T. A bidirectional model may set it past the
     window so the window also sees cached slots after it (Fast-dLLM's dual
     cache: prefix and suffix cached, only the window recomputed).
+
+    keep_below (with a cache), optional, [B] int32: the window's K/V are not
+    written at slots below it; those keys keep their cached (possibly stale)
+    values, which the whole window attends to (d3LLM's approximate prefix
+    cache with one window shape for rows whose cache edges differ). The
+    window's queries there still run; their outputs are the caller's to ignore.
 
     attn_mask [B, T, S] (bool), optional: replaces the masking rule (training
     objectives such as BD3-LM's noisy/clean pairing; XLA path only).
@@ -265,6 +271,15 @@ def forward(params: Params, cfg: ModelConfig, tokens, positions, *, start, cache
             q_offset = jnp.clip(q_offset, 0, cache.max_len - T)
         kv_len = q_offset + T if kv_len is None else jnp.asarray(kv_len, jnp.int32)
 
+    if keep_below is not None:
+        if q_offset.ndim:
+            raise ValueError("keep_below needs one window offset for the batch")
+        slots = q_offset + jnp.arange(T, dtype=jnp.int32)
+        keep = slots[None] < jnp.asarray(keep_below, jnp.int32).reshape(-1, 1)  # [B, T]
+
+        def window_of(c):  # [B, S, H, D] -> the window's slots [B, T, H, D]
+            return jax.lax.dynamic_slice_in_dim(c, q_offset, T, axis=1)
+
     def layer(carry, xs):
         h, ck, cv = carry
         lp, i = xs
@@ -282,6 +297,9 @@ def forward(params: Params, cfg: ModelConfig, tokens, positions, *, start, cache
         if ck is None:
             keys, vals = k, v
         else:
+            if keep_below is not None:  # keep the cached K/V of slots below keep_below[b]
+                k, v = (jnp.where(keep[:, :, None, None], window_of(c[i]), x.astype(c.dtype))
+                        for c, x in ((ck, k), (cv, v)))
             ck, cv = write_rows(ck, k, q_offset, layer=i), write_rows(cv, v, q_offset, layer=i)
             keys = jax.lax.dynamic_index_in_dim(ck, i, keepdims=False)
             vals = jax.lax.dynamic_index_in_dim(cv, i, keepdims=False)

@@ -77,9 +77,18 @@ def ar_reference(params, cfg, prompt, *, max_new_tokens, stop_ids=()):
     return dict(tokens=out, step_map=list(range(1, len(out) + 1)), logprobs=lps, nfe=len(out), finish=finish)
 
 
-def _select(strategy, cand_idx, conf, ent, *, k, threshold, eb):
+def _select(strategy, cand_idx, conf, ent, *, k, threshold, eb, dynamic_minimum="lmdeploy"):
     """Positions (window indices) to reveal among the masked candidates `cand_idx`."""
     cand_idx = np.asarray(cand_idx)
+    if strategy == "low_confidence_dynamic" and dynamic_minimum == "sdar":
+        # SDAR generate.py (JetAstra/SDAR @ c2041a8, lines 168-178): high_conf_mask = confidence >
+        # threshold; if its count >= num_transfer_tokens[step] (= block_length // denoising_steps,
+        # lines 49-54) reveal exactly those, else torch.topk(confidence, num_transfer_tokens[step])
+        # over the block with -inf at revealed slots (so at most the masked ones remain).
+        high = [i for i in cand_idx if conf[i] > threshold]
+        if len(high) >= k:
+            return high
+        return sorted(cand_idx[np.argsort(-conf[cand_idx], kind="stable")][:k])
     if strategy == "sequential":
         return list(cand_idx[:k])
     if strategy == "low_confidence_static":
@@ -103,7 +112,8 @@ def _select(strategy, cand_idx, conf, ent, *, k, threshold, eb):
 
 
 def block_diffusion_reference(params, cfg, prompt, *, block_length, denoising_steps, strategy,
-                              max_new_tokens, confidence_threshold=0.9, eb_threshold=0.35, stop_ids=()):
+                              max_new_tokens, confidence_threshold=0.9, eb_threshold=0.35, stop_ids=(),
+                              dynamic_minimum="lmdeploy"):
     """SDAR block diffusion, greedy: each step runs the whole sequence up to the current block's end.
 
     Returns nfe for the unfused schedule (prefill of the prompt's whole blocks,
@@ -146,7 +156,7 @@ def block_diffusion_reference(params, cfg, prompt, *, block_length, denoising_st
                 logits = raw[block:block + B]
             tok, conf, ent, lp = _distribution(logits, mask)
             chosen = _select(strategy, cand, conf, ent, k=B // denoising_steps,
-                             threshold=confidence_threshold, eb=eb_threshold)
+                             threshold=confidence_threshold, eb=eb_threshold, dynamic_minimum=dynamic_minimum)
             steps += 1
             for i in chosen:
                 canvas[block + i] = int(tok[i])

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jdllm.model import forward
+from jdllm.model import KVCache, forward
 
 INACTIVE, ACTIVATED, FULLY, COMPLETED = "inactive", "activated", "fully_activated", "completed"
 STATE_CODE = {INACTIVE: 0, ACTIVATED: 1, FULLY: 2, COMPLETED: 3}
@@ -45,6 +45,103 @@ def model_logits(params, cfg, seq) -> np.ndarray:
     return np.asarray(_logits(params, jnp.asarray(x), cfg=cfg))[0, :T]
 
 
+@functools.partial(jax.jit, static_argnames=("cfg",))
+def _suffix_logits(params, tokens, prefix_k, prefix_v, *, cfg):
+    """The suffix `tokens` [1, T - Lc] at slots [Lc, T) against prefix K/V [L, 1, Lc, H, D] (Lc =
+    prefix length, maybe 0): returns (logits [T - Lc, V], K/V [L, 1, T, H, D] of prefix + fresh suffix)."""
+    Lc, n = prefix_k.shape[2], tokens.shape[1]
+    cache = KVCache.empty(cfg, 1, Lc + n, prefix_k.dtype)
+    cache = KVCache(k=cache.k.at[:, :, :Lc].set(prefix_k), v=cache.v.at[:, :, :Lc].set(prefix_v),
+                    length=jnp.full((1,), Lc, jnp.int32))
+    pos = jnp.arange(Lc, Lc + n, dtype=jnp.int32)[None]
+    out, cache = forward(params, cfg, tokens, pos, start=jnp.zeros((1,), jnp.int32), cache=cache, offset=Lc,
+                         kv_len=Lc + n, attn_impl="xla")
+    return out[0], cache.k, cache.v
+
+
+class D3llmPrefixCache:
+    """d3LLM's delayed prefix KV cache, as `generate_multi_block_kv_cache` manages it
+    (hao-ai-lab/d3LLM @ e5bfcac, d3llm/d3llm_LLaDA/d3llm_llada_generate_util.py, lines 399-740):
+
+    - the prompt is block "0", complete at nfe 0 (lines 430-440); a generation block's
+      `completed_at_nfe` is set the first time the caching scan reaches it complete (581-583);
+    - the scan (lines 575-591) walks the blocks not yet cached in order and stops at the first
+      one that has masks or has been complete for fewer than `cache_delay_iter` forwards; the
+      blocks it passes are cached: the cache edge moves to the end of the last one (594-597);
+    - the forward (lines 616-704): when the edge moves, the suffix x[edge:] against the old
+      prefix K/V, and the suffix's fresh K/V up to the new edge join the cache
+      (`update_kvcache`, modeling_llada.py lines 751-761); else with a cache, no block
+      "stabilising" (complete, scanned, not cached) and nfe % refresh_interval != 0, the same
+      suffix forward without caching; else a full forward over the canvas, whose K/V replace
+      the cached prefix (the "refresh", truncated to the edge: 630-652); without a cache yet,
+      a plain full forward.
+
+    Stale K/V are real here: the prefix keys/values are those of the forward that cached (or
+    last refreshed) them, and `jdllm.model.forward` runs the suffix against them.
+    """
+
+    def __init__(self, params, cfg, prompt_len: int, cache_delay_iter: int, refresh_interval: int):
+        self.params, self.cfg, self.n = params, cfg, prompt_len
+        self.delay, self.refresh = cache_delay_iter, refresh_interval
+        self.k = self.v = None  # prefix K/V [L, 1, edge, H, D], None before the first caching
+        self.edge = 0
+        self.completed_at = {}  # generation block index -> nfe
+        # blocks the EOS early stop creates (never added): complete at that nfe and marked cached
+        # without being cached (lines 474-486): after the delay the scan passes them, moving no edge
+        self.eos_created = {}
+        self.kinds = []  # per forward: "suffix+cache", "suffix", "refresh" or "full"
+
+    def logits(self, seq, nfe: int, blocks, masked_blocks) -> np.ndarray:
+        """Raw logits [T, V] for forward number `nfe` (zeros before the slot the forward starts at).
+
+        blocks: generation blocks (start, end) added so far; masked_blocks: the indices of those
+        with masks."""
+        edge = self.edge
+        new_edge = edge
+        scan = [(-1, 0, self.n)] + [(k, a, b) for k, (a, b) in enumerate(blocks)]
+        for k, _, b in scan:
+            if b <= edge:
+                continue
+            if k in self.eos_created:
+                if nfe - self.eos_created[k] < self.delay:
+                    break
+                continue
+            if k in masked_blocks:
+                break
+            at = 0 if k < 0 else self.completed_at.setdefault(k, nfe)
+            if nfe - at < self.delay:
+                break
+            new_edge = b
+        stable = [a for k, (a, b) in enumerate(blocks)
+                  if k in self.completed_at and k not in self.eos_created and b > new_edge]
+        stabilising = bool(stable) or self.n > new_edge  # the prompt too, until it is cached
+        if new_edge > edge:
+            kind = "suffix+cache"
+        elif self.k is not None and not stabilising and nfe % self.refresh != 0:
+            kind = "suffix"
+        else:
+            kind = "refresh" if self.k is not None else "full"
+        self.kinds.append(kind)
+        T = len(seq)
+        start = edge if kind.startswith("suffix") else 0
+        L, H, D = self.cfg.num_layers, self.cfg.num_kv_heads, self.cfg.head_dim
+        pk = self.k[:, :, :start] if start else jnp.zeros((L, 1, 0, H, D), jnp.float32)
+        pv = self.v[:, :, :start] if start else jnp.zeros((L, 1, 0, H, D), jnp.float32)
+        out, k, v = _suffix_logits(self.params, jnp.asarray([seq[start:]], jnp.int32), pk, pv, cfg=self.cfg)
+        if kind == "suffix+cache":
+            self.k, self.v, self.edge = k[:, :, :new_edge], v[:, :, :new_edge], new_edge
+        elif kind == "refresh":  # the full forward's K/V replace the cached prefix
+            # d3LLM truncates the refreshed K/V to the start of the latest stabilising block, else
+            # to the edge; the scan stops at the first stabilising block, so that is the edge
+            # (were it not, d3LLM's cache would outgrow its edge and the next suffix forward would
+            # attend to duplicated keys: fail loudly instead)
+            assert (max(stable) if stable else edge) == edge
+            self.k, self.v = k[:, :, :edge], v[:, :, :edge]
+        raw = np.zeros((T, out.shape[-1]), np.float32)
+        raw[start:] = np.asarray(out)
+        return raw
+
+
 def _stats(logits: np.ndarray, mask_id: int):
     """Greedy token, float32 entropy and log-prob per row of logits [N, V], mask token excluded."""
     z = logits.astype(np.float32).copy()
@@ -59,12 +156,16 @@ def _stats(logits: np.ndarray, mask_id: int):
 
 def multi_block_reference(params, cfg, prompt, *, max_new_tokens, block_size, entropy_threshold,
                           block_add_threshold, decoded_token_threshold, max_blocks, early_stop=True,
-                          stop_ids=(), max_forwards=None):
+                          stop_ids=(), max_forwards=None, approx_cache=None):
     """Returns dict(tokens, step_map, logprobs, nfe, finish, trace, entered, final).
 
     trace[t - 1]: block states (names) as step t's forward sees them.
     entered[k]: the steps block k entered Activated / Fully-Activated / Completed
     (-1 = never; EOS completions at the start of step t count as t - 1).
+
+    approx_cache: None (every forward from scratch) or dict(cache_delay_iter, refresh_interval)
+    for a bidirectional same-position model: forwards through `D3llmPrefixCache` (the output
+    then also holds `kinds`, the forward kind of each step).
     """
     Bs, mask = block_size, cfg.mask_token_id
     bidir = cfg.attention == "bidirectional"
@@ -110,6 +211,10 @@ def multi_block_reference(params, cfg, prompt, *, max_new_tokens, block_size, en
         return ("length", end) if hole == end else (None, hole)
 
     finish = None
+    d3 = None
+    if approx_cache is not None:
+        assert bidir and not cfg.logit_shift, "d3LLM's approximate cache: bidirectional, same-position logits"
+        d3 = D3llmPrefixCache(params, cfg, n, **approx_cache)
     while True:
         # 1. EOS early stop
         if early_stop and stop_ids:
@@ -122,6 +227,8 @@ def multi_block_reference(params, cfg, prompt, *, max_new_tokens, block_size, en
                     lp_of.pop(p, None)
                 for k, (a, _) in enumerate(blocks):
                     if a > e and state[k] != COMPLETED:
+                        if d3 is not None and state[k] == INACTIVE:  # d3LLM creates it complete, "cached"
+                            d3.eos_created.setdefault(k, nfe + 1)
                         set_state(k, COMPLETED, steps)
                     elif state[k] in (ACTIVATED, FULLY) and not masked(k):
                         set_state(k, COMPLETED, steps)
@@ -145,8 +252,12 @@ def multi_block_reference(params, cfg, prompt, *, max_new_tokens, block_size, en
         # 4. one forward
         live = [k for k, s in enumerate(state) if s in (ACTIVATED, FULLY)]
         active_end = blocks[max(live)][0] + Bs
-        raw = model_logits(params, cfg, seq if bidir else seq[:active_end])
         nfe += 1
+        if d3 is not None:
+            added = [blocks[k] for k, s in enumerate(state) if s != INACTIVE]
+            raw = d3.logits(seq, nfe, added, {k for k in range(len(added)) if masked(k)})
+        else:
+            raw = model_logits(params, cfg, seq if bidir else seq[:active_end])
         if cfg.logit_shift:  # position p is predicted at p - 1
             raw = np.concatenate([np.zeros_like(raw[:1]), raw[:-1]], axis=0)
         cands = [p for p in range(n, min(active_end, end)) if not known[p]]
@@ -175,7 +286,7 @@ def multi_block_reference(params, cfg, prompt, *, max_new_tokens, block_size, en
     out = range(n, stop_at)
     return dict(tokens=[seq[p] for p in out], step_map=[step_of[p] for p in out],
                 logprobs=[lp_of[p] for p in out], nfe=nfe, finish=finish, trace=trace,
-                entered=entered, final=list(state))
+                entered=entered, final=list(state), kinds=d3.kinds if d3 else None)
 
 
 def states_during(entered, step: int) -> list[str]:

@@ -124,7 +124,7 @@ def test_help_lists_per_paradigm_defaults_and_choices():
     res = jdllm("generate", "--help")
     assert res.returncode == 0
     text = " ".join(res.stdout.split())
-    assert "multi_block: default 'auto', one of auto, none, exact, approx" in text
+    assert "multi_block: default 'auto', one of auto, none, exact, approx, window" in text
     assert "masked_diffusion: default 'none', one of auto, none, prefix, dual" in text
     assert "one of low_confidence, random" in text and "maskgit_plus" in text
     assert "block_diffusion: default 0.9" in text and "masked_diffusion: default None" in text

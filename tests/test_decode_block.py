@@ -113,3 +113,44 @@ def test_sampled_rows_follow_their_own_seed_stream():
     # a row's stream advances only when it samples, so row 0 does not depend on its batch mates
     (alone,) = run([PROMPTS[0]], 3)
     assert alone.token_ids == a[0].token_ids and alone.step_map == a[0].step_map
+
+
+@pytest.mark.parametrize("threshold", [0.7, 0.3])
+def test_sdar_dynamic_minimum_matches_reference(threshold):
+    """SDAR's rule (all > threshold, at least k = block / steps per step) against its plain-loop
+    reference, token for token, step for step and in NFE (fused and unfused); lmdeploy's differs."""
+    m = block_model()
+    sampling = jdllm.Sampling(max_new_tokens=MAX_NEW, stop_token_ids=())
+    kw = dict(dynamic_minimum="sdar", confidence_threshold=threshold)
+    refs = [_ref(m, p, "low_confidence_dynamic", **kw) for p in PROMPTS]
+    (solo,) = jdllm.generate(m, [PROMPTS[1]], _bd("low_confidence_dynamic", **kw), sampling)
+    _check(solo, refs[1])
+    outs = jdllm.generate(m, PROMPTS, _bd("low_confidence_dynamic", **kw), sampling)
+    unfused = jdllm.generate(m, PROMPTS, _bd("low_confidence_dynamic", fuse_commit=False, **kw), sampling)
+    lmdeploy = jdllm.generate(m, PROMPTS, _bd("low_confidence_dynamic", confidence_threshold=threshold), sampling)
+    k = B // KW["denoising_steps"]
+    sizes = set()
+    for p, out, u, ref in zip(PROMPTS, outs, unfused, refs):
+        _check(out, ref)
+        _check(u, ref, fused=False)
+        assert MASK not in out.token_ids and len(out.token_ids) == MAX_NEW
+        # every step reveals k, or more when more than k are above the threshold, or the block's rest
+        gen = len(p) % B  # the first block's prompt remainder sits pre-revealed
+        for b0 in range(-gen, MAX_NEW, B):
+            block = [s for s in out.step_map[max(b0, 0):b0 + B]]
+            counts = np.bincount(block)[min(block):]
+            assert len(counts) <= KW["denoising_steps"]
+            sizes |= set(counts.tolist())
+    assert min(sizes) >= 1 and k in sizes
+    if threshold == 0.3:
+        assert max(sizes) > k  # more than k above the threshold: all of them
+    if threshold == 0.7:  # lmdeploy's top-1 minimum takes more steps here
+        assert sum(o.nfe for o in lmdeploy) > sum(o.nfe for o in outs)
+        assert [o.step_map for o in lmdeploy] != [o.step_map for o in outs]
+
+
+def test_bad_dynamic_minimum_raises():
+    from jdllm import errors  # noqa: PLC0415
+
+    with pytest.raises(errors.DecodingConfigError, match="dynamic_minimum"):
+        jdllm.BlockDiffusion(dynamic_minimum="fast")

@@ -178,13 +178,63 @@ def test_max_forwards_stops_rows():
         assert out.nfe == 3 and out.finish_reason == "abort" and len(out.token_ids) < MAX_NEW
 
 
-def test_approximate_cache_bidirectional():
-    """Off by default; refresh every step == the exact run; default refresh stays a valid decode."""
+@pytest.mark.parametrize("delay, refresh, config, mixed", [
+    (2, 10000, "pipelined", False), (0, 10000, "serial", False), (1, 3, "pipelined", True),
+    (3, 10000, "forced", False)])
+def test_approx_cache_follows_d3llm(delay, refresh, config, mixed):
+    """cache="approx" == d3LLM's delayed prefix cache replayed with explicit stale K/V, token for
+    token, step for step, in NFE and block trajectory; mixed-length batch and batch 1."""
+    m = bidir_model()
+    max_new = 24
+    ac = dict(cache_delay_iter=delay, refresh_interval=refresh)
+    refs = [_ref(m, p, config, max_new=max_new, approx_cache=ac) for p in PROMPTS]
+    d = _mb(config, cache="approx", **ac)
+    outs = jdllm.generate(m, PROMPTS, d, _sampling(max_new))
+    for out, ref in zip(outs, refs):
+        _check(out, ref)
+    (solo,) = jdllm.generate(m, [PROMPTS[2]], d, _sampling(max_new))
+    _check(solo, refs[2])
+    kinds = {k for r in refs for k in r["kinds"]}
+    assert "suffix" in kinds and "suffix+cache" in kinds  # the cache is really used
+    if delay >= 1:
+        assert "refresh" in kinds  # stabilising blocks force full forwards
+    if mixed:  # some batch forwards serve a row in a refresh beside rows running their suffix
+        assert any(len({r["kinds"][i] for r in refs if i < len(r["kinds"])}) > 1
+                   for i in range(max(len(r["kinds"]) for r in refs)))
+    plain = [_ref(m, p, config, max_new=max_new) for p in PROMPTS]
+    assert any(r["tokens"] != p["tokens"] or r["step_map"] != p["step_map"] for r, p in zip(refs, plain)), \
+        "stale K/V should change some decision, else this test cannot tell the cache from no cache"
+
+
+def test_approx_cache_with_eos_early_stop():
+    """The approximate cache under EOS early stop against the replay (stop ids, early_stop).
+
+    The blocks d3LLM's early stop creates (complete, marked cached, never stabilising) cannot
+    change a token: the caching scan reaches them only once every block before them is complete,
+    and then the row has stopped. Both sides model them anyway; this checks the whole path."""
+    m = bidir_model()
+    max_new = 24
+    ac = dict(cache_delay_iter=2, refresh_interval=10000)
+    free = _ref(m, PROMPTS[0], "pipelined", max_new=max_new, approx_cache=ac)
+    stop = free["tokens"][5]
+    refs = [_ref(m, p, "pipelined", max_new=max_new, approx_cache=ac, stop_ids=(stop,)) for p in PROMPTS]
+    assert refs[0]["finish"] == "stop"
+    sampling = jdllm.Sampling(max_new_tokens=max_new, stop_token_ids=(stop,))
+    outs = jdllm.generate(m, PROMPTS, _mb("pipelined", cache="approx", **ac), sampling)
+    for out, ref in zip(outs, refs):
+        _check(out, ref)
+    created = [b for o in outs for b in o.trace["block_steps"] if b[0] < 0 and b[1] < 0 and b[2] >= 0]
+    assert created  # the early stop did create blocks
+
+
+def test_window_cache_bidirectional():
+    """cache="window" (jdllm's variant): off by default; refresh every step == the no-cache run;
+    default refresh stays a valid decode."""
     m = bidir_model()
     assert jdllm.MultiBlock().cache_mode(m.config) == "none"
     exact = jdllm.generate(m, PROMPTS, _mb("pipelined"), _sampling())
-    every = jdllm.generate(m, PROMPTS, _mb("pipelined", cache="approx", refresh_interval=1), _sampling())
-    approx = jdllm.generate(m, PROMPTS, _mb("pipelined", cache="approx"), _sampling())
+    every = jdllm.generate(m, PROMPTS, _mb("pipelined", cache="window", refresh_interval=1), _sampling())
+    approx = jdllm.generate(m, PROMPTS, _mb("pipelined", cache="window"), _sampling())
     for e, r, a in zip(exact, every, approx):
         assert e.token_ids == r.token_ids and e.step_map == r.step_map
         assert MASK not in a.token_ids and len(a.token_ids) == MAX_NEW
@@ -221,7 +271,8 @@ def test_bad_model_raises():
         prepare(causal_model(), [[1, 2]], jdllm.MultiBlock(block_size=BS), _sampling())
     with pytest.raises(errors.DecodingConfigError, match="exact"):
         prepare(bidir_model(), [[1, 2]], jdllm.MultiBlock(block_size=BS, cache="exact"), _sampling())
-    with pytest.raises(errors.DecodingConfigError, match="approx"):
-        prepare(block_model(), [[1, 2]], jdllm.MultiBlock(block_size=BS, cache="approx"), _sampling())
+    for cache in ("approx", "window"):
+        with pytest.raises(errors.DecodingConfigError, match=cache):
+            prepare(block_model(), [[1, 2]], jdllm.MultiBlock(block_size=BS, cache=cache), _sampling())
     with pytest.warns(UserWarning, match="block_size"):
         prepare(block_model(), [[1, 2]], jdllm.MultiBlock(block_size=8), _sampling(2))

@@ -132,3 +132,31 @@ def test_rewritten_window_replaces_stale_keys(kind):
     if kind != "bidirectional":
         ref = _full(params, cfg, tokens[:, :P + W])
         np.testing.assert_allclose(np.asarray(again), np.asarray(ref)[:, P:], atol=1e-5, rtol=0)
+
+
+def test_keep_below_keeps_each_rows_cached_prefix():
+    """forward(keep_below=[B]): one window for rows whose cache edges differ. Row 0 keeps its
+    (stale) cached K/V below slot 8 and equals a window from slot 8 against that cache; row 1
+    (keep_below 0) equals the plain window forward, its K/V all rewritten."""
+    cfg, params, tokens = _setup("bidirectional", seed=3)
+    edge = 8
+    stale_tokens = jnp.asarray(np.random.default_rng(4).integers(0, cfg.vocab_size, (B, T)), jnp.int32)
+    _, stale = _window(params, stale_tokens, _garbage_cache(cfg), 0, cfg=cfg)  # K/V of other tokens
+    stale = stale.commit(edge)
+    pos = default_positions(START, 0, T)
+    logits, cache = forward(params, cfg, tokens, pos, start=START, cache=stale, offset=0, attn_impl="xla",
+                            kv_len=T, keep_below=jnp.asarray([edge, 0], jnp.int32))
+    # row 0: the suffix [edge, T) against the stale prefix
+    pos8 = default_positions(START, edge, T - edge)
+    suffix, suffix_cache = forward(params, cfg, tokens[:, edge:], pos8, start=START, cache=stale, offset=edge,
+                                   attn_impl="xla", kv_len=T)
+    np.testing.assert_allclose(np.asarray(logits)[0, edge:], np.asarray(suffix)[0], atol=1e-5, rtol=0)
+    np.testing.assert_array_equal(np.asarray(cache.k)[:, 0, :edge], np.asarray(stale.k)[:, 0, :edge])
+    np.testing.assert_allclose(np.asarray(cache.k)[:, 0, edge:T], np.asarray(suffix_cache.k)[:, 0, edge:T],
+                               atol=1e-5, rtol=0)
+    # row 1: everything fresh
+    plain, plain_cache = _window(params, tokens, _garbage_cache(cfg), 0, cfg=cfg)
+    np.testing.assert_allclose(np.asarray(logits)[1], np.asarray(plain)[1], atol=1e-5, rtol=0)
+    np.testing.assert_allclose(np.asarray(cache.k)[:, 1, :T], np.asarray(plain_cache.k)[:, 1, :T], atol=1e-5, rtol=0)
+    # the stale prefix matters: row 0 differs from the fresh forward
+    assert np.max(np.abs(np.asarray(logits)[0, edge:] - np.asarray(plain)[0, edge:])) > 1e-3

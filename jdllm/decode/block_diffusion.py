@@ -39,6 +39,7 @@ from jdllm.decode import common
 from jdllm.state import DecodeState, generated_mask, slot_index
 
 STRATEGIES = ("low_confidence_static", "low_confidence_dynamic", "sequential", "entropy_bounded")
+DYNAMIC_MINIMUMS = ("lmdeploy", "sdar")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,13 +48,24 @@ class BlockDiffusion:
 
     block_length: slots per block (the model's trained block_size, normally).
     denoising_steps: steps per block for `low_confidence_static` / `sequential`
-      (k = block_length / denoising_steps tokens per step); must divide
-      block_length. The other strategies reveal >= 1 token per step.
+      (k = block_length / denoising_steps tokens per step) and the per-step
+      minimum k of `low_confidence_dynamic` with dynamic_minimum="sdar"; must
+      divide block_length. The other strategies reveal >= 1 token per step.
     strategy: `low_confidence_static` (top-k confidence), `low_confidence_dynamic`
-      (the most confident masked token plus every one with confidence >=
-      confidence_threshold), `sequential` (first k masked, left to right),
+      (every masked token above confidence_threshold, with a per-step minimum:
+      see dynamic_minimum), `sequential` (first k masked, left to right),
       `entropy_bounded` (lowest-entropy first while the summed entropy stays
       below eb_threshold; the lowest one always).
+    dynamic_minimum: the minimum of `low_confidence_dynamic`, named after its source.
+      "lmdeploy" (default): the most confident masked token plus every one with
+      confidence >= confidence_threshold (lmdeploy / JetEngine, SDAR's serving
+      engines: at least one token per step, so a confident block finishes in
+      fewer steps). "sdar": SDAR's `block_diffusion_generate` (generate.py):
+      every masked token with confidence > confidence_threshold if there are at
+      least k of them, else the k most confident (k = block_length /
+      denoising_steps), so a block never takes more than denoising_steps steps.
+      The default stays "lmdeploy" because that is what jdllm has always done
+      and what SDAR is served with; "sdar" reproduces SDAR's reference script.
     confidence_threshold: in (0, 1]. eb_threshold: entropy budget in nats, > 0.
     fuse_commit: fuse each block's KV commit into the next block's first step.
     """
@@ -61,6 +73,7 @@ class BlockDiffusion:
     name: ClassVar[str] = "block_diffusion"
     ragged_lengths: ClassVar[bool] = True
     STRATEGIES: ClassVar[tuple[str, ...]] = STRATEGIES
+    DYNAMIC_MINIMUMS: ClassVar[tuple[str, ...]] = DYNAMIC_MINIMUMS
 
     block_length: int = 4
     denoising_steps: int = 4
@@ -68,6 +81,7 @@ class BlockDiffusion:
     confidence_threshold: float = 0.9
     eb_threshold: float = 0.35
     fuse_commit: bool = True
+    dynamic_minimum: str = "lmdeploy"
 
     def __post_init__(self):
         for name in ("block_length", "denoising_steps", "confidence_threshold", "eb_threshold"):
@@ -84,6 +98,11 @@ class BlockDiffusion:
                 f"that divides block_length")
         if self.strategy not in STRATEGIES:
             raise errors.DecodingConfigError(f"strategy={self.strategy!r} is not one of {STRATEGIES}")
+        if self.dynamic_minimum not in DYNAMIC_MINIMUMS:
+            raise errors.DecodingConfigError(
+                f"dynamic_minimum={self.dynamic_minimum!r} is not one of {DYNAMIC_MINIMUMS} "
+                "(lmdeploy: top-1 plus all >= threshold; sdar: all > threshold, at least block_length / "
+                "denoising_steps)")
         if not 0 < self.confidence_threshold <= 1:
             raise errors.DecodingConfigError(
                 f"confidence_threshold={self.confidence_threshold} must be in (0, 1]")
@@ -143,6 +162,11 @@ class BlockDiffusion:
         k = W // self.denoising_steps
         if self.strategy == "low_confidence_static":
             sel = common.select_top_k(cand, s.prob, k)
+        elif self.strategy == "low_confidence_dynamic" and self.dynamic_minimum == "sdar":
+            # SDAR generate.py: all with confidence > threshold if at least k, else the top k
+            high = cand & (s.prob > self.confidence_threshold)
+            enough = jnp.sum(high, axis=-1, keepdims=True) >= k
+            sel = jnp.where(enough, high, common.select_top_k(cand, s.prob, k))
         elif self.strategy == "low_confidence_dynamic":
             sel = common.select_threshold(cand, s.prob, self.confidence_threshold)
         elif self.strategy == "sequential":
@@ -185,4 +209,4 @@ class BlockDiffusion:
         return common.count_forward(state, ~state.done), logits
 
 
-__all__ = ["BlockDiffusion", "STRATEGIES"]
+__all__ = ["BlockDiffusion", "STRATEGIES", "DYNAMIC_MINIMUMS"]

@@ -217,7 +217,7 @@ def head_index(ctx: DecodeCtx, slots: jax.Array, offset, width: int) -> jax.Arra
 
 def forward_window(params, ctx: DecodeCtx, state: DecodeState, offset, width: int, *, at: jax.Array,
                    commit=None, also: jax.Array | None = None, kv_len=None,
-                   use_prev: bool = False) -> tuple[jax.Array, DecodeState]:
+                   use_prev: bool = False, keep_below=None) -> tuple[jax.Array, DecodeState]:
     """One model forward over slots [offset, offset + width) against the cache.
 
     at [B, N]: the canvas slots whose tokens this step chooses. Returns the
@@ -227,7 +227,8 @@ def forward_window(params, ctx: DecodeCtx, state: DecodeState, offset, width: in
     raw logits are appended after the N (a shifted model keeps the last
     committed slot's). The window's K/V are written into the cache; `commit`
     (scalar or [B]) then marks [0, commit) as committed. kv_len: as in
-    `jdllm.model.forward` (default: the window end). Per-row NFE is the
+    `jdllm.model.forward` (default: the window end); so is keep_below ([B]:
+    cached K/V below it are kept, not overwritten). Per-row NFE is the
     caller's to count (`count_forward`).
     """
     tokens = window(state.tokens, offset, width)  # [B, W]
@@ -237,7 +238,8 @@ def forward_window(params, ctx: DecodeCtx, state: DecodeState, offset, width: in
     if also is not None:
         idx = jnp.concatenate([idx, jnp.clip(also - rows_of(state, offset)[:, None], 0, width - 1)], axis=1)
     logits, cache = forward(params, ctx.model, tokens, positions, start=state.start, cache=state.cache,
-                            offset=offset, attn_impl=ctx.attn_impl, logits_at=idx, kv_len=kv_len)
+                            offset=offset, attn_impl=ctx.attn_impl, logits_at=idx, kv_len=kv_len,
+                            keep_below=keep_below)
     N = at.shape[1]
     if use_prev and predicts_next(ctx.model):
         head = jnp.where((src < 0)[..., None], state.prev_logits[:, None], logits[:, :N])

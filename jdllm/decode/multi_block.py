@@ -72,14 +72,45 @@ first step starts from an empty cache at slot 0 (a window when the prompt's
 whole blocks are short enough, else the full forward); it writes the prompt's
 blocks, which are committed right after it.
 
-`cache="approx"` (bidirectional models, off by default; d3LLM's
-`cache_delay_iter` / `refresh_interval`): the cache holds K/V for the whole
+`cache="approx"` (bidirectional models, off by default): d3LLM's delayed
+prefix cache, `generate_multi_block_kv_cache` (d3llm_llada_generate_util.py),
+per row. The cache holds the K/V of slots [0, edge) (cache.length); the
+prompt is complete at forward 0, a generation block counts as complete from
+the first forward whose caching scan reaches it without masks. The scan walks
+the blocks past the edge in order and stops at the first that has masks or
+has been complete for fewer than `cache_delay_iter` forwards; the edge moves
+to the end of the blocks it passed. Then the forward (n = the row's forward
+number): if the edge moved, the suffix [old edge, S) against the cached
+prefix, whose fresh K/V up to the new edge join the cache; else, with a
+cache, no block "stabilising" (complete, scanned, not cached) and n %
+`refresh_interval` != 0, the same suffix forward; else a full forward, whose
+K/V replace the cached prefix (a refresh). So the suffix always runs to the
+canvas end, future masks included, and the prefix K/V are those of the
+forward that cached or last refreshed them (stale: later reveals are not
+seen there). The batch runs one forward whose window ends at S and starts at
+or before every row's own first slot (its edge, or 0), the narrowest of 1,
+2, 4, ... blocks or the canvas; `forward(keep_below=...)` keeps each row's
+cached prefix as it is, so a row computes what it computes alone.
+`tests/reference_multi_block.py` replays d3LLM's cache with explicit K/V.
+Blocks the EOS early stop completes without their being added are, as d3LLM
+creates them, complete at that forward and marked cached: the scan passes
+them after the delay without caching them, and they never stabilise.
+Shifted models (Dream) are not checked against d3LLM's Dream code, which
+predicts the slot at its cache edge from that slot's own logits: here a slot
+is predicted from the slot before it as this window computes it (the
+window's first slot from its own logits).
+
+`cache="window"` (bidirectional models; jdllm's earlier approximation, kept
+for comparison, see benchmarks/RESULTS.md): the cache holds K/V for the whole
 canvas from the last full forward; a step recomputes only a window of
 `max_blocks + 1` blocks starting at the first block that is not yet frozen (a
 block freezes `cache_delay_iter` steps after it is Completed; with 0 it
 freezes with the K/V of its last masked state) and attends to the stale
-cached K/V everywhere else, future masks included, as d3LLM does (the window
-sees the cached slots after it through `forward(kv_len=S)`). Every
+cached K/V everywhere else, future masks included (the window sees the
+cached slots after it through `forward(kv_len=S)`); d3LLM instead recomputes
+the whole suffix from its prefix cache's edge (`cache="approx"`). Not
+d3LLM's algorithm, but the fastest of the two on the CPU (fewer slots per
+step). Every
 `refresh_interval` steps, and whenever the active blocks do not fit in the
 window, a full forward refreshes everything. Output may differ from the exact
 run (the benchmark measures by how much); `refresh_interval=1` is the exact
@@ -114,7 +145,7 @@ from jdllm.state import DecodeState, generated_mask, slot_index
 
 INACTIVE, ACTIVATED, FULLY_ACTIVATED, COMPLETED = 0, 1, 2, 3
 BLOCK_STATES = ("inactive", "activated", "fully_activated", "completed")
-CACHE_MODES = ("auto", "none", "exact", "approx")
+CACHE_MODES = ("auto", "none", "exact", "approx", "window")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,9 +164,11 @@ class MultiBlock:
     max_blocks: blocks in flight per row, counted from its first non-Completed
       block (>= 1); sizes the KV-cache window.
     cache: "auto" (exact for block-causal models, none for bidirectional ones),
-      "none", "exact" (block-causal only), "approx" (bidirectional only).
-    cache_delay_iter, refresh_interval: the approximate cache's freeze delay
-      (steps after completion, >= 0) and full-refresh period (steps, >= 1).
+      "none", "exact" (block-causal only), "approx" (d3LLM's delayed prefix
+      cache) or "window" (jdllm's windowed variant), both bidirectional only.
+    cache_delay_iter, refresh_interval: the approximate caches' delay (forwards
+      after a block completes before it is cached, >= 0) and full-refresh
+      period (forwards, >= 1); d3LLM's chat script uses cache_delay_iter=2.
     """
 
     name: ClassVar[str] = "multi_block"
@@ -182,9 +215,9 @@ class MultiBlock:
             raise errors.DecodingConfigError(
                 "cache='exact' needs a block-causal model; for bidirectional models use cache='none' "
                 "or the approximate cache='approx'")
-        if self.cache == "approx" and cfg.attention != "bidirectional":
+        if self.cache in ("approx", "window") and cfg.attention != "bidirectional":
             raise errors.DecodingConfigError(
-                "cache='approx' is for bidirectional models; block-causal models get the exact "
+                f"cache={self.cache!r} is for bidirectional models; block-causal models get the exact "
                 "cache with cache='exact' (or 'auto')")
         if cfg.attention == "block_causal" and self.block_size != cfg.block_size:
             warnings.warn(f"block_size={self.block_size} differs from the model's trained "
@@ -384,7 +417,7 @@ class MultiBlock:
         st = jnp.zeros((B, NB), jnp.int32).at[:, 0].set(FULLY_ACTIVATED)
         bsteps = jnp.full((B, NB, 3), -1, jnp.int32).at[:, 0, FULLY_ACTIVATED - 1].set(0)
         extra = dict(block_state=st, block_steps=bsteps, base=base, num_blocks=num,
-                     completed_at=jnp.full((B, NB), -1, jnp.int32))
+                     completed_at=jnp.full((B, NB), -1, jnp.int32), scanned_at=jnp.full((B, NB), -1, jnp.int32))
         return state.replace(extra=extra)
 
     def _frontier(self, state: DecodeState):
@@ -421,8 +454,10 @@ class MultiBlock:
             state, logits = self._nocache_forward(params, ctx, state, at, active_end)
         elif mode == "exact":
             state, logits = self._exact_forward(params, ctx, state, at, active_end)
+        elif mode == "approx":
+            state, logits = self._approx_forward(params, ctx, state, at)
         else:
-            state, logits = self._approx_forward(params, ctx, state, at, active_end)
+            state, logits = self._window_forward(params, ctx, state, at, active_end)
         return common.count_forward(state, rows), logits
 
     def reveal(self, ctx, state: DecodeState, plan: common.Plan, logits, bitmask=None) -> DecodeState:
@@ -508,8 +543,63 @@ class MultiBlock:
         branch = jnp.sum(need > jnp.asarray(widths, jnp.int32)).astype(jnp.int32)  # first width that fits
         return jax.lax.switch(branch, [windowed(w) for w in widths] + [full], state)
 
-    def _approx_forward(self, params, ctx, state, at, active_end):
-        """d3LLM-style approximate cache for bidirectional models (see the module docstring)."""
+    def _approx_forward(self, params, ctx, state, at):
+        """d3LLM's delayed prefix cache (`generate_multi_block_kv_cache`), per row; see the module
+        docstring. One forward for the batch: the window ends at S and starts at or before every
+        running row's own start (its cache edge, or 0 for a full forward); `keep_below` keeps each
+        row's cached prefix K/V as they are, stale included, so a row computes what it computes alone.
+        """
+        Bs, S = self.block_size, state.slots
+        base = state.extra["base"]
+        NB = self._num_blocks(ctx, state)
+        idx, ok = self._view(state, base, NB)
+        size, dec = self._stats(state, idx, ok)
+        st = state.extra["block_state"]
+        running = ~state.done
+        n = state.nfe + 1  # [B] the row's forward number (d3LLM's nfe)
+        edge = state.cache.length  # [B]
+        ends = jnp.minimum(base + Bs * (jnp.arange(NB, dtype=jnp.int32) + 1), S)  # [NB]
+        # the caching scan: the prompt (complete at nfe 0), then the added blocks, in order
+        complete = (st != INACTIVE) & (size > 0) & (dec >= size)  # [B, NB]
+        seen = state.extra["scanned_at"]  # [B, NB] d3LLM's completed_at_nfe (-1: None)
+        # blocks the EOS early stop completed without their being added: d3LLM creates them
+        # complete at that forward and marks them cached; the scan passes them after the delay,
+        # caching nothing, and they never count as stabilising
+        bst = state.extra["block_steps"]
+        eos = (st == COMPLETED) & (bst[..., ACTIVATED - 1] < 0) & (bst[..., FULLY_ACTIVATED - 1] < 0)
+        seen = jnp.where(running[:, None] & eos & (seen < 0), n[:, None], seen)
+        since = jnp.where(seen >= 0, n[:, None] - seen, 0)
+        ripe = jnp.concatenate([(n >= self.cache_delay_iter)[:, None],
+                                complete & (since >= self.cache_delay_iter)], axis=-1)  # [B, 1 + NB]
+        col_end = jnp.concatenate([jnp.broadcast_to(base, (state.batch, 1)),
+                                   jnp.broadcast_to(ends, st.shape)], axis=-1)
+        passed = jnp.cumprod(((col_end <= edge[:, None]) | ripe).astype(jnp.int32), axis=-1) > 0
+        reached = jnp.concatenate([jnp.ones_like(passed[:, :1]), passed[:, :-1]], axis=-1)[:, 1:]
+        caches = passed & ~jnp.concatenate([jnp.zeros_like(eos[:, :1]), eos], axis=-1)
+        new_edge = jnp.maximum(edge, jnp.max(jnp.where(caches, col_end, 0), axis=-1))
+        seen = jnp.where(running[:, None] & reached & complete & (ends[None] > edge[:, None]) & (seen < 0),
+                         n[:, None], seen)
+        stabilising = jnp.any((seen >= 0) & ~eos & (ends[None] > new_edge[:, None]), axis=-1) | (base > new_edge)
+        suffix = (new_edge > edge) | ((edge > 0) & ~stabilising & (n % self.refresh_interval != 0))
+        floor = jnp.where(running, jnp.where(suffix, edge, 0), S).astype(jnp.int32)  # [B] first slot recomputed
+        commit = jnp.where(running, new_edge, edge)
+        state = state.replace(extra={**state.extra, "scanned_at": seen})
+        # window widths: blocks 1, 2, 4, ... and the whole canvas; the narrowest that reaches every floor
+        widths = sorted({S} | {Bs * 2 ** i for i in range(S.bit_length()) if Bs * 2 ** i < S})
+
+        def run(width):
+            def f(s_):
+                logits, s_ = common.forward_window(params, ctx, s_, S - width, width, at=at, kv_len=S,
+                                                   keep_below=floor, commit=commit)
+                return s_, logits
+            return f
+
+        need = S - jnp.min(floor)
+        branch = jnp.sum(need > jnp.asarray(widths[:-1], jnp.int32)).astype(jnp.int32)
+        return jax.lax.switch(branch, [run(w) for w in widths], state)
+
+    def _window_forward(self, params, ctx, state, at, active_end):
+        """jdllm's windowed approximation (cache="window"; see the module docstring)."""
         Bs, K, S = self.block_size, self.max_blocks, state.slots
         base = state.extra["base"]
         lead = int(ctx.model.logit_shift)  # shifted logits: the slot before the window predicts its first
