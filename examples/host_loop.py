@@ -64,7 +64,7 @@ def main() -> None:
         state, logits = fns["forward"](model.params, state, plan, **kw)  # runs while the host builds masks
         state = fns["reveal"](state, plan, logits, jnp.asarray(mask), **kw)
         steps += 1
-    for p, o in zip(prompts, outputs(prep, fns["finalize"](state, paradigm=prep.paradigm))):
+    for p, o in zip(prompts, outputs(prep, fns["finalize"](state))):
         print(f"{p!r} -> {o.text!r} (finish {o.finish_reason}, nfe {o.nfe}, step_map {o.step_map})")
 
 

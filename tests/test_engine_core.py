@@ -141,7 +141,7 @@ def test_step_n_and_host_steps_equal_run(case):
         st = fns["step_n"](m.params, st, 3, **kw)
         calls += 1
         assert calls < 100
-    assert _fields(outputs(prep, fns["finalize"](st, paradigm=prep.paradigm))) == want
+    assert _fields(outputs(prep, fns["finalize"](st))) == want
     assert calls > 1  # step_n stopped after 3 iterations and resumed
 
     # plan / forward / reveal one at a time, as a constraint driver would
@@ -241,7 +241,7 @@ def test_mask_that_allows_nothing_stops_cleanly(case):
     st, logits = fns["forward"](m.params, st, plan, **kw)
     st = fns["reveal"](st, plan, logits, jnp.zeros((st.batch, plan.width, words), jnp.int32), **kw)
     with pytest.warns(RuntimeWarning, match="invalid"):
-        (o,) = outputs(prep, fns["finalize"](st, paradigm=prep.paradigm))
+        (o,) = outputs(prep, fns["finalize"](st))
     assert o.finish_reason == "invalid"
     assert np.all(np.isfinite(o.logprobs))
 

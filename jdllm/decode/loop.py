@@ -222,7 +222,7 @@ def step_n(params, state: DecodeState, n, *, paradigm, ctx: DecodeCtx) -> Decode
     return _loop(params, state, paradigm, ctx, bound)
 
 
-def finalize(state: DecodeState, *, paradigm) -> DecodeState:
+def finalize(state: DecodeState) -> DecodeState:
     """Rows still running once the loop ends (iteration guard hit) finish as ABORT."""
     return common.abort_running(state)
 
@@ -237,7 +237,7 @@ def run(params, state: DecodeState, *, paradigm, ctx: DecodeCtx) -> DecodeState:
     TRACES[paradigm.name] += 1
     state = prefill(params, state, paradigm=paradigm, ctx=ctx)
     state = _loop(params, state, paradigm, ctx, max_iterations(paradigm, state))
-    return finalize(state, paradigm=paradigm)
+    return finalize(state)
 
 
 def _jit(fn, static=("paradigm", "ctx"), donate=(), compiler_options=()):
@@ -271,7 +271,7 @@ def compiled_steps(compiler_options: tuple[tuple[str, object], ...] = ()) -> dic
                 reveal=_jit(reveal, donate=("state",), compiler_options=opts),
                 step=_jit(step, donate=("state",), compiler_options=opts),
                 step_n=_jit(step_n, donate=("state",), compiler_options=opts),
-                finalize=_jit(finalize, static=("paradigm",), donate=("state",), compiler_options=opts))
+                finalize=_jit(finalize, static=(), donate=("state",), compiler_options=opts))
 
 
 decode = compiled()  # what jdllm.generate calls
