@@ -132,10 +132,6 @@ class RowSampling:
                    top_k=jnp.asarray([s.top_k for s in settings], jnp.int32),
                    top_p=jnp.asarray([s.top_p for s in settings], jnp.float32))
 
-    def per_position(self) -> "RowSampling":
-        """[B] -> [B, 1], to broadcast against positions [B, T]."""
-        return RowSampling(*(x[:, None] for x in (self.temperature, self.top_k, self.top_p)))
-
 
 def _static(x) -> bool:
     return isinstance(x, (int, float))
@@ -206,15 +202,9 @@ def allowed_any(z: jax.Array) -> jax.Array:
 def sample(logits: jax.Array, key: jax.Array, *, temperature=0.0, top_k=0, top_p=1.0) -> Sample:
     """Draw one token per position from logits [..., V] with one key (greedy ignores it).
 
-    Settings as in `filter_logits`; where temperature is 0 the token is the argmax."""
+    Settings are Python numbers (per-row arrays go through `sample_rows`); temperature 0 = argmax."""
     z = filter_logits(logits, temperature=temperature, top_k=top_k, top_p=top_p)
-    greedy = jnp.argmax(z, axis=-1).astype(jnp.int32)
-    if _static(temperature):
-        token = jax.random.categorical(key, z, axis=-1) if temperature > 0 else greedy
-    else:
-        hot = jnp.asarray(temperature) > 0
-        drawn = _when(hot, lambda _: jax.random.categorical(key, z, axis=-1).astype(jnp.int32), greedy)
-        token = jnp.where(hot, drawn, greedy)
+    token = jax.random.categorical(key, z, axis=-1) if temperature > 0 else jnp.argmax(z, axis=-1)
     return distribution_stats(z, token)
 
 
@@ -228,7 +218,7 @@ def sample_rows(logits: jax.Array, keys: jax.Array, *, temperature=0.0, top_k=0,
     """
     B, T = logits.shape[:2]
     slots = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T)) if slots is None else slots
-    settings = _per_row(temperature, top_k, top_p)
+    settings = per_row(temperature, top_k, top_p)
     z = filter_logits(logits, **settings)
     greedy = jnp.argmax(z, axis=-1).astype(jnp.int32)
 
@@ -244,8 +234,8 @@ def sample_rows(logits: jax.Array, keys: jax.Array, *, temperature=0.0, top_k=0,
     return distribution_stats(z, token)
 
 
-def _per_row(temperature=0.0, top_k=0, top_p=1.0) -> dict:
-    """[B] settings -> [B, 1] (Python numbers pass through)."""
+def per_row(temperature=0.0, top_k=0, top_p=1.0) -> dict:
+    """[B] settings -> [B, 1], to broadcast against positions [B, T] (Python numbers pass through)."""
     f = lambda x: x if _static(x) else jnp.asarray(x)[:, None]  # noqa: E731
     return dict(temperature=f(temperature), top_k=f(top_k), top_p=f(top_p))
 

@@ -210,7 +210,7 @@ def set_window(x: jax.Array, offset, value: jax.Array) -> jax.Array:
     return write_rows(x, value, offset)
 
 
-def head_index(ctx: DecodeCtx, slots: jax.Array, offset, width: int) -> jax.Array:
+def head_index(ctx: DecodeCtx, slots: jax.Array, offset) -> jax.Array:
     """[B, N] window position whose logits predict canvas `slots` (negative: the slot before the window)."""
     return slots - predicts_next(ctx.model) - jnp.asarray(offset, jnp.int32).reshape(-1, 1)
 
@@ -222,8 +222,9 @@ def forward_window(params, ctx: DecodeCtx, state: DecodeState, offset, width: in
 
     at [B, N]: the canvas slots whose tokens this step chooses. Returns the
     logits *predicting* them [B, N, V] (float32; the LM head runs only there:
-    for next-token models those of the slot before, the one before the window
-    taken from `state.prev_logits`). also [B, M], optional: canvas slots whose
+    for next-token models those of the slot before; with `use_prev`, a slot at
+    the window start takes the logits of the slot before the window from
+    `state.prev_logits`). also [B, M], optional: canvas slots whose
     raw logits are appended after the N (a shifted model keeps the last
     committed slot's). The window's K/V are written into the cache; `commit`
     (scalar or [B]) then marks [0, commit) as committed. kv_len: as in
@@ -233,10 +234,11 @@ def forward_window(params, ctx: DecodeCtx, state: DecodeState, offset, width: in
     """
     tokens = window(state.tokens, offset, width)  # [B, W]
     positions = default_positions(state.start, offset, width)
-    src = head_index(ctx, at, rows_of(state, offset), width)
+    off = rows_of(state, offset)
+    src = head_index(ctx, at, off)
     idx = jnp.clip(src, 0, width - 1)
     if also is not None:
-        idx = jnp.concatenate([idx, jnp.clip(also - rows_of(state, offset)[:, None], 0, width - 1)], axis=1)
+        idx = jnp.concatenate([idx, jnp.clip(also - off[:, None], 0, width - 1)], axis=1)
     logits, cache = forward(params, ctx.model, tokens, positions, start=state.start, cache=state.cache,
                             offset=offset, attn_impl=ctx.attn_impl, logits_at=idx, kv_len=kv_len,
                             keep_below=keep_below)
@@ -391,9 +393,10 @@ def stop_end(state: DecodeState) -> tuple[jax.Array, jax.Array]:
     return stopped, end.astype(jnp.int32)
 
 
-def close_rows(state: DecodeState, rows: jax.Array, code) -> DecodeState:
-    """Finish rows [B] (bool) with finish code `code` (scalar or [B]); their `end` is fixed here."""
-    _, end = stop_end(state)
+def close_rows(state: DecodeState, rows: jax.Array, code, end=None) -> DecodeState:
+    """Finish rows [B] (bool) with finish code `code` (scalar or [B]); their `end` is fixed here
+    (`stop_end`'s, unless the caller has it already)."""
+    end = stop_end(state)[1] if end is None else end
     return state.replace(done=state.done | rows, finish=jnp.where(rows, code, state.finish).astype(jnp.int32),
                          end=jnp.where(rows, end, state.end))
 
@@ -404,9 +407,7 @@ def finish_rows(state: DecodeState) -> DecodeState:
     stopped, end = stop_end(state)
     invalid = state.finish == INVALID
     newly = ~state.done & (stopped | (end >= state.limit) | invalid)
-    code = jnp.where(invalid, INVALID, jnp.where(stopped, STOP, LENGTH))
-    return state.replace(done=state.done | newly, finish=jnp.where(newly, code, state.finish).astype(jnp.int32),
-                         end=jnp.where(newly, end, state.end))
+    return close_rows(state, newly, jnp.where(invalid, INVALID, jnp.where(stopped, STOP, LENGTH)), end)
 
 
 def abort_running(state: DecodeState) -> DecodeState:

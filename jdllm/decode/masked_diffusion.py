@@ -73,7 +73,7 @@ import numpy as np
 from jdllm import errors
 from jdllm.decode import common
 from jdllm.model import default_positions, forward
-from jdllm.sampling import apply_token_bitmask, distribution_stats, exclude_token, filter_logits, split_rows
+from jdllm.sampling import apply_token_bitmask, distribution_stats, exclude_token, filter_logits, per_row, split_rows
 from jdllm.state import DecodeState, slot_index
 
 REMASKING = ("low_confidence", "random")
@@ -300,9 +300,10 @@ class MaskedDiffusion:
         probability of the token (LLaDA's confidence), the sampled distribution's
         filtered logits zt)."""
         sp = state.sampling
-        T = sp.temperature[:, None]  # [B, 1]
+        settings = per_row(sp.temperature, sp.top_k, sp.top_p)
+        T = settings["temperature"]  # [B, 1]
         z = exclude_token(logits, ctx.model.mask_token_id)
-        zt = filter_logits(z, temperature=T, top_k=sp.top_k[:, None], top_p=sp.top_p[:, None])  # [B, W, V]
+        zt = filter_logits(z, **settings)  # [B, W, V]
         greedy = jnp.argmax(zt, axis=-1).astype(jnp.int32)
         drawn = gumbel_argmax(jnp.where(jnp.isfinite(zt), z, -jnp.inf), exp_noise, T[..., None])
         tok = jnp.where(T > 0, drawn, greedy)

@@ -377,7 +377,7 @@ class MultiBlock:
         """No cache: the model over slots [0, width) alone -> (state, logits predicting `at` [B, N, V])."""
         tokens = state.tokens[:, :width]  # [B, W]
         positions = default_positions(state.start, 0, width)
-        idx = jnp.clip(common.head_index(ctx, at, 0, width), 0, width - 1)
+        idx = jnp.clip(common.head_index(ctx, at, 0), 0, width - 1)
         logits, _ = forward(params, ctx.model, tokens, positions, start=state.start, attn_impl=ctx.attn_impl,
                             logits_at=idx)
         return state.replace(forwards=state.forwards + 1), logits
