@@ -51,6 +51,7 @@ class Output:
     finish_reason: str | None
     prompt_ids: list[int] = dataclasses.field(default_factory=list)
     trace: dict = dataclasses.field(default_factory=dict)
+    constraint_ok: bool | None = None  # constrained rows: the matcher accepted the whole output
 
 
 @dataclasses.dataclass(frozen=True)
@@ -208,7 +209,7 @@ def outputs(prep: Prepared, state: DecodeState) -> list[Output]:
 
 
 def generate(model: Model, prompts, decoding=None, sampling: Sampling | list[Sampling] | None = None, *,
-             apply_chat_template: bool = False) -> list[Output]:
+             apply_chat_template: bool = False, constraint=None) -> list[Output]:
     """Generate for each prompt (text or token ids; rows of different lengths are fine).
 
     sampling: one `jdllm.Sampling` for all prompts or a list with one per

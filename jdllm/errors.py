@@ -61,6 +61,11 @@ class ArgumentTypeError(JdllmError, TypeError):
     """An argument of the wrong type (a dict where a Sampling goes, a string where a number goes)."""
 
 
+class ConstraintError(JdllmError, ValueError):
+    """A constraint that cannot be used: bad pattern / schema / grammar, an empty language,
+    a backend that cannot compile it, or a model without a tokenizer."""
+
+
 class NonFiniteWeightsError(CheckpointError):
     """A weight tensor holds NaN or infinity (`load(..., check_finite=True)`)."""
 
