@@ -1,4 +1,10 @@
-"""Plain-loop reference of d3LLM multi-block decoding (greedy), written from the issue's rules.
+"""Plain-loop reference of d3LLM multi-block decoding (greedy), written from d3LLM's source.
+
+Sources (hao-ai-lab/d3LLM @ e5bfcac): `generate_multi_block` in
+d3llm/d3llm_LLaDA/d3llm_llada_generate_util.py (lines 167-396) with its
+sampler `get_transfer_index_entropy` (831-884), and `_sample_multi_block` in
+d3llm/d3llm_DREAM/d3llm_dream_generate_util.py (lines 725-988). Line numbers
+below are in those files ("L" LLaDA, "D" Dream).
 
 One prompt, no padding, no slot grid, no KV cache, no jit of the loop. Every
 step runs the model from position 0: over the canvas up to the active end for
@@ -155,8 +161,9 @@ def _stats(logits: np.ndarray, mask_id: int):
 
 
 def multi_block_reference(params, cfg, prompt, *, max_new_tokens, block_size, entropy_threshold,
-                          block_add_threshold, decoded_token_threshold, max_blocks, early_stop=True,
-                          stop_ids=(), max_forwards=None, approx_cache=None):
+                          block_add_threshold, decoded_token_threshold, max_blocks=None, early_stop=True,
+                          stop_ids=(), max_forwards=None, approx_cache=None, forced_progress="first",
+                          selection="auto"):
     """Returns dict(tokens, step_map, logprobs, nfe, finish, trace, entered, final).
 
     trace[t - 1]: block states (names) as step t's forward sees them.
@@ -164,9 +171,23 @@ def multi_block_reference(params, cfg, prompt, *, max_new_tokens, block_size, en
     (-1 = never; EOS completions at the start of step t count as t - 1).
 
     approx_cache: None (every forward from scratch) or dict(cache_delay_iter, refresh_interval)
-    for a bidirectional same-position model: forwards through `D3llmPrefixCache` (the output
-    then also holds `kinds`, the forward kind of each step).
+    for a bidirectional model: forwards through `D3llmPrefixCache` (the output then also holds
+    `kinds`, the forward kind of each step).
+
+    max_blocks: None (d3LLM: no cap on blocks in flight) or jdllm's cap.
+    forced_progress: "first" (d3LLM, L357-379 / D953-970) or "every" (jdllm's variant).
+    selection: "llada" (L347-356 + L866-881: the lowest-entropy candidate, then every one with
+    entropy <= threshold), "dream" (D951: entropy < threshold, no guaranteed pick) or "auto"
+    (dream on shifted-logit bidirectional models, llada otherwise).
+
+    Differences from d3LLM's code that the issue documents rather than changes: d3LLM takes its
+    mask set before the EOS fill (L242 / D808, before L252 / D819), so a slot the fill just wrote can be
+    overwritten that step; here candidates are taken after the fill. d3LLM counts an NFE for an
+    iteration that only early-stops (L248 / D814); here only forwards count. Entropies are float32
+    here, float64 there (L844 / D941).
     """
+    if selection == "auto":
+        selection = "dream" if cfg.attention == "bidirectional" and cfg.logit_shift else "llada"
     Bs, mask = block_size, cfg.mask_token_id
     bidir = cfg.attention == "bidirectional"
     if not bidir:
@@ -238,18 +259,20 @@ def multi_block_reference(params, cfg, prompt, *, max_new_tokens, block_size, en
         if max_forwards is not None and nfe >= max_forwards:
             finish = "abort"  # stopped by the forward budget, not by the algorithm
             break
-        # 2. activation
+        # 2. activation (L273-285 / D870-880)
         for k in range(len(blocks)):
             if state[k] == ACTIVATED and (k == 0 or progress(k - 1) >= decoded_token_threshold):
                 set_state(k, FULLY, steps + 1)
-        # 3. adding (at most max_blocks blocks from the first non-Completed one)
+        # 3. adding, one block per iteration (L287-324 / D882-917); jdllm's optional cap: at most
+        # max_blocks blocks from the first non-Completed one
         last = max(k for k, s in enumerate(state) if s != INACTIVE)
         nxt = last + 1
-        if (nxt < len(blocks) and state[nxt] == INACTIVE and nxt < first_open() + max_blocks
+        capped = max_blocks is not None and nxt >= first_open() + max_blocks
+        if (nxt < len(blocks) and state[nxt] == INACTIVE and not capped
                 and (progress(last) >= block_add_threshold or not masked(last))):
             set_state(nxt, FULLY if progress(last) >= decoded_token_threshold else ACTIVATED, steps + 1)
         trace.append(list(state))
-        # 4. one forward
+        # 4. one forward over the whole canvas (L339 / D929-932, Dream's logits shifted right by one)
         live = [k for k, s in enumerate(state) if s in (ACTIVATED, FULLY)]
         active_end = blocks[max(live)][0] + Bs
         nfe += 1
@@ -265,14 +288,19 @@ def multi_block_reference(params, cfg, prompt, *, max_new_tokens, block_size, en
         tok = dict(zip(cands, tok.tolist()))
         ent = dict(zip(cands, ent.tolist()))
         lp = dict(zip(cands, lp.tolist()))
-        # 5. lowest entropy + all under the threshold
-        chosen = {min(cands, key=lambda p: (ent[p], p))}
-        chosen |= {p for p in cands if ent[p] <= entropy_threshold}
-        # 6. forced progress
-        for k in live:
-            if state[k] == FULLY and masked(k) and not any(blocks[k][0] <= p < blocks[k][1] for p in chosen):
+        # 5. selection among the masks before active_end (L340-356 / D934-951)
+        if selection == "dream":  # D951: strict, no guaranteed pick
+            chosen = {p for p in cands if ent[p] < entropy_threshold}
+        else:  # L866-881: topk ascending, the first kept, the rest dropped when > threshold
+            chosen = {min(cands, key=lambda p: (ent[p], p))}
+            chosen |= {p for p in cands if ent[p] <= entropy_threshold}
+        # 6. forced progress (L357-379 / D953-970): the first block (in order) that is fully
+        # activated and has masks; if nothing was chosen in it, its lowest-entropy mask
+        fully = [k for k in live if state[k] == FULLY and masked(k)]
+        for k in fully[:1] if forced_progress == "first" else fully:
+            if not any(blocks[k][0] <= p < blocks[k][1] for p in chosen):
                 chosen.add(min(masked(k), key=lambda p: (ent[p], p)))
-        # 7. reveal, update
+        # 7. reveal, update (L381-390 / D972-981)
         steps += 1
         for p in chosen:
             seq[p], known[p] = tok[p], True
