@@ -84,10 +84,22 @@ class D3llmPrefixCache:
 
     Stale K/V are real here: the prefix keys/values are those of the forward that cached (or
     last refreshed) them, and `jdllm.model.forward` runs the suffix against them.
+
+    Shifted-logit (Dream) models follow `_sample_multi_block_kv_cache`
+    (d3llm/d3llm_DREAM/d3llm_dream_generate_util.py, lines 991-1420), which differs in two ways:
+    - its caching scan (D1204-1220) does not stop at a complete block still inside its delay
+      (there is no `elif delay < cache_delay_iter: break`, cf. L568-570): it goes on to the next
+      block, whose `completed_at_nfe` is therefore set as soon as every block before it (from the
+      edge) has no masks; it stops only at a block with masks. Blocks after the EOS are marked
+      cached (D1122-1126) and never stop it;
+    - it shifts each forward's logits by one *within the forward's input* (D1312, D1328, D1334:
+      `cat([logits[:, :1], logits[:, :-1]])`), so a suffix forward predicts its first slot (the
+      cache edge) from that slot's own output, not from the slot before it.
     """
 
     def __init__(self, params, cfg, prompt_len: int, cache_delay_iter: int, refresh_interval: int):
         self.params, self.cfg, self.n = params, cfg, prompt_len
+        self.dream = bool(cfg.logit_shift)
         self.delay, self.refresh = cache_delay_iter, refresh_interval
         self.k = self.v = None  # prefix K/V [L, 1, edge, H, D], None before the first caching
         self.edge = 0
@@ -98,7 +110,8 @@ class D3llmPrefixCache:
         self.kinds = []  # per forward: "suffix+cache", "suffix", "refresh" or "full"
 
     def logits(self, seq, nfe: int, blocks, masked_blocks) -> np.ndarray:
-        """Raw logits [T, V] for forward number `nfe` (zeros before the slot the forward starts at).
+        """Logits [T, V] predicting each slot for forward number `nfe` (zeros before the slot the
+        forward starts at): raw on same-position models, shifted within the forward on Dream.
 
         blocks: generation blocks (start, end) added so far; masked_blocks: the indices of those
         with masks."""
@@ -109,13 +122,15 @@ class D3llmPrefixCache:
             if b <= edge:
                 continue
             if k in self.eos_created:
-                if nfe - self.eos_created[k] < self.delay:
+                if not self.dream and nfe - self.eos_created[k] < self.delay:
                     break
                 continue
             if k in masked_blocks:
                 break
             at = 0 if k < 0 else self.completed_at.setdefault(k, nfe)
             if nfe - at < self.delay:
+                if self.dream:  # D1204-1220: no break; ripeness is monotone along the scan anyway
+                    continue
                 break
             new_edge = b
         stable = [a for k, (a, b) in enumerate(blocks)
@@ -143,8 +158,11 @@ class D3llmPrefixCache:
             # attend to duplicated keys: fail loudly instead)
             assert (max(stable) if stable else edge) == edge
             self.k, self.v = k[:, :, :edge], v[:, :, :edge]
+        out = np.asarray(out)
+        if self.dream:  # D1328: the forward's first slot keeps its own logits
+            out = np.concatenate([out[:1], out[:-1]], axis=0)
         raw = np.zeros((T, out.shape[-1]), np.float32)
-        raw[start:] = np.asarray(out)
+        raw[start:] = out
         return raw
 
 
@@ -172,7 +190,8 @@ def multi_block_reference(params, cfg, prompt, *, max_new_tokens, block_size, en
 
     approx_cache: None (every forward from scratch) or dict(cache_delay_iter, refresh_interval)
     for a bidirectional model: forwards through `D3llmPrefixCache` (the output then also holds
-    `kinds`, the forward kind of each step).
+    `kinds`, the forward kind of each step), d3LLM's LLaDA cache on same-position models and its
+    Dream cache on shifted ones.
 
     max_blocks: None (d3LLM: no cap on blocks in flight) or jdllm's cap.
     forced_progress: "first" (d3LLM, L357-379 / D953-970) or "every" (jdllm's variant).
@@ -234,7 +253,7 @@ def multi_block_reference(params, cfg, prompt, *, max_new_tokens, block_size, en
     finish = None
     d3 = None
     if approx_cache is not None:
-        assert bidir and not cfg.logit_shift, "d3LLM's approximate cache: bidirectional, same-position logits"
+        assert bidir, "d3LLM's approximate cache: bidirectional models"
         d3 = D3llmPrefixCache(params, cfg, n, **approx_cache)
     while True:
         # 1. EOS early stop
@@ -281,7 +300,7 @@ def multi_block_reference(params, cfg, prompt, *, max_new_tokens, block_size, en
             raw = d3.logits(seq, nfe, added, {k for k in range(len(added)) if masked(k)})
         else:
             raw = model_logits(params, cfg, seq if bidir else seq[:active_end])
-        if cfg.logit_shift:  # position p is predicted at p - 1
+        if cfg.logit_shift and d3 is None:  # position p is predicted at p - 1 (D932: p = 0 by itself)
             raw = np.concatenate([np.zeros_like(raw[:1]), raw[:-1]], axis=0)
         cands = [p for p in range(n, min(active_end, end)) if not known[p]]
         tok, ent, lp = _stats(raw[cands], mask)

@@ -265,6 +265,29 @@ def test_approx_cache_follows_d3llm(delay, refresh, config, mixed):
         "stale K/V should change some decision, else this test cannot tell the cache from no cache"
 
 
+@pytest.mark.parametrize("delay, refresh, setting", [(0, 3, "add0.25/dec0.5"), (1, 10000, "pipelined")])
+def test_approx_cache_follows_d3llm_dream(delay, refresh, setting):
+    """cache="approx" on a Dream-style (shifted-logit) model == d3LLM's _sample_multi_block_kv_cache
+    replayed: its scan goes on past blocks inside their delay, and a suffix forward predicts the slot
+    at its edge from that slot's own output. Defaults otherwise (Dream rule, first-block forced
+    progress, no cap); mixed-length batch. (At cache_delay_iter=2, d3LLM's Dream cache often
+    refreshes past its edge and duplicates keys; the replay refuses those runs, jdllm does not copy it.)"""
+    m = bidir_model(4, True)
+    max_new = 24
+    ac = dict(cache_delay_iter=delay, refresh_interval=refresh)
+    kw = {k: v for k, v in {**CONFIGS, **D3_SETTINGS}[setting].items() if k != "max_blocks"}
+    refs = [multi_block_reference(m.params, m.config, p, max_new_tokens=max_new, block_size=BS,
+                                  approx_cache=ac, **kw) for p in PROMPTS]
+    outs = jdllm.generate(m, PROMPTS, jdllm.MultiBlock(block_size=BS, cache="approx", **ac, **kw),
+                          _sampling(max_new))
+    for out, ref in zip(outs, refs):
+        _check(out, ref)
+    assert {"suffix", "suffix+cache", "refresh"} <= {k for r in refs for k in r["kinds"]}
+    plain = [multi_block_reference(m.params, m.config, p, max_new_tokens=max_new, block_size=BS, **kw)
+             for p in PROMPTS]
+    assert any(r["tokens"] != p["tokens"] or r["step_map"] != p["step_map"] for r, p in zip(refs, plain))
+
+
 def test_approx_cache_with_eos_early_stop():
     """The approximate cache under EOS early stop against the replay (stop ids, early_stop).
 

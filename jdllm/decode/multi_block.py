@@ -111,10 +111,18 @@ cached prefix as it is, so a row computes what it computes alone.
 Blocks the EOS early stop completes without their being added are, as d3LLM
 creates them, complete at that forward and marked cached: the scan passes
 them after the delay without caching them, and they never stabilise.
-Shifted models (Dream) are not checked against d3LLM's Dream code, which
-predicts the slot at its cache edge from that slot's own logits: here a slot
-is predicted from the slot before it as this window computes it (the
-window's first slot from its own logits).
+Shifted-logit models (Dream) follow d3LLM's Dream version,
+`_sample_multi_block_kv_cache` (d3llm_dream_generate_util.py), which differs
+in two ways: its scan does not stop at a complete block still inside its
+delay (only at masks), so a block's delay starts as soon as every block
+before it has no masks; and it shifts the logits within each forward, so a
+suffix forward predicts its first slot (the cache edge) from that slot's own
+output. One thing is not reproduced: when two or more blocks are stabilising
+at a refresh, d3LLM truncates the refreshed K/V at the start of the latest
+one, past its cache edge, and its next suffix forward then attends to those
+slots twice (its cache outgrows `manual_cache_length`); jdllm keeps the
+refreshed prefix at the edge, as the LLaDA version (where at most one block
+is ever stabilising) always does.
 
 `cache="window"` (bidirectional models; jdllm's earlier approximation, kept
 for comparison, see benchmarks/RESULTS.md): the cache holds K/V for the whole
@@ -628,9 +636,20 @@ class MultiBlock:
                                 complete & (since >= self.cache_delay_iter)], axis=-1)  # [B, 1 + NB]
         col_end = jnp.concatenate([jnp.broadcast_to(base, (state.batch, 1)),
                                    jnp.broadcast_to(ends, st.shape)], axis=-1)
-        passed = jnp.cumprod(((col_end <= edge[:, None]) | ripe).astype(jnp.int32), axis=-1) > 0
-        reached = jnp.concatenate([jnp.ones_like(passed[:, :1]), passed[:, :-1]], axis=-1)[:, 1:]
-        caches = passed & ~jnp.concatenate([jnp.zeros_like(eos[:, :1]), eos], axis=-1)
+        below = col_end <= edge[:, None]
+        eos_col = jnp.concatenate([jnp.zeros_like(eos[:, :1]), eos], axis=-1)
+        prefix = lambda go: jnp.cumprod(go.astype(jnp.int32), axis=-1) > 0  # noqa: E731
+        if ctx.model.logit_shift:
+            # d3LLM's Dream scan goes on past complete blocks still inside their delay (and past the
+            # blocks after an EOS, marked cached there) and stops only at masks; it caches the ripe ones
+            # (ripeness cannot skip a block: a block is first scanned no earlier than the one before it)
+            clear = prefix(below | jnp.concatenate([jnp.ones_like(eos[:, :1]), complete | eos], axis=-1))
+            reached = jnp.concatenate([jnp.ones_like(clear[:, :1]), clear[:, :-1]], axis=-1)[:, 1:]
+            caches = clear & ripe & ~eos_col
+        else:  # LLaDA's scan stops at the first block that is not ripe
+            passed = prefix(below | ripe)
+            reached = jnp.concatenate([jnp.ones_like(passed[:, :1]), passed[:, :-1]], axis=-1)[:, 1:]
+            caches = passed & ~eos_col
         new_edge = jnp.maximum(edge, jnp.max(jnp.where(caches, col_end, 0), axis=-1))
         seen = jnp.where(running[:, None] & reached & complete & (ends[None] > edge[:, None]) & (seen < 0),
                          n[:, None], seen)
@@ -639,6 +658,9 @@ class MultiBlock:
         floor = jnp.where(running, jnp.where(suffix, edge, 0), S).astype(jnp.int32)  # [B] first slot recomputed
         commit = jnp.where(running, new_edge, edge)
         state = state.replace(extra={**state.extra, "scanned_at": seen})
+        if ctx.model.logit_shift:  # Dream shifts within the forward: a suffix's first slot predicts itself
+            own = (running & suffix)[:, None] & (at == floor[:, None])
+            at = jnp.where(own, at + 1, at)  # the head then reads slot `floor`'s own output
         # window widths: blocks 1, 2, 4, ... and the whole canvas; the narrowest that reaches every floor
         widths = sorted({S} | {Bs * 2 ** i for i in range(S.bit_length()) if Bs * 2 ** i < S})
 
