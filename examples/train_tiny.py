@@ -16,8 +16,8 @@ scratch; the diffusion models start from its weights (RECIPES).
     python examples/train_tiny.py --model all --out models      # ... over the shipped models themselves
     python examples/train_tiny.py --model sdar --steps 20 --smoke --out /tmp/tiny
 
-The shipped tiny-sdar also knows the long-answer task "rep" (jdllm.tasks.LONG_TASKS): it was
-fine-tuned from the recipe's model with the four tasks mixed (RECIPES note, models/README.md):
+--tasks mixes in the long-answer task "rep" (jdllm.tasks.LONG_TASKS; rows of 64 slots), e.g. a
+fine-tune of the shipped tiny-sdar (not shipped yet: see benchmarks/RESULTS.md for the figures):
 
     python examples/train_tiny.py --model sdar --tasks sort add rev rep --init-from models/tiny-sdar \
         --steps 300 --lr 5e-4 --out /tmp/tiny-long
