@@ -69,7 +69,8 @@ def main() -> None:
     results = {}
     for cache in caches:
         decoding = jdllm.MultiBlock(block_size=block, entropy_threshold=0.9, block_add_threshold=0.5,
-                                    decoded_token_threshold=0.5, max_blocks=4, cache=cache)
+                                    decoded_token_threshold=0.5, cache=cache)  # d3LLM's rules: no cap,
+        # forced progress in the first Fully-Activated block, the family's selection rule
         jdllm.generate(model, prompts, decoding, sampling)  # compile
         t0 = time.perf_counter()
         outs = jdllm.generate(model, prompts, decoding, sampling)
@@ -91,6 +92,9 @@ def main() -> None:
     a, b = (results[c] for c in caches)
     same = all(x.token_ids == y.token_ids and x.step_map == y.step_map for x, y in zip(a, b))
     print(f"\ncache={caches[0]} and cache={caches[1]} give identical tokens and step maps: {same}")
+    # jdllm's variant: force a token in every Fully-Activated block with masks (not d3LLM's outputs)
+    every = jdllm.generate(model, prompts, jdllm.MultiBlock(block_size=block, forced_progress="every"), sampling)
+    print(f"forced_progress='first' (default) NFE {sum(o.nfe for o in a)}, 'every' NFE {sum(o.nfe for o in every)}")
 
 
 if __name__ == "__main__":

@@ -15,6 +15,12 @@ scratch; the diffusion models start from its weights (RECIPES).
     python examples/train_tiny.py                               # the shipped recipes, into a scratch folder
     python examples/train_tiny.py --model all --out models      # ... over the shipped models themselves
     python examples/train_tiny.py --model sdar --steps 20 --smoke --out /tmp/tiny
+
+--tasks mixes in the long-answer task "rep" (jdllm.tasks.LONG_TASKS; rows of 64 slots), e.g. a
+fine-tune of the shipped tiny-sdar (not shipped yet: see benchmarks/RESULTS.md for the figures):
+
+    python examples/train_tiny.py --model sdar --tasks sort add rev rep --init-from models/tiny-sdar \
+        --steps 300 --lr 5e-4 --out /tmp/tiny-long
 """
 
 from __future__ import annotations
@@ -45,7 +51,9 @@ RECIPES = {
     "llada": dict(steps=700, lr=1.5e-3, init_from="ar"),
 }
 SEQ_LEN = 32  # training row length: left padding | prompt | answer | EOS fill
+LONG_SEQ_LEN = 64  # ... when a long-answer task is in the mix
 EVAL_PROMPT, EVAL_GEN = 16, 12  # eval layout: prompt left-padded to 16 slots, 12 generated
+LONG_EVAL_GEN = 48  # generated slots when scoring the long-answer tasks
 
 
 def model_config(kind: str, hidden: int = 128, layers: int = 4, heads: int = 4, kv_heads: int = 2,
@@ -75,24 +83,26 @@ class Batches:
     Tasks are drawn uniformly (the addition space is smaller than the others).
     """
 
-    def __init__(self, examples, seed: int):
+    def __init__(self, examples, seed: int, seq_len: int = SEQ_LEN):
+        self.seq_len = seq_len
         self.prompts = [tasks.encode(ex.prompt) for ex in examples]
         self.answers = [tasks.encode(ex.answer) for ex in examples]
-        self.by_task = [np.array([i for i, ex in enumerate(examples) if ex.task == t]) for t in tasks.TASKS]
+        self.by_task = [np.array([i for i, ex in enumerate(examples) if ex.task == t]) for t in tasks.ALL_TASKS]
         self.by_task = [ix for ix in self.by_task if len(ix)]
         self.rng = np.random.default_rng(seed)
 
     def __call__(self, batch: int):
         which = self.rng.integers(0, len(self.by_task), batch)
         idx = [self.by_task[w][self.rng.integers(0, len(self.by_task[w]))] for w in which]
-        tokens = np.full((batch, SEQ_LEN), tasks.PAD_ID, np.int32)
-        target = np.zeros((batch, SEQ_LEN), bool)
+        T = self.seq_len
+        tokens = np.full((batch, T), tasks.PAD_ID, np.int32)
+        target = np.zeros((batch, T), bool)
         start = np.zeros((batch,), np.int32)
         for b, i in enumerate(idx):
             p, a = self.prompts[i], self.answers[i]
-            fill = int(self.rng.integers(1, SEQ_LEN - len(p) - len(a) + 1))
+            fill = int(self.rng.integers(1, T - len(p) - len(a) + 1))
             row = p + a + [tasks.EOS_ID] * fill
-            s = SEQ_LEN - len(row)
+            s = T - len(row)
             tokens[b, s:] = row
             target[b, s + len(p):] = True
             start[b] = s
@@ -100,10 +110,10 @@ class Batches:
 
 
 # --------------------------------------------------------------------------- eval
-def eval_rows(examples):
-    """Prompts left-padded to EVAL_PROMPT slots, followed by EVAL_GEN mask slots."""
+def eval_rows(examples, gen: int = EVAL_GEN):
+    """Prompts left-padded to EVAL_PROMPT slots, followed by `gen` mask slots."""
     n = len(examples)
-    tokens = np.full((n, EVAL_PROMPT + EVAL_GEN), tasks.MASK_ID, np.int32)
+    tokens = np.full((n, EVAL_PROMPT + gen), tasks.MASK_ID, np.int32)
     start = np.zeros((n,), np.int32)
     for b, ex in enumerate(examples):
         p = tasks.encode(ex.prompt)
@@ -113,8 +123,8 @@ def eval_rows(examples):
     return jnp.asarray(tokens), jnp.asarray(start)
 
 
-@jax.jit(static_argnames=("cfg",))
-def greedy_decode(params, tokens, start, *, cfg: ModelConfig):
+@jax.jit(static_argnames=("cfg", "gen"))
+def greedy_decode(params, tokens, start, *, cfg: ModelConfig, gen: int = EVAL_GEN):
     """A plain full-recompute decoder for the training report (the harness uses jdllm.generate).
 
     causal: one token per step, left to right. block_causal: the first block
@@ -141,15 +151,15 @@ def greedy_decode(params, tokens, start, *, cfg: ModelConfig):
         hit = (slots[None] == pick[:, None]) & masked
         return jnp.where(hit, pred.astype(toks.dtype), toks)
 
-    return jax.lax.fori_loop(0, EVAL_GEN, step, tokens)
+    return jax.lax.fori_loop(0, gen, step, tokens)
 
 
-def evaluate(params, cfg, examples, batch: int = 100) -> float:
+def evaluate(params, cfg, examples, batch: int = 100, gen: int = EVAL_GEN) -> float:
     preds = []
     for i in range(0, len(examples), batch):
         chunk = examples[i:i + batch]
-        toks, start = eval_rows(chunk)
-        out = np.asarray(greedy_decode(params, toks, start, cfg=cfg))
+        toks, start = eval_rows(chunk, gen)
+        out = np.asarray(greedy_decode(params, toks, start, cfg=cfg, gen=gen))
         preds += [tasks.decode(r[EVAL_PROMPT:]).replace("<eos>", "\x00").split("\x00")[0] for r in out]
     return tasks.exact_match(preds, examples)
 
@@ -171,7 +181,7 @@ def warm_start(params, cfg: ModelConfig, path: str):
 
 
 def train(kind: str, steps: int, batch: int, lr: float, seed: int, out: str, n_train: int, n_eval: int,
-          quiet: bool = False, init_from: str | None = None) -> dict:
+          quiet: bool = False, init_from: str | None = None, task_mix=tasks.TASKS) -> dict:
     import functools  # noqa: PLC0415
 
     import optax  # noqa: PLC0415
@@ -197,7 +207,8 @@ def train(kind: str, steps: int, batch: int, lr: float, seed: int, out: str, n_t
         upd, opt_state = opt.update(grads, opt_state, params)
         return optax.apply_updates(params, upd), opt_state, loss
 
-    data = Batches(tasks.train_set(n_train, seed), seed)
+    long = [t for t in task_mix if t in tasks.LONG_TASKS]
+    data = Batches(tasks.train_set(n_train, seed, task_mix), seed, LONG_SEQ_LEN if long else SEQ_LEN)
     losses = []
     t0 = time.time()
     bar = tqdm(range(steps), desc=NAMES[kind], disable=quiet, mininterval=5.0)
@@ -209,6 +220,8 @@ def train(kind: str, steps: int, batch: int, lr: float, seed: int, out: str, n_t
             bar.set_postfix(loss=f"{np.mean(losses[-50:]):.4f}")
     train_s = time.time() - t0
     acc = evaluate(params, cfg, tasks.test_set(n_eval, seed)) if n_eval else float("nan")
+    long_acc = evaluate(params, cfg, tasks.test_set(n_eval, seed, long), gen=LONG_EVAL_GEN) \
+        if n_eval and long else None
 
     out_dir = os.path.join(out, NAMES[kind])
     save(out_dir, params, cfg)
@@ -219,6 +232,8 @@ def train(kind: str, steps: int, batch: int, lr: float, seed: int, out: str, n_t
             "train_examples": n_train, "train_seconds": round(train_s, 1),
             "final_loss": float(np.mean(losses[-50:])), "eval_items": n_eval,
             "eval_exact_match": acc}
+    if long:
+        info.update(tasks=list(task_mix), seq_len=data.seq_len, eval_long_tasks=long, eval_long_exact_match=long_acc)
     with open(os.path.join(out_dir, "training.json"), "w") as f:
         json.dump(info, f, indent=2)
     print(json.dumps(info), flush=True)
@@ -272,6 +287,9 @@ def main(argv=None) -> int:
                     help="warm start from a trained model directory (weights with matching names and shapes); "
                          "default: the recipe's (diffusion models start from OUT/tiny-ar when it exists)")
     ap.add_argument("--scratch", action="store_true", help="no warm start, whatever the recipe says")
+    ap.add_argument("--tasks", nargs="+", default=list(tasks.TASKS), choices=list(tasks.ALL_TASKS),
+                    help="training mix (default: the short tasks); a long-answer task lengthens rows to "
+                         f"{LONG_SEQ_LEN} slots and adds its own score to training.json")
     args = ap.parse_args(argv)
     if args.smoke:
         args.batch, args.train_size, args.eval = 8, 200, 0
@@ -283,7 +301,7 @@ def main(argv=None) -> int:
             cand = os.path.join(args.out, NAMES[recipe["init_from"]])
             init = cand if os.path.isfile(os.path.join(cand, "config.json")) else None
         train(kind, args.steps or recipe["steps"], args.batch, args.lr or recipe["lr"], args.seed, args.out,
-              args.train_size, args.eval, args.quiet, None if args.scratch else init)
+              args.train_size, args.eval, args.quiet, None if args.scratch else init, tuple(args.tasks))
     return 0
 
 

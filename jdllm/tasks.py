@@ -7,6 +7,14 @@ decoding strategies can be compared on accuracy, not only speed:
     add:12+34=    -> 46         (add two numbers in [0, 99])
     rev:abc=      -> cba        (reverse 3-6 lowercase letters)
 
+and one long-answer task, kept out of the default `TASKS` (so the default
+sets above never change) and asked for by name (`LONG_TASKS`, `ALL_TASKS`):
+
+    rep:abcd=     -> abcd abcd abcd abcd abcd   (a 4-8 letter word 5 times: 24-44 tokens)
+
+Its answers are long enough for several decoding blocks to be in flight at
+once, which the short tasks (answers of ~6 tokens) never allow.
+
 A prompt ends with "="; the answer follows and ends with EOS. Train and
 held-out test sets are deterministic functions of a seed and never share a
 prompt. The tokenizer is character level (one token per character) and is
@@ -23,7 +31,10 @@ from typing import Iterable, Sequence
 
 from jdllm import errors
 
-TASKS = ("sort", "add", "rev")
+TASKS = ("sort", "add", "rev")  # the default sets
+LONG_TASKS = ("rep",)  # long answers; only when asked for by name
+ALL_TASKS = TASKS + LONG_TASKS
+REP_TIMES = 5  # "rep" repeats its word this many times
 PAD, EOS, MASK = "<pad>", "<eos>", "<mask>"
 SPECIALS = (PAD, EOS, MASK)  # ids 0, 1, 2
 # Printable characters, one token each; padded so the vocabulary is 48 ids in all.
@@ -32,6 +43,8 @@ VOCAB_SIZE = len(SPECIALS) + len(CHARS)
 PAD_ID, EOS_ID, MASK_ID = 0, 1, 2
 MAX_PROMPT_LEN = 15  # "sort:d d d d d="
 MAX_ANSWER_LEN = 9  # "d d d d d"
+LONG_MAX_PROMPT_LEN = 13  # "rep:abcdefgh="
+LONG_MAX_ANSWER_LEN = 44  # 5 x 8 letters + 4 spaces
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,7 +68,10 @@ def make_example(task: str, rng: random.Random) -> Example:
     if task == "rev":
         s = "".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(3, 6)))
         return Example(task, f"rev:{s}=", s[::-1])
-    raise errors.InputError(f"task {task!r} is not one of {TASKS}")
+    if task == "rep":
+        w = "".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(4, 8)))
+        return Example(task, f"rep:{w}=", " ".join([w] * REP_TIMES))
+    raise errors.InputError(f"task {task!r} is not one of {ALL_TASKS}")
 
 
 def _draw(n: int, seed: int, exclude: frozenset[str], tasks: Sequence[str]) -> list[Example]:
@@ -87,16 +103,17 @@ def test_set(n: int = 300, seed: int = 0, tasks: Sequence[str] = TASKS) -> list[
 
 def train_set(n: int, seed: int = 0, tasks: Sequence[str] = TASKS,
               n_test: int = 1000) -> list[Example]:
-    """Training set: `n` distinct prompts drawn from `seed`, none in `test_set(n_test, seed)`."""
+    """Training set: `n` distinct prompts drawn from `seed`, none in `test_set(n_test, seed, t)` for t
+    = `tasks`, the default `TASKS` or `LONG_TASKS` (a mixed set never trains on a standard test item)."""
     _check_tasks(tasks)
-    held = frozenset(ex.prompt for ex in test_set(n_test, seed, tasks))
+    held = frozenset(ex.prompt for ts in {tuple(tasks), TASKS, LONG_TASKS} for ex in test_set(n_test, seed, ts))
     return _draw(n, seed * 2 + 2, held, tuple(tasks))
 
 
 def _check_tasks(tasks: Sequence[str]) -> None:
-    bad = [t for t in tasks if t not in TASKS]
+    bad = [t for t in tasks if t not in ALL_TASKS]
     if bad or not tasks:
-        raise errors.InputError(f"tasks={list(tasks)!r}: choose a non-empty subset of {TASKS}")
+        raise errors.InputError(f"tasks={list(tasks)!r}: choose a non-empty subset of {ALL_TASKS}")
 
 
 def normalize(text: str) -> str:

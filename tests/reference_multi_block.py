@@ -1,4 +1,10 @@
-"""Plain-loop reference of d3LLM multi-block decoding (greedy), written from the issue's rules.
+"""Plain-loop reference of d3LLM multi-block decoding (greedy), written from d3LLM's source.
+
+Sources (hao-ai-lab/d3LLM @ e5bfcac): `generate_multi_block` in
+d3llm/d3llm_LLaDA/d3llm_llada_generate_util.py (lines 167-396) with its
+sampler `get_transfer_index_entropy` (831-884), and `_sample_multi_block` in
+d3llm/d3llm_DREAM/d3llm_dream_generate_util.py (lines 725-988). Line numbers
+below are in those files ("L" LLaDA, "D" Dream).
 
 One prompt, no padding, no slot grid, no KV cache, no jit of the loop. Every
 step runs the model from position 0: over the canvas up to the active end for
@@ -78,10 +84,22 @@ class D3llmPrefixCache:
 
     Stale K/V are real here: the prefix keys/values are those of the forward that cached (or
     last refreshed) them, and `jdllm.model.forward` runs the suffix against them.
+
+    Shifted-logit (Dream) models follow `_sample_multi_block_kv_cache`
+    (d3llm/d3llm_DREAM/d3llm_dream_generate_util.py, lines 991-1420), which differs in two ways:
+    - its caching scan (D1204-1220) does not stop at a complete block still inside its delay
+      (there is no `elif delay < cache_delay_iter: break`, cf. L568-570): it goes on to the next
+      block, whose `completed_at_nfe` is therefore set as soon as every block before it (from the
+      edge) has no masks; it stops only at a block with masks. Blocks after the EOS are marked
+      cached (D1122-1126) and never stop it;
+    - it shifts each forward's logits by one *within the forward's input* (D1312, D1328, D1334:
+      `cat([logits[:, :1], logits[:, :-1]])`), so a suffix forward predicts its first slot (the
+      cache edge) from that slot's own output, not from the slot before it.
     """
 
     def __init__(self, params, cfg, prompt_len: int, cache_delay_iter: int, refresh_interval: int):
         self.params, self.cfg, self.n = params, cfg, prompt_len
+        self.dream = bool(cfg.logit_shift)
         self.delay, self.refresh = cache_delay_iter, refresh_interval
         self.k = self.v = None  # prefix K/V [L, 1, edge, H, D], None before the first caching
         self.edge = 0
@@ -92,7 +110,8 @@ class D3llmPrefixCache:
         self.kinds = []  # per forward: "suffix+cache", "suffix", "refresh" or "full"
 
     def logits(self, seq, nfe: int, blocks, masked_blocks) -> np.ndarray:
-        """Raw logits [T, V] for forward number `nfe` (zeros before the slot the forward starts at).
+        """Logits [T, V] predicting each slot for forward number `nfe` (zeros before the slot the
+        forward starts at): raw on same-position models, shifted within the forward on Dream.
 
         blocks: generation blocks (start, end) added so far; masked_blocks: the indices of those
         with masks."""
@@ -103,13 +122,15 @@ class D3llmPrefixCache:
             if b <= edge:
                 continue
             if k in self.eos_created:
-                if nfe - self.eos_created[k] < self.delay:
+                if not self.dream and nfe - self.eos_created[k] < self.delay:
                     break
                 continue
             if k in masked_blocks:
                 break
             at = 0 if k < 0 else self.completed_at.setdefault(k, nfe)
             if nfe - at < self.delay:
+                if self.dream:  # D1204-1220: no break; ripeness is monotone along the scan anyway
+                    continue
                 break
             new_edge = b
         stable = [a for k, (a, b) in enumerate(blocks)
@@ -137,8 +158,11 @@ class D3llmPrefixCache:
             # attend to duplicated keys: fail loudly instead)
             assert (max(stable) if stable else edge) == edge
             self.k, self.v = k[:, :, :edge], v[:, :, :edge]
+        out = np.asarray(out)
+        if self.dream:  # D1328: the forward's first slot keeps its own logits
+            out = np.concatenate([out[:1], out[:-1]], axis=0)
         raw = np.zeros((T, out.shape[-1]), np.float32)
-        raw[start:] = np.asarray(out)
+        raw[start:] = out
         return raw
 
 
@@ -155,8 +179,9 @@ def _stats(logits: np.ndarray, mask_id: int):
 
 
 def multi_block_reference(params, cfg, prompt, *, max_new_tokens, block_size, entropy_threshold,
-                          block_add_threshold, decoded_token_threshold, max_blocks, early_stop=True,
-                          stop_ids=(), max_forwards=None, approx_cache=None):
+                          block_add_threshold, decoded_token_threshold, max_blocks=None, early_stop=True,
+                          stop_ids=(), max_forwards=None, approx_cache=None, forced_progress="first",
+                          selection="auto"):
     """Returns dict(tokens, step_map, logprobs, nfe, finish, trace, entered, final).
 
     trace[t - 1]: block states (names) as step t's forward sees them.
@@ -164,9 +189,24 @@ def multi_block_reference(params, cfg, prompt, *, max_new_tokens, block_size, en
     (-1 = never; EOS completions at the start of step t count as t - 1).
 
     approx_cache: None (every forward from scratch) or dict(cache_delay_iter, refresh_interval)
-    for a bidirectional same-position model: forwards through `D3llmPrefixCache` (the output
-    then also holds `kinds`, the forward kind of each step).
+    for a bidirectional model: forwards through `D3llmPrefixCache` (the output then also holds
+    `kinds`, the forward kind of each step), d3LLM's LLaDA cache on same-position models and its
+    Dream cache on shifted ones.
+
+    max_blocks: None (d3LLM: no cap on blocks in flight) or jdllm's cap.
+    forced_progress: "first" (d3LLM, L357-379 / D953-970) or "every" (jdllm's variant).
+    selection: "llada" (L347-356 + L866-881: the lowest-entropy candidate, then every one with
+    entropy <= threshold), "dream" (D951: entropy < threshold, no guaranteed pick) or "auto"
+    (dream on shifted-logit bidirectional models, llada otherwise).
+
+    Differences from d3LLM's code that the issue documents rather than changes: d3LLM takes its
+    mask set before the EOS fill (L242 / D808, before L252 / D819), so a slot the fill just wrote can be
+    overwritten that step; here candidates are taken after the fill. d3LLM counts an NFE for an
+    iteration that only early-stops (L248 / D814); here only forwards count. Entropies are float32
+    here, float64 there (L844 / D941).
     """
+    if selection == "auto":
+        selection = "dream" if cfg.attention == "bidirectional" and cfg.logit_shift else "llada"
     Bs, mask = block_size, cfg.mask_token_id
     bidir = cfg.attention == "bidirectional"
     if not bidir:
@@ -213,7 +253,7 @@ def multi_block_reference(params, cfg, prompt, *, max_new_tokens, block_size, en
     finish = None
     d3 = None
     if approx_cache is not None:
-        assert bidir and not cfg.logit_shift, "d3LLM's approximate cache: bidirectional, same-position logits"
+        assert bidir, "d3LLM's approximate cache: bidirectional models"
         d3 = D3llmPrefixCache(params, cfg, n, **approx_cache)
     while True:
         # 1. EOS early stop
@@ -238,18 +278,20 @@ def multi_block_reference(params, cfg, prompt, *, max_new_tokens, block_size, en
         if max_forwards is not None and nfe >= max_forwards:
             finish = "abort"  # stopped by the forward budget, not by the algorithm
             break
-        # 2. activation
+        # 2. activation (L273-285 / D870-880)
         for k in range(len(blocks)):
             if state[k] == ACTIVATED and (k == 0 or progress(k - 1) >= decoded_token_threshold):
                 set_state(k, FULLY, steps + 1)
-        # 3. adding (at most max_blocks blocks from the first non-Completed one)
+        # 3. adding, one block per iteration (L287-324 / D882-917); jdllm's optional cap: at most
+        # max_blocks blocks from the first non-Completed one
         last = max(k for k, s in enumerate(state) if s != INACTIVE)
         nxt = last + 1
-        if (nxt < len(blocks) and state[nxt] == INACTIVE and nxt < first_open() + max_blocks
+        capped = max_blocks is not None and nxt >= first_open() + max_blocks
+        if (nxt < len(blocks) and state[nxt] == INACTIVE and not capped
                 and (progress(last) >= block_add_threshold or not masked(last))):
             set_state(nxt, FULLY if progress(last) >= decoded_token_threshold else ACTIVATED, steps + 1)
         trace.append(list(state))
-        # 4. one forward
+        # 4. one forward over the whole canvas (L339 / D929-932, Dream's logits shifted right by one)
         live = [k for k, s in enumerate(state) if s in (ACTIVATED, FULLY)]
         active_end = blocks[max(live)][0] + Bs
         nfe += 1
@@ -258,21 +300,26 @@ def multi_block_reference(params, cfg, prompt, *, max_new_tokens, block_size, en
             raw = d3.logits(seq, nfe, added, {k for k in range(len(added)) if masked(k)})
         else:
             raw = model_logits(params, cfg, seq if bidir else seq[:active_end])
-        if cfg.logit_shift:  # position p is predicted at p - 1
+        if cfg.logit_shift and d3 is None:  # position p is predicted at p - 1 (D932: p = 0 by itself)
             raw = np.concatenate([np.zeros_like(raw[:1]), raw[:-1]], axis=0)
         cands = [p for p in range(n, min(active_end, end)) if not known[p]]
         tok, ent, lp = _stats(raw[cands], mask)
         tok = dict(zip(cands, tok.tolist()))
         ent = dict(zip(cands, ent.tolist()))
         lp = dict(zip(cands, lp.tolist()))
-        # 5. lowest entropy + all under the threshold
-        chosen = {min(cands, key=lambda p: (ent[p], p))}
-        chosen |= {p for p in cands if ent[p] <= entropy_threshold}
-        # 6. forced progress
-        for k in live:
-            if state[k] == FULLY and masked(k) and not any(blocks[k][0] <= p < blocks[k][1] for p in chosen):
+        # 5. selection among the masks before active_end (L340-356 / D934-951)
+        if selection == "dream":  # D951: strict, no guaranteed pick
+            chosen = {p for p in cands if ent[p] < entropy_threshold}
+        else:  # L866-881: topk ascending, the first kept, the rest dropped when > threshold
+            chosen = {min(cands, key=lambda p: (ent[p], p))}
+            chosen |= {p for p in cands if ent[p] <= entropy_threshold}
+        # 6. forced progress (L357-379 / D953-970): the first block (in order) that is fully
+        # activated and has masks; if nothing was chosen in it, its lowest-entropy mask
+        fully = [k for k in live if state[k] == FULLY and masked(k)]
+        for k in fully[:1] if forced_progress == "first" else fully:
+            if not any(blocks[k][0] <= p < blocks[k][1] for p in chosen):
                 chosen.add(min(masked(k), key=lambda p: (ent[p], p)))
-        # 7. reveal, update
+        # 7. reveal, update (L381-390 / D972-981)
         steps += 1
         for p in chosen:
             seq[p], known[p] = tok[p], True

@@ -93,6 +93,65 @@ def test_bidirectional_matches_reference(config, shifted):
         _check(solo, refs[1])
 
 
+# the issue's threshold settings (progress steps of 1/4 never tie with them), entropy bound 0.5 (d3LLM's
+# LLaDA default): several Fully-Activated blocks hold masks at once, so "first" and "every" differ
+D3_SETTINGS = {
+    "add0.1/dec0.95": dict(entropy_threshold=0.5, block_add_threshold=0.1, decoded_token_threshold=0.95),
+    "add0.25/dec0.5": dict(entropy_threshold=0.5, block_add_threshold=0.25, decoded_token_threshold=0.5),
+}
+D3_NEW = 16  # a whole number of blocks, as d3LLM's loops need
+
+
+def _family(name):
+    return {"llada": bidir_model, "dream": lambda: bidir_model(4, True), "sdar": block_model}[name]()
+
+
+def _d3ref(m, prompt, setting, **kw):
+    return multi_block_reference(m.params, m.config, prompt, max_new_tokens=D3_NEW, block_size=BS,
+                                 **D3_SETTINGS[setting], **kw)
+
+
+@pytest.mark.parametrize("family, setting, solo", [
+    ("llada", "add0.1/dec0.95", True), ("llada", "add0.25/dec0.5", False),
+    ("dream", "add0.1/dec0.95", False), ("dream", "add0.25/dec0.5", True), ("sdar", "add0.25/dec0.5", False)])
+def test_defaults_reproduce_d3llm(family, setting, solo):
+    """The default MultiBlock (no cap, forced progress in the first Fully-Activated block, the family's
+    selection rule) == the reference written from d3LLM's generate_multi_block / _sample_multi_block:
+    tokens, step map, NFE and block trajectory; batched (mixed lengths) and batch 1."""
+    m = _family(family)
+    d = jdllm.MultiBlock(block_size=BS, **D3_SETTINGS[setting])
+    assert d.max_blocks is None and d.forced_progress == "first" and d.selection == "auto"
+    assert d.selection_rule(m.config) == ("dream" if family == "dream" else "llada")
+    refs = [_d3ref(m, p, setting) for p in PROMPTS]
+    for out, ref in zip(jdllm.generate(m, PROMPTS, d, _sampling(D3_NEW)), refs):
+        _check(out, ref)
+    if solo:
+        (one,) = jdllm.generate(m, [PROMPTS[0]], d, _sampling(D3_NEW))
+        _check(one, refs[0])
+    # the d3LLM rules matter here: jdllm's earlier defaults (every block forced, the LLaDA rule, a cap
+    # of 2 blocks) give other outputs on some row, so this test can tell them apart
+    old = [_d3ref(m, p, setting, forced_progress="every", selection="llada", max_blocks=2) for p in PROMPTS]
+    assert any(o["step_map"] != r["step_map"] or o["tokens"] != r["tokens"] for o, r in zip(old, refs))
+
+
+@pytest.mark.parametrize("family, forced, selection", [
+    ("llada", "every", "auto"), ("dream", "every", "auto"), ("llada", "first", "dream"),
+    ("dream", "every", "llada"), ("sdar", "every", "dream")])
+def test_options_match_reference(family, forced, selection):
+    """forced_progress="every" (jdllm's variant) and an explicit selection rule follow the reference with
+    the same options; each changes some output against the default."""
+    m = _family(family)
+    setting = "add0.25/dec0.5"
+    d = jdllm.MultiBlock(block_size=BS, forced_progress=forced, selection=selection, **D3_SETTINGS[setting])
+    refs = [_d3ref(m, p, setting, forced_progress=forced, selection=selection) for p in PROMPTS]
+    for out, ref in zip(jdllm.generate(m, PROMPTS, d, _sampling(D3_NEW)), refs):
+        _check(out, ref)
+    default = [_d3ref(m, p, setting) for p in PROMPTS]
+    assert any(a["step_map"] != b["step_map"] or a["tokens"] != b["tokens"] for a, b in zip(refs, default))
+    if forced == "every":  # every Fully-Activated block with masks progresses each step
+        assert sum(r["nfe"] for r in refs) <= sum(r["nfe"] for r in default)
+
+
 def _final_state(m, prompts, decoding, sampling):
     prep = prepare(m, prompts, decoding, sampling)
     return prep, loop.decode(m.params, prep.state, paradigm=prep.paradigm, ctx=prep.ctx)
@@ -206,6 +265,29 @@ def test_approx_cache_follows_d3llm(delay, refresh, config, mixed):
         "stale K/V should change some decision, else this test cannot tell the cache from no cache"
 
 
+@pytest.mark.parametrize("delay, refresh, setting", [(0, 3, "add0.25/dec0.5"), (1, 10000, "pipelined")])
+def test_approx_cache_follows_d3llm_dream(delay, refresh, setting):
+    """cache="approx" on a Dream-style (shifted-logit) model == d3LLM's _sample_multi_block_kv_cache
+    replayed: its scan goes on past blocks inside their delay, and a suffix forward predicts the slot
+    at its edge from that slot's own output. Defaults otherwise (Dream rule, first-block forced
+    progress, no cap); mixed-length batch. (At cache_delay_iter=2, d3LLM's Dream cache often
+    refreshes past its edge and duplicates keys; the replay refuses those runs, jdllm does not copy it.)"""
+    m = bidir_model(4, True)
+    max_new = 24
+    ac = dict(cache_delay_iter=delay, refresh_interval=refresh)
+    kw = {k: v for k, v in {**CONFIGS, **D3_SETTINGS}[setting].items() if k != "max_blocks"}
+    refs = [multi_block_reference(m.params, m.config, p, max_new_tokens=max_new, block_size=BS,
+                                  approx_cache=ac, **kw) for p in PROMPTS]
+    outs = jdllm.generate(m, PROMPTS, jdllm.MultiBlock(block_size=BS, cache="approx", **ac, **kw),
+                          _sampling(max_new))
+    for out, ref in zip(outs, refs):
+        _check(out, ref)
+    assert {"suffix", "suffix+cache", "refresh"} <= {k for r in refs for k in r["kinds"]}
+    plain = [multi_block_reference(m.params, m.config, p, max_new_tokens=max_new, block_size=BS, **kw)
+             for p in PROMPTS]
+    assert any(r["tokens"] != p["tokens"] or r["step_map"] != p["step_map"] for r, p in zip(refs, plain))
+
+
 def test_approx_cache_with_eos_early_stop():
     """The approximate cache under EOS early stop against the replay (stop ids, early_stop).
 
@@ -257,6 +339,8 @@ def test_no_retrace_on_second_call_with_same_buckets():
     (dict(decoded_token_threshold=-0.2), "decoded_token_threshold"),
     (dict(max_forwards=0), "max_forwards"), (dict(max_blocks=0), "max_blocks"),
     (dict(cache="dual"), "cache"), (dict(early_stop="yes"), "early_stop"),
+    (dict(forced_progress="all"), "forced_progress"), (dict(selection="fastdllm"), "selection"),
+    (dict(max_blocks=1.5), "max_blocks"),
     (dict(refresh_interval=0), "refresh_interval"), (dict(cache_delay_iter=-1), "cache_delay_iter"),
 ])
 def test_bad_config_raises(kw, word):

@@ -18,6 +18,8 @@ def _check_answer(ex: tasks.Example) -> bool:
         return int(ex.answer) == int(a) + int(b)
     if head == "rev":
         return ex.answer == "".join(reversed(body))
+    if head == "rep":
+        return ex.answer.split(" ") == [body] * 5 and body.isalpha()
     return False
 
 
@@ -83,3 +85,16 @@ def test_tokenizer_roundtrip_saved_and_loaded_offline(tmp_path):
 def test_encode_rejects_unknown_character():
     with pytest.raises(errors.InputError, match="'Z'"):
         tasks.encode("rev:Z=")
+
+
+def test_long_task_outside_default_sets():
+    """"rep" has 24-44 token answers, is asked for by name, and never enters the default sets."""
+    exs = tasks.test_set(60, seed=1, tasks=tasks.LONG_TASKS)
+    assert {ex.task for ex in exs} == {"rep"}
+    for ex in exs:
+        assert _check_answer(ex), ex
+        assert 24 <= len(ex.answer) <= tasks.LONG_MAX_ANSWER_LEN and len(ex.prompt) <= tasks.LONG_MAX_PROMPT_LEN
+    assert "rep" not in {ex.task for ex in tasks.test_set(300)}
+    mixed = tasks.train_set(2000, seed=0, tasks=tasks.ALL_TASKS)
+    held = {ex.prompt for ts in (tasks.TASKS, tasks.LONG_TASKS) for ex in tasks.test_set(1000, 0, ts)}
+    assert {ex.task for ex in mixed} == set(tasks.ALL_TASKS) and not {ex.prompt for ex in mixed} & held

@@ -24,19 +24,35 @@ count) that hold a token. Per step, in this order:
    decoded_token_threshold becomes Fully-Activated (block 0 starts so).
 3. Adding: when the newest block's progress >= block_add_threshold or it has no
    masks, the next block is added, Fully-Activated at once if the newest block's
-   progress >= decoded_token_threshold, else Activated. Cap: at most
-   `max_blocks` blocks from the row's first non-Completed block to its newest
-   one (the KV-cache window is sized from it; set `max_blocks` >= the number
-   of blocks to lift it).
+   progress >= decoded_token_threshold, else Activated. No cap by default, as
+   in d3LLM; `max_blocks=K` (a jdllm option, for memory) allows at most K
+   blocks from the row's first non-Completed block to its newest one and
+   sizes the slots in flight and the KV-cache windows from it.
 4. One forward. active_end = end of the rightmost Activated / Fully-Activated
    block (each such block has masks).
-5. Candidates: masked slots before active_end. Reveal the lowest-entropy one
-   plus every one with entropy <= entropy_threshold (float32 entropy of the
-   sampling distribution; ties go to the leftmost).
-6. Forced progress: every Fully-Activated block with masks that got nothing in
-   5 reveals its lowest-entropy masked slot.
+5. Candidates: masked slots before active_end (float32 entropy of the sampling
+   distribution; ties go to the leftmost). `selection`:
+   "llada" (d3LLM's LLaDA sampler, `get_transfer_index_entropy`): the
+   lowest-entropy candidate plus every one with entropy <= entropy_threshold;
+   "dream" (d3LLM's Dream sampler, `_sample_multi_block`): every candidate with
+   entropy < entropy_threshold (strict), no guaranteed pick;
+   "auto" (default): "dream" on shifted-logit bidirectional models (the Dream
+   family), "llada" on the others (block-causal models included, for which
+   d3LLM has no multi-block decoder).
+6. Forced progress, `forced_progress`: "first" (default, d3LLM): the first
+   Fully-Activated block with masks, if it got nothing in 5, reveals its
+   lowest-entropy masked slot; "every" (jdllm's earlier rule): every such
+   block that got nothing does (more tokens per forward, not d3LLM's
+   outputs).
 7. One `common.reveal` (one step number), then added blocks without masks
    become Completed.
+
+Known differences from d3LLM's code, kept on purpose: d3LLM takes its mask
+set before the EOS fill, so slots the fill just wrote stay candidates for
+that step (jdllm never overwrites a filled slot); d3LLM counts one NFE for an
+iteration that only early-stops (no forward runs; jdllm counts forwards);
+d3LLM's entropies are float64 (jdllm's float32: a tie at the threshold can
+break the other way).
 
 Block states stay in `state.extra["block_state"]` [B, NB] and the step each
 block entered a state in `state.extra["block_steps"]` [B, NB, 3] (columns:
@@ -95,15 +111,23 @@ cached prefix as it is, so a row computes what it computes alone.
 Blocks the EOS early stop completes without their being added are, as d3LLM
 creates them, complete at that forward and marked cached: the scan passes
 them after the delay without caching them, and they never stabilise.
-Shifted models (Dream) are not checked against d3LLM's Dream code, which
-predicts the slot at its cache edge from that slot's own logits: here a slot
-is predicted from the slot before it as this window computes it (the
-window's first slot from its own logits).
+Shifted-logit models (Dream) follow d3LLM's Dream version,
+`_sample_multi_block_kv_cache` (d3llm_dream_generate_util.py), which differs
+in two ways: its scan does not stop at a complete block still inside its
+delay (only at masks), so a block's delay starts as soon as every block
+before it has no masks; and it shifts the logits within each forward, so a
+suffix forward predicts its first slot (the cache edge) from that slot's own
+output. One thing is not reproduced: when two or more blocks are stabilising
+at a refresh, d3LLM truncates the refreshed K/V at the start of the latest
+one, past its cache edge, and its next suffix forward then attends to those
+slots twice (its cache outgrows `manual_cache_length`); jdllm keeps the
+refreshed prefix at the edge, as the LLaDA version (where at most one block
+is ever stabilising) always does.
 
 `cache="window"` (bidirectional models; jdllm's earlier approximation, kept
 for comparison, see benchmarks/RESULTS.md): the cache holds K/V for the whole
 canvas from the last full forward; a step recomputes only a window of
-`max_blocks + 1` blocks starting at the first block that is not yet frozen (a
+`max_blocks + 1` blocks (`WINDOW_BLOCKS + 1` without a cap) starting at the first block that is not yet frozen (a
 block freezes `cache_delay_iter` steps after it is Completed; with 0 it
 freezes with the K/V of its last masked state) and attends to the stale
 cached K/V everywhere else, future masks included (the window sees the
@@ -118,7 +142,9 @@ run.
 
 Step split (`jdllm.decode.loop`): `plan` runs phases 1-3 and names the slots
 in flight, row b's [first non-Completed block, + max_blocks blocks) (every
-candidate lies there); `forward` is phase 4 and computes the LM head only at
+candidate lies there; without a cap: the whole generation region, which is
+then the LM head's width at every step: set `max_blocks` to bound it);
+`forward` is phase 4 and computes the LM head only at
 those slots (plus the last committed slot on shifted models); `reveal` is
 phases 5-7. A constraint's bitmask covers the planned slots.
 
@@ -146,6 +172,9 @@ from jdllm.state import DecodeState, generated_mask, slot_index
 INACTIVE, ACTIVATED, FULLY_ACTIVATED, COMPLETED = 0, 1, 2, 3
 BLOCK_STATES = ("inactive", "activated", "fully_activated", "completed")
 CACHE_MODES = ("auto", "none", "exact", "approx", "window")
+FORCED_PROGRESS = ("first", "every")
+SELECTIONS = ("auto", "llada", "dream")
+WINDOW_BLOCKS = 4  # cache="window" recomputes this many blocks (+ 1) when max_blocks is None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,8 +190,14 @@ class MultiBlock:
     early_stop: fill everything after the first revealed stop token with it.
     max_forwards: stop a row after this many forwards (finish_reason "abort",
       output up to its first masked slot); None = no cap.
-    max_blocks: blocks in flight per row, counted from its first non-Completed
-      block (>= 1); sizes the KV-cache window.
+    max_blocks: None (default, d3LLM: no cap) or the most blocks in flight per
+      row, counted from its first non-Completed block (>= 1; a jdllm option that
+      bounds memory: the LM head's width and the KV-cache windows; it changes
+      outputs at aggressive thresholds).
+    forced_progress: "first" (d3LLM: force a token in the first Fully-Activated
+      block with masks when it got none) or "every" (in each such block).
+    selection: "auto" (d3LLM's rule for the model family), "llada" (lowest
+      entropy + all <= entropy_threshold) or "dream" (all < entropy_threshold).
     cache: "auto" (exact for block-causal models, none for bidirectional ones),
       "none", "exact" (block-causal only), "approx" (d3LLM's delayed prefix
       cache) or "window" (jdllm's windowed variant), both bidirectional only.
@@ -179,7 +214,9 @@ class MultiBlock:
     decoded_token_threshold: float = 0.5
     early_stop: bool = True
     max_forwards: int | None = None
-    max_blocks: int = 4
+    max_blocks: int | None = None
+    forced_progress: str = "first"
+    selection: str = "auto"
     cache: str = "auto"
     cache_delay_iter: int = 1
     refresh_interval: int = 10000
@@ -191,7 +228,8 @@ class MultiBlock:
                 raise errors.DecodingConfigError(f"{name}={v!r} must be an integer >= {lo}")
 
         integer("block_size", 1)
-        integer("max_blocks", 1)
+        if self.max_blocks is not None:
+            integer("max_blocks", 1)
         integer("cache_delay_iter", 0)
         integer("refresh_interval", 1)
         if self.max_forwards is not None:
@@ -205,6 +243,11 @@ class MultiBlock:
                 raise errors.DecodingConfigError(f"{name}={v} must be a fraction in [0, 1]")
         if not isinstance(self.early_stop, bool):
             raise errors.DecodingConfigError(f"early_stop={self.early_stop!r} must be True or False")
+        if self.forced_progress not in FORCED_PROGRESS:
+            raise errors.DecodingConfigError(
+                f"forced_progress={self.forced_progress!r} is not one of {FORCED_PROGRESS}")
+        if self.selection not in SELECTIONS:
+            raise errors.DecodingConfigError(f"selection={self.selection!r} is not one of {SELECTIONS}")
         if self.cache not in CACHE_MODES:
             raise errors.DecodingConfigError(f"cache={self.cache!r} is not one of {CACHE_MODES}")
 
@@ -228,6 +271,18 @@ class MultiBlock:
         if self.cache == "auto":
             return "exact" if cfg.attention == "block_causal" else "none"
         return self.cache
+
+    def selection_rule(self, cfg) -> str:
+        """The reveal rule actually used: "llada" or "dream" (d3LLM's per family under "auto")."""
+        if self.selection != "auto":
+            return self.selection
+        return "dream" if cfg.attention == "bidirectional" and cfg.logit_shift else "llada"
+
+    def _flight_width(self, ctx, S: int) -> int:
+        """Static width of the slots in flight: max_blocks blocks, or the generation region."""
+        if self.max_blocks is None:
+            return S - ctx.prefill_len
+        return min(self.max_blocks * self.block_size, S)
 
     def attention_config(self, cfg):
         """Block-causal models attend on the block_size grid."""
@@ -351,7 +406,7 @@ class MultiBlock:
         nxt = last + 1
         nxt_ok = (nxt < NB) & jnp.take_along_axis(
             jnp.concatenate([exists, jnp.zeros_like(exists[:, :1])], -1), jnp.minimum(nxt, NB)[:, None], -1)[:, 0]
-        cap = nxt < self._first_open(new) + self.max_blocks
+        cap = True if self.max_blocks is None else nxt < self._first_open(new) + self.max_blocks
         add = trigger & nxt_ok & cap & (last >= 0) & ~state.done
         kind = jnp.where(self._reached(last_dec, last_size, self.decoded_token_threshold),
                          FULLY_ACTIVATED, ACTIVATED)
@@ -440,7 +495,7 @@ class MultiBlock:
         state = self._early_stop(ctx, state, idx, ok, base)
         state = self._activate_and_add(state, idx, ok)
         _, cand = self._frontier(state)
-        width = min(self.max_blocks * self.block_size, state.slots)
+        width = self._flight_width(ctx, state.slots)
         p = common.make_plan(state, base + self._first_open(state.extra["block_state"]) * self.block_size, width)
         return state, dataclasses.replace(p, valid=common.window(cand, p.offset, width))
 
@@ -472,17 +527,24 @@ class MultiBlock:
         state, s = common.sample_window(ctx, state, logits, plan.offset, bitmask, rows=jnp.any(plan.valid, -1))
         s = self._to_canvas(s, plan.offset, state.slots)
 
-        # phase 5: lowest entropy + everything under the threshold
+        # phase 5: the family's rule (module docstring)
         s_idx = slot_index(state)
         ent = jnp.where(cand, s.entropy, jnp.inf)  # [B, S]
-        lowest = jnp.argmin(ent, axis=-1)  # [B], leftmost among ties
-        sel = cand & ((s.entropy <= self.entropy_threshold) | (s_idx == lowest[:, None]))
-        # phase 6: forced progress for Fully-Activated blocks that got nothing
+        if self.selection_rule(ctx.model) == "dream":
+            sel = cand & (s.entropy < self.entropy_threshold)
+        else:
+            lowest = jnp.argmin(ent, axis=-1)  # [B], leftmost among ties
+            sel = cand & ((s.entropy <= self.entropy_threshold) | (s_idx == lowest[:, None]))
+        # phase 6: forced progress for the first (or every) Fully-Activated block with masks that got nothing
         size, dec = self._stats(state, idx, ok)
         view = lambda x: jnp.take(x, idx, axis=1).reshape(ok.shape)  # noqa: E731  [B, NB, Bs]
         masked_v = ~view(state.revealed) & ok
         got = jnp.any(view(sel) & ok, axis=-1)  # [B, NB]
-        need = (st == FULLY_ACTIVATED) & (dec < size) & ~got & running[:, None]
+        eligible = (st == FULLY_ACTIVATED) & (dec < size)  # [B, NB]
+        if self.forced_progress == "first":
+            k = jnp.arange(eligible.shape[-1], dtype=jnp.int32)
+            eligible = eligible & (k[None] == jnp.argmax(eligible, axis=-1)[:, None])
+        need = eligible & ~got & running[:, None]
         pick = jnp.argmin(jnp.where(masked_v, view(ent), jnp.inf), axis=-1)  # [B, NB]
         forced_v = need[..., None] & masked_v & (jnp.arange(Bs)[None, None] == pick[..., None])
         forced = jnp.zeros_like(sel).at[:, idx].max(forced_v.reshape(state.batch, -1))
@@ -504,12 +566,13 @@ class MultiBlock:
     def _exact_forward(self, params, ctx, state, at, active_end):
         """Window from cache.length; commit the blocks that were Completed before this forward.
 
-        Window widths: 1, 2, 4, ... blocks up to 2 * max_blocks (the narrowest that reaches every
-        running row's active end), else the whole canvas. A window that would run off the canvas
+        Window widths: 1, 2, 4, ... blocks up to 2 * max_blocks (without a cap: up to the canvas; the
+        narrowest that reaches every running row's active end), else the whole canvas. A window that would run off the canvas
         starts earlier instead: it then recomputes some committed slots from their final tokens,
         which rewrites the same K/V. The batch shares one cache length (the slowest row's frontier).
         """
-        Bs, K, S = self.block_size, self.max_blocks, state.slots
+        Bs, S = self.block_size, state.slots
+        K = S if self.max_blocks is None else self.max_blocks
         base = state.extra["base"]
         running = ~state.done
         first_open = self._first_open(state.extra["block_state"])  # [B] at forward time
@@ -573,9 +636,20 @@ class MultiBlock:
                                 complete & (since >= self.cache_delay_iter)], axis=-1)  # [B, 1 + NB]
         col_end = jnp.concatenate([jnp.broadcast_to(base, (state.batch, 1)),
                                    jnp.broadcast_to(ends, st.shape)], axis=-1)
-        passed = jnp.cumprod(((col_end <= edge[:, None]) | ripe).astype(jnp.int32), axis=-1) > 0
-        reached = jnp.concatenate([jnp.ones_like(passed[:, :1]), passed[:, :-1]], axis=-1)[:, 1:]
-        caches = passed & ~jnp.concatenate([jnp.zeros_like(eos[:, :1]), eos], axis=-1)
+        below = col_end <= edge[:, None]
+        eos_col = jnp.concatenate([jnp.zeros_like(eos[:, :1]), eos], axis=-1)
+        prefix = lambda go: jnp.cumprod(go.astype(jnp.int32), axis=-1) > 0  # noqa: E731
+        if ctx.model.logit_shift:
+            # d3LLM's Dream scan goes on past complete blocks still inside their delay (and past the
+            # blocks after an EOS, marked cached there) and stops only at masks; it caches the ripe ones
+            # (ripeness cannot skip a block: a block is first scanned no earlier than the one before it)
+            clear = prefix(below | jnp.concatenate([jnp.ones_like(eos[:, :1]), complete | eos], axis=-1))
+            reached = jnp.concatenate([jnp.ones_like(clear[:, :1]), clear[:, :-1]], axis=-1)[:, 1:]
+            caches = clear & ripe & ~eos_col
+        else:  # LLaDA's scan stops at the first block that is not ripe
+            passed = prefix(below | ripe)
+            reached = jnp.concatenate([jnp.ones_like(passed[:, :1]), passed[:, :-1]], axis=-1)[:, 1:]
+            caches = passed & ~eos_col
         new_edge = jnp.maximum(edge, jnp.max(jnp.where(caches, col_end, 0), axis=-1))
         seen = jnp.where(running[:, None] & reached & complete & (ends[None] > edge[:, None]) & (seen < 0),
                          n[:, None], seen)
@@ -584,6 +658,9 @@ class MultiBlock:
         floor = jnp.where(running, jnp.where(suffix, edge, 0), S).astype(jnp.int32)  # [B] first slot recomputed
         commit = jnp.where(running, new_edge, edge)
         state = state.replace(extra={**state.extra, "scanned_at": seen})
+        if ctx.model.logit_shift:  # Dream shifts within the forward: a suffix's first slot predicts itself
+            own = (running & suffix)[:, None] & (at == floor[:, None])
+            at = jnp.where(own, at + 1, at)  # the head then reads slot `floor`'s own output
         # window widths: blocks 1, 2, 4, ... and the whole canvas; the narrowest that reaches every floor
         widths = sorted({S} | {Bs * 2 ** i for i in range(S.bit_length()) if Bs * 2 ** i < S})
 
@@ -600,7 +677,8 @@ class MultiBlock:
 
     def _window_forward(self, params, ctx, state, at, active_end):
         """jdllm's windowed approximation (cache="window"; see the module docstring)."""
-        Bs, K, S = self.block_size, self.max_blocks, state.slots
+        Bs, S = self.block_size, state.slots
+        K = WINDOW_BLOCKS if self.max_blocks is None else self.max_blocks
         base = state.extra["base"]
         lead = int(ctx.model.logit_shift)  # shifted logits: the slot before the window predicts its first
         W = min((K + 1) * Bs + lead, S)
@@ -627,5 +705,5 @@ class MultiBlock:
         return jax.lax.cond(fits & ~refresh, windowed, full, state)
 
 
-__all__ = ["MultiBlock", "BLOCK_STATES", "CACHE_MODES", "INACTIVE", "ACTIVATED", "FULLY_ACTIVATED",
+__all__ = ["MultiBlock", "BLOCK_STATES", "CACHE_MODES", "FORCED_PROGRESS", "SELECTIONS", "INACTIVE", "ACTIVATED", "FULLY_ACTIVATED",
            "COMPLETED"]
