@@ -1,0 +1,88 @@
+"""Per-paradigm request lifecycles for the serving engine: where a request may join the running
+pool, what state it carries in, how its row is placed on the pool's canvas.
+
+The scheduler (`jdllm.serve.engine`) knows nothing about paradigms; it asks the lifecycle of the
+engine's paradigm. A lifecycle is picked by the paradigm's registry name (`LIFECYCLES`).
+
+`RowJoin` (ar, block_diffusion): rows are fully independent in these paradigms (per-row
+positions, cache length, block grid and PRNG stream), so a request joins at any scheduling round.
+Its row is built exactly as `jdllm.generate` builds it for that prompt alone (the paradigm's own
+`layout` for one row), only on the pool's wider canvas, prefilled on its own (the paradigm's
+`prefill`, which for both also takes the row's first step) and merged into a free row of the
+running batch (`merge_row`); the other rows keep their state. AR: any step. Block diffusion: the
+row brings its own block grid (its left padding puts its prompt blocks where they are when it
+runs alone), so joining between any two steps of its neighbours is exact. Reindexing is not
+needed: a finished row stays `done` in place (it reveals nothing and costs only its share of the
+batched forward) until the next admission overwrites it.
+
+masked_diffusion / multi_block are not served yet: their batch shares one window schedule (and
+multi_block's block states), so a late row would need a lockstep re-plan; `lifecycle_for`
+refuses them with a clear error.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+
+from jdllm import errors
+from jdllm.decode import common
+from jdllm.state import DecodeState
+
+
+@dataclasses.dataclass(frozen=True)
+class RowJoin:
+    """Join at any round: prefill the row alone on the pool canvas, then merge it into a free row."""
+
+    rule: str = "any round"
+
+    def pool_slots(self, paradigm, cfg, max_prompt: int, max_new: int) -> int:
+        """The canvas every row of the pool lives on: wide enough for the longest prompt bucket
+        plus the longest generation the engine accepts (the paradigm's layout is monotone in both)."""
+        return int(paradigm.layout(np.asarray([max_prompt]), max_new, cfg).slots)
+
+    def row_layout(self, paradigm, cfg, length: int, max_new: int, slots: int) -> common.Layout:
+        """One row's geometry: the paradigm's own layout for the prompt alone, on the pool canvas."""
+        lay = paradigm.layout(np.asarray([length]), max_new, cfg)
+        if lay.slots > slots:  # the engine checks lengths first; this guards the invariant
+            raise errors.SequenceTooLongError(f"a prompt of {length} tokens with max_new_tokens={max_new} "
+                                              f"needs {lay.slots} slots, the pool has {slots}")
+        return lay._replace(slots=slots)
+
+
+LIFECYCLES = {"ar": RowJoin(), "block_diffusion": RowJoin()}
+
+
+def lifecycle_for(paradigm):
+    """The lifecycle of a paradigm config, or DecodingConfigError naming the paradigms served."""
+    name = getattr(paradigm, "name", None)
+    if name not in LIFECYCLES:
+        raise errors.DecodingConfigError(
+            f"paradigm {name!r} cannot be served yet (continuous batching supports {sorted(LIFECYCLES)}); "
+            "use jdllm.generate for it")
+    return LIFECYCLES[name]
+
+
+def merge_row(pool: DecodeState, new: DecodeState, row) -> DecodeState:
+    """`pool` with its row `row` (a traced int: no recompile per row) replaced by `new`'s only row.
+
+    Every per-row field (canvas, positions, sampling, stop ids, PRNG key, counters, the row's KV
+    cache and prev_logits, paradigm `extra` arrays) is copied; batch scalars (`forwards`,
+    `iteration`) stay the pool's.
+    """
+    def put(p, n):
+        return p if p.ndim == 0 else p.at[row].set(n[0])
+
+    c, nc = pool.cache, new.cache
+    cache = dataclasses.replace(c, k=c.k.at[:, row].set(nc.k[:, 0]), v=c.v.at[:, row].set(nc.v[:, 0]),
+                                length=c.length.at[row].set(nc.length[0]))
+    rest = {f.name: getattr(pool, f.name) for f in dataclasses.fields(pool)
+            if f.name not in ("cache", "forwards", "iteration")}
+    fresh = {k: getattr(new, k) for k in rest}
+    merged = jax.tree.map(put, rest, fresh)
+    return pool.replace(cache=cache, **merged)
+
+
+__all__ = ["RowJoin", "LIFECYCLES", "lifecycle_for", "merge_row"]
