@@ -183,6 +183,7 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self.rounds = 0
+        self.aborted = 0  # requests aborted (client gone) so far
 
     # ----------------------------------------------------------------- public API
     def check(self, prompt_ids, sampling: Sampling) -> tuple[list[int], tuple[int, ...]]:
@@ -244,7 +245,8 @@ class Engine:
     def stats(self) -> dict:
         with self._cv:
             return dict(rows=self.max_batch, rows_busy=len(self._rows), rows_free=len(self._free),
-                        waiting=len(self._waiting), tracked=len(self._requests), rounds=self.rounds)
+                        waiting=len(self._waiting), tracked=len(self._requests), rounds=self.rounds,
+                        aborted=self.aborted)
 
     def idle(self) -> bool:
         with self._cv:
@@ -329,6 +331,7 @@ class Engine:
                     del self._rows[req.row]
                     self._free.append(req.row)
                 req.status = "aborted"
+                self.aborted += 1
             admit = []
             while self._free and self._waiting:
                 req = self._waiting.popleft()
