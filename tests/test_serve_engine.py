@@ -144,9 +144,30 @@ def test_bounded_queue_and_bad_requests_fail_before_compiling():
         eng.submit([1, m.config.vocab_size], s)
     with pytest.raises(errors.DecodingConfigError, match="max_batch=0"):
         E.Engine(m, jdllm.AR(), max_batch=0)
-    with pytest.raises(errors.DecodingConfigError, match="cannot be served yet"):
-        E.Engine(block_model(), jdllm.MultiBlock(block_size=4))
+    from jdllm.serve.lifecycle import lifecycle_for
+
+    with pytest.raises(errors.DecodingConfigError, match="'ar_spec' cannot be served yet"):
+        lifecycle_for(type("Spec", (), {"name": "ar_spec"})())
     eng.stop()
     with pytest.raises(errors.EngineStoppedError):
         eng.submit([1, 2], s)
     assert dict(E.TRACES) == before
+
+
+def test_masked_diffusion_joins_when_the_batch_drains():
+    """masked_diffusion rows share one window schedule: requests start together once the pool has
+    drained (FIFO among those with the head's max_new_tokens), each equal to generate() alone."""
+    from tests.test_decode_masked import bidir_model
+
+    m, par = bidir_model(), jdllm.MaskedDiffusion(block_length=4, steps=8)
+    eng = E.Engine(m, par, max_batch=2, max_prompt_tokens=8, max_new_tokens=8, steps_per_round=2,
+                   compiler_options=FAST_COMPILE)
+    prompts = [[5, 17, 3, 44, 9], [70, 2, 8], [8, 8, 31, 4], [11, 12, 13]]
+    news = [8, 8, 4, 8]
+    reqs = [eng.submit(p, jdllm.Sampling(max_new_tokens=n, stop_token_ids=())) for p, n in zip(prompts, news)]
+    eng.step_round()
+    assert [r.status for r in reqs] == ["running", "running", "waiting", "waiting"]
+    eng.run_until_idle()
+    for p, n, r in zip(prompts, news, reqs):
+        assert _fields(r.output) == _fields(_alone(m, par, p, jdllm.Sampling(max_new_tokens=n, stop_token_ids=())))
+        assert [t for ev in r.events if ev.kind == "tokens" for t in ev.token_ids] == r.output.token_ids

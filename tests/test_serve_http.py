@@ -159,8 +159,8 @@ def test_disconnect_mid_stream_frees_the_row(server):
         engine.step_round, engine.steps_per_round = real, steps
 
 
-def test_cli_serve_refuses_a_paradigm_it_cannot_serve(capsys):
+def test_cli_serve_refuses_a_paradigm_the_model_cannot_run(capsys):
     from jdllm.cli import main
 
-    assert main(["serve", os.path.join(ROOT, "models", "tiny-sdar"), "--paradigm", "multi_block"]) == 2
-    assert "cannot be served yet" in capsys.readouterr().err
+    assert main(["serve", os.path.join(ROOT, "models", "tiny-sdar"), "--paradigm", "ar"]) == 2
+    assert "needs a causal model" in capsys.readouterr().err

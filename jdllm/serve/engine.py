@@ -13,9 +13,11 @@ One scheduling round (`Engine.step_round`, run by the engine thread or driven by
    (cut at a revealed stop token), plus, on request, a per-step event naming every slot
    revealed and its `step_map`; finished rows send their `Output` and are freed.
 
-No recompiles as requests come and go: the pool's shape (rows, canvas, stop-id width) is fixed at
-construction, the row to merge into and the step count are traced values, and a joining row's
-prefill compiles once per prompt-length bucket (`TRACES` counts every trace).
+No recompiles as requests come and go (ar, block_diffusion: join at any round): the pool's shape
+(rows, canvas, stop-id width) is fixed at construction, the row to merge into and the step count
+are traced values, and a joining row's prefill compiles once per prompt-length bucket (`TRACES`
+counts every trace). masked_diffusion / multi_block join only when the batch drains (see
+`jdllm.serve.lifecycle.DrainJoin`): one compile per batch shape bucket.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ from jdllm.api import Output, default_paradigm
 from jdllm.decode import common, loop
 from jdllm.loading import check_token_ids
 from jdllm.sampling import Sampling
-from jdllm.serve.lifecycle import lifecycle_for, merge_row
+from jdllm.serve.lifecycle import DrainJoin, lifecycle_for, merge_row
 from jdllm.state import ABORT, FINISH_REASONS, DecodeState
 
 # traces per jitted piece ("admit", "round", "close"): a test checks requests coming and going
@@ -76,7 +78,8 @@ def _compiled(compiler_options: tuple = ()):
     return dict(admit=jax.jit(_admit, static_argnames=static, donate_argnames=("pool",), compiler_options=opts),
                 round=jax.jit(_round, static_argnames=static, donate_argnames=("pool",), compiler_options=opts),
                 close=jax.jit(_close, donate_argnames=("pool",), compiler_options=opts),
-                buffers=jax.jit(common.with_buffers, static_argnums=(1,), compiler_options=opts))
+                buffers=jax.jit(common.with_buffers, static_argnums=(1,), compiler_options=opts),
+                prefill=loop.compiled_steps(compiler_options)["prefill"])
 
 
 # --------------------------------------------------------------------------- requests and events
@@ -165,6 +168,8 @@ class Engine:
         self.max_batch, self.max_queue, self.steps_per_round = max_batch, max_queue, steps_per_round
         self.fwd_cfg = decoding.attention_config(cfg) if hasattr(decoding, "attention_config") else cfg
         self.ctx = common.DecodeCtx(model=self.fwd_cfg, attn_impl=model.attn_impl, prefill_len=0)
+        self._ctx = self.ctx  # the context rounds run with (a drained batch brings its own)
+        self.drain = isinstance(self.lifecycle, DrainJoin)
         self.slots = self.lifecycle.pool_slots(decoding, cfg, self.max_prompt_tokens, self.max_new_tokens)
         self._fns = _compiled(tuple(compiler_options))
         R = max_batch
@@ -309,7 +314,7 @@ class Engine:
             self._waiting.clear()
             self._rows.clear()
             self._free = list(range(self.max_batch))
-        kill = jnp.ones((self.max_batch,), bool)
+        kill = jnp.ones((self._pool.batch,), bool)
         self._pool = self._fns["close"](self._pool, kill)
         for r in reqs:
             r.status = "aborted"
@@ -333,21 +338,33 @@ class Engine:
                 req.status = "aborted"
                 self.aborted += 1
             admit = []
-            while self._free and self._waiting:
-                req = self._waiting.popleft()
-                req.row, req.status = self._free.pop(0), "running"
-                self._rows[req.row] = req
-                admit.append(req)
+            if self.drain:  # a new batch only once the previous one has drained
+                if not self._rows:
+                    admit = self.lifecycle.take(list(self._waiting), self.max_batch)
+                    for i, req in enumerate(admit):
+                        self._waiting.remove(req)
+                        req.row, req.status = i, "running"
+                        self._rows[i] = req
+                    self._free = list(range(len(admit), self.max_batch)) if admit else self._free
+            else:
+                while self._free and self._waiting:
+                    req = self._waiting.popleft()
+                    req.row, req.status = self._free.pop(0), "running"
+                    self._rows[req.row] = req
+                    admit.append(req)
         if kill:
-            mask = np.zeros(self.max_batch, bool)
+            mask = np.zeros(self._pool.batch, bool)
             mask[kill] = True
             self._pool = self._fns["close"](self._pool, jnp.asarray(mask))
-        for req in admit:
+        if self.drain and admit:
+            state, self._ctx = self.lifecycle.batch(self.model, self.paradigm, admit)
+            self._pool = self._fns["prefill"](self.model.params, state, paradigm=self.paradigm, ctx=self._ctx)
+        for req in admit if not self.drain else ():
             self._admit_one(req)
         if not self._rows:
             return
         self._pool = self._fns["round"](self.model.params, self._pool, jnp.int32(self.steps_per_round),
-                                        paradigm=self.paradigm, ctx=self.ctx)
+                                        paradigm=self.paradigm, ctx=self._ctx)
         self.rounds += 1
         self._stream()
 

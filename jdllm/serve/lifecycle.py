@@ -15,9 +15,14 @@ runs alone), so joining between any two steps of its neighbours is exact. Reinde
 needed: a finished row stays `done` in place (it reveals nothing and costs only its share of the
 batched forward) until the next admission overwrites it.
 
-masked_diffusion / multi_block are not served yet: their batch shares one window schedule (and
-multi_block's block states), so a late row would need a lockstep re-plan; `lifecycle_for`
-refuses them with a clear error.
+`DrainJoin` (masked_diffusion, multi_block): their rows share one canvas schedule (masked
+diffusion's lockstep window over a common prefill length, multi_block's block grid and its
+prefill length), so a row cannot join a running batch without re-planning its neighbours.
+Requests join only when the pool has drained: the waiting ones (up to the pool size, FIFO among
+those asking for the head request's max_new_tokens, since these paradigms decode a batch to one
+length) start together as one batch built by `jdllm.api.prepare`, exactly as `jdllm.generate`
+builds that batch. Each drained batch compiles once per shape bucket (batch, prompt, generation),
+not once per request; they still stream (the revealed prefix) between rounds.
 """
 
 from __future__ import annotations
@@ -52,7 +57,33 @@ class RowJoin:
         return lay._replace(slots=slots)
 
 
-LIFECYCLES = {"ar": RowJoin(), "block_diffusion": RowJoin()}
+@dataclasses.dataclass(frozen=True)
+class DrainJoin:
+    """Join only when the pool has drained; a batch starts together, built as `generate` builds it."""
+
+    rule: str = "when the batch drains"
+
+    def pool_slots(self, paradigm, cfg, max_prompt: int, max_new: int) -> int:
+        return int(paradigm.layout(np.asarray([max_prompt]), max_new, cfg).slots)
+
+    def take(self, waiting: list, capacity: int) -> list:
+        """The requests that start together: FIFO, those with the head's max_new_tokens."""
+        if not waiting:
+            return []
+        n = waiting[0].sampling.max_new_tokens
+        return [r for r in waiting if r.sampling.max_new_tokens == n][:capacity]
+
+    def batch(self, model, paradigm, reqs: list):
+        """(state, ctx) for these requests as one batch (`jdllm.api.prepare`, token-id prompts)."""
+        from jdllm.api import prepare  # noqa: PLC0415
+
+        settings = [dataclasses.replace(r.sampling, stop_token_ids=r.stop_ids) for r in reqs]
+        prep = prepare(model, [r.prompt_ids for r in reqs], paradigm, settings)
+        return prep.state, prep.ctx
+
+
+LIFECYCLES = {"ar": RowJoin(), "block_diffusion": RowJoin(), "masked_diffusion": DrainJoin(),
+              "multi_block": DrainJoin()}
 
 
 def lifecycle_for(paradigm):
@@ -85,4 +116,4 @@ def merge_row(pool: DecodeState, new: DecodeState, row) -> DecodeState:
     return pool.replace(cache=cache, **merged)
 
 
-__all__ = ["RowJoin", "LIFECYCLES", "lifecycle_for", "merge_row"]
+__all__ = ["RowJoin", "DrainJoin", "LIFECYCLES", "lifecycle_for", "merge_row"]
