@@ -67,6 +67,9 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server):
     _err(post({"model": NAME, "prompt": "a", "jdllm": {"block_length": 8}}), 400, "unknown jdllm option")
     _err(post({"model": NAME, "prompt": "a", "temperature": "hot"}), 400, "temperature")
     _err(httpx.post(f"{url}/v1/chat/completions", json={"model": NAME, "messages": "hi"}, timeout=60), 400, "messages")
+    r = httpx.post(f"{url}/v1/chat/completions", timeout=60,  # default max_tokens: what the context leaves
+                   json={"model": NAME, "messages": [{"role": "user", "content": "1" * 44}]})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 64 - 44
     r = post({"model": NAME, "prompt": "sort:3 1 2=", "max_tokens": 8})
     assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] in ("stop", "length")
     assert httpx.get(f"{url}/v1/models").json()["data"][0]["id"] == NAME

@@ -22,6 +22,7 @@ is freed at the next scheduling round.
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import time
 import uuid
@@ -299,19 +300,29 @@ def create_app(engine: Engine, model_name: str = "jdllm"):
         return StreamingResponse(events(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
+    def fit(body: dict, sampling: Sampling, ids: list[int], names) -> Sampling:
+        """A default max_tokens (none given) shrinks to what the model's context leaves after the prompt."""
+        room = engine.cfg.max_position_embeddings - len(ids)
+        if all(body.get(n) is None for n in names) and 1 <= room < sampling.max_new_tokens:
+            return dataclasses.replace(sampling, max_new_tokens=room)
+        return sampling
+
     @app.post("/v1/completions")
     async def completions(request: Request):
         body = await body_of(request)
         sampling, step_map = srv.sampling(body, min(16, engine.max_new_tokens))
         if "prompt" not in body:
             raise ApiError(400, "prompt is required", "prompt")
-        return await run(request, body, srv.prompt_ids(body["prompt"]), sampling, step_map, chat=False)
+        ids = srv.prompt_ids(body["prompt"])
+        return await run(request, body, ids, fit(body, sampling, ids, ("max_tokens",)), step_map, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         body = await body_of(request)
-        sampling, step_map = srv.sampling(body, engine.max_new_tokens, ("max_tokens", "max_completion_tokens"))
-        return await run(request, body, srv.chat_ids(body.get("messages")), sampling, step_map, chat=True)
+        names = ("max_tokens", "max_completion_tokens")
+        sampling, step_map = srv.sampling(body, engine.max_new_tokens, names)
+        ids = srv.chat_ids(body.get("messages"))
+        return await run(request, body, ids, fit(body, sampling, ids, names), step_map, chat=True)
 
     return app
 
