@@ -1,4 +1,4 @@
-"""`jdllm` command line: convert, generate, bench.
+"""`jdllm` command line: convert, generate, bench, serve.
 
 Each subcommand lives beside the code it drives and registers itself through
 `add_arguments(parser)` / `run(args)`; this file only dispatches, shows
@@ -24,6 +24,7 @@ SUBCOMMANDS = {
     "convert": ("convert.cli", "Hugging Face directory -> jdllm checkpoint"),
     "generate": ("jdllm.generate_cli", "generate text with a model directory"),
     "bench": ("jdllm.bench_cli", "run the decode benchmark on a model directory"),
+    "serve": ("jdllm.serve.cli", "OpenAI-compatible HTTP server with continuous batching"),
 }
 INTERRUPTED = 130
 

@@ -91,3 +91,11 @@ def warn(message: str, category: type[Warning] = UserWarning) -> None:
     import warnings  # noqa: PLC0415
 
     warnings.warn(message, category, stacklevel=user_stacklevel())
+
+
+class QueueFullError(JdllmError):
+    """The serving engine's bounded queue is full (the server answers 429): retry later."""
+
+
+class EngineStoppedError(JdllmError):
+    """The serving engine is shutting down and accepts no new requests (the server answers 503)."""

@@ -1,0 +1,55 @@
+"""`jdllm serve MODEL --paradigm ... --max-batch N --port P`: the OpenAI-compatible server."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from jdllm.checkpoint import ATTN_IMPLS, DTYPES  # noqa: PLC0415 (light: no JAX)
+    from jdllm.generate_cli import add_check_finite_argument, add_paradigm_arguments  # noqa: PLC0415
+
+    p.add_argument("model", help="Hugging Face model directory or jdllm checkpoint")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, this machine only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--model-name", default=None, help="the id clients pass as `model` (default: the directory name)")
+    p.add_argument("--max-batch", type=int, default=8, help="rows decoding at once (default: 8)")
+    p.add_argument("--max-queue", type=int, default=256,
+                   help="requests waiting for a row beyond which the server answers 429 (default: 256)")
+    p.add_argument("--max-prompt-tokens", type=int, default=None,
+                   help="longest prompt accepted (default: the model's context, at most 512)")
+    p.add_argument("--max-new-tokens", type=int, default=None,
+                   help="longest generation a request may ask for (default: the model's context, at most 256)")
+    p.add_argument("--steps-per-round", type=int, default=4,
+                   help="decoding steps between two scheduling rounds (default: 4)")
+    p.add_argument("--dtype", default="float32", choices=DTYPES, help="parameter dtype (default: float32)")
+    p.add_argument("--attn-impl", default="auto", choices=ATTN_IMPLS)
+    p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
+    add_check_finite_argument(p)
+    add_paradigm_arguments(p)
+
+
+def run(args) -> int:
+    import jdllm  # noqa: PLC0415
+    from jdllm.generate_cli import decoding_from_args  # noqa: PLC0415
+
+    try:
+        from jdllm.serve.server import serve  # noqa: PLC0415
+        import fastapi, uvicorn  # noqa: F401, E401, PLC0415
+    except ImportError as e:
+        raise jdllm.errors.InputError(f"`jdllm serve` needs the serve extra ({e.name} is missing): "
+                                      'pip install "jdllm[serve]"') from None
+    from jdllm.serve.engine import Engine  # noqa: PLC0415
+
+    model = jdllm.load(args.model, dtype=args.dtype, attn_impl=args.attn_impl, check_finite=args.check_finite)
+    decoding = decoding_from_args(args, model.config, command="serve")
+    engine = Engine(model, decoding, max_batch=args.max_batch, max_queue=args.max_queue,
+                    max_prompt_tokens=args.max_prompt_tokens, max_new_tokens=args.max_new_tokens,
+                    steps_per_round=args.steps_per_round)
+    name = args.model_name or os.path.basename(os.path.normpath(args.model))
+    print(f"jdllm serve: {name} ({decoding.name}, {args.max_batch} rows) on http://{args.host}:{args.port}/v1",
+          file=sys.stderr)
+    serve(engine, name, host=args.host, port=args.port, log_level=args.log_level)
+    return 0

@@ -1,0 +1,173 @@
+"""The continuous-batching engine: requests joining and leaving a running pool decode exactly as
+`jdllm.generate` decodes each prompt alone, without recompiling; aborted requests free their rows."""
+
+from __future__ import annotations
+
+import functools
+import gc
+
+import jax
+import numpy as np
+import pytest
+
+import jdllm
+from jdllm import errors
+from jdllm.serve import engine as E
+from tests.decode_fixtures import FAST_COMPILE, block_model, causal_model, fast_compile  # noqa: F401
+
+pytestmark = pytest.mark.usefixtures("fast_compile")
+
+
+def _case(which: str):
+    """(model, paradigm, prompt lengths, max_new_tokens per request): one prompt bucket and one
+    generation bucket each, so the alone references compile once."""
+    if which == "ar":
+        return causal_model(), jdllm.AR(), (7, 2, 12, 4, 15, 3, 9, 1), (9, 14, 5, 16, 3, 11, 7, 12)
+    par = jdllm.BlockDiffusion(block_length=4, denoising_steps=2, confidence_threshold=0.7)
+    return block_model(), par, (7, 2, 5, 4, 6, 3, 1, 7), (10, 13, 11, 12, 10, 13, 12, 11)
+
+
+@functools.lru_cache(maxsize=None)
+def _engine(which: str) -> E.Engine:
+    m, par, _, _ = _case(which)
+    return E.Engine(m, par, max_batch=3, max_prompt_tokens=16, max_new_tokens=16, steps_per_round=2,
+                    compiler_options=FAST_COMPILE)
+
+
+def _alone(m, par, prompt, sampling):
+    return jdllm.generate(m, [prompt], par, sampling)[0]
+
+
+def _fields(o):
+    return o.token_ids, o.step_map, o.nfe, o.finish_reason
+
+
+@pytest.mark.parametrize("which", ["ar", "block_diffusion"])
+def test_staggered_requests_equal_generate_alone_without_recompiles(which):
+    """Eight requests of mixed prompt and answer lengths arrive while others decode (three rows, so
+    rows are reused); one is sampled, one stops on a stop id. Each equals generate() alone, token for
+    token, step for step, NFE and finish reason; what it streamed equals its output; a second wave
+    with the same buckets compiles nothing."""
+    m, par, lengths, news = _case(which)
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(3, 90, size=n).tolist() for n in lengths]
+    settings = [jdllm.Sampling(max_new_tokens=n, stop_token_ids=()) for n in news]
+    settings[1] = jdllm.Sampling(max_new_tokens=news[1], stop_token_ids=(), temperature=0.8, top_k=20, seed=7)
+    free = _alone(m, par, prompts[3], settings[3])
+    settings[3] = jdllm.Sampling(max_new_tokens=news[3], stop_token_ids=(free.token_ids[4],))
+    want = [_alone(m, par, p, s) for p, s in zip(prompts, settings)]
+    assert want[3].finish_reason == "stop"
+
+    eng = _engine(which)
+    for wave in range(2):
+        reqs = []
+        for i, (p, s) in enumerate(zip(prompts, settings)):
+            reqs.append(eng.submit(p, s))
+            if i % 3 != 1:  # arrivals between rounds, sometimes two at once
+                eng.step_round()
+        eng.run_until_idle()
+        for r, w in zip(reqs, want):
+            assert _fields(r.output) == _fields(w)
+            np.testing.assert_allclose(r.output.logprobs, w.logprobs, atol=1e-5)
+            streamed = [t for ev in r.events if ev.kind == "tokens" for t in ev.token_ids]
+            assert streamed == r.output.token_ids
+            assert [ev.kind for ev in r.events][-1] == "done"
+        if wave == 0:
+            traces = dict(E.TRACES)
+    assert dict(E.TRACES) == traces  # the second wave compiled nothing
+    assert eng.stats()["rows_free"] == 3 and eng.stats()["tracked"] == 0
+
+
+def test_diffusion_streams_only_the_final_prefix_and_step_events():
+    """Block diffusion streams the left-contiguous revealed prefix; with return_step_map each step's
+    revealed positions arrive with their step_map, and together they rebuild the output."""
+    m, par, _, _ = _case("block_diffusion")
+    eng = _engine("block_diffusion")
+    r = eng.submit([5, 9, 2, 33, 4], jdllm.Sampling(max_new_tokens=12, stop_token_ids=()), return_step_map=True)
+    eng.run_until_idle()
+    out = r.output
+    toks = [ev for ev in r.events if ev.kind == "tokens"]
+    steps = [ev for ev in r.events if ev.kind == "steps"]
+    assert [t for ev in toks for t in ev.token_ids] == out.token_ids
+    rebuilt = {}
+    for ev in steps:
+        for p, s, t in zip(ev.positions, ev.steps, ev.token_ids):
+            assert p not in rebuilt
+            rebuilt[p] = (t, s)
+    assert [rebuilt[i] for i in range(len(out.token_ids))] == list(zip(out.token_ids, out.step_map))
+    assert len(steps) > 1 and max(out.step_map) > 1  # it really decoded over several rounds and steps
+
+
+def test_aborted_requests_free_their_rows_without_leaking():
+    """1,000 requests aborted while waiting or while decoding: the pool returns to idle, no device
+    array is left behind, and the next request still decodes as it does alone."""
+    m, par, _, _ = _case("ar")
+    eng = _engine("ar")
+    s = jdllm.Sampling(max_new_tokens=16, stop_token_ids=())
+    eng.submit([4, 5, 6], s)
+    eng.run_until_idle()
+    gc.collect()
+    live = len(jax.live_arrays())
+    rounds = eng.rounds
+    for chunk in range(20):
+        reqs = [eng.submit([3 + (chunk + i) % 80, 7], s) for i in range(50)]
+        eng.step_round()  # three of them now hold rows, mid-decode
+        assert eng.stats()["rows_busy"] == 3
+        for r in reqs:
+            eng.abort(r.id)
+        eng.step_round()  # one round frees every row
+        st = eng.stats()
+        assert (st["rows_busy"], st["rows_free"], st["waiting"], st["tracked"]) == (0, 3, 0, 0)
+        assert all(r.status == "aborted" and r.output is None for r in reqs)
+    assert eng.rounds - rounds == 20 and eng.aborted == 1000
+    gc.collect()
+    assert len(jax.live_arrays()) <= live
+    r = eng.submit([9, 8, 7, 6], s)
+    eng.run_until_idle()
+    assert _fields(r.output) == _fields(_alone(m, par, [9, 8, 7, 6], s))
+
+
+def test_bounded_queue_and_bad_requests_fail_before_compiling():
+    m = causal_model()
+    eng = E.Engine(m, jdllm.AR(), max_batch=2, max_queue=2, max_prompt_tokens=8, max_new_tokens=8)
+    before = dict(E.TRACES)
+    s = jdllm.Sampling(max_new_tokens=4)
+    eng.submit([1, 2], s)
+    eng.submit([1, 2], s)
+    with pytest.raises(errors.QueueFullError, match="max_queue=2"):
+        eng.submit([1, 2], s)
+    with pytest.raises(errors.SequenceTooLongError, match="max_prompt_tokens=8"):
+        eng.submit(list(range(9)), s)
+    with pytest.raises(errors.SequenceTooLongError, match="max_new_tokens=9"):
+        eng.submit([1], jdllm.Sampling(max_new_tokens=9))
+    with pytest.raises(errors.TokenOutOfRangeError):
+        eng.submit([1, m.config.vocab_size], s)
+    with pytest.raises(errors.DecodingConfigError, match="max_batch=0"):
+        E.Engine(m, jdllm.AR(), max_batch=0)
+    from jdllm.serve.lifecycle import lifecycle_for
+
+    with pytest.raises(errors.DecodingConfigError, match="'ar_spec' cannot be served yet"):
+        lifecycle_for(type("Spec", (), {"name": "ar_spec"})())
+    eng.stop()
+    with pytest.raises(errors.EngineStoppedError):
+        eng.submit([1, 2], s)
+    assert dict(E.TRACES) == before
+
+
+def test_masked_diffusion_joins_when_the_batch_drains():
+    """masked_diffusion rows share one window schedule: requests start together once the pool has
+    drained (FIFO among those with the head's max_new_tokens), each equal to generate() alone."""
+    from tests.test_decode_masked import bidir_model
+
+    m, par = bidir_model(), jdllm.MaskedDiffusion(block_length=4, steps=8)
+    eng = E.Engine(m, par, max_batch=2, max_prompt_tokens=8, max_new_tokens=8, steps_per_round=2,
+                   compiler_options=FAST_COMPILE)
+    prompts = [[5, 17, 3, 44, 9], [70, 2, 8], [8, 8, 31, 4], [11, 12, 13]]
+    news = [8, 8, 4, 8]
+    reqs = [eng.submit(p, jdllm.Sampling(max_new_tokens=n, stop_token_ids=())) for p, n in zip(prompts, news)]
+    eng.step_round()
+    assert [r.status for r in reqs] == ["running", "running", "waiting", "waiting"]
+    eng.run_until_idle()
+    for p, n, r in zip(prompts, news, reqs):
+        assert _fields(r.output) == _fields(_alone(m, par, p, jdllm.Sampling(max_new_tokens=n, stop_token_ids=())))
+        assert [t for ev in r.events if ev.kind == "tokens" for t in ev.token_ids] == r.output.token_ids
