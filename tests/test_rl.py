@@ -114,7 +114,7 @@ def test_replay_gradient_matches_finite_differences(name):
     v = jax.tree.map(lambda x: x / norm, g)  # unit direction along the gradient: d f / d e = |g|
     directional = float(norm)
     fj = jax.jit(f, compiler_options=dict(FAST_COMPILE))
-    eps = 0.01
+    eps = 1e-3  # the peaked test models curve fast: keep the third-order term small
     fd = float(fj(jax.tree.map(lambda p, d: p + eps * d, model.params, v))
                - fj(jax.tree.map(lambda p, d: p - eps * d, model.params, v))) / (2 * eps)
     assert directional > 0.1
@@ -174,7 +174,7 @@ def test_losses_match_numpy_reference():
     np.testing.assert_allclose(adv, ((g - g.mean(1, keepdims=True)) / (g.std(1, keepdims=True) + 1e-6)).ravel(),
                                rtol=1e-5)
     got = rl.grpo_loss(lp, old, adv, mask, clip_eps=0.2, ref_logprobs=ref, kl_coef=0.1)
-    np.testing.assert_allclose(float(got), _np_grpo(lp, old, adv, mask, 0.2, 0.1, ref), rtol=1e-5)
+    np.testing.assert_allclose(float(got), _np_grpo(lp, old, adv, mask, 0.2, 0.1, ref), rtol=1e-4, atol=1e-7)
     pg = rl.pg_loss(lp, adv, mask, aggregate="token")
     np.testing.assert_allclose(float(pg), -np.sum(adv[:, None] * lp * mask) / mask.sum(), rtol=1e-5)
 
@@ -190,7 +190,7 @@ def test_grpo_steps_lower_the_loss_on_a_fixed_batch():
         lp = rl.trajectory_logprobs(params, ro, spec=spec)
         return rl.grpo_loss(lp, ro.logprobs, adv, ro.answer_mask, ref_logprobs=ref, kl_coef=0.01)
 
-    opt = optax.adam(3e-3)
+    opt = optax.adam(1e-4)
 
     @functools.partial(jax.jit, compiler_options=dict(FAST_COMPILE))
     def update(params, opt_state):
@@ -203,7 +203,7 @@ def test_grpo_steps_lower_the_loss_on_a_fixed_batch():
     for _ in range(4):
         params, st, loss = update(params, st)
         losses.append(float(loss))
-    assert losses[-1] < losses[0] - 1e-3, losses
+    assert losses[-1] < losses[0] - 1e-2 and all(b < a for a, b in zip(losses, losses[1:])), losses
 
 
 def test_bad_input_errors():

@@ -73,7 +73,8 @@ def check_params(params, cfg) -> None:
                                      "params from another model config")
     extra = [jax.tree_util.keystr(p) for p in flat_p if p not in flat_w]
     if extra:
-        raise errors.ConfigError(f"params hold weights {extra[:3]} this model config does not have")
+        raise errors.ConfigError(f"params hold weights {extra[:3]} this model config does not have: params from "
+                                 "another model config")
 
 
 def _concrete(x) -> bool:
