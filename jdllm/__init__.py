@@ -29,6 +29,7 @@ _EXPORTS = {
     "MaskedDiffusion": "jdllm.decode.masked_diffusion",
     "errors": "jdllm.errors",
     "constraints": "jdllm.constraints",
+    "rl": "jdllm.rl",  # rollouts, trajectory log-likelihoods, RL losses
 }
 
 # Named in the design's public contract but not built yet: a clear error, not an ImportError.
@@ -43,7 +44,7 @@ def __getattr__(name: str):
         raise AttributeError(f"jdllm.{name}: {_PLANNED[name]} is not implemented yet")
     if mod is None:
         raise AttributeError(f"module 'jdllm' has no attribute {name!r}")
-    if name in ("errors", "constraints"):
+    if name in ("errors", "constraints", "rl"):
         return importlib.import_module(mod)
     return getattr(importlib.import_module(mod), name)
 

@@ -1,0 +1,158 @@
+"""Rollouts: the decode loop as a pure function of (params, key), G samples per prompt.
+
+`prepare_rollout` (host side, once per prompt batch) repeats every prompt G
+times and builds the initial `DecodeState` and a static `RolloutSpec` through
+`jdllm.prepare`. `rollout(params, state, key, spec=...)` (pure, usable inside
+the user's `jax.jit`) gives every row its own PRNG stream fold_in(key, row),
+runs `jdllm.decode.loop.run` and returns a `Rollout` of arrays. New params or a
+new key are data: a training step that calls it again does not recompile
+(`TRACES` counts traces).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jdllm import errors
+from jdllm.decode import common, loop
+from jdllm.sampling import RowSampling
+from jdllm.state import DecodeState, slot_index
+
+TRACES: collections.Counter = collections.Counter()  # traces of `rollout` per paradigm name
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutSpec:
+    """Static (hashable) description of a rollout batch: a jit static argument.
+
+    group: samples per prompt (rows g * group ... (g + 1) * group - 1 share prompt g).
+    prompts: real prompts (rows past prompts * group are batch padding, inactive).
+    max_steps: a bound on the decoding steps of one row (every step reveals >= 1
+    token, so the generation length is one); replay sizes its step copies from it.
+    """
+
+    paradigm: Any
+    ctx: common.DecodeCtx
+    group: int
+    prompts: int
+    max_steps: int
+
+    @property
+    def rows(self) -> int:
+        return self.group * self.prompts
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Rollout:
+    """One rollout batch. Shapes: B rows (prompt-major: row = prompt * G + sample), S canvas slots.
+
+    tokens / step_map / logprobs are the whole canvas (replay needs every revealed
+    slot, also those past a stop token); `answer_mask` marks the tokens a row
+    returns (its generation up to and including its stop token): the loss mask.
+    """
+
+    tokens: jax.Array  # [B, S] int32
+    step_map: jax.Array  # [B, S] int32, 1-based reveal step, 0 = not generated
+    logprobs: jax.Array  # [B, S] float32, log-prob at reveal time (sampling distribution)
+    prompt_mask: jax.Array  # [B, S] bool: the row's prompt slots
+    answer_mask: jax.Array  # [B, S] bool: returned generated tokens
+    start: jax.Array  # [B] int32: first real slot
+    gen_start: jax.Array  # [B] int32
+    end: jax.Array  # [B] int32: one past the last returned slot
+    finish: jax.Array  # [B] int32 finish codes (jdllm.state.FINISH_REASONS)
+    nfe: jax.Array  # [B] int32
+    active: jax.Array  # [B] bool: False for batch-padding rows
+    sampling: RowSampling  # [B] settings the tokens were drawn with (replay uses them)
+    paradigm: str = dataclasses.field(default="", metadata=dict(static=True))
+
+    @property
+    def batch(self) -> int:
+        return self.tokens.shape[0]
+
+    @property
+    def slots(self) -> int:
+        return self.tokens.shape[1]
+
+
+def prepare_rollout(model, prompts, decoding=None, sampling=None, *, group: int = 1,
+                    apply_chat_template: bool = False):
+    """Host side: (initial DecodeState, RolloutSpec) for `group` samples of every prompt.
+
+    sampling: one `jdllm.Sampling` (temperature 1 is the usual RL choice);
+    its seed is irrelevant: `rollout` draws every row's stream from its key.
+    Nothing compiles here.
+    """
+    from jdllm.api import prepare, tokenize  # noqa: PLC0415
+
+    if isinstance(group, bool) or not isinstance(group, (int, np.integer)) or group < 1:
+        raise errors.InputError(f"group={group!r} must be an integer >= 1 (samples per prompt)")
+    if sampling is not None and not hasattr(sampling, "temperature"):
+        raise errors.ArgumentTypeError(f"sampling={sampling!r}: pass one jdllm.Sampling for every row")
+    ids = tokenize(model, prompts, apply_chat_template)
+    rows = [p for p in ids for _ in range(int(group))]
+    prep = prepare(model, rows, decoding, sampling)
+    st = prep.state
+    max_steps = int(np.max(np.asarray(st.limit) - np.asarray(st.gen_start)))
+    spec = RolloutSpec(paradigm=prep.paradigm, ctx=prep.ctx, group=int(group), prompts=len(ids),
+                       max_steps=max(1, max_steps))
+    return st, spec
+
+
+def row_stream_keys(key, batch: int) -> jax.Array:
+    """[B] typed keys fold_in(key, b): one independent stream per row (raw or typed `key`)."""
+    key = jnp.asarray(key) if not isinstance(key, jax.Array) else key
+    if not jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
+        key = jax.random.wrap_key_data(key)
+    return jax.vmap(lambda b: jax.random.fold_in(key, b))(jnp.arange(batch, dtype=jnp.uint32))
+
+
+def rollout(params, state: DecodeState, key, *, spec: RolloutSpec) -> Rollout:
+    """Decode `state` (from `prepare_rollout`) with `params`; row b samples from fold_in(key, b).
+
+    Pure: jit it with `spec` static (or call it inside a jitted training step);
+    params and key are data, so new values never recompile.
+    """
+    TRACES[spec.paradigm.name] += 1
+    if state.batch < spec.rows:
+        raise errors.InputError(f"state has {state.batch} rows but spec wants {spec.rows} "
+                                f"({spec.prompts} prompts x group {spec.group})")
+    active = ~state.done
+    state = state.replace(key=row_stream_keys(key, state.batch))
+    final = loop.run(params, state, paradigm=spec.paradigm, ctx=spec.ctx)
+    s = slot_index(final)
+    prompt = (s >= final.start[:, None]) & (s < final.gen_start[:, None])
+    answer = (s >= final.gen_start[:, None]) & (s < final.end[:, None]) & (final.step_map > 0) & active[:, None]
+    return Rollout(tokens=final.tokens, step_map=final.step_map, logprobs=final.logprobs,
+                   prompt_mask=prompt, answer_mask=answer, start=final.start, gen_start=final.gen_start,
+                   end=final.end, finish=final.finish, nfe=final.nfe, active=active,
+                   sampling=final.sampling, paradigm=spec.paradigm.name)
+
+
+compiled_rollout = jax.jit(rollout, static_argnames=("spec",))
+
+
+def texts(ro: Rollout, spec: RolloutSpec, tokenizer=None, decode=None) -> list[str]:
+    """Host side: each real row's returned text (tokenizer.decode or a `decode(ids)` callable)."""
+    host = jax.device_get((ro.tokens, ro.gen_start, ro.end))
+    out = []
+    for b in range(spec.rows):
+        g0, e = int(host[1][b]), max(int(host[2][b]), int(host[1][b]))
+        ids = [int(t) for t in host[0][b, g0:e]]
+        if decode is not None:
+            out.append(decode(ids))
+        elif tokenizer is not None:
+            out.append(tokenizer.decode(ids, skip_special_tokens=True))
+        else:
+            raise errors.InputError("texts() needs a tokenizer or a decode callable")
+    return out
+
+
+__all__ = ["RolloutSpec", "Rollout", "prepare_rollout", "rollout", "compiled_rollout", "row_stream_keys",
+           "texts", "TRACES"]
