@@ -30,7 +30,7 @@ one dispatch of plan / forward / reveal plus one device->host read of the canvas
 step (`benchmarks/constrained.py` measures it against the on-device step).
 
 Fast-forward in AR costs one forward for all forced tokens: they are written into the
-canvas without a forward, and the next step's forward (`_catch_up`) covers every slot
+canvas without a forward, and the next step's forward (`catch_up`) covers every slot
 from the row's committed cache length up to the slot it samples in one window (width
 bucketed to a power of two). Forced tokens get log-prob 0 (probability 1 under the
 constraint) and the step number of the step that revealed the token forcing them.
@@ -286,7 +286,9 @@ class Controller:
                 while p < lim and rev[p]:
                     t = int(toks[p])
                     is_stop = t in self.stops[b]
-                    if m.try_consume_tokens([self.eos if is_stop else t]) != 1:
+                    # a stop token is the grammar's EOS: allowed where the matcher accepts
+                    ok = m.is_accepting() and m.consume_token(self.eos) if is_stop else m.try_consume_tokens([t]) == 1
+                    if not ok:
                         edits[b].append((p, 0, 2))
                         self.stats.backtracked += 1
                         reopen[b] = bool(done[b])
@@ -298,7 +300,7 @@ class Controller:
                         break
                 if stopped or back or p >= lim:
                     break
-                if m.is_stopped():
+                if m.is_stopped() and (self.fast_forward or not self.stops[b]):
                     if self.stops[b]:
                         ff = [self.stops[b][0]]
                     else:
@@ -321,7 +323,7 @@ class Controller:
         E = max(len(e) for e in edits)
         if E == 0 and not close.any():
             return None
-        E = common.bucket(max(E, 1))
+        E = common.bucket(E, 8)
         slots = np.full((B, E), -1, np.int32)
         toks = np.zeros((B, E), np.int32)
         kind = np.zeros((B, E), np.int32)
@@ -330,12 +332,31 @@ class Controller:
                 slots[b, j], toks[b, j], kind[b, j] = s, t, k
         return Edits(slots, toks, kind, reopen, close, close_end)
 
+    def draft_masks(self, drafts: list) -> np.ndarray:
+        """Verification masks for speculative drafts: [B, K + 1, W32], row b's mask i is the
+        mask after its matcher consumed drafts[b][:i] (filled in parallel for every row and
+        position by `fill_next_token_bitmask_par_with_draft_tokens`; the matchers are left
+        unchanged). A draft token the grammar rejects leaves the masks after it all-zero, so
+        verification cuts the draft there. Free rows get all-ones masks."""
+        t0 = time.perf_counter()
+        K = max((len(d) for d in drafts), default=0)
+        out = np.full((self.batch, K + 1, self.W32), -1, np.int32)
+        rows = [b for b in range(self.batch) if self.m[b] is not None]
+        flat = np.zeros((max(1, len(rows)) * (K + 1), self.W32), np.int32)
+        if rows:
+            _llg().numpy.fill_next_token_bitmask_par_with_draft_tokens(
+                self.executor, [(self.m[b], i * (K + 1), [int(t) for t in drafts[b]]) for i, b in enumerate(rows)],
+                flat)
+            for i, b in enumerate(rows):
+                out[b] = flat[i * (K + 1):(i + 1) * (K + 1)]
+        self.stats.mask_s += time.perf_counter() - t0
+        return out
+
     def accepted(self) -> list[bool | None]:
         return [None if m is None else bool(m.is_accepting() and not m.is_error()) for m in self.m]
 
 
 # --------------------------------------------------------------------------- device edits
-@functools.partial(jax.jit, donate_argnames=("state",))
 def apply_edits(state, slots, tokens, kind, reopen, close, close_end, *, fill: int):
     """Write forced tokens (kind 1) and re-mask rejected ones (kind 2) at slots [B, E]; reopen /
     close rows; lower a row's committed cache length below its first edited slot; then the
@@ -362,13 +383,21 @@ def apply_edits(state, slots, tokens, kind, reopen, close, close_end, *, fill: i
     return common.finish_rows(state)
 
 
-@functools.partial(jax.jit, static_argnames=("width", "ctx"), donate_argnames=("state",))
-def _catch_up(params, state, plan, *, width: int, ctx):
+def catch_up(params, state, plan, *, width: int, ctx):
     """AR's step forward over [cache length, sampled slot): forced tokens enter the cache in the
     same forward that predicts the next slot (one forward for any number of forced tokens)."""
     off = jnp.minimum(state.cache.length, state.slots - width)
     logits, state = common.forward_window(params, ctx, state, off, width, at=plan.slots, commit=plan.offset)
     return common.count_forward(state, ~state.done), logits
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled(options: tuple) -> dict:
+    opts = dict(options) or None
+    return dict(apply_edits=jax.jit(apply_edits, static_argnames=("fill",), donate_argnames=("state",),
+                                    compiler_options=opts),
+                catch_up=jax.jit(catch_up, static_argnames=("width", "ctx"), donate_argnames=("state",),
+                                 compiler_options=opts))
 
 
 # --------------------------------------------------------------------------- generate
@@ -377,7 +406,7 @@ def _edit(state, ctl: Controller, fill: int):
                            "finish": state.finish})
     e = ctl.advance(host["tokens"], host["revealed"], host["done"], host["finish"])
     if e is not None:
-        state = apply_edits(state, *(jnp.asarray(a) for a in e), fill=fill)
+        state = _compiled(COMPILER_OPTIONS)["apply_edits"](state, *(jnp.asarray(a) for a in e), fill=fill)
         host["done"] = np.asarray(jax.device_get(state.done))
     return state, host["done"]
 
@@ -429,7 +458,8 @@ def generate(model, prompts, decoding, sampling, constraints, *, apply_chat_temp
             pending = off - np.asarray(jax.device_get(state.cache.length))
             width = int(np.max(np.where(done, 1, pending), initial=1))
         if width > 1:
-            state, logits = _catch_up(model.params, state, p, width=common.bucket(width), ctx=prep.ctx)
+            state, logits = _compiled(COMPILER_OPTIONS)["catch_up"](model.params, state, p, width=common.bucket(width, 8),
+                                                                   ctx=prep.ctx)
         else:
             state, logits = steps["forward"](model.params, state, p, **kw)
         mask = ctl.sample_mask(off, p.width, done)  # on the host while the forward runs
@@ -445,4 +475,4 @@ def generate(model, prompts, decoding, sampling, constraints, *, apply_chat_temp
 
 
 __all__ = ["generate", "Controller", "Edits", "Stats", "ll_tokenizer", "matcher", "grammar", "apply_edits",
-           "SUPPORTED"]
+           "catch_up", "SUPPORTED"]
