@@ -259,3 +259,22 @@ def test_choice_constraint():
     outs = jdllm.generate(shipped("tiny-ar"), PROMPTS, sampling=S16, constraint=C.choice(["yes", "no", "3"]))
     for out in outs:
         assert out.text in ("yes", "no", "3") and out.finish_reason == "stop" and out.constraint_ok
+
+
+def test_cli_constraint_flags(tmp_path):
+    import argparse
+
+    from jdllm.generate_cli import add_constraint_arguments, constraint_from_args
+
+    p = argparse.ArgumentParser()
+    add_constraint_arguments(p)
+    (tmp_path / "s.json").write_text(json.dumps(SCHEMA))
+    (tmp_path / "g.lark").write_text(LARK)
+    assert constraint_from_args(p.parse_args(["--regex", "a+"])) == C.regex("a+")
+    assert constraint_from_args(p.parse_args(["--json-schema", str(tmp_path / "s.json")])) == C.json_schema(SCHEMA)
+    assert constraint_from_args(p.parse_args(["--lark", str(tmp_path / "g.lark")])) == C.lark(LARK)
+    assert constraint_from_args(p.parse_args([])) is None
+    with pytest.raises(ConstraintError, match="cannot read"):
+        constraint_from_args(p.parse_args(["--lark", str(tmp_path / "missing.lark")]))
+    with pytest.raises(SystemExit):
+        p.parse_args(["--regex", "a", "--lark", "x"])
