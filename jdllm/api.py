@@ -221,7 +221,17 @@ def generate(model: Model, prompts, decoding=None, sampling: Sampling | list[Sam
     for block-causal ones. Runs prefill and every decoding step in one
     compiled call; a second call whose batch / prompt / generation lengths fall
     in the same buckets reuses the compile.
+
+    constraint: a `jdllm.constraints` constraint for every prompt, or a list with one
+    per prompt (None = free); constrained calls go to the constraint's backend.
     """
+    if constraint is not None:
+        from jdllm import constraints  # noqa: PLC0415
+
+        rows = constraints.per_row(constraint, len(tokenize(model, prompts, apply_chat_template)))
+        if any(c is not None for c in rows):
+            return constraints.backend_module(rows).generate(model, prompts, decoding, sampling, rows,
+                                                             apply_chat_template=apply_chat_template)
     prep = prepare(model, prompts, decoding, sampling, apply_chat_template=apply_chat_template)
     final = loop.decode(model.params, prep.state, paradigm=prep.paradigm, ctx=prep.ctx)
     return outputs(prep, final)

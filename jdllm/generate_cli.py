@@ -71,7 +71,39 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--stop-token-id", type=int, action="append", default=None,
                    help="stop token id (repeatable; default: the model's eos ids)")
     s.add_argument("--show-steps", action="store_true", help="show which step revealed each token")
+    add_constraint_arguments(p)
     add_paradigm_arguments(p)
+
+
+def add_constraint_arguments(p: argparse.ArgumentParser) -> None:
+    c = p.add_argument_group("constrained decoding (one for every prompt)")
+    x = c.add_mutually_exclusive_group()
+    x.add_argument("--regex", default=None, metavar="PATTERN", help="outputs that fully match PATTERN")
+    x.add_argument("--json-schema", default=None, metavar="FILE", help="outputs valid under the JSON schema in FILE")
+    x.add_argument("--lark", default=None, metavar="FILE", help="outputs in the language of the Lark grammar in FILE")
+    c.add_argument("--constraint-backend", default="llguidance", choices=("llguidance", "dfa"),
+                   help="constraint backend (default: llguidance)")
+
+
+def constraint_from_args(args):
+    """The `jdllm.constraints` constraint the options describe, or None."""
+    from jdllm import constraints, errors  # noqa: PLC0415
+
+    def read(flag: str, path: str) -> str:
+        try:
+            with open(path, encoding="utf-8") as f:
+                return f.read()
+        except OSError as e:
+            raise errors.ConstraintError(f"{flag} {path!r}: cannot read it ({e.strerror})") from None
+
+    backend = getattr(args, "constraint_backend", "llguidance")
+    if getattr(args, "regex", None) is not None:
+        return constraints.regex(args.regex, backend=backend)
+    if getattr(args, "json_schema", None) is not None:
+        return constraints.json_schema(read("--json-schema", args.json_schema), backend=backend)
+    if getattr(args, "lark", None) is not None:
+        return constraints.lark(read("--lark", args.lark), backend=backend)
+    return None
 
 
 def add_check_finite_argument(p: argparse.ArgumentParser) -> None:
@@ -194,8 +226,10 @@ def run(args) -> int:
     sampling = jdllm.Sampling(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
                               stop_token_ids=None if args.stop_token_id is None else tuple(args.stop_token_id),
                               **extra)
+    constraint = constraint_from_args(args)
     t0 = time.perf_counter()
-    outs = jdllm.generate(model, list(args.prompts), decoding, sampling, apply_chat_template=args.chat)
+    outs = jdllm.generate(model, list(args.prompts), decoding, sampling, apply_chat_template=args.chat,
+                          constraint=constraint)
     dt = time.perf_counter() - t0
     colour = sys.stdout.isatty()
     for i, out in enumerate(outs):
@@ -205,7 +239,8 @@ def run(args) -> int:
         if args.show_steps:
             print(format_steps(model.tokenizer, out, colour))
         print(f"[{len(out.token_ids)} tokens, {max(out.step_map, default=0)} steps, nfe {out.nfe}, "
-              f"finish {out.finish_reason}]", file=sys.stderr)
+              f"finish {out.finish_reason}"
+              + ("" if out.constraint_ok is None else f", constraint_ok {out.constraint_ok}") + "]", file=sys.stderr)
     total = sum(len(o.token_ids) for o in outs)
     print(f"[{cls.name}: {total} tokens in {dt:.2f}s incl. compile]", file=sys.stderr)
     return 0

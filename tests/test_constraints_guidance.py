@@ -1,0 +1,280 @@
+"""The llguidance backend: greedy constrained AR equals a plain-loop reference, sampled
+outputs of every supported paradigm pass independent checkers (re / json + a schema check /
+the lark parser), fast-forward saves forwards without changing tokens, draft masks equal
+masks computed one by one, bad constraints fail before anything compiles."""
+
+from __future__ import annotations
+
+import functools
+import json
+import re
+
+import jax
+import numpy as np
+import pytest
+
+import jdllm
+from jdllm import constraints as C
+from jdllm.config import ModelConfig
+from jdllm.constraints import guidance as G
+from jdllm.decode import loop
+from jdllm.errors import ConstraintError
+from jdllm.loading import Model
+from jdllm.model import init_params
+from tests.decode_fixtures import FAST_COMPILE, fast_compile  # noqa: F401
+
+lark = pytest.importorskip("lark")  # in the [test] extra: never skipped in CI
+
+
+@pytest.fixture(autouse=True)
+def _fast(monkeypatch):
+    monkeypatch.setattr(G, "COMPILER_OPTIONS", FAST_COMPILE)
+
+
+@functools.lru_cache(maxsize=None)
+def shipped(name: str) -> Model:
+    return jdllm.load(f"models/{name}", dtype="float32")
+
+
+@functools.lru_cache(maxsize=None)
+def random_model(kind: str, seed: int = 3) -> Model:
+    """Random peaked weights over the shipped character vocabulary (48 tokens, eos 1, mask 2)."""
+    extra = dict(attention="block_causal", block_size=4, mask_token_id=2) if kind == "block" else {}
+    cfg = ModelConfig(model_type="sdar" if kind == "block" else "qwen3", vocab_size=48, hidden_size=48,
+                      intermediate_size=96, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, qk_norm=True,
+                      max_position_embeddings=128, eos_token_ids=(1,), pad_token_id=0, **extra)
+    return Model(cfg, init_params(cfg, jax.random.key(seed), std=0.7), tokenizer=shipped("tiny-ar").tokenizer,
+                 attn_impl="xla")
+
+
+# --------------------------------------------------------------------------- independent checkers
+REGEX = r"[a-e]{2,4}( [0-9]+)?"
+SCHEMA = {"anyOf": [{"type": "integer", "minimum": -20, "maximum": 300}, {"type": "boolean"}, {"type": "null"}]}
+LARK = 'start: "(" expr ")"\nexpr: term ("+" term)*\nterm: NUMBER | "(" expr ")"\nNUMBER: /[0-9]{1,3}/\n'
+
+
+def schema_ok(text: str) -> bool:
+    try:
+        v = json.loads(text)
+    except json.JSONDecodeError:
+        return False
+    if v is None or isinstance(v, bool):
+        return True
+    return isinstance(v, int) and -20 <= v <= 300
+
+
+_parser = None
+
+
+def lark_ok(text: str) -> bool:
+    global _parser
+    _parser = _parser or lark.Lark(LARK, start="start", parser="earley")
+    try:
+        _parser.parse(text)
+        return True
+    except lark.exceptions.LarkError:
+        return False
+
+
+CHECKS = [(C.regex(REGEX), lambda t: re.fullmatch(REGEX, t) is not None),
+          (C.json_schema(SCHEMA), schema_ok), (C.lark(LARK), lark_ok)]
+
+
+# --------------------------------------------------------------------------- greedy AR vs a plain loop
+def reference_ar(model: Model, prompts: list[list[int]], cons: list, max_new: int, T: int = 48) -> list[list[int]]:
+    """Plain loop: full forward of every whole sequence (no cache, one fixed shape), a fresh llguidance
+    matcher's mask, argmax; a row stops at eos."""
+    import llguidance
+    import llguidance.numpy
+
+    V = model.config.vocab_size
+    ms = [llguidance.LLMatcher(G.ll_tokenizer(model), G.grammar(c), log_level=0) for c in cons]
+    ids, outs = [list(p) for p in prompts], [[] for _ in prompts]
+    for _ in range(max_new):
+        z = np.asarray(jdllm.logits(model, [r + [0] * (T - len(r)) for r in ids]))
+        for b, m in enumerate(ms):
+            if outs[b] and outs[b][-1] == 1:
+                continue
+            mask = np.zeros((1, (V + 31) // 32), np.int32)
+            llguidance.numpy.fill_next_token_bitmask(m, mask)
+            t = int(np.argmax(np.where(G._unpack(mask[0], V), z[b, len(ids[b]) - 1], -np.inf)))
+            assert m.consume_token(t)
+            outs[b].append(t)
+            ids[b].append(t)
+    return outs
+
+
+PROMPTS = ["add:12+34=", "rev:abcd=", "sort:3 1 2="]
+S16 = jdllm.Sampling(temperature=0.0, max_new_tokens=16)  # one shape bucket for every call on a model
+
+
+@pytest.mark.parametrize("name", ["tiny-ar", "random"])
+def test_greedy_constrained_ar_equals_plain_loop(name):
+    model = shipped("tiny-ar") if name == "tiny-ar" else random_model("causal")
+    cons = [C.lark(LARK), C.regex(REGEX), C.json_schema(SCHEMA)]
+    outs = jdllm.generate(model, PROMPTS, jdllm.AR(), S16, constraint=cons)
+    ids = [model.tokenizer.encode(p, add_special_tokens=False) for p in PROMPTS]
+    for o, ref in zip(outs, reference_ar(model, ids, cons, 16)):
+        assert o.token_ids == ref
+        assert o.constraint_ok == (o.finish_reason == "stop")
+
+
+# --------------------------------------------------------------------------- sampled: independent checkers
+@pytest.mark.parametrize("name, decoding", [
+    ("tiny-ar", jdllm.AR()),
+    ("random-causal", jdllm.AR()),
+    ("tiny-sdar", jdllm.BlockDiffusion(block_length=4, strategy="low_confidence_dynamic", confidence_threshold=0.6)),
+    ("random-block", jdllm.BlockDiffusion(block_length=4, strategy="low_confidence_static", denoising_steps=2)),
+])
+def test_sampled_outputs_pass_independent_checkers(name, decoding):
+    model = {"tiny-ar": lambda: shipped("tiny-ar"), "tiny-sdar": lambda: shipped("tiny-sdar"),
+             "random-causal": lambda: random_model("causal"), "random-block": lambda: random_model("block")}[name]()
+    n = 48  # 48 rows (16 per constraint kind, each its own seed) in batches of 4: 192 generations in all
+    prompts = ["add:7+8=", "rev:abc=", "sort:2 1="] * (n // 3)
+    rows = [CHECKS[i % 3] for i in range(n)]
+    samp = [jdllm.Sampling(temperature=1.0, max_new_tokens=16, seed=100 + i) for i in range(n)]
+    stats = G.Stats()
+    outs = []
+    for i in range(0, n, 4):
+        outs += G.generate(model, prompts[i:i + 4], decoding, samp[i:i + 4], [c for c, _ in rows[i:i + 4]],
+                           stats=stats)
+    finished = 0
+    for (c, check), o in zip(rows, outs):
+        assert o.finish_reason in ("stop", "length"), o
+        body = o.text
+        if o.finish_reason == "stop":
+            finished += 1
+            assert o.token_ids[-1] == 1 and check(body), (c.kind, body)
+            assert o.constraint_ok
+        else:
+            assert len(o.token_ids) == 16 and o.constraint_ok == check(body), (c.kind, body)
+        assert min(o.step_map) >= 1 and o.nfe >= 1
+    assert finished >= n // 4  # not vacuous: a good share of rows ended with eos
+    if decoding.name == "block_diffusion":
+        print(f"{name}: {stats.backtracked} re-masked provisional tokens")
+
+
+# --------------------------------------------------------------------------- fast-forward
+@pytest.mark.parametrize("name, decoding", [("tiny-ar", jdllm.AR()),
+                                            ("tiny-sdar", jdllm.BlockDiffusion(block_length=4))])
+def test_fast_forward_saves_forwards_same_tokens(name, decoding):
+    model = shipped(name)
+    c = C.lark('start: "name:" /[a-z]{2,4}/ ",age:" /[0-9]/')
+    fast = G.generate(model, PROMPTS, decoding, S16, [c] * 3)
+    slow = G.generate(model, PROMPTS, decoding, S16, [c] * 3, fast_forward=False)
+    for f, w in zip(fast, slow):
+        assert re.fullmatch("name:[a-z]{2,4},age:[0-9]", f.text) and f.finish_reason == "stop" and f.constraint_ok
+        if decoding.name == "ar":  # the same tokens, forced ones cost no forward of their own
+            assert f.token_ids == w.token_ids and w.finish_reason == "stop"
+            assert w.nfe == len(w.token_ids) and f.nfe < len(f.token_ids) - 8
+        else:  # diffusion: forced tokens also change what the model sees, so only the cost is compared
+            assert re.fullmatch("name:[a-z]{2,4},age:[0-9]", w.text) and f.nfe <= w.nfe
+    assert sum(f.nfe for f in fast) < sum(w.nfe for w in slow)
+
+
+# --------------------------------------------------------------------------- draft-token masks
+def test_draft_masks_equal_one_by_one():
+    model = shipped("tiny-ar")
+    lt = G.ll_tokenizer(model)
+    tok = model.tokenizer
+    cons = [C.lark(LARK), C.regex(REGEX), None]
+    drafts = [tok.encode("(12+(3)", add_special_tokens=False), tok.encode("abz 1", add_special_tokens=False), [5, 6]]
+    ctl = G.Controller(lt, [G.matcher(c, lt) if c else None for c in cons], 48, [0] * 3, [32] * 3, [[1]] * 3)
+    got = ctl.draft_masks(drafts)
+    assert got.shape == (3, 8, 2)
+    for b, (c, d) in enumerate(zip(cons, drafts)):
+        if c is None:
+            assert (got[b] == -1).all()
+            continue
+        m = G.matcher(c, lt)
+        for i in range(len(d) + 1):
+            one = np.zeros((1, 2), np.int32)
+            if not m.is_error():
+                import llguidance.numpy
+                llguidance.numpy.fill_next_token_bitmask(m, one)
+            ok = G._unpack(got[b, i], 48)
+            if m.is_error():  # the draft was cut before position i: nothing allowed
+                assert not ok.any()
+            else:
+                np.testing.assert_array_equal(ok, G._unpack(one[0], 48))
+            if i < len(d):
+                m.consume_token(d[i])
+    assert not ctl.m[1].is_error() and ctl.m[1].validate_tokens(drafts[1]) == 2  # matchers left untouched
+
+
+# --------------------------------------------------------------------------- endings and errors
+def test_length_exhausted_row_ends_length_not_ok():
+    model = shipped("tiny-ar")
+    s = jdllm.Sampling(temperature=1.0, max_new_tokens=5)
+    outs = jdllm.generate(model, PROMPTS, sampling=s, constraint=[C.regex("[a-z]{20}"), None, C.regex("[0-9]{2,}")])
+    assert outs[0].finish_reason == "length" and outs[0].constraint_ok is False
+    assert re.fullmatch("[a-z]{5}", outs[0].text)
+    assert outs[1].constraint_ok is None
+    assert outs[2].constraint_ok == (outs[2].finish_reason == "stop")
+
+
+def test_free_rows_equal_unconstrained_and_no_retrace(fast_compile):
+    model = shipped("tiny-ar")
+    free = jdllm.generate(model, PROMPTS, sampling=S16)
+    traces = sum(loop.TRACES.values())
+    mixed = jdllm.generate(model, PROMPTS, sampling=S16, constraint=[None, C.regex("[0-9]"), None])
+    for b in (0, 2):
+        assert (mixed[b].token_ids, mixed[b].step_map, mixed[b].nfe) == (free[b].token_ids, free[b].step_map,
+                                                                         free[b].nfe)
+    assert re.fullmatch("[0-9]", mixed[1].text) and mixed[1].finish_reason == "stop"
+    steps = loop.compiled_steps(FAST_COMPILE)
+    sizes = {k: f._cache_size() for k, f in steps.items()}
+    jdllm.generate(model, PROMPTS, sampling=S16, constraint=[C.regex("[a-c]+"), C.regex("[0-9]"), None])
+    assert {k: f._cache_size() for k, f in steps.items()} == sizes  # the same shapes do not retrace
+    assert sum(loop.TRACES.values()) == traces  # constrained calls never build the one-jit loop
+
+
+@pytest.mark.parametrize("make, match", [
+    (lambda: C.regex("(("), "not valid"),
+    (lambda: C.json_schema({"type": "integer", "minimum": 5, "maximum": 3}), "not valid"),
+    (lambda: C.lark("start: foo"), "not valid"),
+    (lambda: C.regex("[A-Z]+"), "empty language"),
+    (lambda: C.choice(["YES", "NO"]), "empty language"),
+])
+def test_bad_constraints_raise_before_compiling(make, match):
+    model = shipped("tiny-ar")
+    steps = loop.compiled_steps(FAST_COMPILE)
+    sizes = {k: f._cache_size() for k, f in steps.items()}
+    with pytest.raises(ConstraintError, match=match):
+        jdllm.generate(model, [[13, 14, 42]], sampling=S16, constraint=make())
+    assert {k: f._cache_size() for k, f in steps.items()} == sizes
+
+
+def test_no_tokenizer_and_unsupported_paradigm_raise():
+    m = random_model("causal")
+    bare = Model(m.config, m.params, tokenizer=None, attn_impl="xla")
+    with pytest.raises(ConstraintError, match="tokenizer"):
+        jdllm.generate(bare, [[13, 14]], sampling=jdllm.Sampling(max_new_tokens=4), constraint=C.regex("a+"))
+    with pytest.raises(ConstraintError, match="masked_diffusion"):
+        jdllm.generate(shipped("tiny-llada"), ["rev:ab="], jdllm.MaskedDiffusion(block_length=4, steps=4),
+                       jdllm.Sampling(max_new_tokens=8), constraint=C.regex("a+"))
+
+
+def test_choice_constraint():
+    outs = jdllm.generate(shipped("tiny-ar"), PROMPTS, sampling=S16, constraint=C.choice(["yes", "no", "3"]))
+    for out in outs:
+        assert out.text in ("yes", "no", "3") and out.finish_reason == "stop" and out.constraint_ok
+
+
+def test_cli_constraint_flags(tmp_path):
+    import argparse
+
+    from jdllm.generate_cli import add_constraint_arguments, constraint_from_args
+
+    p = argparse.ArgumentParser()
+    add_constraint_arguments(p)
+    (tmp_path / "s.json").write_text(json.dumps(SCHEMA))
+    (tmp_path / "g.lark").write_text(LARK)
+    assert constraint_from_args(p.parse_args(["--regex", "a+"])) == C.regex("a+")
+    assert constraint_from_args(p.parse_args(["--json-schema", str(tmp_path / "s.json")])) == C.json_schema(SCHEMA)
+    assert constraint_from_args(p.parse_args(["--lark", str(tmp_path / "g.lark")])) == C.lark(LARK)
+    assert constraint_from_args(p.parse_args([])) is None
+    with pytest.raises(ConstraintError, match="cannot read"):
+        constraint_from_args(p.parse_args(["--lark", str(tmp_path / "missing.lark")]))
+    with pytest.raises(SystemExit):
+        p.parse_args(["--regex", "a", "--lark", "x"])
