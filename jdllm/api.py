@@ -222,6 +222,13 @@ def generate(model: Model, prompts, decoding=None, sampling: Sampling | list[Sam
     compiled call; a second call whose batch / prompt / generation lengths fall
     in the same buckets reuses the compile.
     """
+    if constraint is not None:  # one Constraint | None per prompt; all None = the free path below
+        from jdllm import constraints  # noqa: PLC0415
+
+        rows = constraints.per_row(constraint, len(tokenize(model, prompts, apply_chat_template)))
+        if any(c is not None for c in rows):
+            return constraints.backend_module(rows).generate(model, prompts, decoding, sampling, rows,
+                                                             apply_chat_template=apply_chat_template)
     prep = prepare(model, prompts, decoding, sampling, apply_chat_template=apply_chat_template)
     final = loop.decode(model.params, prep.state, paradigm=prep.paradigm, ctx=prep.ctx)
     return outputs(prep, final)
