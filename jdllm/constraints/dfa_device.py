@@ -62,11 +62,12 @@ class DFATables:
 
 
 def stack(dfas: list, vocab: int, q_bucket: int | None = None, c_bucket: int | None = None) -> DFATables:
-    """One DFATables from per-row TokenDFAs (None: free row), padded to power-of-two Q and C."""
+    """One DFATables from per-row TokenDFAs (None: free row), padded to power-of-two Q and C (>= 8:
+    small regexes share one compile)."""
     from jdllm.decode.common import bucket  # noqa: PLC0415
 
-    Q = bucket(max([d.num_states for d in dfas if d is not None] + [2]), 2)
-    C = bucket(max([d.num_classes for d in dfas if d is not None] + [1]), 2)
+    Q = bucket(max([d.num_states for d in dfas if d is not None] + [2]), 8)
+    C = bucket(max([d.num_classes for d in dfas if d is not None] + [1]), 8)
     Q, C = max(Q, q_bucket or 0), max(C, c_bucket or 0)
     B = len(dfas)
     nxt = np.zeros((B, Q, C), np.int32)
