@@ -215,9 +215,15 @@ def _compile_cached(pattern: str, strings: tuple, stop_ids: tuple, mask_id) -> T
     for v, s in enumerate(strings):
         if s:
             syms[v, :len(s)] = [sym_of(ch) for ch in s]
-    state = np.broadcast_to(np.arange(NQ, dtype=np.int32)[:, None], (NQ, V)).copy()  # [Q, V]
+    lengths = np.array([len(s) if s else 0 for s in strings])
+    order = np.argsort(-lengths, kind="stable")  # longest first: step k walks only tokens longer than k
+    cur = np.broadcast_to(np.arange(NQ, dtype=np.int32)[:, None], (NQ, V)).copy()  # [Q, V] in `order`
+    syms_o = syms[order]
     for k in range(L):
-        state = char_T[state, syms[None, :, k]]
+        n = int(np.count_nonzero(lengths > k))
+        cur[:, :n] = char_T[cur[:, :n], syms_o[None, :n, k]]
+    state = np.empty_like(cur)
+    state[:, order] = cur
     finals = np.zeros(NQ, bool)
     for s in fsm.finals:
         finals[idx[s]] = True
