@@ -65,7 +65,7 @@ def _oracle(pattern, window):
 
 
 def _fake_state(windows, prompt=2):
-    """The DecodeState fields the DP reads, for rows whose generation is `windows` (None = masked)."""
+    """The DecodeState fields the DP reads (a dict), for rows whose generation is `windows` (None = masked)."""
     B, L = len(windows), len(windows[0])
     S = prompt + L
     tokens = np.full((B, S), MASK, np.int32)
@@ -75,8 +75,22 @@ def _fake_state(windows, prompt=2):
         for i, t in enumerate(w):
             if t is not None:
                 tokens[b, prompt + i], revealed[b, prompt + i] = t, True
-    return types.SimpleNamespace(tokens=jnp.asarray(tokens), revealed=jnp.asarray(revealed), slots=S,
-                                 gen_start=jnp.full((B,), prompt, jnp.int32), limit=jnp.full((B,), S, jnp.int32))
+    return dict(tokens=jnp.asarray(tokens), revealed=jnp.asarray(revealed),
+                gen_start=jnp.full((B,), prompt, jnp.int32), limit=jnp.full((B,), S, jnp.int32))
+
+
+def _ns(st):
+    return types.SimpleNamespace(**st, slots=st["tokens"].shape[1])
+
+
+@functools.partial(jax.jit, static_argnums=(3,))
+def _allowed(tab, st, offset, width):
+    return dfa_device.allowed_tokens(tab, _ns(st), offset, width)
+
+
+@jax.jit
+def _joint(tab, st, offset, sel, token, score):
+    return dfa_device.joint_select(tab, _ns(st), offset, sel, token, score)
 
 
 def _random_windows(rng, pattern, L, n):
@@ -98,7 +112,7 @@ def test_masks_equal_the_exhaustive_oracle(pattern):
     windows = _random_windows(rng, pat, L, 12) + [[None] * L]
     tab = dfa_device.stack([d] * len(windows), V)
     st = _fake_state(windows)
-    ok = np.asarray(dfa_device.allowed_tokens(tab, st, 2, L))  # [B, L, V]
+    ok = np.asarray(_allowed(tab, st, 2, L))  # [B, L, V]
     checked = 0
     for b, w in enumerate(windows):
         want = _oracle(pat, w)
@@ -127,7 +141,7 @@ def test_joint_reveal_is_greedy_in_confidence_order(pattern):
         rows.append((w, tok, sel, score))
     tab = dfa_device.stack([d] * len(rows), V)
     st = _fake_state([r[0] for r in rows])
-    keep = np.asarray(dfa_device.joint_select(
+    keep = np.asarray(_joint(
         tab, st, 2, jnp.asarray([r[2] for r in rows]), jnp.asarray([r[1] for r in rows], jnp.int32),
         jnp.asarray([r[3] for r in rows], jnp.float32)))
     inconsistent = 0
@@ -152,7 +166,7 @@ def test_budget_is_part_of_the_backward_pass():
     for L in (3, 4):
         tab = dfa_device.stack([d], V)
         st = _fake_state([[None] * L])
-        ok = np.asarray(dfa_device.allowed_tokens(tab, st, 2, L))[0]
+        ok = np.asarray(_allowed(tab, st, 2, L))[0]
         want = _oracle(r"1{3}", [None] * L)
         assert [set(np.flatnonzero(ok[i])) for i in range(L)] == [want[i] for i in range(L)]
     assert d.min_tokens == 3
@@ -279,3 +293,20 @@ def test_constrained_rollout_is_pure_under_jit_vmap():
                 text = model.tokenizer.decode(o.token_ids, skip_special_tokens=True)
                 assert o.finish_reason in ("stop", "length") and re.fullmatch(pattern, text), (pattern, text)
     assert len(traces) == 1
+
+
+def test_generate_refuses_before_compiling():
+    """Bad constraints raise ConstraintError naming the problem, before any decode compiles."""
+    from jdllm.decode import loop
+
+    model = jdllm.load("models/tiny-sdar", dtype="float32")
+    n = sum(loop.TRACES.values())
+    s = jdllm.Sampling(max_new_tokens=4)
+    rec = {"$defs": {"n": {"type": "object", "properties": {"c": {"$ref": "#/$defs/n"}}}}, "$ref": "#/$defs/n"}
+    with pytest.raises(ConstraintError, match="recursive.*llguidance"):
+        jdllm.generate(model, ["rev:ab="], sampling=s, constraint=constraints.json_schema(rec, backend="dfa"))
+    with pytest.raises(ConstraintError, match="shortest match takes 5 tokens but max_new_tokens=4"):
+        jdllm.generate(model, ["rev:ab="], sampling=s, constraint=constraints.regex(r"\d{5}", backend="dfa"))
+    with pytest.raises(ConstraintError, match="matches no string"):
+        jdllm.generate(model, ["rev:ab="], sampling=s, constraint=constraints.regex(r"[A-Z]+", backend="dfa"))
+    assert sum(loop.TRACES.values()) == n

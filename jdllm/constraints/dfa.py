@@ -48,6 +48,12 @@ def compile(model, constraint, stop_ids=None) -> TokenDFA:  # noqa: A001
                            stop_ids=tuple(stops), mask_id=model.config.mask_token_id)
 
 
+def _check_budget(row: int, d: TokenDFA, budget: int) -> None:
+    if d.min_tokens > budget:
+        raise ConstraintError(f"prompt {row}: the constraint's shortest match takes {d.min_tokens} tokens but "
+                              f"max_new_tokens={budget}; raise max_new_tokens")
+
+
 def tables(model, constraints, state, budgets=None) -> DFATables:
     """Device tables for a prepared state's rows (constraints: one per real prompt; batch padding free).
 
@@ -61,12 +67,10 @@ def tables(model, constraints, state, budgets=None) -> DFATables:
             rows.append(None)
             continue
         d = compile(model, c, [int(t) for t in stop_rows[b] if t >= 0])
-        if budgets is not None and d.min_tokens > budgets[b]:
-            raise ConstraintError(
-                f"prompt {b}: the constraint's shortest match takes {d.min_tokens} tokens but "
-                f"max_new_tokens={budgets[b]}; raise max_new_tokens")
+        if budgets is not None:
+            _check_budget(b, d, budgets[b])
         rows.append(d)
-    return stack(rows, model.config.vocab_size)
+    return stack(rows, model.config.vocab_size, slots=state.slots)
 
 
 def generate(model, prompts, decoding, sampling, constraints, *, apply_chat_template=False):
@@ -76,11 +80,15 @@ def generate(model, prompts, decoding, sampling, constraints, *, apply_chat_temp
     from jdllm import api  # noqa: PLC0415
     from jdllm.decode import loop  # noqa: PLC0415
 
-    prep = api.prepare(model, prompts, decoding, sampling, apply_chat_template=apply_chat_template)
-    n = len(prep.prompts)
-    settings = api.row_settings(sampling, n)
+    constraints = list(constraints)
+    settings = api.row_settings(sampling, len(constraints))
     budgets = [s.max_new_tokens for s in settings]
-    tab = tables(model, list(constraints), prep.state, budgets)
+    for b, (c, s) in enumerate(zip(constraints, settings)):  # errors before anything compiles
+        if c is not None:
+            stops = model.config.eos_token_ids if s.stop_token_ids is None else s.stop_token_ids
+            _check_budget(b, compile(model, c, stops), budgets[b])
+    prep = api.prepare(model, prompts, decoding, sampling, apply_chat_template=apply_chat_template)
+    tab = tables(model, constraints, prep.state, budgets)
     state = prep.state.replace(constraint=tab)
     final = loop.decode(model.params, state, paradigm=prep.paradigm, ctx=prep.ctx)
     outs = api.outputs(prep, final)

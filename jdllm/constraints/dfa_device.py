@@ -44,26 +44,36 @@ class DFATables:
     accepting: jax.Array  # [B, Q] bool
     start: jax.Array  # [B] int32
     any_step: jax.Array  # [B, Q, Q] float32: 1 where some class moves q -> q'
+    # the last mask's reachability sets [B, S+1, Q] (F, G of `reachable`), reused by the reveal that
+    # follows it in the same step (the canvas has not changed in between); None: recomputed
+    fwd: jax.Array | None = None
+    bwd: jax.Array | None = None
 
     @property
     def num_states(self) -> int:
         return self.next_state.shape[1]
 
     # ----------------------------------------------------------- hooks the decode loop calls
-    def mask_logits(self, state, logits: jax.Array, offset) -> jax.Array:
-        """logits [B, W, V] predicting slots [offset, offset + W): -inf where no completion remains."""
+    def mask_logits(self, state, logits: jax.Array, offset):
+        """(tables, logits [B, W, V] predicting slots [offset, offset + W) with -inf where no completion
+        remains). The returned tables keep this step's F / G for `joint`."""
         W = logits.shape[1]
-        ok = allowed_tokens(self, state, offset, W)
-        return jnp.where(ok, logits, -jnp.inf)
+        F, G = reachable(self, state)
+        ok = _allowed_tokens(self, state, F, G, offset, W)
+        tab = self if self.fwd is None else dataclasses.replace(self, fwd=F, bwd=G)
+        return tab, jnp.where(ok, logits, -jnp.inf)
 
     def joint(self, state, offset, sel: jax.Array, token: jax.Array, score: jax.Array) -> jax.Array:
         """sel [B, W] reduced so the step's reveals are jointly completable (confidence order)."""
-        return joint_select(self, state, offset, sel, token, score)
+        FG = None if self.fwd is None else (self.fwd, self.bwd)
+        return joint_select(self, state, offset, sel, token, score, FG)
 
 
-def stack(dfas: list, vocab: int, q_bucket: int | None = None, c_bucket: int | None = None) -> DFATables:
+def stack(dfas: list, vocab: int, q_bucket: int | None = None, c_bucket: int | None = None,
+          slots: int | None = None) -> DFATables:
     """One DFATables from per-row TokenDFAs (None: free row), padded to power-of-two Q and C (>= 8:
-    small regexes share one compile)."""
+    small regexes share one compile). slots: the canvas size, to keep each step's F / G for its
+    reveal (one DP per step instead of two)."""
     from jdllm.decode.common import bucket  # noqa: PLC0415
 
     Q = bucket(max([d.num_states for d in dfas if d is not None] + [2]), 8)
@@ -92,8 +102,9 @@ def stack(dfas: list, vocab: int, q_bucket: int | None = None, c_bucket: int | N
         used[np.unique(cls[b])] = True
         qs, cs = np.nonzero(np.broadcast_to(used, (Q, C)))
         anyq[b, qs, nxt[b, qs, cs]] = 1.0
+    fg = None if slots is None else jnp.zeros((B, slots + 1, Q), jnp.float32)
     return DFATables(next_state=jnp.asarray(nxt), token_class=jnp.asarray(cls), accepting=jnp.asarray(acc),
-                     start=jnp.asarray(start), any_step=jnp.asarray(anyq))
+                     start=jnp.asarray(start), any_step=jnp.asarray(anyq), fwd=fg, bwd=fg)
 
 
 # --------------------------------------------------------------------------- the dynamic program
@@ -154,9 +165,9 @@ def _rows_window(x: jax.Array, offset, width: int) -> jax.Array:
     return window(x, offset, width)
 
 
-def allowed_classes(tab: DFATables, state, offset, width: int) -> jax.Array:
+def allowed_classes(tab: DFATables, state, offset, width: int, FG=None) -> jax.Array:
     """[B, W, C] bool: classes a masked slot of the window may take (True elsewhere)."""
-    F, G = reachable(tab, state)
+    F, G = reachable(tab, state) if FG is None else FG
     f = _rows_window(F[:, :-1], offset, width)  # [B, W, Q] before each slot
     g = _rows_window(G[:, 1:], offset, width)  # [B, W, Q] after each slot
     g_next = jax.vmap(lambda gb, nb: gb[:, nb])(g, tab.next_state)  # [B, W, Q, C]
@@ -165,20 +176,25 @@ def allowed_classes(tab: DFATables, state, offset, width: int) -> jax.Array:
     return ok | ~masked[..., None]
 
 
-def allowed_tokens(tab: DFATables, state, offset, width: int) -> jax.Array:
-    """[B, W, V] bool: tokens a masked slot of the window may take (True elsewhere)."""
-    okc = allowed_classes(tab, state, offset, width)
+def _allowed_tokens(tab: DFATables, state, F, G, offset, width: int) -> jax.Array:
+    okc = allowed_classes(tab, state, offset, width, (F, G))
     return jax.vmap(lambda o, tc: o[:, tc])(okc, tab.token_class)
 
 
-def joint_select(tab: DFATables, state, offset, sel: jax.Array, token: jax.Array, score: jax.Array) -> jax.Array:
+def allowed_tokens(tab: DFATables, state, offset, width: int) -> jax.Array:
+    """[B, W, V] bool: tokens a masked slot of the window may take (True elsewhere)."""
+    return _allowed_tokens(tab, state, *reachable(tab, state), offset, width)
+
+
+def joint_select(tab: DFATables, state, offset, sel: jax.Array, token: jax.Array, score: jax.Array,
+                 FG=None) -> jax.Array:
     """Keep the selected reveals [B, W] (tokens [B, W]) in descending `score` order while the window
     still completes with them; the best one is always individually allowed, so a row with a selection
     keeps at least one."""
     from jdllm.decode.common import rank  # noqa: PLC0415
 
     W = sel.shape[1]
-    F, G = reachable(tab, state)
+    F, G = reachable(tab, state) if FG is None else FG
     f_in = _rows_window(F, offset, 1)[:, 0]  # [B, Q] before the window
     g_out = _rows_window(G, jnp.asarray(offset) + W, 1)[:, 0]  # [B, Q] after it (offset + W <= S)
     kind0 = _rows_window(_slot_kinds(state), offset, W)  # [B, W]

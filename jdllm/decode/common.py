@@ -273,7 +273,7 @@ def sample_window(ctx: DecodeCtx, state: DecodeState, logits: jax.Array, offset,
     z = exclude_token(logits, ctx.model.mask_token_id)
     if bitmask is not None:
         z = apply_token_bitmask(z, bitmask)
-    z = constrain_logits(state, z, offset)
+    state, z = constrain_logits(state, z, offset)
     keys, step_keys = split_rows(state.key)
     rows = ~state.done if rows is None else rows
     keep = jax.random.key_data(state.key)
@@ -286,12 +286,13 @@ def sample_window(ctx: DecodeCtx, state: DecodeState, logits: jax.Array, offset,
     return state.replace(key=keys), s
 
 
-def constrain_logits(state: DecodeState, logits: jax.Array, offset) -> jax.Array:
-    """logits [B, W, V] predicting slots [offset, offset + W) with the tokens an on-device constraint
-    (`state.constraint`) rules out set to -inf; unchanged (nothing traced) without one."""
+def constrain_logits(state: DecodeState, logits: jax.Array, offset) -> tuple[DecodeState, jax.Array]:
+    """(state, logits [B, W, V] predicting slots [offset, offset + W) with the tokens an on-device
+    constraint (`state.constraint`) rules out set to -inf); unchanged (nothing traced) without one."""
     if state.constraint is None:
-        return logits
-    return state.constraint.mask_logits(state, logits, offset)
+        return state, logits
+    tab, logits = state.constraint.mask_logits(state, logits, offset)
+    return state.replace(constraint=tab), logits
 
 
 def candidates(state: DecodeState, offset, width: int) -> jax.Array:
