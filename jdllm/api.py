@@ -225,7 +225,7 @@ def generate(model: Model, prompts, decoding=None, sampling: Sampling | list[Sam
     constraint: a `jdllm.constraints` constraint for every prompt, or a list with one
     per prompt (None = free); constrained calls go to the constraint's backend.
     """
-    if constraint is not None:
+    if constraint is not None:  # one Constraint | None per prompt; all None = the free path below
         from jdllm import constraints  # noqa: PLC0415
 
         rows = constraints.per_row(constraint, len(tokenize(model, prompts, apply_chat_template)))

@@ -57,6 +57,9 @@ class DecodeState:
     forwards: jax.Array  # [] int32: forwards the batch ran
     iteration: jax.Array  # [] int32: loop iterations run (a termination guard)
     extra: dict[str, Any] = dataclasses.field(default_factory=dict)  # paradigm-owned arrays
+    # on-device constraint tables (jdllm.constraints.dfa_device.DFATables) or None (unconstrained:
+    # nothing extra is traced); sample_window masks with it and reveal keeps reveals jointly valid
+    constraint: Any = None
 
     @property
     def batch(self) -> int:

@@ -273,6 +273,7 @@ def sample_window(ctx: DecodeCtx, state: DecodeState, logits: jax.Array, offset,
     z = exclude_token(logits, ctx.model.mask_token_id)
     if bitmask is not None:
         z = apply_token_bitmask(z, bitmask)
+    state, z = constrain_logits(state, z, offset)
     keys, step_keys = split_rows(state.key)
     rows = ~state.done if rows is None else rows
     keep = jax.random.key_data(state.key)
@@ -283,6 +284,15 @@ def sample_window(ctx: DecodeCtx, state: DecodeState, logits: jax.Array, offset,
     sp = state.sampling
     s = sample_rows(z, step_keys, temperature=sp.temperature, top_k=sp.top_k, top_p=sp.top_p, slots=pos)
     return state.replace(key=keys), s
+
+
+def constrain_logits(state: DecodeState, logits: jax.Array, offset) -> tuple[DecodeState, jax.Array]:
+    """(state, logits [B, W, V] predicting slots [offset, offset + W) with the tokens an on-device
+    constraint (`state.constraint`) rules out set to -inf); unchanged (nothing traced) without one."""
+    if state.constraint is None:
+        return state, logits
+    tab, logits = state.constraint.mask_logits(state, logits, offset)
+    return state.replace(constraint=tab), logits
 
 
 def candidates(state: DecodeState, offset, width: int) -> jax.Array:
@@ -347,8 +357,11 @@ def reveal(state: DecodeState, offset, sel: jax.Array, s: Sample) -> DecodeState
     step number into step_map; their log-probs are stored at reveal time. A
     row that selected a slot where no token could be drawn (log-prob -inf: a
     constraint allowed nothing, or the logits were not finite) reveals nothing
-    and gets finish code INVALID, which the next `finish_rows` closes.
+    and gets finish code INVALID, which the next `finish_rows` closes. With an on-device
+    constraint (`state.constraint`) the selection is first cut to reveals that complete together.
     """
+    if state.constraint is not None:  # tokens revealed together must complete together
+        sel = state.constraint.joint(state, offset, sel, s.token, s.prob)
     invalid = jnp.any(sel & ~(s.logprob > -jnp.inf), axis=-1)  # [B]
     sel = sel & ~invalid[:, None]
     any_new = jnp.any(sel, axis=-1)  # [B]
@@ -416,7 +429,7 @@ def abort_running(state: DecodeState) -> DecodeState:
 
 
 __all__ = ["DecodeCtx", "Layout", "Plan", "make_plan", "bucket", "new_state", "with_buffers", "window",
-           "set_window", "forward_window", "count_forward", "sample_window", "candidates", "rank",
+           "set_window", "forward_window", "count_forward", "sample_window", "constrain_logits", "candidates", "rank",
            "select_top_k", "select_first_k", "select_threshold", "select_entropy_bounded", "reveal",
            "is_stop_token", "stop_end", "close_rows", "finish_rows", "abort_running", "RUNNING", "STOP",
            "LENGTH", "ABORT", "INVALID"]

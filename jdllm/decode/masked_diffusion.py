@@ -353,6 +353,7 @@ class MaskedDiffusion:
         uniform = jax.vmap(lambda k: jax.random.uniform(jax.random.fold_in(k, 1), (Bl,)))(sub)  # [B, Bl]
         if bitmask is not None:  # [B, Bl, ceil(V/32)] over the block
             logits = apply_token_bitmask(logits, bitmask)
+        state, logits = common.constrain_logits(state, logits, b0)
 
         s, conf1, zt = self._sample(state, ctx, logits, exp_noise)
         last = i >= spb - 1
