@@ -210,3 +210,29 @@ def test_second_call_does_not_retrace_even_with_another_draft_of_the_same_shape(
     again, other = run(draft_for(m)), run(draft_for(m, seed=8))
     assert (sum(loop.TRACES.values()), loop.decode._cache_size()) == before
     assert [o.token_ids for o in first] == [o.token_ids for o in again] == [o.token_ids for o in other]
+
+
+# --------------------------------------------------------------------------- command line, shipped draft
+def test_cli_generate_and_bench_with_the_shipped_draft(tmp_path, capsys):
+    import json
+    import os
+
+    from jdllm import cli
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    target_dir, draft_dir = os.path.join(root, "models", "tiny-ar"), os.path.join(root, "models", "tiny-ar-draft")
+    prompts = ["rev:abcde="]  # batch 1, 6 new tokens: the same AR compile as the bench below
+    ar = jdllm.generate(jdllm.load(target_dir), prompts, jdllm.AR(), jdllm.Sampling(max_new_tokens=6))
+    args = ["generate", target_dir, "--prompt", prompts[0], "--max-new-tokens", "6", "--paradigm", "ar_spec"]
+    assert cli.main(args + ["--draft", draft_dir, "--num-draft-tokens", "4"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert [line for line in out if not line.startswith("===")] == [o.text for o in ar]
+    assert cli.main(args + ["--proposer", "prompt_lookup", "--min-ngram", "3", "--max-ngram", "2"]) == 2
+    assert "min_ngram=3" in capsys.readouterr().err
+
+    report = str(tmp_path / "bench.json")
+    rc = cli.main(["bench", target_dir, "--batch", "1", "--prompt-len", "6", "--max-new-tokens", "6",
+                   "--repeats", "1", "--paradigm", "ar_spec", "--proposer", "prompt_lookup", "--json", report])
+    assert rc == 0 and "acceptance" in capsys.readouterr().out
+    (row,) = json.load(open(report))["rows"]
+    assert row["same_tokens_as_ar"] and 0 <= row["acceptance_rate"] <= 1 and row["ar_tokens_per_s"] > 0
