@@ -32,7 +32,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     target = jdllm.load(os.path.join(args.models_dir, "tiny-ar"), dtype="float32")
     draft = jdllm.load(os.path.join(args.models_dir, "tiny-ar-draft"), dtype="float32")
-    prompts = ["rev:speculate=", "sort:9 3 7 1 5=", "add:47+38="]
+    prompts = ["rev:drafts=", "sort:9 3 7 1 5=", "add:47+38="]
     greedy = jdllm.Sampling(max_new_tokens=12)
 
     ar = jdllm.generate(target, prompts, jdllm.AR(), greedy)
