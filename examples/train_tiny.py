@@ -1,11 +1,12 @@
 """Train the three tiny models jdllm ships (models/tiny-ar, tiny-sdar, tiny-llada) on the CPU.
 
 Same size (~0.6M parameters), same data (jdllm.tasks: sort / add / rev),
-three families and objectives:
+three families and objectives, plus a small draft for speculative decoding:
 
     ar     Qwen3 layout, causal           next-token cross-entropy
     sdar   SDAR layout, block-causal (4)  BD3-LM block-diffusion loss
     llada  LLaDA layout, bidirectional    LLaDA masked-diffusion loss
+    ar-draft  Qwen3 layout, causal, 1 layer, hidden 64: tiny-ar's draft (jdllm.Speculative)
 
 Each is saved as a Hugging Face directory (config.json in the family's own
 keys, model.safetensors with its published weight names, tokenizer.json) and
@@ -42,13 +43,15 @@ from jdllm import objectives, tasks  # noqa: E402
 from jdllm.config import ModelConfig  # noqa: E402
 from jdllm.model import default_positions, forward, init_params  # noqa: E402
 
-NAMES = {"ar": "tiny-ar", "sdar": "tiny-sdar", "llada": "tiny-llada"}
+NAMES = {"ar": "tiny-ar", "sdar": "tiny-sdar", "llada": "tiny-llada", "ar-draft": "tiny-ar-draft"}
 # The shipped models' recipes. The diffusion models start from the trained AR model (as SDAR and Dream
 # adapt Qwen checkpoints): from scratch, a LLaDA model reached ~2% exact match in the same CPU budget.
 RECIPES = {
     "ar": dict(steps=1500, lr=3e-3, init_from=None),
     "sdar": dict(steps=600, lr=1e-3, init_from="ar"),
     "llada": dict(steps=700, lr=1.5e-3, init_from="ar"),
+    # the speculative-decoding draft for tiny-ar (jdllm.Speculative): 1 layer, hidden 64, same tokenizer
+    "ar-draft": dict(steps=1500, lr=3e-3, init_from=None),
 }
 SEQ_LEN = 32  # training row length: left padding | prompt | answer | EOS fill
 LONG_SEQ_LEN = 64  # ... when a long-answer task is in the mix
@@ -65,13 +68,15 @@ def model_config(kind: str, hidden: int = 128, layers: int = 4, heads: int = 4, 
                   pad_token_id=tasks.PAD_ID)
     if kind == "ar":
         return ModelConfig(model_type="qwen3", num_kv_heads=kv_heads, qk_norm=True, **common)
+    if kind == "ar-draft":  # a quarter of the layers, half the width: drafting costs a fraction of tiny-ar
+        return model_config("ar", hidden=hidden // 2, layers=1, intermediate=intermediate // 2)
     if kind == "sdar":
         return ModelConfig(model_type="sdar", num_kv_heads=kv_heads, qk_norm=True, attention="block_causal",
                            block_size=block_size, mask_token_id=tasks.MASK_ID, **common)
     if kind == "llada":
         return ModelConfig(model_type="llada", num_kv_heads=kv_heads, attention="bidirectional",
                            mask_token_id=tasks.MASK_ID, rms_norm_eps=1e-5, weight_layout="llada", **common)
-    raise SystemExit(f"--model {kind!r}: choose ar, sdar, llada or all")
+    raise SystemExit(f"--model {kind!r}: choose ar, sdar, llada, ar-draft or all")
 
 
 # --------------------------------------------------------------------------- data
@@ -198,7 +203,7 @@ def train(kind: str, steps: int, batch: int, lr: float, seed: int, out: str, n_t
     opt = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(sched, b2=0.98, weight_decay=0.01))
     opt_state = opt.init(params)
     loss_fn = objectives.loss_for(cfg)
-    if kind != "ar":  # stratified noise levels: the 1/t-weighted loss has far lower variance
+    if not kind.startswith("ar"):  # stratified noise levels: the 1/t-weighted loss has far lower variance
         loss_fn = functools.wraps(loss_fn)(functools.partial(loss_fn, low_discrepancy=True))
 
     @jax.jit
@@ -271,7 +276,7 @@ def plot_losses(losses, path: str, title: str) -> None:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="all", choices=["ar", "sdar", "llada", "all"])
+    ap.add_argument("--model", default="all", choices=["ar", "sdar", "llada", "ar-draft", "all"])
     ap.add_argument("--steps", type=int, default=None, help="default: the shipped recipe (RECIPES)")
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--lr", type=float, default=None, help="default: the shipped recipe (RECIPES)")
@@ -293,7 +298,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.smoke:
         args.batch, args.train_size, args.eval = 8, 200, 0
-    kinds = ["ar", "sdar", "llada"] if args.model == "all" else [args.model]
+    kinds = ["ar", "sdar", "llada", "ar-draft"] if args.model == "all" else [args.model]
     for kind in kinds:
         recipe = RECIPES[kind]
         init = args.init_from

@@ -143,9 +143,11 @@ def prepare(model: Model, prompts, decoding=None, sampling: Sampling | list[Samp
             f"decoding={decoding.__name__} is a class; pass an instance such as {decoding.__name__}()")
     if not hasattr(decoding, "layout") or not hasattr(decoding, "plan"):
         raise errors.DecodingConfigError(
-            f"decoding={decoding!r} is not a paradigm config; use one of jdllm.AR, jdllm.BlockDiffusion, "
+            f"decoding={decoding!r} is not a paradigm config; use one of jdllm.AR, jdllm.Speculative, jdllm.BlockDiffusion, "
             "jdllm.MultiBlock, jdllm.MaskedDiffusion")
     inputs.validate_paradigm(decoding, cfg)
+    if hasattr(decoding, "validate_model"):  # checks that need the whole model (e.g. a draft's tokenizer)
+        decoding.validate_model(model)
     ids = tokenize(model, prompts, apply_chat_template)
     per_row = isinstance(sampling, (list, tuple))
     settings = inputs.check_prompts(ids, cfg, row_settings(sampling, len(ids)))
@@ -184,7 +186,9 @@ def outputs(prep: Prepared, state: DecodeState) -> list[Output]:
     host = jax.device_get({k: getattr(state, k) for k in
                            ("tokens", "step_map", "logprobs", "gen_start", "end", "nfe", "finish")})
     trace_fn = getattr(prep.paradigm, "output_trace", None)
-    extra = jax.device_get(state.extra) if trace_fn is not None else None
+    keys = getattr(prep.paradigm, "trace_keys", None)  # fetch only what the trace reads
+    extra = None if trace_fn is None else jax.device_get(
+        state.extra if keys is None else {k: state.extra[k] for k in keys})
     outs = []
     for b, prompt in enumerate(prep.prompts):
         g0, e = int(host["gen_start"][b]), max(int(host["end"][b]), int(host["gen_start"][b]))
@@ -233,8 +237,15 @@ def generate(model: Model, prompts, decoding=None, sampling: Sampling | list[Sam
             return constraints.backend_module(rows).generate(model, prompts, decoding, sampling, rows,
                                                              apply_chat_template=apply_chat_template)
     prep = prepare(model, prompts, decoding, sampling, apply_chat_template=apply_chat_template)
-    final = loop.decode(model.params, prep.state, paradigm=prep.paradigm, ctx=prep.ctx)
+    final = loop.decode(params_for(model, prep.paradigm), prep.state, paradigm=prep.paradigm, ctx=prep.ctx)
     return outputs(prep, final)
 
 
-__all__ = ["generate", "Output", "prepare", "decode", "outputs", "Prepared"]
+def params_for(model: Model, decoding):
+    """The parameters `loop.decode` takes for this paradigm: the model's, plus what the paradigm
+    binds to them (ar_spec's draft model: `decoding.bind_params`)."""
+    bind = getattr(decoding, "bind_params", None)
+    return model.params if bind is None else bind(model.params)
+
+
+__all__ = ["generate", "Output", "prepare", "decode", "outputs", "Prepared", "params_for"]

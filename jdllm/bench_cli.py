@@ -3,7 +3,9 @@
 Random prompts (token ids drawn below the model's special ids), stop tokens
 off so every row generates --max-new-tokens; per batch size one compile call,
 then --repeats timed calls (best kept). Prints tokens/s, NFE and tokens per
-forward (TPF); --json writes the rows. The paradigm options are those of
+forward (TPF); --json writes the rows. For `--paradigm ar_spec` it also times plain AR on
+the same target and prompts and prints the draft acceptance rate, the speedup and whether the
+tokens are the same as AR's (they must be under greedy decoding). The paradigm options are those of
 `jdllm generate`. (benchmarks/decode.py is the fuller comparison with
 transformers.)
 """
@@ -78,24 +80,43 @@ def run(args) -> int:
     high = min(specials) if specials and min(specials) > 1 else cfg.vocab_size
     rng = np.random.default_rng(args.seed)
     rows = []
+    spec = type(decoding).name == "ar_spec"  # speculative: also plain AR on the same target and prompts
     print(f"{type(decoding).name}: {decoding}", file=sys.stderr)
-    print("| batch | tokens/s | NFE / row | TPF | first call (s) |\n|---:|---:|---:|---:|---:|")
-    for batch in args.batch:
-        prompts = rng.integers(0, high, size=(batch, args.prompt_len)).tolist()
+    head = "| batch | tokens/s | NFE / row | TPF | first call (s) |"
+    if spec:
+        head += " acceptance | AR tokens/s | speedup | same tokens as AR |"
+    print(head + "\n|" + "---:|" * head.count(" |"))
+
+    def timed(dec, prompts):
         t0 = time.perf_counter()
-        jdllm.generate(model, prompts, decoding, sampling)
-        first = time.perf_counter() - t0
-        best = float("inf")
+        jdllm.generate(model, prompts, dec, sampling)
+        first, best = time.perf_counter() - t0, float("inf")
         for _ in range(args.repeats):
             t0 = time.perf_counter()
-            outs = jdllm.generate(model, prompts, decoding, sampling)
+            outs = jdllm.generate(model, prompts, dec, sampling)
             best = min(best, time.perf_counter() - t0)
+        return outs, best, first
+
+    for batch in args.batch:
+        prompts = rng.integers(0, high, size=(batch, args.prompt_len)).tolist()
+        outs, best, first = timed(decoding, prompts)
         toks = sum(len(o.token_ids) for o in outs)
         nfe = float(np.mean([o.nfe for o in outs]))
         tpf = float(np.mean([len(o.token_ids) / o.nfe for o in outs]))
-        rows.append(dict(batch=batch, tokens=toks, seconds=best, tokens_per_s=toks / best, nfe=nfe, tpf=tpf,
-                         first_call_s=first))
-        print(f"| {batch} | {toks / best:.1f} | {nfe:.1f} | {tpf:.2f} | {first:.1f} |", flush=True)
+        row = dict(batch=batch, tokens=toks, seconds=best, tokens_per_s=toks / best, nfe=nfe, tpf=tpf,
+                   first_call_s=first)
+        line = f"| {batch} | {toks / best:.1f} | {nfe:.1f} | {tpf:.2f} | {first:.1f} |"
+        if spec:
+            ar_outs, ar_best, _ = timed(jdllm.AR(), prompts)
+            proposed = sum(o.trace["drafts_proposed"] for o in outs)
+            rate = sum(o.trace["drafts_accepted"] for o in outs) / max(proposed, 1)
+            same = [o.token_ids for o in outs] == [o.token_ids for o in ar_outs]
+            ar_tps = sum(len(o.token_ids) for o in ar_outs) / ar_best
+            row.update(acceptance_rate=rate, ar_tokens_per_s=ar_tps, speedup=toks / best / ar_tps,
+                       same_tokens_as_ar=same)
+            line += f" {rate:.2f} | {ar_tps:.1f} | {toks / best / ar_tps:.2f}x | {'yes' if same else 'no'} |"
+        rows.append(row)
+        print(line, flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(model=args.model, paradigm=type(decoding).name, decoding=repr(decoding),

@@ -270,20 +270,31 @@ def sample_window(ctx: DecodeCtx, state: DecodeState, logits: jax.Array, offset,
     advances only where `rows` [B] (default: running rows) is True, so a row's
     samples do not depend on what the rest of the batch is doing.
     """
-    z = exclude_token(logits, ctx.model.mask_token_id)
-    if bitmask is not None:
-        z = apply_token_bitmask(z, bitmask)
+    z = allowed_logits(ctx, logits, bitmask)
     state, z = constrain_logits(state, z, offset)
+    state, step_keys = advance_keys(state, rows)
+    W = z.shape[1]
+    pos = rows_of(state, offset)[:, None] + jnp.arange(W, dtype=jnp.int32) - state.start[:, None]
+    sp = state.sampling
+    s = sample_rows(z, step_keys, temperature=sp.temperature, top_k=sp.top_k, top_p=sp.top_p, slots=pos)
+    return state, s
+
+
+def allowed_logits(ctx: DecodeCtx, logits: jax.Array, bitmask: jax.Array | None = None) -> jax.Array:
+    """Logits [B, W, V] with the mask token and (optional packed bitmask) disallowed tokens at -inf."""
+    z = exclude_token(logits, ctx.model.mask_token_id)
+    return z if bitmask is None else apply_token_bitmask(z, bitmask)
+
+
+def advance_keys(state: DecodeState, rows: jax.Array | None = None) -> tuple[DecodeState, jax.Array]:
+    """Split the PRNG stream of rows [B] (default: running rows): (state with their next keys,
+    step keys [B] to draw this step's randomness from). Other rows keep their key."""
     keys, step_keys = split_rows(state.key)
     rows = ~state.done if rows is None else rows
     keep = jax.random.key_data(state.key)
     keys = jax.random.wrap_key_data(
         jnp.where(rows[:, None], jax.random.key_data(keys), keep), impl=jax.random.key_impl(state.key))
-    W = z.shape[1]
-    pos = rows_of(state, offset)[:, None] + jnp.arange(W, dtype=jnp.int32) - state.start[:, None]
-    sp = state.sampling
-    s = sample_rows(z, step_keys, temperature=sp.temperature, top_k=sp.top_k, top_p=sp.top_p, slots=pos)
-    return state.replace(key=keys), s
+    return state.replace(key=keys), step_keys
 
 
 def constrain_logits(state: DecodeState, logits: jax.Array, offset) -> tuple[DecodeState, jax.Array]:
@@ -429,7 +440,8 @@ def abort_running(state: DecodeState) -> DecodeState:
 
 
 __all__ = ["DecodeCtx", "Layout", "Plan", "make_plan", "bucket", "new_state", "with_buffers", "window",
-           "set_window", "forward_window", "count_forward", "sample_window", "constrain_logits", "candidates", "rank",
+           "set_window", "forward_window", "count_forward", "sample_window", "allowed_logits", "advance_keys",
+           "constrain_logits", "candidates", "rank",
            "select_top_k", "select_first_k", "select_threshold", "select_entropy_bounded", "reveal",
            "is_stop_token", "stop_end", "close_rows", "finish_rows", "abort_running", "RUNNING", "STOP",
            "LENGTH", "ABORT", "INVALID"]

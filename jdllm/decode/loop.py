@@ -147,6 +147,7 @@ PARADIGMS = {
     "block_diffusion": "jdllm.decode.block_diffusion:BlockDiffusion",
     "multi_block": "jdllm.decode.multi_block:MultiBlock",
     "masked_diffusion": "jdllm.decode.masked_diffusion:MaskedDiffusion",
+    "ar_spec": "jdllm.decode.ar_spec:Speculative",
 }
 
 # traces of `run` per paradigm name: a test checks a second call does not retrace
