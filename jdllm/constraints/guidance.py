@@ -438,7 +438,7 @@ def generate(model, prompts, decoding, sampling, constraints, *, apply_chat_temp
                      fast_forward=fast_forward, block=getattr(prep.paradigm, "block_length", None))
     if stats is not None:
         ctl.stats = stats
-    fill = cfg.mask_token_id if cfg.mask_token_id is not None else (cfg.pad_token_id or 0)
+    fill = common.fill_token(cfg)
     steps = loop.compiled_steps(COMPILER_OPTIONS)
     kw = dict(paradigm=prep.paradigm, ctx=prep.ctx)
     t_start = time.perf_counter()

@@ -302,9 +302,7 @@ class Speculative:
         # roll the caches back to the accepted prefix; unaccepted draft slots hold the fill again
         grew = running & (n_sel > 0)
         length = jnp.where(grew, c + n_sel - 1, state.cache.length)
-        fill = ctx.model.mask_token_id if ctx.model.mask_token_id is not None else (ctx.model.pad_token_id or 0)
-        tokens = common.set_window(state.tokens, c, jnp.where(
-            common.window(state.revealed, c, W), common.window(state.tokens, c, W), fill))
+        tokens = _write_unrevealed(state, c, jnp.full_like(emit, common.fill_token(ctx.model)))
         extra = dict(state.extra,
                      proposed=state.extra["proposed"] + jnp.sum(plan.valid[:, :k] & (j[None] < n_draft[:, None]),
                                                                 axis=-1).astype(jnp.int32),

@@ -114,6 +114,11 @@ def require_diffusion_model(paradigm: str, cfg: ModelConfig, attention: tuple[st
 
 
 # --------------------------------------------------------------------------- state construction
+def fill_token(cfg) -> int:
+    """What an unrevealed canvas slot holds: the mask token, else the pad token (else 0)."""
+    return cfg.mask_token_id if cfg.mask_token_id is not None else (cfg.pad_token_id or 0)
+
+
 def new_state(cfg: ModelConfig, prompts: list[np.ndarray], layout: Layout, max_new_tokens, *,
               settings=None, stop_ids=(), seed=0, stream=None, active: np.ndarray | None = None) -> DecodeState:
     """Initial state: prompts placed at [start, start + len), generation slots hold the mask token.
@@ -129,8 +134,7 @@ def new_state(cfg: ModelConfig, prompts: list[np.ndarray], layout: Layout, max_n
     from jdllm.sampling import Sampling  # noqa: PLC0415
 
     B, S = len(prompts), layout.slots
-    fill = cfg.mask_token_id if cfg.mask_token_id is not None else (cfg.pad_token_id or 0)
-    tokens = np.full((B, S), fill, np.int32)
+    tokens = np.full((B, S), fill_token(cfg), np.int32)
     revealed = np.zeros((B, S), bool)
     for b, p in enumerate(prompts):
         s0 = int(layout.start[b])
@@ -439,7 +443,7 @@ def abort_running(state: DecodeState) -> DecodeState:
     return close_rows(state, ~state.done, ABORT)
 
 
-__all__ = ["DecodeCtx", "Layout", "Plan", "make_plan", "bucket", "new_state", "with_buffers", "window",
+__all__ = ["DecodeCtx", "Layout", "Plan", "make_plan", "bucket", "fill_token", "new_state", "with_buffers", "window",
            "set_window", "forward_window", "count_forward", "sample_window", "allowed_logits", "advance_keys",
            "constrain_logits", "candidates", "rank",
            "select_top_k", "select_first_k", "select_threshold", "select_entropy_bounded", "reveal",
