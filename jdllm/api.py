@@ -181,6 +181,18 @@ def prepare(model: Model, prompts, decoding=None, sampling: Sampling | list[Samp
     return Prepared(state=state, paradigm=decoding, ctx=ctx, prompts=ids, tokenizer=model.tokenizer)
 
 
+def row_output(host: dict, b: int, prompt_ids, tokenizer=None, trace: dict | None = None) -> Output:
+    """Row b of a finished state already on the host (numpy arrays "tokens", "step_map",
+    "logprobs", "gen_start", "end", "nfe", "finish") as an Output: its slots [gen_start, end)."""
+    g0 = int(host["gen_start"][b])
+    e = max(int(host["end"][b]), g0)
+    toks = host["tokens"][b, g0:e].tolist()
+    return Output(token_ids=toks, text=None if tokenizer is None else tokenizer.decode(toks, skip_special_tokens=True),
+                  step_map=host["step_map"][b, g0:e].tolist(), logprobs=host["logprobs"][b, g0:e].tolist(),
+                  nfe=int(host["nfe"][b]), finish_reason=FINISH_REASONS[int(host["finish"][b])],
+                  prompt_ids=list(prompt_ids), trace=trace or {})
+
+
 def outputs(prep: Prepared, state: DecodeState) -> list[Output]:
     """Final state -> one Output per real prompt (the row's end and finish reason come from the device)."""
     host = jax.device_get({k: getattr(state, k) for k in
@@ -191,24 +203,15 @@ def outputs(prep: Prepared, state: DecodeState) -> list[Output]:
         state.extra if keys is None else {k: state.extra[k] for k in keys})
     outs = []
     for b, prompt in enumerate(prep.prompts):
-        g0, e = int(host["gen_start"][b]), max(int(host["end"][b]), int(host["gen_start"][b]))
-        toks = [int(t) for t in host["tokens"][b, g0:e]]
-        text = None
-        if prep.tokenizer is not None:
-            text = prep.tokenizer.decode(toks, skip_special_tokens=True)
-        reason = FINISH_REASONS[int(host["finish"][b])]
+        out = row_output(host, b, prompt, prep.tokenizer, trace_fn(extra, b) if trace_fn is not None else None)
+        reason = out.finish_reason
         if reason in ("abort", "invalid"):
             why = {"abort": "hit the iteration guard or the paradigm's forward budget before finishing",
                    "invalid": "reached a slot where no token could be drawn (a constraint that allows "
                               "nothing, or non-finite logits)"}[reason]
-            warnings.warn(f"prompt {b} {why}: finish_reason={reason!r}, {len(toks)} tokens returned",
+            warnings.warn(f"prompt {b} {why}: finish_reason={reason!r}, {len(out.token_ids)} tokens returned",
                           RuntimeWarning, stacklevel=3)
-        outs.append(Output(token_ids=toks, text=text,
-                           step_map=[int(x) for x in host["step_map"][b, g0:e]],
-                           logprobs=[float(x) for x in host["logprobs"][b, g0:e]],
-                           nfe=int(host["nfe"][b]), finish_reason=reason,
-                           prompt_ids=list(prompt),
-                           trace=trace_fn(extra, b) if trace_fn is not None else {}))
+        outs.append(out)
     return outs
 
 
@@ -248,4 +251,4 @@ def params_for(model: Model, decoding):
     return model.params if bind is None else bind(model.params)
 
 
-__all__ = ["generate", "Output", "prepare", "decode", "outputs", "Prepared", "params_for"]
+__all__ = ["generate", "Output", "prepare", "decode", "outputs", "row_output", "Prepared", "params_for"]

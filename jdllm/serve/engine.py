@@ -36,12 +36,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from jdllm import errors, inputs
-from jdllm.api import Output, default_paradigm
+from jdllm.api import Output, default_paradigm, row_output
 from jdllm.decode import common, loop
 from jdllm.loading import check_token_ids
 from jdllm.sampling import Sampling
 from jdllm.serve.lifecycle import DrainJoin, lifecycle_for, merge_row
-from jdllm.state import ABORT, FINISH_REASONS, DecodeState
+from jdllm.state import ABORT, DecodeState
 
 # traces per jitted piece ("admit", "round", "close"): a test checks requests coming and going
 # with the same prompt buckets add none
@@ -416,14 +416,7 @@ class Engine:
                                logprobs=host["logprobs"][r, sl].tolist()))
                 req.sent = end - g0
             if done:
-                tok = self.model.tokenizer
-                ids = host["tokens"][r, g0:end].tolist()
-                req.output = Output(token_ids=ids,
-                                    text=tok.decode(ids, skip_special_tokens=True) if tok is not None else None,
-                                    step_map=host["step_map"][r, g0:end].tolist(),
-                                    logprobs=host["logprobs"][r, g0:end].tolist(), nfe=int(host["nfe"][r]),
-                                    finish_reason=FINISH_REASONS[int(host["finish"][r])],
-                                    prompt_ids=list(req.prompt_ids))
+                req.output = row_output(host, r, req.prompt_ids, self.model.tokenizer)
                 req.finished, req.status = now, "done"
                 finished.append((r, req))
         with self._cv:
