@@ -166,7 +166,9 @@ def prepare(model: Model, prompts, decoding=None, sampling: Sampling | list[Samp
                 "shorten the prompt or lower max_new_tokens")
     stops = [tuple(cfg.eos_token_ids if s.stop_token_ids is None else s.stop_token_ids) for s in settings]
     n = len(ids)
-    pad = common.bucket(n) - n  # batch padding rows copy prompt 0, inactive
+    placement = model.placement
+    mult = 1 if placement is None else placement.batch_multiple()  # rows split evenly over `data`
+    pad = -(-common.bucket(n) // mult) * mult - n  # batch padding rows copy prompt 0, inactive
     rows = ids + [ids[0]] * pad
     active = np.arange(len(rows)) < n
     lengths = np.array([len(r) for r in rows], np.int32)
@@ -177,7 +179,10 @@ def prepare(model: Model, prompts, decoding=None, sampling: Sampling | list[Samp
                              stop_ids=stops, seed=seeds, stream=np.zeros(len(rows)) if per_row else None,
                              active=active)
     fwd_cfg = decoding.attention_config(cfg) if hasattr(decoding, "attention_config") else cfg
-    ctx = common.DecodeCtx(model=fwd_cfg, attn_impl=model.attn_impl, prefill_len=int(layout.prefill_len))
+    if placement is not None:
+        state = placement.place_state(state)
+    ctx = common.DecodeCtx(model=fwd_cfg, attn_impl=model.forward_impl, prefill_len=int(layout.prefill_len),
+                           placement=placement)
     return Prepared(state=state, paradigm=decoding, ctx=ctx, prompts=ids, tokenizer=model.tokenizer)
 
 
@@ -193,13 +198,26 @@ def row_output(host: dict, b: int, prompt_ids, tokenizer=None, trace: dict | Non
                   prompt_ids=list(prompt_ids), trace=trace or {})
 
 
+def to_host(tree):
+    """NumPy copies of a pytree of arrays; arrays spread over several processes (multi-host
+    meshes) are gathered from all of them first."""
+    def one(x):
+        if isinstance(x, jax.Array) and not x.is_fully_addressable:
+            from jax.experimental import multihost_utils  # noqa: PLC0415
+
+            return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+        return jax.device_get(x)
+
+    return jax.tree.map(one, tree)
+
+
 def outputs(prep: Prepared, state: DecodeState) -> list[Output]:
     """Final state -> one Output per real prompt (the row's end and finish reason come from the device)."""
-    host = jax.device_get({k: getattr(state, k) for k in
-                           ("tokens", "step_map", "logprobs", "gen_start", "end", "nfe", "finish")})
+    host = to_host({k: getattr(state, k) for k in
+                    ("tokens", "step_map", "logprobs", "gen_start", "end", "nfe", "finish")})
     trace_fn = getattr(prep.paradigm, "output_trace", None)
     keys = getattr(prep.paradigm, "trace_keys", None)  # fetch only what the trace reads
-    extra = None if trace_fn is None else jax.device_get(
+    extra = None if trace_fn is None else to_host(
         state.extra if keys is None else {k: state.extra[k] for k in keys})
     outs = []
     for b, prompt in enumerate(prep.prompts):
@@ -248,7 +266,17 @@ def params_for(model: Model, decoding):
     """The parameters `loop.decode` takes for this paradigm: the model's, plus what the paradigm
     binds to them (ar_spec's draft model: `decoding.bind_params`)."""
     bind = getattr(decoding, "bind_params", None)
-    return model.params if bind is None else bind(model.params)
+    if bind is None:
+        return model.params
+    params = bind(model.params)
+    if model.placement is not None:  # what the paradigm binds (a draft model) joins the mesh, replicated
+        from jdllm.sharding import put  # noqa: PLC0415
+
+        rep = model.placement.replicated()
+        mesh_devices = set(model.placement.mesh.devices.flat)
+        params = jax.tree.map(lambda x: x if getattr(x, "sharding", None) is not None
+                              and set(x.sharding.device_set) == mesh_devices else put(x, rep), params)
+    return params
 
 
 __all__ = ["generate", "Output", "prepare", "decode", "outputs", "row_output", "Prepared", "params_for"]

@@ -300,8 +300,9 @@ def check_params_finite(params, cfg: ModelConfig, source: str) -> None:
 
 
 def load_model(path: str, dtype="bfloat16", attn_impl: str = "auto", shardings=None,
-               check_finite: bool = False):
-    """A `jdllm.loading.Model` from a Hugging Face directory or a jdllm checkpoint directory."""
+               check_finite: bool = False, mesh=None, rules=None):
+    """A `jdllm.loading.Model` from a Hugging Face directory or a jdllm checkpoint directory
+    (with `mesh`: params placed on it under `rules`, each device reading only its slices)."""
     import jax  # noqa: PLC0415 (jax and the model stay unimported until a model is read)
     import jax.numpy as jnp  # noqa: PLC0415
 
@@ -316,20 +317,33 @@ def load_model(path: str, dtype="bfloat16", attn_impl: str = "auto", shardings=N
         raise errors.CheckpointError(
             f"{path} is not a directory: pass a Hugging Face model directory (config.json + "
             "safetensors) or a jdllm checkpoint made by `jdllm convert`")
+    placement = None
+    if mesh is not None:
+        from jdllm.sharding import Placement  # noqa: PLC0415
+
+        placement = Placement.of(mesh, rules)
+    elif rules is not None:
+        raise errors.ShardingError("rules= needs a mesh=: pass jdllm.load(path, mesh=mesh, rules=rules)")
     if is_jdllm_dir(path):
         cfg = read_jdllm_meta(path)["config"]
         check_special_ids(cfg, path)
+        if placement is not None:
+            shardings = placement.param_shardings(cfg)
         params = restore_params(path, dtype=dtype, shardings=shardings)
     elif is_hf_dir(path):
         cfg = ModelConfig.from_hf(path)
         check_special_ids(cfg, os.path.join(path, CONFIG_FILE))
+        if placement is not None:
+            shardings = placement.param_shardings(cfg)
         want = np_dtype(dtype)
         host = hf_layout.params_from_hf_tensors(SafetensorsDir(path), cfg, dtype=want, source=path)
         if check_finite:
             check_params_finite(host, cfg, source=path)
             check_finite = False  # checked on the host, before the copy to the device
         if shardings is not None:
-            params = jax.tree.map(jax.device_put, host, shardings)
+            from jdllm.sharding import put  # noqa: PLC0415
+
+            params = jax.tree.map(put, host, shardings)
         else:
             params = jax.tree.map(jnp.asarray, host)
     else:
@@ -338,15 +352,23 @@ def load_model(path: str, dtype="bfloat16", attn_impl: str = "auto", shardings=N
             "point at a model directory")
     if check_finite:
         check_params_finite(params, cfg, source=path)
-    return Model(config=cfg, params=params, tokenizer=load_tokenizer(path), attn_impl=attn_impl, path=path)
+    return Model(config=cfg, params=params, tokenizer=load_tokenizer(path), attn_impl=attn_impl, path=path,
+                 placement=placement)
 
 
-def load(path: str, dtype: str | Any = "bfloat16", attn_impl: str = "auto", check_finite: bool = False):
+def load(path: str, dtype: str | Any = "bfloat16", attn_impl: str = "auto", check_finite: bool = False,
+         mesh=None, rules=None):
     """Load a Hugging Face model directory or a jdllm checkpoint directory (`jdllm.load`).
+
+    mesh: a `jax.sharding.Mesh` with axes ('data', 'model') (`jdllm.sharding.make_mesh`):
+    the params come back placed on it (heads / MLP / vocabulary split over `model` under
+    the default rules), each device reading only its own slices, and `generate` decodes
+    under it (batch over `data`). rules: {logical axis: mesh axis or None} overriding
+    `jdllm.sharding.DEFAULT_RULES`.
 
     attn_impl: "auto" | "xla" | "pallas" | "cudnn" (see `pallas_kernels`).
     check_finite: scan every weight for NaN/inf first and raise
     `errors.NonFiniteWeightsError` naming the tensor (one pass over the weights;
     the `jdllm` command line does it by default).
     """
-    return load_model(path, dtype=dtype, attn_impl=attn_impl, check_finite=check_finite)
+    return load_model(path, dtype=dtype, attn_impl=attn_impl, check_finite=check_finite, mesh=mesh, rules=rules)

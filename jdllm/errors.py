@@ -74,6 +74,11 @@ class OutputPathError(JdllmError, OSError):
     """An output path that cannot be written (missing or read-only directory, a file in the way)."""
 
 
+class ShardingError(JdllmError, ValueError):
+    """A mesh or rules table jdllm cannot use: an unknown logical or mesh axis, a mesh axis that
+    does not divide the dimension it splits (the message names the parameter and the axis)."""
+
+
 def user_stacklevel() -> int:
     """The `stacklevel` that makes a warning issued here point at the first caller outside jdllm."""
     import os  # noqa: PLC0415

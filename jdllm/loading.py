@@ -29,6 +29,24 @@ class Model:
     tokenizer: Any = None  # a transformers PreTrainedTokenizerFast, or None
     attn_impl: str = "auto"  # "auto" | "xla" | "pallas" | "cudnn"
     path: str | None = None
+    placement: Any = None  # jdllm.sharding.Placement (mesh + rules) when params live on a mesh
+
+    @property
+    def mesh(self):
+        return None if self.placement is None else self.placement.mesh
+
+    def shard(self, mesh, rules=None) -> "Model":
+        """This model with its params placed on `mesh` under `rules` (see `jdllm.sharding`)."""
+        from jdllm.sharding import Placement  # noqa: PLC0415
+
+        placement = Placement.of(mesh, rules)
+        return dataclasses.replace(self, params=placement.place_params(self.params, self.config),
+                                   placement=placement)
+
+    @property
+    def forward_impl(self):
+        """attn_impl as the forward takes it: under a mesh, the kernels run per shard."""
+        return self.attn_impl if self.placement is None else self.placement.attention_impl(self.attn_impl)
 
     @classmethod
     def random(cls, config: ModelConfig, seed: int = 0, dtype=jnp.float32, std: float = 0.02,
@@ -71,7 +89,7 @@ def logits(model: Model, token_ids) -> jax.Array:
         for n in sorted({len(r) for r in rows}):
             idx = [b for b, r in enumerate(rows) if len(r) == n]
             part = _logits_jit(model.params, jnp.asarray(np.stack([rows[b] for b in idx])),
-                               jnp.zeros((len(idx),), jnp.int32), cfg=cfg, attn_impl=model.attn_impl)
+                               jnp.zeros((len(idx),), jnp.int32), cfg=cfg, attn_impl=model.forward_impl)
             out = out.at[np.asarray(idx), T - n:].set(part)
         return out
     tokens = np.zeros((len(rows), T), np.int32)
@@ -80,7 +98,7 @@ def logits(model: Model, token_ids) -> jax.Array:
         tokens[b, T - len(r):] = r
         start[b] = T - len(r)
     return _logits_jit(model.params, jnp.asarray(tokens), jnp.asarray(start),
-                       cfg=cfg, attn_impl=model.attn_impl)
+                       cfg=cfg, attn_impl=model.forward_impl)
 
 
 @jax.jit(static_argnames=("cfg", "attn_impl"))

@@ -11,10 +11,17 @@ impl=...)` is the single entry point the model calls. `impl`:
   `flash.BACKENDS`) overrides that choice;
 - "cudnn": `jax.nn.dot_product_attention(implementation="cudnn")` with the mask
   as a boolean mask (a GPU baseline);
-- "auto": "pallas" on a GPU, "xla" elsewhere.
+- "auto": "pallas" on a GPU, "xla" elsewhere;
+- a `ShardedAttention` (what `jdllm.sharding.Placement.attention_impl` builds
+  for a device mesh): the kernel above per shard, under `shard_map` over the
+  batch and head axes of the mesh (the XLA path needs no wrapper: XLA
+  partitions it itself).
 """
 
 from __future__ import annotations
+
+import dataclasses
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -25,7 +32,66 @@ from pallas_kernels.reference import (KINDS, attention_reference, horizon, maske
 IMPLS = ("auto", "xla", "pallas", "cudnn")
 
 
-def resolve_impl(impl: str) -> str:
+@dataclasses.dataclass(frozen=True)
+class ShardedAttention:
+    """Run attention `impl` ("pallas" | "cudnn") per shard of `mesh`: rows split over mesh axis
+    `batch`, query heads over `heads` and KV heads over `kv_heads` (None: not split).
+
+    Hashable, so it rides as a jit static argument in place of an impl string.
+    With `heads` split and `kv_heads` not (more model shards than KV heads), each
+    shard takes the KV heads its query heads read (GQA groups are contiguous).
+    """
+
+    impl: str
+    mesh: Any
+    batch: Any = None
+    heads: Any = None
+    kv_heads: Any = None
+
+    def __call__(self, q, k, v, *, start, q_offset, kv_len, kind, block_size, scale):
+        from jax.sharding import PartitionSpec as P  # noqa: PLC0415
+
+        B, S = q.shape[0], k.shape[1]
+        H, KV = q.shape[2], k.shape[2]
+        q_offset, kv_len = jnp.asarray(q_offset, jnp.int32), jnp.asarray(kv_len, jnp.int32)
+        row = P(self.batch)
+        qspec = P(self.batch, None, self.heads, None)
+        kvspec = P(self.batch, None, self.kv_heads, None)
+        n_heads = 1 if self.heads is None else _axis_size(self.mesh, self.heads)
+        n_kv = 1 if self.kv_heads is None else _axis_size(self.mesh, self.kv_heads)
+        h_local = H // n_heads
+
+        def local(q, k, v, start, qo, kl):
+            if n_kv < n_heads and KV > 1:  # KV heads replicated over part of `heads`: keep the ones read
+                group = H // KV  # query heads per KV head
+                first = jax.lax.axis_index(self.heads) * h_local // group
+                need = max(1, h_local // group)
+                k = jax.lax.dynamic_slice_in_dim(k, first % k.shape[2], need, axis=2)
+                v = jax.lax.dynamic_slice_in_dim(v, first % v.shape[2], need, axis=2)
+            kw = dict(start=start, q_offset=qo, kv_len=kl, kind=kind, block_size=block_size, scale=scale)
+            if self.impl == "cudnn":
+                return _cudnn(q, k, v, **kw)
+            from pallas_kernels import flash  # noqa: PLC0415
+
+            return flash.attention(q, k, v, **kw)
+
+        fn = jax.shard_map(local, mesh=self.mesh,
+                           in_specs=(qspec, kvspec, kvspec, row, row if q_offset.ndim else P(),
+                                     row if kv_len.ndim else P()),
+                           out_specs=qspec, check_vma=False)
+        del B, S
+        return fn(q, k, v, jnp.asarray(start, jnp.int32), q_offset, kv_len)
+
+
+def _axis_size(mesh, axis) -> int:
+    import math  # noqa: PLC0415
+
+    return math.prod(mesh.shape[a] for a in (axis if isinstance(axis, tuple) else (axis,)))
+
+
+def resolve_impl(impl) -> str:
+    if isinstance(impl, ShardedAttention):
+        return impl.impl
     if impl not in IMPLS:
         raise ValueError(f"attention impl={impl!r} is not one of {IMPLS}")
     if impl == "auto":
@@ -57,9 +123,11 @@ def attention(q, k, v, *, start, q_offset=0, kv_len=None, kind="causal", block_s
         raise ValueError(f"attention kind {kind!r} is not one of {KINDS}")
     if kv_len is None:
         kv_len = k.shape[1]
-    impl = resolve_impl(impl)
     kw = dict(start=jnp.asarray(start, jnp.int32), q_offset=q_offset, kv_len=kv_len,
               kind=kind, block_size=block_size, scale=scale)
+    if isinstance(impl, ShardedAttention):
+        return impl(q, k, v, **kw)
+    impl = resolve_impl(impl)
     if impl == "xla":
         return attention_reference(q, k, v, **kw)
     if impl == "cudnn":
@@ -68,5 +136,5 @@ def attention(q, k, v, *, start, q_offset=0, kv_len=None, kind="causal", block_s
     return flash.attention(q, k, v, **kw)
 
 
-__all__ = ["attention", "attention_reference", "visible_mask", "horizon", "resolve_impl",
+__all__ = ["attention", "ShardedAttention", "attention_reference", "visible_mask", "horizon", "resolve_impl",
            "KINDS", "IMPLS"]

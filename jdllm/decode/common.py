@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -41,8 +41,14 @@ class DecodeCtx:
     """
 
     model: ModelConfig
-    attn_impl: str = "auto"
+    attn_impl: Any = "auto"  # an impl name, or pallas_kernels.ShardedAttention under a mesh
     prefill_len: int = 0
+    placement: Any = None  # jdllm.sharding.Placement: the state and cache stay on its mesh
+
+
+def constrain(ctx: DecodeCtx, state: DecodeState) -> DecodeState:
+    """The state pinned to the mesh shardings of `ctx.placement` (unchanged without one)."""
+    return state if ctx.placement is None else ctx.placement.constrain_state(state)
 
 
 class Layout(NamedTuple):

@@ -183,8 +183,8 @@ def max_iterations(paradigm, state: DecodeState) -> int:
 def prefill(params, state: DecodeState, bitmask=None, *, paradigm, ctx: DecodeCtx) -> DecodeState:
     """Allocate the KV cache (parameters' dtype) and run the paradigm's prefill (bitmask: for the
     slots `plan(state)` names, where the prefill also takes the first step)."""
-    state = common.with_buffers(params, ctx.model, state)
-    return paradigm.prefill(params, ctx, state, bitmask)
+    state = common.constrain(ctx, common.with_buffers(params, ctx.model, state))
+    return common.constrain(ctx, paradigm.prefill(params, ctx, state, bitmask))
 
 
 def plan(state: DecodeState, *, paradigm, ctx: DecodeCtx) -> tuple[DecodeState, common.Plan]:
@@ -214,7 +214,8 @@ def _loop(params, state: DecodeState, paradigm, ctx: DecodeCtx, bound) -> Decode
     def cond(s: DecodeState):
         return ~jnp.all(s.done) & (s.iteration < bound)
 
-    return jax.lax.while_loop(cond, lambda s: step(params, s, paradigm=paradigm, ctx=ctx), state)
+    return jax.lax.while_loop(cond, lambda s: common.constrain(ctx, step(params, s, paradigm=paradigm, ctx=ctx)),
+                              state)
 
 
 def step_n(params, state: DecodeState, n, *, paradigm, ctx: DecodeCtx) -> DecodeState:
