@@ -61,6 +61,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--attn-impl", default="auto", choices=ATTN_IMPLS,
                    help="attention implementation (default: auto = Pallas on a GPU, XLA elsewhere)")
     add_check_finite_argument(p)
+    p.add_argument("--mesh", default=None, metavar="data=D,model=M",
+                   help="decode on a device mesh: rows split over D data shards, heads / MLP over M model "
+                        "shards (D * M = the number of devices; see README 'Scaling out')")
+    p.add_argument("--distributed", action="store_true",
+                   help="call jax.distributed.initialize() first (one process per host; the cluster "
+                        "environment, e.g. SLURM, or JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / "
+                        "JAX_PROCESS_ID, says where the others are)")
     s = p.add_argument_group("sampling")
     s.add_argument("--max-new-tokens", type=int, default=None,
                    help="tokens to generate at most (default: 256, or what the model's context leaves)")
@@ -214,12 +221,26 @@ def format_steps(tokenizer, out, colour: bool) -> str:
     return "\n".join(f"step {s:4d}: {' '.join(v)}" for s, v in sorted(by_step.items()))
 
 
+def jax_process_index() -> int:
+    import jax  # noqa: PLC0415
+
+    return jax.process_index()
+
+
 def run(args) -> int:
     import jdllm  # noqa: PLC0415
 
     if not args.prompts:
         raise jdllm.errors.InputError("give at least one --prompt TEXT or --prompt-ids 1,2,3")
-    model = jdllm.load(args.model, dtype=args.dtype, attn_impl=args.attn_impl, check_finite=args.check_finite)
+    mesh = None
+    if getattr(args, "mesh", None) or getattr(args, "distributed", False):
+        from jdllm import sharding  # noqa: PLC0415
+
+        if args.distributed:
+            sharding.initialize_distributed()
+        mesh = sharding.make_mesh(args.mesh)
+    model = jdllm.load(args.model, dtype=args.dtype, attn_impl=args.attn_impl, check_finite=args.check_finite,
+                       mesh=mesh)
     decoding = decoding_from_args(args, model.config)
     cls = type(decoding)
     extra = {} if args.max_new_tokens is None else {"max_new_tokens": args.max_new_tokens}
@@ -232,6 +253,8 @@ def run(args) -> int:
                           constraint=constraint)
     dt = time.perf_counter() - t0
     colour = sys.stdout.isatty()
+    if mesh is not None and jax_process_index() != 0:  # every process holds the same outputs
+        return 0
     for i, out in enumerate(outs):
         if len(outs) > 1:
             print(f"=== prompt {i} ===")

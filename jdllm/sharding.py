@@ -66,6 +66,16 @@ def parse_mesh_spec(spec: str) -> dict[str, int]:
     return out
 
 
+def initialize_distributed(**kw) -> None:
+    """`jax.distributed.initialize(**kw)` (once per process, before any other JAX call), with CPU
+    collectives over gloo when the platform is the CPU (the multi-process tests, a CPU cluster)."""
+    import os  # noqa: PLC0415
+
+    if os.environ.get("JAX_PLATFORMS", "").startswith("cpu"):
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(**kw)
+
+
 def make_mesh(shape: str | Mapping[str, int] | None = None, devices=None) -> Mesh:
     """A ('data', 'model') mesh over `devices` (default: every device of every process).
 
@@ -230,5 +240,5 @@ def placement_of(model) -> Placement | None:
     return getattr(model, "placement", None)
 
 
-__all__ = ["Placement", "make_mesh", "make_rules", "parse_mesh_spec", "DEFAULT_RULES", "LOGICAL_AXES",
+__all__ = ["Placement", "make_mesh", "initialize_distributed", "make_rules", "parse_mesh_spec", "DEFAULT_RULES", "LOGICAL_AXES",
            "MESH_AXES", "CACHE_AXES", "put"]

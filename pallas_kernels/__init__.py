@@ -51,20 +51,23 @@ class ShardedAttention:
     def __call__(self, q, k, v, *, start, q_offset, kv_len, kind, block_size, scale):
         from jax.sharding import PartitionSpec as P  # noqa: PLC0415
 
-        B, S = q.shape[0], k.shape[1]
-        H, KV = q.shape[2], k.shape[2]
+        B, H, KV = q.shape[0], q.shape[2], k.shape[2]
         q_offset, kv_len = jnp.asarray(q_offset, jnp.int32), jnp.asarray(kv_len, jnp.int32)
-        row = P(self.batch)
-        qspec = P(self.batch, None, self.heads, None)
-        kvspec = P(self.batch, None, self.kv_heads, None)
-        n_heads = 1 if self.heads is None else _axis_size(self.mesh, self.heads)
-        n_kv = 1 if self.kv_heads is None else _axis_size(self.mesh, self.kv_heads)
+        # an axis that does not divide (a batch of 1 on 2 data shards) is not split here
+        batch = self.batch if B % _axis_size(self.mesh, self.batch) == 0 else None
+        heads, kv_heads = self.heads, self.kv_heads
+        if H % _axis_size(self.mesh, heads) or KV % _axis_size(self.mesh, kv_heads):
+            heads = kv_heads = None
+        row = P(batch)
+        qspec = P(batch, None, heads, None)
+        kvspec = P(batch, None, kv_heads, None)
+        n_heads, n_kv = _axis_size(self.mesh, heads), _axis_size(self.mesh, kv_heads)
         h_local = H // n_heads
 
         def local(q, k, v, start, qo, kl):
             if n_kv < n_heads and KV > 1:  # KV heads replicated over part of `heads`: keep the ones read
                 group = H // KV  # query heads per KV head
-                first = jax.lax.axis_index(self.heads) * h_local // group
+                first = jax.lax.axis_index(heads) * h_local // group
                 need = max(1, h_local // group)
                 k = jax.lax.dynamic_slice_in_dim(k, first % k.shape[2], need, axis=2)
                 v = jax.lax.dynamic_slice_in_dim(v, first % v.shape[2], need, axis=2)
@@ -79,13 +82,14 @@ class ShardedAttention:
                            in_specs=(qspec, kvspec, kvspec, row, row if q_offset.ndim else P(),
                                      row if kv_len.ndim else P()),
                            out_specs=qspec, check_vma=False)
-        del B, S
         return fn(q, k, v, jnp.asarray(start, jnp.int32), q_offset, kv_len)
 
 
 def _axis_size(mesh, axis) -> int:
     import math  # noqa: PLC0415
 
+    if axis is None:
+        return 1
     return math.prod(mesh.shape[a] for a in (axis if isinstance(axis, tuple) else (axis,)))
 
 

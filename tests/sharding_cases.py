@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 
 import jax
 
@@ -54,6 +55,9 @@ def cases():
 
 PROMPTS = [[3, 4, 5, 6, 3, 4], [7, 8, 9]]
 MESHES = {"8x1": "data=8", "1x8": "model=8", "2x4": "data=2,model=4"}
+# "quick" (what tests/test_sharding.py runs, to stay within the CI's time): every paradigm on 2x4
+# (both axes split), ar and block_diffusion on all three meshes; "all": every paradigm x mesh
+QUICK = {"ar": MESHES, "block_diffusion": MESHES}
 
 
 def run(model, decoding, n=8):
@@ -68,40 +72,73 @@ def split_ok(model) -> bool:
     return all(s.data.shape[2] == q.shape[2] // n for s in q.addressable_shards)
 
 
+def logit_check(model, sm) -> tuple[float, float]:
+    """(max |sharded - one device| logits, max |one device logits|)."""
+    ref = np.asarray(jdllm.logits(model, PROMPTS))
+    return float(np.abs(np.asarray(jdllm.logits(sm, PROMPTS)) - ref).max()), float(np.abs(ref).max())
+
+
+def emit(**row):
+    print(json.dumps(row), flush=True)
+
+
 def main(which: str = "all"):
     assert len(jax.devices()) == 8, jax.devices()
-    results = []
+    meshes = {name: sharding.make_mesh(spec) for name, spec in MESHES.items()}
+    checked_logits = set()
     for name, model, dec in cases():
-        if which != "all" and name not in which.split(","):
+        if which not in ("all", "quick") and name not in which.split(","):
             continue
         ref = run(model, dec)
-        ref_logits = np.asarray(jdllm.logits(model, PROMPTS))
-        for mname, spec in MESHES.items():
-            sm = model.shard(sharding.make_mesh(spec))
+        for mname, mesh in meshes.items():
+            if which == "quick" and mname != "2x4" and mname not in QUICK.get(name, {}):
+                continue
+            t0 = time.perf_counter()
+            sm = model.shard(mesh)
             got = run(sm, dec)
-            lg = np.asarray(jdllm.logits(sm, PROMPTS))
-            results.append(dict(paradigm=name, mesh=mname, equal=got == ref, split=split_ok(sm),
-                                logit_diff=float(np.abs(lg - ref_logits).max()),
-                                tokens=[g[0] for g in got], ref=[r[0] for r in ref]))
-            print(json.dumps(results[-1]), flush=True)
-    # Pallas kernels per shard (interpret mode on the CPU), with KV heads replicated over `model`
-    # (4 KV heads, model=8: each shard keeps the KV head its query heads read)
-    if which in ("all", "pallas"):
+            row = dict(paradigm=name, mesh=mname, equal=got == ref, split=split_ok(sm), logit_diff=0.0,
+                       tokens=[g[0] for g in got], ref=[r[0] for r in ref])
+            # logits once per (model, mesh): each paradigm's model is one of three
+            if (id(model), mname) not in checked_logits:
+                checked_logits.add((id(model), mname))
+                row["logit_diff"], row["logit_scale"] = logit_check(model, sm)
+            row["s"] = round(time.perf_counter() - t0, 2)
+            emit(**row)
+    if which in ("all", "quick", "pallas"):
+        # Pallas kernels per shard (interpret mode on the CPU), KV heads replicated over `model`
+        # (4 KV heads, model=4 and 8 query heads per shard... each shard keeps the KV heads it reads)
         m = tiny("block_causal", 3, kv=4)
         dec = jdllm.BlockDiffusion(block_length=4, denoising_steps=4)
         ref = run(m, dec, n=4)
-        sm = jdllm.Model(m.config, m.params, attn_impl="pallas").shard(sharding.make_mesh("data=2,model=4"),
-                                                                        rules={"kv_heads": None})
+        sm = jdllm.Model(m.config, m.params, attn_impl="pallas").shard(meshes["1x8"], rules={"kv_heads": None})
         got = run(sm, dec, n=4)
-        lg = float(np.abs(np.asarray(jdllm.logits(sm, PROMPTS)) - np.asarray(jdllm.logits(m, PROMPTS))).max())
-        print(json.dumps(dict(paradigm="pallas_block_diffusion", mesh="2x4", equal=got == ref, split=True,
-                              logit_diff=lg, tokens=[g[0] for g in got], ref=[r[0] for r in ref])), flush=True)
-        sm8 = jdllm.Model(m.config, m.params, attn_impl="pallas").shard(sharding.make_mesh("model=8"),
-                                                                         rules={"kv_heads": None})
-        lg8 = float(np.abs(np.asarray(jdllm.logits(sm8, PROMPTS)) - np.asarray(jdllm.logits(m, PROMPTS))).max())
-        print(json.dumps(dict(paradigm="pallas_logits", mesh="1x8", equal=True, split=True, logit_diff=lg8,
-                              tokens=[], ref=[])), flush=True)
+        diff, scale = logit_check(m, sm)
+        emit(paradigm="pallas_block_diffusion", mesh="1x8", equal=got == ref, split=split_ok(sm),
+             logit_diff=diff, logit_scale=scale, tokens=[g[0] for g in got], ref=[r[0] for r in ref])
+    if which in ("all", "quick", "rl"):
+        # RL rollouts take sharded params: same sampled tokens and log-probs as on one device
+        from jdllm import rl  # noqa: PLC0415
 
+        m = tiny("block_causal", 1)
+        dec = jdllm.BlockDiffusion(block_length=4, denoising_steps=4)
+        samp = jdllm.Sampling(temperature=1.0, max_new_tokens=8)
+        outs = []
+        for mm in (m, m.shard(meshes["2x4"])):
+            st, spec = rl.prepare_rollout(mm, PROMPTS, dec, samp, group=2)
+            ro = rl.compiled_rollout(mm.params, st, jax.random.key(7), spec=spec)
+            outs.append({k: np.asarray(getattr(ro, k))[:4] for k in ("tokens", "step_map", "logprobs")})
+        a, b = outs
+        emit(paradigm="rl_rollout", mesh="2x4", split=True, logit_diff=0.0,
+             equal=bool((a["tokens"] == b["tokens"]).all() and (a["step_map"] == b["step_map"]).all()
+                        and np.allclose(a["logprobs"], b["logprobs"], atol=1e-4)))
+    if which in ("all", "quick", "errors"):
+        m = tiny("causal", 0, kv=4)  # 4 KV heads cannot split 8 ways
+        try:
+            m.shard(meshes["1x8"])
+            emit(error="indivisible", message="no error")
+        except Exception as e:  # noqa: BLE001
+            emit(error="indivisible", message=str(e))
+            emit(error="indivisible_type", message=type(e).__name__)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,119 @@
+"""Sharded decoding (jdllm.sharding): equality with one device on 8 fake CPU devices, the
+multi-process path with jax.distributed, and the errors a bad mesh or rules table raises.
+
+The meshes need several devices, so those checks run in subprocesses with
+XLA_FLAGS=--xla_force_host_platform_device_count=N; this process keeps its one device.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import jdllm
+from jdllm import errors, sharding
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _env(devices: int) -> dict:
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
+def _json_lines(text: str) -> list[dict]:
+    return [json.loads(line) for line in text.splitlines() if line.startswith("{")]
+
+
+def test_sharded_decoding_equals_one_device():
+    """Every paradigm on meshes 8x1, 1x8 and 2x4: greedy tokens, step maps, NFE and finish reasons equal
+    to one device's; logits equal up to float32 summation order; weights really split over `model`."""
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "sharding_cases.py")], env=_env(8),
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = _json_lines(proc.stdout)
+    seen = {(r["paradigm"], r["mesh"]) for r in rows}
+    for name in ("ar", "ar_spec", "block_diffusion", "multi_block", "masked_diffusion"):
+        assert {(name, m) for m in ("8x1", "1x8", "2x4")} <= seen, name
+    assert ("pallas_block_diffusion", "2x4") in seen and ("rl_rollout", "2x4") in seen
+    for r in rows:
+        assert r["equal"], r
+        assert r["split"], r
+        # logits: sums over sharded heads / MLP columns add in another order (float32)
+        assert r["logit_diff"] <= 1e-5 * max(1.0, r.get("logit_scale", 1.0)), r
+    errs = {r["error"]: r["message"] for r in rows if "error" in r}
+    assert "kv_heads" in errs["indivisible"] and "['layers']['k']" in errs["indivisible"]
+    assert "ShardingError" == errs["indivisible_type"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+def test_two_processes_give_the_same_tokens_as_one():
+    """examples/multihost.py in 2 processes (jax.distributed, 2 CPU devices each, gloo collectives)
+    loading the shipped tiny-sdar into one 2x2 global mesh == one process on one device."""
+    model_dir = os.path.join(ROOT, "models", "tiny-sdar")
+    port = _free_port()
+    args = [sys.executable, os.path.join(ROOT, "examples", "multihost.py"), "--model", model_dir,
+            "--coordinator", f"localhost:{port}", "--num-processes", "2", "--mesh", "data=2,model=2",
+            "--max-new-tokens", "8", "--ignore-eos", "--json"]
+    procs = [subprocess.Popen(args + ["--process-id", str(i)], env=_env(2), stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for i in range(2)]
+    try:
+        outs = [p.communicate(timeout=300) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-3000:]
+    got = _json_lines(outs[0][0])[0]
+    assert got["processes"] == 2 and got["devices"] == 4 and got["mesh"] == {"data": 2, "model": 2}
+
+    model = jdllm.load(model_dir, dtype="float32")
+    ref = jdllm.generate(model, [[3, 4, 5, 6, 7], [8, 9, 10]],
+                         sampling=jdllm.Sampling(max_new_tokens=8, stop_token_ids=()))
+    assert got["tokens"] == [o.token_ids for o in ref]
+    assert got["step_map"] == [o.step_map for o in ref]
+    assert got["nfe"] == [o.nfe for o in ref]
+
+
+def test_mesh_and_rules_errors():
+    with pytest.raises(errors.ShardingError, match="'tensor'"):
+        sharding.parse_mesh_spec("data=2,tensor=4")
+    with pytest.raises(errors.ShardingError, match="twice"):
+        sharding.parse_mesh_spec("data=2,data=4")
+    with pytest.raises(errors.ShardingError, match="needs 8 devices but 1"):
+        sharding.make_mesh("data=2,model=4")
+    with pytest.raises(errors.ShardingError, match="'experts'"):
+        sharding.make_rules({"experts": "model"})
+    mesh = sharding.make_mesh("data=1")
+    with pytest.raises(errors.ShardingError, match="'tensor'"):
+        sharding.Placement.of(mesh, {"mlp": "tensor"})
+    with pytest.raises(errors.ArgumentTypeError, match="Mesh"):
+        jdllm.load(os.path.join(ROOT, "models", "tiny-ar"), mesh="data=2")
+    with pytest.raises(errors.ShardingError, match="needs a mesh"):
+        jdllm.load(os.path.join(ROOT, "models", "tiny-ar"), rules={"mlp": None})
+
+
+def test_one_device_mesh_is_a_no_op():
+    """A 1x1 mesh: load(mesh=) places every weight on it and decodes exactly as without one."""
+    path = os.path.join(ROOT, "models", "tiny-ar")
+    plain = jdllm.load(path, dtype="float32")
+    meshed = jdllm.load(path, dtype="float32", mesh=sharding.make_mesh("data=1,model=1"))
+    assert meshed.placement is not None and meshed.params["layers"]["q"].sharding.mesh.shape["model"] == 1
+    s = jdllm.Sampling(max_new_tokens=5, stop_token_ids=())
+    a = jdllm.generate(plain, [[1, 2, 3]], sampling=s)[0]
+    b = jdllm.generate(meshed, [[1, 2, 3]], sampling=s)[0]
+    assert (a.token_ids, a.step_map, a.nfe) == (b.token_ids, b.step_map, b.nfe)
+    np.testing.assert_array_equal(np.asarray(jdllm.logits(plain, [[1, 2, 3]])),
+                                  np.asarray(jdllm.logits(meshed, [[1, 2, 3]])))
