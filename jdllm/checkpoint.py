@@ -207,7 +207,7 @@ def restore_params(path: str, dtype=None, shardings=None):
     import jax  # noqa: PLC0415
     import orbax.checkpoint as ocp  # noqa: PLC0415
 
-    from jdllm.model import param_shapes  # noqa: PLC0415
+    from jdllm.model import shape_mismatch  # noqa: PLC0415
 
     meta = read_jdllm_meta(path)
     cfg = meta["config"]
@@ -216,15 +216,11 @@ def restore_params(path: str, dtype=None, shardings=None):
     try:
         with ocp.StandardCheckpointer() as ckpt:
             stored = ckpt.metadata(params_dir).item_metadata.tree
-            expected = param_shapes(cfg)
-            got_shapes = {k: tuple(m.shape) for k, m in _flat(stored)}
-            want_shapes = {k: tuple(v) for k, v in _flat(expected, leaf=lambda x: isinstance(x, tuple))}
-            if got_shapes != want_shapes:
-                bad = sorted(set(got_shapes.items()) ^ set(want_shapes.items()))[0]
+            bad = shape_mismatch(stored, cfg)
+            if bad is not None:
                 raise errors.CorruptCheckpointError(
                     f"{params_dir} disagrees with {MARKER_FILE} at parameter {bad[0]} "
-                    f"(stored {got_shapes.get(bad[0])}, config implies {want_shapes.get(bad[0])}); "
-                    "re-run `jdllm convert`")
+                    f"(stored {bad[1]}, config implies {bad[2]}); re-run `jdllm convert`")
             default = jax.sharding.SingleDeviceSharding(jax.devices()[0])
             shard_tree = shardings if shardings is not None else jax.tree.map(lambda _: default, stored)
             abstract = jax.tree.map(
@@ -236,12 +232,6 @@ def restore_params(path: str, dtype=None, shardings=None):
     except Exception as e:  # noqa: BLE001 (orbax / tensorstore raise many types)
         raise errors.CorruptCheckpointError(
             f"cannot restore {params_dir} ({type(e).__name__}: {one_line(e)}); re-run `jdllm convert`") from e
-
-
-def _flat(tree, leaf=None) -> list[tuple[str, Any]]:
-    import jax  # noqa: PLC0415
-
-    return [(jax.tree_util.keystr(k), v) for k, v in jax.tree_util.tree_flatten_with_path(tree, is_leaf=leaf)[0]]
 
 
 # --------------------------------------------------------------------------- load
@@ -276,14 +266,18 @@ def check_special_ids(cfg: ModelConfig, source: str) -> None:
 
 
 def check_params_finite(params, cfg: ModelConfig, source: str) -> None:
-    """Raise NonFiniteWeightsError naming the first tensor (by its Hugging Face name) holding NaN/inf."""
+    """Raise NonFiniteWeightsError naming the first tensor (by its Hugging Face name) holding NaN/inf.
+    Parameters absent from `params` (a partial tree) are skipped."""
     import jax  # noqa: PLC0415
     import jax.numpy as jnp  # noqa: PLC0415
 
     for slot_name, slot in hf_layout.hf_tensor_names(cfg).items():
         x = params
-        for key in slot.path:
-            x = x[key]
+        try:
+            for key in slot.path:
+                x = x[key]
+        except KeyError:
+            continue
         if slot.layer is not None:
             x = x[slot.layer]
         if isinstance(x, np.ndarray):
@@ -297,6 +291,30 @@ def check_params_finite(params, cfg: ModelConfig, source: str) -> None:
                 f"tensor {slot_name!r} ({where}) in {source} holds {count} NaN/inf values: the weights "
                 "are corrupt or overflowed on export; re-download or re-export them "
                 "(check_finite=False / --no-check-finite loads them anyway)")
+
+
+def _load_hf_params(path: str, cfg: ModelConfig, dtype, shardings, check_finite: bool):
+    """HF safetensors -> params on the device (or placed with `shardings`), one parameter at a
+    time: the host holds at most one (stacked) parameter, never the whole model."""
+    import jax.numpy as jnp  # noqa: PLC0415
+
+    from jdllm.sharding import put  # noqa: PLC0415
+
+    params: dict[str, Any] = {"layers": {}}
+    for p, host in hf_layout.iter_params_from_hf_tensors(SafetensorsDir(path), cfg, dtype=dtype, source=path):
+        if check_finite and not np.isfinite(host.astype(np.float32)).all():
+            partial = {"layers": {p[1]: host}} if len(p) > 1 else {p[0]: host}
+            check_params_finite(partial, cfg, source=path)
+        target = shardings
+        for key in p:
+            target = None if target is None else target[key]
+        dev = jnp.asarray(host) if target is None else put(host, target)
+        if len(p) == 1:
+            params[p[0]] = dev
+        else:
+            params["layers"][p[1]] = dev
+        del host
+    return params
 
 
 def load_model(path: str, dtype="bfloat16", attn_impl: str = "auto", shardings=None,
@@ -336,16 +354,8 @@ def load_model(path: str, dtype="bfloat16", attn_impl: str = "auto", shardings=N
         if placement is not None:
             shardings = placement.param_shardings(cfg)
         want = np_dtype(dtype)
-        host = hf_layout.params_from_hf_tensors(SafetensorsDir(path), cfg, dtype=want, source=path)
-        if check_finite:
-            check_params_finite(host, cfg, source=path)
-            check_finite = False  # checked on the host, before the copy to the device
-        if shardings is not None:
-            from jdllm.sharding import put  # noqa: PLC0415
-
-            params = jax.tree.map(put, host, shardings)
-        else:
-            params = jax.tree.map(jnp.asarray, host)
+        params = _load_hf_params(path, cfg, want, shardings, check_finite)
+        check_finite = False  # checked on the host, before the copy to the device
     else:
         raise errors.CheckpointError(
             f"{path} has neither {CONFIG_FILE} (Hugging Face) nor {MARKER_FILE} (jdllm): "

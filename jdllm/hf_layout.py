@@ -215,13 +215,33 @@ def params_from_hf_tensors(tensors: Mapping[str, Any], cfg: ModelConfig, dtype=N
     dtype: output dtype (NumPy/ml_dtypes); None keeps each tensor's own dtype.
     progress: called with each tensor name after it is placed.
     """
+    out: dict[str, Any] = {"layers": {}}
+    for path, x in iter_params_from_hf_tensors(tensors, cfg, dtype, progress, source):
+        if len(path) == 1:
+            out[path[0]] = x
+        else:
+            out["layers"][path[1]] = x
+    return out
+
+
+def iter_params_from_hf_tensors(tensors: Mapping[str, Any], cfg: ModelConfig, dtype=None,
+                                progress: Callable[[str], None] | None = None, source: str = "checkpoint"):
+    """Yield (param path, NumPy array) one jdllm parameter at a time, each as soon as every HF
+    tensor it stacks has been read: a caller that places each one (on a device or mesh) and drops
+    it holds at most one parameter on the host (`jdllm.load` does)."""
     from jdllm.model import param_shapes  # noqa: PLC0415
 
     table = hf_tensor_names(cfg)
     check_tensor_names(tensors.keys(), cfg, source)
     shapes = param_shapes(cfg)
-    out: dict[str, Any] = {"layers": {}}
-    for name, slot in table.items():
+    remaining: dict[tuple[str, ...], int] = {}
+    for slot in table.values():
+        remaining[tuple(slot.path)] = remaining.get(tuple(slot.path), 0) + 1
+    # read layer by layer within one parameter: group the table by parameter path
+    order = sorted(table.items(), key=lambda kv: (list(remaining).index(tuple(kv[1].path)),
+                                                   -1 if kv[1].layer is None else kv[1].layer))
+    building: dict[tuple[str, ...], np.ndarray] = {}
+    for name, slot in order:
         x = np.asarray(tensors[name])
         check_tensor_shape(name, x.shape, slot, cfg, source)
         check_tensor_dtype(name, x.dtype, source)
@@ -231,16 +251,20 @@ def params_from_hf_tensors(tensors: Mapping[str, Any], cfg: ModelConfig, dtype=N
         jd_shape = tuple(full[1:]) if slot.layer is not None else tuple(full)
         y = _to_jdllm(x, slot, jd_shape)
         target_dtype = np.dtype(dtype) if dtype is not None else x.dtype
+        path = tuple(slot.path)
         if slot.layer is None:
-            out[slot.path[0]] = np.ascontiguousarray(y, dtype=target_dtype)
+            building[path] = np.ascontiguousarray(y, dtype=target_dtype)
         else:
-            stacked = out["layers"].get(slot.path[1])
+            stacked = building.get(path)
             if stacked is None:
-                stacked = out["layers"][slot.path[1]] = np.empty(tuple(full), target_dtype)
+                stacked = building[path] = np.empty(tuple(full), target_dtype)
             stacked[slot.layer] = y.astype(stacked.dtype, copy=False)
+        del x, y
         if progress is not None:
             progress(name)
-    return out
+        remaining[path] -= 1
+        if remaining[path] == 0:
+            yield path, building.pop(path)
 
 
 def params_to_hf_tensors(params, cfg: ModelConfig) -> dict[str, np.ndarray]:

@@ -91,6 +91,22 @@ def param_shapes(cfg: ModelConfig) -> Params:
     return jax.tree.map(lambda s: s.shape, param_specs(cfg), is_leaf=_is_spec)
 
 
+def shape_mismatch(tree, cfg: ModelConfig):
+    """The first disagreement between a weight pytree (leaves with `.shape`: arrays, Orbax
+    metadata, ShapeDtypeStructs) and the config's shapes, as (weight name, got, want) with got
+    None for a missing weight and want None for an extra one; None when they agree."""
+    flat_w = {jax.tree_util.keystr(k): tuple(v) for k, v in
+              jax.tree_util.tree_flatten_with_path(param_shapes(cfg), is_leaf=lambda x: isinstance(x, tuple))[0]}
+    flat_t = {jax.tree_util.keystr(k): tuple(v.shape) for k, v in jax.tree_util.tree_flatten_with_path(tree)[0]}
+    for name, want in flat_w.items():
+        if flat_t.get(name) != want:
+            return name, flat_t.get(name), want
+    for name, got in flat_t.items():
+        if name not in flat_w:
+            return name, got, None
+    return None
+
+
 def logical_axes(cfg: ModelConfig) -> Params:
     return jax.tree.map(lambda s: s.axes, param_specs(cfg), is_leaf=_is_spec)
 

@@ -58,8 +58,8 @@ def parse_mesh_spec(spec: str) -> dict[str, int]:
         name = name.strip()
         if not eq or name not in MESH_AXES or not size.strip().isdigit() or int(size) < 1:
             raise errors.ShardingError(
-                f"mesh spec {spec!r}: each part must be AXIS=SIZE with AXIS one of {MESH_AXES} and "
-                "SIZE >= 1, e.g. 'data=2,model=4'")
+                f"mesh spec {spec!r}: part {part.strip()!r} is not AXIS=SIZE with AXIS one of {MESH_AXES} "
+                "and SIZE >= 1; write e.g. 'data=2,model=4'")
         if name in out:
             raise errors.ShardingError(f"mesh spec {spec!r} names axis {name!r} twice")
         out[name] = int(size)

@@ -46,7 +46,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jdllm import errors
-from jdllm.model import default_positions, forward, lm_head, param_shapes, predicts_next
+from jdllm.model import default_positions, forward, lm_head, predicts_next, shape_mismatch
 from jdllm.rl.rollouts import Rollout, RolloutSpec
 from jdllm.sampling import exclude_token, filter_logits, per_row
 
@@ -56,25 +56,20 @@ METHODS = ("auto", "teacher_forcing", "packed", "per_step")
 # --------------------------------------------------------------------------- checks
 def check_params(params, cfg) -> None:
     """params must have the model's weight shapes (static: works under jit) -> ConfigError naming the weight."""
-    want = param_shapes(cfg)
-    flat_w = dict(jax.tree_util.tree_flatten_with_path(want, is_leaf=lambda x: isinstance(x, tuple))[0])
     try:
-        flat_p = dict(jax.tree_util.tree_flatten_with_path(params)[0])
+        bad = shape_mismatch(params, cfg)
     except Exception as e:  # noqa: BLE001
         raise errors.ConfigError(f"params are not a weight pytree: {e}") from None
-    for path, shape in flat_w.items():
-        name = jax.tree_util.keystr(path)
-        if path not in flat_p:
-            raise errors.ConfigError(f"params lack weight {name} of shape {shape}: they are from another "
-                                     "model config")
-        got = tuple(flat_p[path].shape)
-        if got != tuple(shape):
-            raise errors.ConfigError(f"params weight {name} has shape {got}, the model config wants {tuple(shape)}: "
-                                     "params from another model config")
-    extra = [jax.tree_util.keystr(p) for p in flat_p if p not in flat_w]
-    if extra:
-        raise errors.ConfigError(f"params hold weights {extra[:3]} this model config does not have: params from "
+    if bad is None:
+        return
+    name, got, want = bad
+    if got is None:
+        raise errors.ConfigError(f"params lack weight {name} of shape {want}: they are from another model config")
+    if want is None:
+        raise errors.ConfigError(f"params hold weight {name} this model config does not have: params from "
                                  "another model config")
+    raise errors.ConfigError(f"params weight {name} has shape {got}, the model config wants {want}: "
+                             "params from another model config")
 
 
 def _concrete(x) -> bool:

@@ -1,0 +1,143 @@
+"""Checkpoints of a real size: load and conversion time and peak host memory.
+
+Writes a synthetic Hugging Face directory shaped like a real model (random bf16
+weights, sharded safetensors + index, written one shard at a time), then
+measures, each in a fresh subprocess (peak RSS = that process's ru_maxrss):
+
+  load_hf_1dev    jdllm.load(hf_dir) onto one CPU device
+  load_hf_mesh    jdllm.load(hf_dir, mesh=1x8) onto 8 fake CPU devices
+  convert         jdllm convert hf_dir -> Orbax checkpoint
+  load_ckpt_mesh  jdllm.load(ckpt, mesh=1x8): Orbax restore straight into the shardings
+  baseline        a process that imports jax + jdllm and does nothing
+
+On CPU "devices" the loaded weights live in the same process, so a load's peak
+RSS includes the model itself: the host overhead is peak - baseline - model bytes.
+
+    python benchmarks/checkpoint_scale.py --shape qwen3-0.6b --dir /tmp/ckpt_scale
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SHAPES = {  # Qwen3 / SDAR family shapes (config.json keys)
+    "qwen3-0.6b": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
+                       num_key_value_heads=8, head_dim=128),
+    "sdar-1.7b": dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16,
+                      num_key_value_heads=8, head_dim=128),
+}
+
+
+def write_hf(path: str, shape: str, shard_bytes: int) -> dict:
+    import torch  # noqa: PLC0415
+    from safetensors.torch import save_file  # noqa: PLC0415
+
+    sys.path.insert(0, ROOT)
+    from jdllm.config import ModelConfig  # noqa: PLC0415
+    from jdllm.hf_layout import hf_tensor_names  # noqa: PLC0415
+
+    os.makedirs(path, exist_ok=True)
+    conf = dict(model_type="qwen3", architectures=["Qwen3ForCausalLM"], vocab_size=151936,
+                max_position_embeddings=40960, rms_norm_eps=1e-6, rope_theta=1000000.0,
+                tie_word_embeddings=True, torch_dtype="bfloat16", eos_token_id=151645, **SHAPES[shape])
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(conf, f)
+    cfg = ModelConfig.from_hf(path)
+    slots = hf_tensor_names(cfg)
+    gen = torch.Generator().manual_seed(0)
+    weight_map, shard, size, n, largest, total = {}, {}, 0, 0, 0, 0
+
+    def flush():
+        nonlocal shard, size, n
+        if shard:
+            fn = f"model-{n:05d}.safetensors"
+            save_file(shard, os.path.join(path, fn), metadata={"format": "pt"})
+            weight_map.update({k: fn for k in shard})
+            shard, size, n = {}, 0, n + 1
+
+    for name, slot in slots.items():
+        t = (torch.randn(slot.hf_shape, generator=gen) * 0.02).to(torch.bfloat16)
+        nbytes = t.numel() * 2
+        largest, total = max(largest, nbytes), total + nbytes
+        if size and size + nbytes > shard_bytes:
+            flush()
+        shard[name], size = t, size + nbytes
+    flush()
+    with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f)
+    return dict(params=sum(v.hf_shape[0] * (v.hf_shape[1] if len(v.hf_shape) > 1 else 1) for v in slots.values()),
+                model_bytes=total, largest_tensor_bytes=largest, shards=n)
+
+
+CHILD = r"""
+import json, os, resource, sys, time
+sys.path.insert(0, {root!r})
+what, src, dst = sys.argv[1:4]
+t0 = time.perf_counter()
+import jax
+import jdllm
+from jdllm import sharding
+t_import = time.perf_counter() - t0
+t0 = time.perf_counter()
+if what in ("load_hf_1dev", "load_hf_mesh", "load_ckpt_mesh"):
+    mesh = sharding.make_mesh("model=8") if what.endswith("mesh") else None
+    m = jdllm.load(src if what != "load_ckpt_mesh" else dst, dtype="bfloat16", mesh=mesh)
+    jax.block_until_ready(m.params)
+    biggest = max(max(s.data.nbytes for s in x.addressable_shards) for x in jax.tree.leaves(m.params))
+elif what == "convert":
+    from convert.io import convert_checkpoint
+    convert_checkpoint(src, dst, dtype="bfloat16", overwrite=True, progress=False)
+    biggest = 0
+else:
+    biggest = 0
+dt = time.perf_counter() - t0
+print(json.dumps(dict(what=what, seconds=round(dt, 2), import_s=round(t_import, 2),
+                      peak_rss_gb=round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 3),
+                      largest_device_buffer_gb=round(biggest / 2**30, 3))))
+"""
+
+
+def child(what: str, src: str, dst: str) -> dict:
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=8")
+    out = subprocess.run([sys.executable, "-c", CHILD.format(root=ROOT), what, src, dst], env=env,
+                         capture_output=True, text=True, check=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-0.6b")
+    p.add_argument("--dir", default="/tmp/jdllm_ckpt_scale")
+    p.add_argument("--shard-mb", type=int, default=512)
+    p.add_argument("--steps", default="baseline,load_hf_1dev,load_hf_mesh,convert,load_ckpt_mesh")
+    p.add_argument("--json", default=None)
+    p.add_argument("--keep", action="store_true", help="keep the synthetic checkpoints")
+    args = p.parse_args(argv)
+    hf_dir, ck_dir = os.path.join(args.dir, "hf"), os.path.join(args.dir, "jdllm")
+    t0 = time.perf_counter()
+    info = write_hf(hf_dir, args.shape, args.shard_mb << 20)
+    info.update(shape=args.shape, write_s=round(time.perf_counter() - t0, 1))
+    print(json.dumps(info), flush=True)
+    rows = []
+    for what in args.steps.split(","):
+        r = child(what, hf_dir, ck_dir)
+        rows.append(r)
+        print(json.dumps(r), flush=True)
+    meta = dict(load_average=os.getloadavg(), **info)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(meta=meta, results=rows), f, indent=1)
+    if not args.keep:
+        shutil.rmtree(args.dir, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
