@@ -47,8 +47,10 @@ def test_sharded_decoding_equals_one_device():
         assert r["equal"], r
         assert r["split"], r
         assert r.get("retraced", 0) == 0, r
-        # logits: sums over sharded heads / MLP columns add in another order (float32)
-        assert r["logit_diff"] <= 1e-5 * max(1.0, r.get("logit_scale", 1.0)), r
+        # logits: sums over sharded heads / MLP columns add in another order (float32); the
+        # peaked test weights (logits ~20) amplify that to a relative ~1e-5
+        assert r["logit_diff"] <= 1e-5, r
+        assert r.get("peaked_diff", 0.0) <= 5e-5 * r.get("peaked_scale", 1.0), r
     errs = {r["error"]: r["message"] for r in rows if "error" in r}
     assert "kv_heads" in errs["indivisible"] and "['layers']['k']" in errs["indivisible"]
     assert "ShardingError" == errs["indivisible_type"]
