@@ -31,6 +31,7 @@ _EXPORTS = {
     "errors": "jdllm.errors",
     "constraints": "jdllm.constraints",
     "rl": "jdllm.rl",  # rollouts, trajectory log-likelihoods, RL losses
+    "sharding": "jdllm.sharding",  # device meshes: make_mesh, rules, Placement
 }
 
 # Named in the design's public contract but not built yet: a clear error, not an ImportError.
@@ -45,7 +46,7 @@ def __getattr__(name: str):
         raise AttributeError(f"jdllm.{name}: {_PLANNED[name]} is not implemented yet")
     if mod is None:
         raise AttributeError(f"module 'jdllm' has no attribute {name!r}")
-    if name in ("errors", "constraints", "rl"):
+    if name in ("errors", "constraints", "rl", "sharding"):
         return importlib.import_module(mod)
     return getattr(importlib.import_module(mod), name)
 
