@@ -100,6 +100,14 @@ def test_mesh_and_rules_errors():
         jdllm.load(os.path.join(ROOT, "models", "tiny-ar"), rules={"mlp": None})
 
 
+def test_cli_mesh_option_refuses_a_bad_mesh():
+    res = subprocess.run([sys.executable, "-m", "jdllm.cli", "generate", os.path.join(ROOT, "models", "tiny-ar"),
+                          "--mesh", "data=2,model=4", "--prompt-ids", "1,2"], capture_output=True, text=True,
+                         cwd=ROOT, env=_env(1), timeout=300)
+    assert res.returncode == 2, res.stderr
+    assert "Traceback" not in res.stderr and "needs 8 devices but 1" in res.stderr, res.stderr
+
+
 def test_one_device_mesh_is_a_no_op():
     """A 1x1 mesh: load(mesh=) places every weight on it and computes the logits of a plain load."""
     path = os.path.join(ROOT, "models", "tiny-ar")
