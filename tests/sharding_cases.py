@@ -141,6 +141,9 @@ def main(which: str = "all"):
         emit(paradigm="pallas_block_diffusion", mesh="1x8", equal=got == ref, split=split_ok(sm),
              **({} if which == "quick" else logit_check(m, sm)), tokens=[g[0] for g in got],
              ref=[r[0] for r in ref])
+        # default rules (heads and KV heads both split over `model`, rows over `data`): logits only
+        sm = jdllm.Model(m.config, m.params, attn_impl="pallas").shard(meshes["2x4"])
+        emit(paradigm="pallas_logits", mesh="2x4", equal=True, split=split_ok(sm), **logit_check(m, sm))
     if which in ("all", "quick", "rl"):
         # RL rollouts take sharded params: same sampled tokens and log-probs as on one device
         from jdllm import rl  # noqa: PLC0415
