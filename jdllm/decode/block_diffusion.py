@@ -20,9 +20,9 @@ the commit of block b rides on the first denoising forward of block b + 1: one
 forward over both blocks (2B slots, block-causal, so block b does not see
 b + 1 and its K/V equal the unfused commit's), then `cache.commit(+B)`. The
 prompt's blocks are fused the same way with the first block's first step.
-Same tokens, one forward fewer per block. Every step runs the same two-block
-window shape (see `BlockDiffusion.forward`), so the loop body has no branch and
-the cache is updated in place.
+Same tokens, one forward fewer per block. Only that first step pays the
+two-block window; the block's other steps run the block alone against the
+cache (see `BlockDiffusion.forward`).
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ import dataclasses
 import warnings
 from typing import ClassVar
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -189,23 +190,31 @@ class BlockDiffusion:
         return common.count_forward(state, ~state.done & (state.start < P))
 
     def forward(self, params, ctx, state: DecodeState, plan: common.Plan):
-        """One forward per row over its window [c - W, c + W), c = the row's current block.
+        """One forward per row at its current block c; the window is [c - W, c + W) on the steps that
+        commit and [c, c + W) on the others (one window shape for the whole batch per step).
 
-        The current block is always the window's second half; the first half is
-        the previous block, clean. While the cache already holds it (length c)
-        the forward recomputes it from the same clean tokens and the same
-        visible keys (block-causal: it never sees the second half), so its cached
-        K/V are rewritten with the values already there (bit for bit when the
-        committing forward had this window shape; up to float rounding right
-        after the prefill). When the row has just filled that block (length
-        c - W) this forward writes its clean K/V and the commit to c keeps them:
-        the commit rides on the next block's first denoising step (fused);
-        unfused, that step only commits (one extra forward, as in SDAR). One
-        window shape for every step and row: no `lax.cond`, so the KV cache is
-        updated in place.
+        A row whose previous block is filled but not committed yet (cache
+        length c - W: its first step in block c) needs the wide window: the
+        previous block, clean, is recomputed in front of the current one
+        (block-causal: it never sees the second half), its K/V written, and
+        the commit to c keeps them: the commit rides on the next block's first
+        denoising step (fused); unfused, that step only commits (one extra
+        forward, as in SDAR). Every other step runs the current block alone
+        against the cache (a shifted-logit model: with the slot before it,
+        whose logits predict the block's first slot), so a block of W slots decoded in s steps costs one
+        2W-slot forward and s - 1 W-slot ones, not s 2W-slot ones. When some
+        rows of a batch commit and others do not, the wide window runs for all;
+        the others rewrite their cached previous block from the same clean
+        tokens and visible keys (the values already there, up to rounding).
         """
         W, c = self.block_length, plan.offset
-        logits, state = common.forward_window(params, ctx, state, c - W, 2 * W, at=plan.slots, commit=c)
+
+        def run(lo, width):
+            return lambda st: common.forward_window(params, ctx, st, lo, width, at=plan.slots, commit=c)
+
+        shift = int(ctx.model.logit_shift)  # a shifted model predicts slot c from c - 1: keep it in the window
+        commits = jnp.any((state.cache.length < c) & ~state.done)
+        logits, state = jax.lax.cond(commits, run(c - W, 2 * W), run(c - shift, W + shift), state)
         return common.count_forward(state, ~state.done), logits
 
 
