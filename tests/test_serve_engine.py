@@ -23,8 +23,18 @@ def _case(which: str):
     generation bucket each, so the alone references compile once."""
     if which == "ar":
         return causal_model(), jdllm.AR(), (7, 2, 12, 4, 15, 3, 9, 1), (9, 14, 5, 16, 3, 11, 7, 12)
+    if which == "ar_spec":  # a draft model: its KV cache rides along in the row (max_new + k <= 16)
+        m = causal_model()
+        return (m, _spec_of(m), (7, 2, 12, 4, 15, 3, 9, 1), (9, 12, 5, 13, 3, 11, 7, 12))
     par = jdllm.BlockDiffusion(block_length=4, denoising_steps=2, confidence_threshold=0.7)
     return block_model(), par, (7, 2, 5, 4, 6, 3, 1, 7), (10, 13, 11, 12, 10, 13, 12, 11)
+
+
+@functools.lru_cache(maxsize=None)
+def _spec_of(m):
+    from tests.test_decode_ar_spec import draft_for
+
+    return jdllm.Speculative(draft=draft_for(m), num_draft_tokens=3)
 
 
 @functools.lru_cache(maxsize=None)
@@ -42,7 +52,7 @@ def _fields(o):
     return o.token_ids, o.step_map, o.nfe, o.finish_reason
 
 
-@pytest.mark.parametrize("which", ["ar", "block_diffusion"])
+@pytest.mark.parametrize("which", ["ar", "block_diffusion", "ar_spec"])
 def test_staggered_requests_equal_generate_alone_without_recompiles(which):
     """Eight requests of mixed prompt and answer lengths arrive while others decode (three rows, so
     rows are reused); one is sampled, one stops on a stop id. Each equals generate() alone, token for
@@ -68,6 +78,7 @@ def test_staggered_requests_equal_generate_alone_without_recompiles(which):
         eng.run_until_idle()
         for r, w in zip(reqs, want):
             assert _fields(r.output) == _fields(w)
+            assert r.output.trace == w.trace  # ar_spec: drafts proposed / accepted, draft forwards
             np.testing.assert_allclose(r.output.logprobs, w.logprobs, atol=1e-5)
             streamed = [t for ev in r.events if ev.kind == "tokens" for t in ev.token_ids]
             assert streamed == r.output.token_ids
@@ -146,8 +157,8 @@ def test_bounded_queue_and_bad_requests_fail_before_compiling():
         E.Engine(m, jdllm.AR(), max_batch=0)
     from jdllm.serve.lifecycle import lifecycle_for
 
-    with pytest.raises(errors.DecodingConfigError, match="'ar_spec' cannot be served yet"):
-        lifecycle_for(type("Spec", (), {"name": "ar_spec"})())
+    with pytest.raises(errors.DecodingConfigError, match="'beam' cannot be served yet"):
+        lifecycle_for(type("Beam", (), {"name": "beam"})())
     eng.stop()
     with pytest.raises(errors.EngineStoppedError):
         eng.submit([1, 2], s)

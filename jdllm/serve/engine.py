@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jdllm import errors, inputs
-from jdllm.api import Output, default_paradigm, row_output
+from jdllm.api import Output, default_paradigm, params_for, row_output
 from jdllm.decode import common, loop
 from jdllm.loading import check_token_ids
 from jdllm.sampling import Sampling
@@ -69,6 +69,14 @@ def _close(pool: DecodeState, rows):
     """Rows [B] (bool) still running finish as ABORT (client gone)."""
     TRACES["close"] += 1
     return common.close_rows(pool, rows & ~pool.done, ABORT)
+
+
+def _idle_extra(params, pool: DecodeState, paradigm, ctx) -> dict:
+    """Zeros shaped like the `extra` the paradigm's prefill sets (ar_spec: counters, draft cache),
+    so a row's merge finds the same structure in the pool (traced only, nothing runs)."""
+    ctx1 = dataclasses.replace(ctx, prefill_len=1)
+    shapes = jax.eval_shape(lambda p, s: paradigm.prefill(p, ctx1, s).extra, params, pool)
+    return jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shapes)
 
 
 @functools.lru_cache(maxsize=None)
@@ -177,7 +185,9 @@ class Engine:
                             prefill_len=0)
         idle = common.new_state(cfg, [np.zeros(1, np.int32)] * R, lay, 1, stop_ids=[(-1,) * STOP_WIDTH] * R,
                                 active=np.zeros(R, bool))
-        self._pool = self._fns["buffers"](model.params, cfg, idle)
+        self.params = params_for(model, decoding)  # ar_spec: the draft's parameters ride along
+        pool = self._fns["buffers"](self.params, cfg, idle)
+        self._pool = pool.replace(extra=_idle_extra(self.params, pool, decoding, self.ctx))
         self._free = list(range(R))
         self._rows: dict[int, Request] = {}  # row -> running request
         self._waiting: collections.deque[Request] = collections.deque()
@@ -358,12 +368,12 @@ class Engine:
             self._pool = self._fns["close"](self._pool, jnp.asarray(mask))
         if self.drain and admit:
             state, self._ctx = self.lifecycle.batch(self.model, self.paradigm, admit)
-            self._pool = self._fns["prefill"](self.model.params, state, paradigm=self.paradigm, ctx=self._ctx)
+            self._pool = self._fns["prefill"](self.params, state, paradigm=self.paradigm, ctx=self._ctx)
         for req in admit if not self.drain else ():
             self._admit_one(req)
         if not self._rows:
             return
-        self._pool = self._fns["round"](self.model.params, self._pool, jnp.int32(self.steps_per_round),
+        self._pool = self._fns["round"](self.params, self._pool, jnp.int32(self.steps_per_round),
                                         paradigm=self.paradigm, ctx=self._ctx)
         self.rounds += 1
         self._stream()
@@ -375,14 +385,18 @@ class Engine:
         fresh = common.new_state(self.cfg, [np.asarray(req.prompt_ids, np.int32)], lay, s.max_new_tokens,
                                  settings=[s], stop_ids=[stops], seed=s.seed, stream=0)
         ctx = dataclasses.replace(self.ctx, prefill_len=int(lay.prefill_len))
-        self._pool = self._fns["admit"](self.model.params, self._pool, fresh, jnp.int32(req.row),
+        self._pool = self._fns["admit"](self.params, self._pool, fresh, jnp.int32(req.row),
                                         paradigm=self.paradigm, ctx=ctx)
 
     def _stream(self) -> None:
         """Send every running request what became final this round; finish and free done rows."""
-        host = jax.device_get({k: getattr(self._pool, k) for k in
-                               ("tokens", "revealed", "step_map", "logprobs", "gen_start", "limit", "end",
-                                "done", "finish", "nfe")})
+        trace_fn = getattr(self.paradigm, "output_trace", None)
+        keys = getattr(self.paradigm, "trace_keys", None) if trace_fn is not None else None
+        fields = {k: getattr(self._pool, k) for k in ("tokens", "revealed", "step_map", "logprobs", "gen_start",
+                                                      "limit", "end", "done", "finish", "nfe")}
+        if keys:  # the per-row analysis arrays Output.trace reads (ar_spec: drafts proposed / accepted)
+            fields["extra"] = {k: self._pool.extra[k] for k in keys}
+        host = jax.device_get(fields)
         now = time.perf_counter()
         finished = []
         with self._cv:
@@ -416,7 +430,8 @@ class Engine:
                                logprobs=host["logprobs"][r, sl].tolist()))
                 req.sent = end - g0
             if done:
-                req.output = row_output(host, r, req.prompt_ids, self.model.tokenizer)
+                trace = trace_fn(host["extra"], r) if keys else None
+                req.output = row_output(host, r, req.prompt_ids, self.model.tokenizer, trace)
                 req.finished, req.status = now, "done"
                 finished.append((r, req))
         with self._cv:
