@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import re
 import os
 import threading
 import time
@@ -31,7 +32,7 @@ def server():
     """(base url, engine, model): tiny-ar served by uvicorn on a thread; always shut down."""
     model = jdllm.load(os.path.join(ROOT, "models", "tiny-ar"))
     engine = Engine(model, max_batch=4, max_prompt_tokens=48, max_new_tokens=24, max_queue=64, steps_per_round=2,
-                    compiler_options=FAST_COMPILE)
+                    compiler_options=FAST_COMPILE, constraint_states=16, constraint_classes=16)
     config = uvicorn.Config(create_app(engine, NAME), host="127.0.0.1", port=0, log_level="warning")
     srv = uvicorn.Server(config)
     t = threading.Thread(target=srv.run, daemon=True)
@@ -222,3 +223,42 @@ def test_stop_strings_n_choices_and_logprobs_equal_offline(server):
          "stop=")
     h = httpx.get(f"{url}/health").json()
     assert (h["rows_busy"], h["waiting"], h["tracked"]) == (0, 0, 0)
+
+
+@pytest.mark.usefixtures("fast_compile")
+def test_constraints_through_response_format_equal_offline(server):
+    """response_format json_schema and jdllm.regex / choice run on the device beside free requests
+    (the pool holds every row's DFA table) and equal generate(constraint=...) on the DFA backend."""
+    url, engine, model = server
+    from jdllm import constraints as C
+
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)
+    schema = {"type": "integer", "minimum": 0}
+    cases = [("hello", dict(response_format={"type": "json_schema", "json_schema": {"name": "n", "schema": schema}}),
+              C.json_schema(schema, backend="dfa")),
+             ("sort:3 1 2=", dict(extra_body={"jdllm": {"regex": "[a-c]+"}}), C.regex("[a-c]+", backend="dfa")),
+             ("rev:abc=", dict(extra_body={"jdllm": {"choice": ["ab", "ba c"]}}), C.choice(["ab", "ba c"], backend="dfa")),
+             ("add:4+5=", {}, None)]
+
+    def call(case):
+        prompt, kw, _ = case
+        return client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": prompt}],
+                                              max_tokens=12, **kw).choices[0]
+
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        got = list(pool.map(call, cases))
+    for (prompt, _, c), g in zip(cases, got):
+        w = jdllm.generate(model, [prompt], sampling=jdllm.Sampling(max_new_tokens=12), constraint=c)[0]
+        assert (g.message.content, g.model_extra["jdllm"]["token_ids"]) == (w.text, w.token_ids), prompt
+        assert g.model_extra["jdllm"].get("constraint_ok") == w.constraint_ok
+    assert got[0].message.content.isdigit() and re.fullmatch("[a-c]+", got[1].message.content)  # free: "1 2 3"
+    assert got[2].message.content in ("ab", "ba c")
+    post = lambda body: httpx.post(f"{url}/v1/completions", json={"model": NAME, "prompt": "a", **body},  # noqa: E731
+                                   timeout=60)
+    _err(post({"response_format": {"type": "json_object"}}), 400, "json_object")
+    _err(post({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "object"}}}}), 400,
+         "matches no string")
+    _err(post({"jdllm": {"regex": "[a-c]{6}"}, "max_tokens": 4}), 400, "max_tokens")
+    _err(post({"jdllm": {"regex": "[a-z]{30}"}}), 400, "at most 16 states")
+    _err(post({"jdllm": {"regex": "("}}), 400, "regex")
+    _err(post({"jdllm": {"regex": "a", "choice": ["b"]}}), 400, "give one constraint")

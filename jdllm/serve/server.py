@@ -14,7 +14,11 @@ tokens' log-probs, under the distribution each was drawn from, temperature / top
 applied; top alternatives are not recorded, so asking for them is a 400).
 jdllm's own options go in a `jdllm` object (the `openai` client's
 `extra_body={"jdllm": {...}}`): `top_k`, `stop_token_ids`, `return_step_map` (stream a per-step
-event with the positions each step revealed and their step_map, for animating the denoising).
+event with the positions each step revealed and their step_map, for animating the denoising),
+`regex` / `choice` (a constraint). Constraints (`response_format: {"type": "json_schema",
+"json_schema": {"schema": {...}}}`, or `jdllm.regex` / `jdllm.choice`) are enforced on the device
+by the DFA backend (`jdllm.constraints.dfa`: regular languages, non-recursive schemas) when the
+server was started with `--constraint-states Q`; choices then carry `jdllm.constraint_ok`.
 The paradigm is fixed when the server starts (it is compiled into the engine); an unknown option
 is refused. Every response choice carries `jdllm: {token_ids, step_map, nfe}` (streamed chunks:
 `token_ids`, `step_map` of the tokens they carry).
@@ -37,7 +41,7 @@ from jdllm import errors
 from jdllm.sampling import Sampling
 from jdllm.serve.engine import Engine, Event
 
-JDLLM_OPTIONS = ("top_k", "stop_token_ids", "return_step_map")
+JDLLM_OPTIONS = ("top_k", "stop_token_ids", "return_step_map", "regex", "choice")
 
 
 class ApiError(Exception):
@@ -123,6 +127,7 @@ class Choice:
         self.sent_ids = 0  # tokens sent so far
         self.finish: str | None = None
         self.nfe: int | None = None
+        self.constraint_ok: bool | None = None  # constrained: the whole output matches
         self.request = None  # the engine Request
 
     @property
@@ -136,7 +141,7 @@ class Choice:
     def feed(self, ev: Event) -> tuple[str, slice]:
         """The delta text and the new tokens (a slice of self.ids) this event lets out."""
         if ev.kind == "done":
-            self.nfe = ev.output.nfe
+            self.nfe, self.constraint_ok = ev.output.nfe, ev.output.constraint_ok
             if not self.ids and ev.output.token_ids:  # a "done" with nothing streamed before it
                 self.ids, self.step_map = list(ev.output.token_ids), list(ev.output.step_map)
                 self.logprobs = list(ev.output.logprobs)
@@ -187,6 +192,42 @@ class Server:
         self.created = int(time.time())
 
     # ----------------------------------------------------------------- parsing
+    def constraint(self, body: dict):
+        """The request's constraint (`response_format` json_schema, or jdllm.regex / jdllm.choice) as a
+        `jdllm.constraints.Constraint` for the on-device DFA backend, or None."""
+        extra = body.get("jdllm") or {}
+        rf = body.get("response_format")
+        rf = None if rf in (None, {"type": "text"}) else rf
+        given = [n for n, v in (("response_format", rf), ("jdllm.regex", extra.get("regex")),
+                                ("jdllm.choice", extra.get("choice"))) if v is not None]
+        if not given:
+            return None
+        if len(given) > 1:
+            raise ApiError(400, f"give one constraint, got {given}", given[1])
+        if not self.engine.constraint_states:
+            raise ApiError(400, "this server enforces no constraints (start it with --constraint-states Q)",
+                           given[0])
+        from jdllm import constraints as C  # noqa: PLC0415
+
+        try:
+            if rf is not None:
+                kind = rf.get("type") if isinstance(rf, dict) else None
+                if kind == "json_object":
+                    raise ApiError(400, "response_format json_object (any JSON object) is not a regular "
+                                        "language; give {\"type\": \"json_schema\", \"json_schema\": "
+                                        "{\"schema\": {...}}}", "response_format")
+                js = rf.get("json_schema") if kind == "json_schema" else None
+                if not isinstance(js, dict) or "schema" not in js:
+                    raise ApiError(400, f"response_format={rf!r}: expected {{\"type\": \"text\"}} or "
+                                        "{\"type\": \"json_schema\", \"json_schema\": {\"schema\": {...}}}",
+                                   "response_format")
+                return C.json_schema(js["schema"], backend="dfa")
+            if extra.get("regex") is not None:
+                return C.regex(extra["regex"], backend="dfa")
+            return C.choice(extra["choice"], backend="dfa")
+        except errors.JdllmError as e:
+            raise ApiError(400, str(e), given[0]) from None
+
     def sampling(self, body: dict, max_default: int, max_names=("max_tokens",)) -> tuple[Sampling, bool]:
         model = body.get("model")
         if model is None:
@@ -262,13 +303,16 @@ class Server:
             return [int(t) for t in ids]
         return self.prompt_ids("\n".join(m["content"] for m in messages))
 
-    def submit(self, ids: list[int], sampling: Sampling, step_map: bool, on_event):
+    def submit(self, ids: list[int], sampling: Sampling, step_map: bool, on_event, constraint=None):
         try:
-            return self.engine.submit(ids, sampling, return_step_map=step_map, on_event=on_event)
+            return self.engine.submit(ids, sampling, return_step_map=step_map, on_event=on_event,
+                                      constraint=constraint)
         except errors.QueueFullError as e:
             raise ApiError(429, f"server overloaded: {e}", type_="rate_limit_error", code="queue_full") from None
         except errors.EngineStoppedError as e:
             raise ApiError(503, str(e), type_="server_error", code="shutting_down") from None
+        except errors.ConstraintError as e:
+            raise ApiError(400, str(e), "response_format") from None
         except errors.JdllmError as e:
             raise ApiError(400, str(e), "prompt") from None
 
@@ -321,13 +365,15 @@ def create_app(engine: Engine, model_name: str = "jdllm"):
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         n = _number(body, "n", 1, int, 1, MAX_N)
-        stops, want_lp = _stops(body), _logprobs(body, chat)
+        stops, want_lp, constraint = _stops(body), _logprobs(body, chat), srv.constraint(body)
         choices = [Choice(i, srv, stops) for i in range(n)]
         try:  # choice i samples with seed + i (greedy choices are all the same)
             for c in choices:
                 s = sampling if c.index == 0 else dataclasses.replace(sampling, seed=(sampling.seed + c.index) % 2**32)
-                c.request = srv.submit(ids, s, step_map,
-                                       lambda ev, i=c.index: loop.call_soon_threadsafe(queue.put_nowait, (i, ev)))
+                args = (ids, s, step_map, lambda ev, i=c.index: loop.call_soon_threadsafe(queue.put_nowait, (i, ev)),
+                        constraint)
+                # compiling a constraint's DFA takes host time: off the event loop
+                c.request = await asyncio.to_thread(srv.submit, *args) if constraint else srv.submit(*args)
         except ApiError:
             for c in choices:
                 if c.request is not None:
@@ -381,6 +427,8 @@ def create_app(engine: Engine, model_name: str = "jdllm"):
                 d = {"index": c.index, "finish_reason": c.finish,
                      "logprobs": c.logprob_block(slice(0, len(c.ids)), chat) if want_lp else None,
                      "jdllm": {"token_ids": c.ids, "step_map": c.step_map, "nfe": c.nfe}}
+                if constraint is not None:
+                    d["jdllm"]["constraint_ok"] = c.constraint_ok
                 if chat:
                     d["message"] = {"role": "assistant", "content": c.text}
                 else:
@@ -427,6 +475,8 @@ def create_app(engine: Engine, model_name: str = "jdllm"):
                     extra = {"token_ids": c.ids[new], "step_map": c.step_map[new]}
                     if c.done:
                         extra["nfe"] = c.nfe
+                        if constraint is not None:
+                            extra["constraint_ok"] = c.constraint_ok
                     if delta or new.stop > new.start or c.done:
                         yield sse(chunk(c, delta, c.finish, extra, lp))
                 yield "data: [DONE]\n\n"
