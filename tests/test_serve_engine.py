@@ -182,3 +182,34 @@ def test_masked_diffusion_joins_when_the_batch_drains():
     for p, n, r in zip(prompts, news, reqs):
         assert _fields(r.output) == _fields(_alone(m, par, p, jdllm.Sampling(max_new_tokens=n, stop_token_ids=())))
         assert [t for ev in r.events if ev.kind == "tokens" for t in ev.token_ids] == r.output.token_ids
+
+
+def test_multi_block_joins_when_the_batch_drains_with_constraints():
+    """multi_block (shared block grid) under the drain rule, on tiny-sdar with on-device constraints:
+    requests arriving while a batch decodes wait for it to drain, then start together; each request,
+    constrained or free, equals generate() alone (the DFA backend for constrained ones)."""
+    import os
+
+    from jdllm import constraints as C
+
+    m = jdllm.load(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "models", "tiny-sdar"))
+    par = jdllm.MultiBlock(block_size=4)
+    eng = E.Engine(m, par, max_batch=3, max_prompt_tokens=16, max_new_tokens=8, steps_per_round=1,
+                   compiler_options=FAST_COMPILE, constraint_states=16, constraint_classes=16)
+    prompts = ["sort:3 1 2=", "rev:abc=", "sort:9 5 7 1=", "add:12+34="]
+    cons = [None, C.regex("[a-c]+", backend="dfa"), C.choice(["1 2", "7 9"], backend="dfa"), None]
+    s = jdllm.Sampling(max_new_tokens=8)
+    ids = [m.tokenizer.encode(p, add_special_tokens=False) for p in prompts]
+    reqs = [eng.submit(p, s, constraint=c) for p, c in zip(ids[:2], cons[:2])]
+    eng.step_round()
+    reqs += [eng.submit(p, s, constraint=c) for p, c in zip(ids[2:], cons[2:])]
+    eng.step_round()
+    assert [r.status for r in reqs[2:]] == ["waiting", "waiting"]  # a free row, but the batch had not drained
+    eng.run_until_idle()
+    for p, c, r in zip(prompts, cons, reqs):
+        want = jdllm.generate(m, [p], par, s, constraint=c)[0]
+        assert _fields(r.output) == _fields(want), p
+        assert r.output.constraint_ok == want.constraint_ok
+        assert [t for ev in r.events if ev.kind == "tokens" for t in ev.token_ids] == r.output.token_ids
+    assert reqs[1].output.constraint_ok and reqs[2].output.text in ("1 2", "7 9")
+    assert eng.stats()["rows_free"] == 3 and eng.stats()["tracked"] == 0
