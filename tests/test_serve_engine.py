@@ -159,6 +159,12 @@ def test_bounded_queue_and_bad_requests_fail_before_compiling():
 
     with pytest.raises(errors.DecodingConfigError, match="'beam' cannot be served yet"):
         lifecycle_for(type("Beam", (), {"name": "beam"})())
+    from jdllm import constraints as C
+
+    with pytest.raises(errors.ConstraintError, match="no constraint tables"):
+        eng.submit([1, 2], s, constraint=C.regex("[a-c]+", backend="dfa"))
+    with pytest.raises(errors.DecodingConfigError, match="'ar_spec' does not take on-device constraints"):
+        E.Engine(m, _spec_of(m), constraint_states=8)
     eng.stop()
     with pytest.raises(errors.EngineStoppedError):
         eng.submit([1, 2], s)

@@ -13,11 +13,18 @@ One scheduling round (`Engine.step_round`, run by the engine thread or driven by
    (cut at a revealed stop token), plus, on request, a per-step event naming every slot
    revealed and its `step_map`; finished rows send their `Output` and are freed.
 
-No recompiles as requests come and go (ar, block_diffusion: join at any round): the pool's shape
+No recompiles as requests come and go (ar, block_diffusion, ar_spec: join at any round; ar_spec's
+draft KV cache and counters ride in the row's `extra`): the pool's shape
 (rows, canvas, stop-id width) is fixed at construction, the row to merge into and the step count
 are traced values, and a joining row's prefill compiles once per prompt-length bucket (`TRACES`
 counts every trace). masked_diffusion / multi_block join only when the batch drains (see
 `jdllm.serve.lifecycle.DrainJoin`): one compile per batch shape bucket.
+
+Constraints (`Engine(constraint_states=Q)`, `submit(..., constraint=)`): every row of the pool
+carries an on-device token-DFA table (`DecodeState.constraint`, the DFA backend) padded to fixed
+buckets; a free row's table allows everything, so constrained and free requests share one
+compiled step. A finished row still takes part in the batched forward until an admission
+reuses it (it reveals nothing).
 """
 
 from __future__ import annotations
