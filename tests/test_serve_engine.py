@@ -23,8 +23,18 @@ def _case(which: str):
     generation bucket each, so the alone references compile once."""
     if which == "ar":
         return causal_model(), jdllm.AR(), (7, 2, 12, 4, 15, 3, 9, 1), (9, 14, 5, 16, 3, 11, 7, 12)
+    if which == "ar_spec":  # a draft model: its KV cache rides along in the row (max_new + k <= 16)
+        m = causal_model()
+        return (m, _spec_of(m), (7, 2, 12, 4, 15, 3, 9, 1), (9, 12, 5, 13, 3, 11, 7, 12))
     par = jdllm.BlockDiffusion(block_length=4, denoising_steps=2, confidence_threshold=0.7)
     return block_model(), par, (7, 2, 5, 4, 6, 3, 1, 7), (10, 13, 11, 12, 10, 13, 12, 11)
+
+
+@functools.lru_cache(maxsize=None)
+def _spec_of(m):
+    from tests.test_decode_ar_spec import draft_for
+
+    return jdllm.Speculative(draft=draft_for(m), num_draft_tokens=3)
 
 
 @functools.lru_cache(maxsize=None)
@@ -42,7 +52,7 @@ def _fields(o):
     return o.token_ids, o.step_map, o.nfe, o.finish_reason
 
 
-@pytest.mark.parametrize("which", ["ar", "block_diffusion"])
+@pytest.mark.parametrize("which", ["ar", "block_diffusion", "ar_spec"])
 def test_staggered_requests_equal_generate_alone_without_recompiles(which):
     """Eight requests of mixed prompt and answer lengths arrive while others decode (three rows, so
     rows are reused); one is sampled, one stops on a stop id. Each equals generate() alone, token for
@@ -68,6 +78,7 @@ def test_staggered_requests_equal_generate_alone_without_recompiles(which):
         eng.run_until_idle()
         for r, w in zip(reqs, want):
             assert _fields(r.output) == _fields(w)
+            assert r.output.trace == w.trace  # ar_spec: drafts proposed / accepted, draft forwards
             np.testing.assert_allclose(r.output.logprobs, w.logprobs, atol=1e-5)
             streamed = [t for ev in r.events if ev.kind == "tokens" for t in ev.token_ids]
             assert streamed == r.output.token_ids
@@ -146,8 +157,14 @@ def test_bounded_queue_and_bad_requests_fail_before_compiling():
         E.Engine(m, jdllm.AR(), max_batch=0)
     from jdllm.serve.lifecycle import lifecycle_for
 
-    with pytest.raises(errors.DecodingConfigError, match="'ar_spec' cannot be served yet"):
-        lifecycle_for(type("Spec", (), {"name": "ar_spec"})())
+    with pytest.raises(errors.DecodingConfigError, match="'beam' cannot be served yet"):
+        lifecycle_for(type("Beam", (), {"name": "beam"})())
+    from jdllm import constraints as C
+
+    with pytest.raises(errors.ConstraintError, match="no constraint tables"):
+        eng.submit([1, 2], s, constraint=C.regex("[a-c]+", backend="dfa"))
+    with pytest.raises(errors.DecodingConfigError, match="'ar_spec' does not take on-device constraints"):
+        E.Engine(m, _spec_of(m), constraint_states=8)
     eng.stop()
     with pytest.raises(errors.EngineStoppedError):
         eng.submit([1, 2], s)
@@ -171,3 +188,37 @@ def test_masked_diffusion_joins_when_the_batch_drains():
     for p, n, r in zip(prompts, news, reqs):
         assert _fields(r.output) == _fields(_alone(m, par, p, jdllm.Sampling(max_new_tokens=n, stop_token_ids=())))
         assert [t for ev in r.events if ev.kind == "tokens" for t in ev.token_ids] == r.output.token_ids
+
+
+def test_multi_block_joins_when_the_batch_drains_with_constraints():
+    """multi_block (shared block grid) under the drain rule, on tiny-sdar with on-device constraints:
+    requests arriving while a batch decodes wait for it to drain, then start together; each equals
+    generate() alone on the DFA backend."""
+    import os
+
+    from jdllm import constraints as C
+
+    m = jdllm.load(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "models", "tiny-sdar"))
+    par = jdllm.MultiBlock(block_size=4)
+    eng = E.Engine(m, par, max_batch=3, max_prompt_tokens=16, max_new_tokens=8, steps_per_round=1,
+                   compiler_options=FAST_COMPILE, constraint_states=16, constraint_classes=16)
+    prompts = ["sort:3 1 2=", "rev:abc=", "sort:9 5 7 1=", "add:12+34="]
+    # all constrained (one alone-reference compile); "[0-9 ]+" leaves the sort / add answers free
+    cons = [C.regex("[0-9 ]+", backend="dfa"), C.regex("[a-c]+", backend="dfa"),
+            C.choice(["1 2", "7 9"], backend="dfa"), C.regex("[0-9 ]+", backend="dfa")]
+    s = jdllm.Sampling(max_new_tokens=8)
+    ids = [m.tokenizer.encode(p, add_special_tokens=False) for p in prompts]
+    reqs = [eng.submit(p, s, constraint=c) for p, c in zip(ids[:2], cons[:2])]
+    eng.step_round()
+    reqs += [eng.submit(p, s, constraint=c) for p, c in zip(ids[2:], cons[2:])]
+    eng.step_round()
+    assert [r.status for r in reqs[2:]] == ["waiting", "waiting"]  # a free row, but the batch had not drained
+    eng.run_until_idle()
+    for p, c, r in zip(prompts, cons, reqs):
+        want = jdllm.generate(m, [p], par, s, constraint=c)[0]
+        assert _fields(r.output) == _fields(want), p
+        assert r.output.constraint_ok == want.constraint_ok
+        assert [t for ev in r.events if ev.kind == "tokens" for t in ev.token_ids] == r.output.token_ids
+    assert reqs[1].output.constraint_ok and reqs[2].output.text in ("1 2", "7 9")
+    assert reqs[0].output.text == "1 2 3"  # the loose regex leaves the model's own answer
+    assert eng.stats()["rows_free"] == 3 and eng.stats()["tracked"] == 0

@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import re
 import os
 import threading
 import time
 
 import httpx
+import numpy as np
 import pytest
 
 import jdllm
@@ -30,7 +32,7 @@ def server():
     """(base url, engine, model): tiny-ar served by uvicorn on a thread; always shut down."""
     model = jdllm.load(os.path.join(ROOT, "models", "tiny-ar"))
     engine = Engine(model, max_batch=4, max_prompt_tokens=48, max_new_tokens=24, max_queue=64, steps_per_round=2,
-                    compiler_options=FAST_COMPILE)
+                    compiler_options=FAST_COMPILE, constraint_states=16, constraint_classes=16)
     config = uvicorn.Config(create_app(engine, NAME), host="127.0.0.1", port=0, log_level="warning")
     srv = uvicorn.Server(config)
     t = threading.Thread(target=srv.run, daemon=True)
@@ -167,3 +169,96 @@ def test_cli_serve_refuses_a_paradigm_the_model_cannot_run(capsys):
 
     assert main(["serve", os.path.join(ROOT, "models", "tiny-sdar"), "--paradigm", "ar"]) == 2
     assert "needs a causal model" in capsys.readouterr().err
+
+
+@pytest.mark.usefixtures("fast_compile")
+def test_stop_strings_n_choices_and_logprobs_equal_offline(server):
+    """`stop` cuts a choice before its first stop string (streamed or not, the row freed early);
+    n=3 sampled choices each equal generate() alone with seed + i; logprobs are the recorded ones."""
+    url, engine, model = server
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)
+    prompt, free = "sort:7 3 9 1 5=", jdllm.Sampling(max_new_tokens=16, stop_token_ids=())
+    want = jdllm.generate(model, [prompt], sampling=free)[0]
+    j = next(j for j in range(2, len(want.text) - 1) if want.text.find(want.text[j:j + 2]) == j)
+    stop = want.text[j:j + 2]
+    k = next(k for k in range(1, 17) if stop in model.tokenizer.decode(want.token_ids[:k], skip_special_tokens=True))
+    kw = dict(model=NAME, prompt=prompt, max_tokens=16, stop=[stop, "\x00never"],
+              extra_body={"jdllm": {"stop_token_ids": []}})
+    res = client.completions.create(**kw, logprobs=0)
+    c = res.choices[0]
+    assert (c.text, c.finish_reason) == (want.text[:j], "stop")
+    assert c.model_extra["jdllm"]["token_ids"] == want.token_ids[:k] and res.usage.completion_tokens == k
+    np.testing.assert_allclose(c.logprobs.token_logprobs, want.logprobs[:k], atol=1e-5)
+    text, finish = "", None
+    for ch in client.completions.create(**kw, stream=True):
+        text += ch.choices[0].text
+        finish = ch.choices[0].finish_reason or finish
+    assert (text, finish) == (want.text[:j], "stop")
+
+    hot = dict(temperature=0.9, top_k=0, stop_token_ids=(), max_new_tokens=10)
+    res = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "hello"}], n=3,
+                                         max_tokens=10, temperature=0.9, seed=11, logprobs=True,
+                                         extra_body={"jdllm": {"stop_token_ids": []}})
+    chat_ids = engine.model.tokenizer.apply_chat_template([{"role": "user", "content": "hello"}],
+                                                          add_generation_prompt=True, tokenize=True) \
+        if getattr(engine.model.tokenizer, "chat_template", None) else None
+    assert [c.index for c in res.choices] == [0, 1, 2]
+    for c in res.choices:
+        s = jdllm.Sampling(seed=11 + c.index, **hot)
+        w = jdllm.generate(model, [chat_ids if chat_ids else "hello"], sampling=s)[0]
+        assert (c.message.content, c.model_extra["jdllm"]["token_ids"]) == (w.text, w.token_ids)
+        np.testing.assert_allclose([t.logprob for t in c.logprobs.content], w.logprobs, atol=1e-5)
+    assert len({tuple(c.model_extra["jdllm"]["token_ids"]) for c in res.choices}) > 1  # really sampled apart
+    streamed = {}
+    for ch in client.completions.create(model=NAME, prompt="hello", n=2, max_tokens=10, temperature=0.9,
+                                        seed=11, stream=True, extra_body={"jdllm": {"stop_token_ids": []}}):
+        for c in ch.choices:
+            streamed[c.index] = streamed.get(c.index, "") + c.text
+    for i in (0, 1):
+        assert streamed[i] == jdllm.generate(model, ["hello"], sampling=jdllm.Sampling(seed=11 + i, **hot))[0].text
+    bad = {"model": NAME, "prompt": "a", "logprobs": 2}
+    _err(httpx.post(f"{url}/v1/completions", json=bad, timeout=60), 400, "logprobs=2")
+    _err(httpx.post(f"{url}/v1/completions", json={"model": NAME, "prompt": "a", "n": 99}, timeout=60), 400, "n=99")
+    _err(httpx.post(f"{url}/v1/completions", json={"model": NAME, "prompt": "a", "stop": [""]}, timeout=60), 400,
+         "stop=")
+    h = httpx.get(f"{url}/health").json()
+    assert (h["rows_busy"], h["waiting"], h["tracked"]) == (0, 0, 0)
+
+
+@pytest.mark.usefixtures("fast_compile")
+def test_constraints_through_response_format_equal_offline(server):
+    """response_format json_schema and jdllm.regex / choice run on the device beside free requests
+    (the pool holds every row's DFA table) and equal generate(constraint=...) on the DFA backend."""
+    url, engine, model = server
+    from jdllm import constraints as C
+
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)
+    schema = {"type": "integer", "minimum": 0}
+    cases = [("hello", dict(response_format={"type": "json_schema", "json_schema": {"name": "n", "schema": schema}}),
+              C.json_schema(schema, backend="dfa")),
+             ("sort:3 1 2=", dict(extra_body={"jdllm": {"regex": "[a-c]+"}}), C.regex("[a-c]+", backend="dfa")),
+             ("rev:abc=", dict(extra_body={"jdllm": {"choice": ["ab", "ba c"]}}), C.choice(["ab", "ba c"], backend="dfa")),
+             ("add:4+5=", {}, None)]
+
+    def call(case):
+        prompt, kw, _ = case
+        return client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": prompt}],
+                                              max_tokens=12, **kw).choices[0]
+
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        got = list(pool.map(call, cases))
+    for (prompt, _, c), g in zip(cases, got):
+        w = jdllm.generate(model, [prompt], sampling=jdllm.Sampling(max_new_tokens=12), constraint=c)[0]
+        assert (g.message.content, g.model_extra["jdllm"]["token_ids"]) == (w.text, w.token_ids), prompt
+        assert g.model_extra["jdllm"].get("constraint_ok") == w.constraint_ok
+    assert got[0].message.content.isdigit() and re.fullmatch("[a-c]+", got[1].message.content)  # free: "1 2 3"
+    assert got[2].message.content in ("ab", "ba c")
+    post = lambda body: httpx.post(f"{url}/v1/completions", json={"model": NAME, "prompt": "a", **body},  # noqa: E731
+                                   timeout=60)
+    _err(post({"response_format": {"type": "json_object"}}), 400, "json_object")
+    _err(post({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "object"}}}}), 400,
+         "matches no string")
+    _err(post({"jdllm": {"regex": "[a-c]{6}"}, "max_tokens": 4}), 400, "max_tokens")
+    _err(post({"jdllm": {"regex": "[a-z]{30}"}}), 400, "at most 16 states")
+    _err(post({"jdllm": {"regex": "("}}), 400, "regex")
+    _err(post({"jdllm": {"regex": "a", "choice": ["b"]}}), 400, "give one constraint")

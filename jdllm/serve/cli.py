@@ -24,6 +24,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="longest generation a request may ask for (default: the model's context, at most 256)")
     p.add_argument("--steps-per-round", type=int, default=4,
                    help="decoding steps between two scheduling rounds (default: 4)")
+    p.add_argument("--constraint-states", type=int, default=0,
+                   help="accept constrained requests (response_format json_schema, jdllm.regex / choice) with "
+                        "token DFAs of up to this many states, enforced on the device (default: 0, none)")
+    p.add_argument("--constraint-classes", type=int, default=64,
+                   help="token classes a constraint's DFA may have (with --constraint-states; default: 64)")
     p.add_argument("--dtype", default="float32", choices=DTYPES, help="parameter dtype (default: float32)")
     p.add_argument("--attn-impl", default="auto", choices=ATTN_IMPLS)
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
@@ -47,7 +52,8 @@ def run(args) -> int:
     decoding = decoding_from_args(args, model.config, command="serve")
     engine = Engine(model, decoding, max_batch=args.max_batch, max_queue=args.max_queue,
                     max_prompt_tokens=args.max_prompt_tokens, max_new_tokens=args.max_new_tokens,
-                    steps_per_round=args.steps_per_round)
+                    steps_per_round=args.steps_per_round, constraint_states=args.constraint_states,
+                    constraint_classes=args.constraint_classes)
     name = args.model_name or os.path.basename(os.path.normpath(args.model))
     print(f"jdllm serve: {name} ({decoding.name}, {args.max_batch} rows) on http://{args.host}:{args.port}/v1",
           file=sys.stderr)

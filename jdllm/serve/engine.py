@@ -13,11 +13,18 @@ One scheduling round (`Engine.step_round`, run by the engine thread or driven by
    (cut at a revealed stop token), plus, on request, a per-step event naming every slot
    revealed and its `step_map`; finished rows send their `Output` and are freed.
 
-No recompiles as requests come and go (ar, block_diffusion: join at any round): the pool's shape
+No recompiles as requests come and go (ar, block_diffusion, ar_spec: join at any round; ar_spec's
+draft KV cache and counters ride in the row's `extra`): the pool's shape
 (rows, canvas, stop-id width) is fixed at construction, the row to merge into and the step count
 are traced values, and a joining row's prefill compiles once per prompt-length bucket (`TRACES`
 counts every trace). masked_diffusion / multi_block join only when the batch drains (see
 `jdllm.serve.lifecycle.DrainJoin`): one compile per batch shape bucket.
+
+Constraints (`Engine(constraint_states=Q)`, `submit(..., constraint=)`): every row of the pool
+carries an on-device token-DFA table (`DecodeState.constraint`, the DFA backend) padded to fixed
+buckets; a free row's table allows everything, so constrained and free requests share one
+compiled step. A finished row still takes part in the batched forward until an admission
+reuses it (it reveals nothing).
 """
 
 from __future__ import annotations
@@ -36,7 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jdllm import errors, inputs
-from jdllm.api import Output, default_paradigm, row_output
+from jdllm.api import Output, default_paradigm, params_for, row_output
 from jdllm.decode import common, loop
 from jdllm.loading import check_token_ids
 from jdllm.sampling import Sampling
@@ -69,6 +76,14 @@ def _close(pool: DecodeState, rows):
     """Rows [B] (bool) still running finish as ABORT (client gone)."""
     TRACES["close"] += 1
     return common.close_rows(pool, rows & ~pool.done, ABORT)
+
+
+def _idle_extra(params, pool: DecodeState, paradigm, ctx) -> dict:
+    """Zeros shaped like the `extra` the paradigm's prefill sets (ar_spec: counters, draft cache),
+    so a row's merge finds the same structure in the pool (traced only, nothing runs)."""
+    ctx1 = dataclasses.replace(ctx, prefill_len=1)
+    shapes = jax.eval_shape(lambda p, s: paradigm.prefill(p, ctx1, s).extra, params, pool)
+    return jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shapes)
 
 
 @functools.lru_cache(maxsize=None)
@@ -123,6 +138,7 @@ class Request:
     first_token: float | None = None
     finished: float | None = None
     events: list[Event] | None = None  # kept when on_event is None (offline use, tests)
+    dfa: Any = None  # the constraint's token DFA (host tables), None = free
 
     def emit(self, ev: Event) -> None:
         if self.on_event is not None:
@@ -140,13 +156,18 @@ class Engine:
     canvas; default: the model's context, at most 512 and 256). max_queue: waiting requests
     beyond which `submit` raises `errors.QueueFullError`. steps_per_round: decoding steps between
     two host visits (admissions, aborts and streaming happen between rounds).
+    constraint_states / constraint_classes: > 0 lets requests carry a constraint (`submit(...,
+    constraint=)`), enforced by the on-device DFA backend (`jdllm.constraints.dfa`): every row
+    holds a token-DFA table padded to these buckets (rounded up to powers of two), so constrained
+    and free requests share one compiled step; each step then also runs the constraint's
+    reachability pass for every row (a cost the default, 0, does not pay).
 
     Drive it with `start()` (a background thread) or call `step_round()` yourself.
     """
 
     def __init__(self, model, decoding=None, *, max_batch: int = 8, max_prompt_tokens: int | None = None,
                  max_new_tokens: int | None = None, max_queue: int = 256, steps_per_round: int = 4,
-                 compiler_options: tuple = ()):
+                 compiler_options: tuple = (), constraint_states: int = 0, constraint_classes: int = 64):
         cfg = model.config
         decoding = default_paradigm(cfg) if decoding is None else decoding
         if not hasattr(decoding, "layout"):
@@ -154,7 +175,8 @@ class Engine:
         inputs.validate_paradigm(decoding, cfg)
         self.lifecycle = lifecycle_for(decoding)
         for name, v, lo in (("max_batch", max_batch, 1), ("max_queue", max_queue, 0),
-                            ("steps_per_round", steps_per_round, 1)):
+                            ("steps_per_round", steps_per_round, 1), ("constraint_states", constraint_states, 0),
+                            ("constraint_classes", constraint_classes, 1)):
             if isinstance(v, bool) or not isinstance(v, int) or v < lo:
                 raise errors.DecodingConfigError(f"{name}={v!r} must be an integer >= {lo}")
         ctx_len = cfg.max_position_embeddings
@@ -177,7 +199,19 @@ class Engine:
                             prefill_len=0)
         idle = common.new_state(cfg, [np.zeros(1, np.int32)] * R, lay, 1, stop_ids=[(-1,) * STOP_WIDTH] * R,
                                 active=np.zeros(R, bool))
-        self._pool = self._fns["buffers"](model.params, cfg, idle)
+        # on-device DFA constraints (jdllm.constraints.dfa): every row carries a table padded to
+        # fixed buckets, so a constrained request joins without a recompile; free rows allow all
+        self.constraint_states = common.bucket(constraint_states, 8) if constraint_states else 0
+        self.constraint_classes = common.bucket(constraint_classes, 8)
+        if self.constraint_states:
+            if self.paradigm.name == "ar_spec":
+                raise errors.DecodingConfigError(
+                    "paradigm 'ar_spec' does not take on-device constraints (its draft verification samples "
+                    "outside them); serve it with constraint_states=0")
+            idle = idle.replace(constraint=self._tables([None] * R, self.slots))
+        self.params = params_for(model, decoding)  # ar_spec: the draft's parameters ride along
+        pool = self._fns["buffers"](self.params, cfg, idle)
+        self._pool = pool.replace(extra=_idle_extra(self.params, pool, decoding, self.ctx))
         self._free = list(range(R))
         self._rows: dict[int, Request] = {}  # row -> running request
         self._waiting: collections.deque[Request] = collections.deque()
@@ -218,13 +252,49 @@ class Engine:
             raise errors.InputError(f"{len(stops)} stop token ids; a request may carry at most {STOP_WIDTH}")
         return ids, stops
 
+    def _tables(self, dfas: list, slots: int):
+        from jdllm.constraints.dfa_device import stack  # noqa: PLC0415
+
+        return stack(dfas, self.cfg.vocab_size, self.constraint_states, self.constraint_classes, slots=slots)
+
+    def compile_constraint(self, constraint, stops: tuple[int, ...], budget: int):
+        """A `jdllm.constraints.Constraint` -> its token DFA (the on-device "dfa" backend, whatever
+        backend the constraint names), checked against this engine's table buckets and the budget."""
+        if constraint is None:
+            return None
+        from jdllm import constraints as C  # noqa: PLC0415
+        from jdllm.constraints import dfa  # noqa: PLC0415
+
+        if not isinstance(constraint, C.Constraint):
+            raise errors.ArgumentTypeError(f"constraint must be a jdllm.constraints.Constraint, got "
+                                           f"{type(constraint).__name__}")
+        if not self.constraint_states:
+            raise errors.ConstraintError("this engine holds no constraint tables; build it with "
+                                         "constraint_states=Q (`jdllm serve --constraint-states Q`)")
+        if constraint.backend != "dfa":
+            constraint = C.Constraint(constraint.kind, constraint.source, "dfa")
+        d = dfa.compile(self.model, constraint, stops)
+        if d.num_states > self.constraint_states or d.num_classes > self.constraint_classes:
+            raise errors.ConstraintError(
+                f"the constraint compiles to {d.num_states} DFA states and {d.num_classes} token classes; this "
+                f"engine holds at most {self.constraint_states} states and {self.constraint_classes} classes "
+                "(constraint_states / constraint_classes); simplify it or raise them")
+        if d.min_tokens > budget:
+            raise errors.ConstraintError(f"the constraint's shortest match takes {d.min_tokens} tokens but "
+                                         f"max_new_tokens={budget}; raise max_tokens")
+        return d
+
     def submit(self, prompt_ids, sampling: Sampling | None = None, *, return_step_map: bool = False,
-               on_event: Callable[[Event], Any] | None = None) -> Request:
+               on_event: Callable[[Event], Any] | None = None, constraint=None) -> Request:
         """Queue one request (token ids). Events go to `on_event` (called on the engine's thread), or,
-        without one, collect in `request.events`. Raises `errors.QueueFullError` when `max_queue`
-        requests are already waiting, `errors.EngineStoppedError` after `stop()`."""
+        without one, collect in `request.events`. `constraint`: a `jdllm.constraints` constraint
+        (regex / json_schema / choice) enforced on the device (the engine needs `constraint_states`).
+        Raises `errors.QueueFullError` when `max_queue` requests are already waiting,
+        `errors.EngineStoppedError` after `stop()`, `errors.ConstraintError` for a constraint that
+        does not fit."""
         sampling = Sampling() if sampling is None else sampling
         ids, stops = self.check(prompt_ids, sampling)
+        dfa = self.compile_constraint(constraint, stops, sampling.max_new_tokens)
         with self._cv:
             if self._stopping:
                 raise errors.EngineStoppedError("the engine is shutting down; no new requests are accepted")
@@ -234,7 +304,7 @@ class Engine:
                     "retry later")
             req = Request(id=next(self._ids), prompt_ids=ids, sampling=sampling, stop_ids=stops,
                           return_step_map=bool(return_step_map), on_event=on_event, submitted=time.perf_counter(),
-                          events=[] if on_event is None else None)
+                          events=[] if on_event is None else None, dfa=dfa)
             self._requests[req.id] = req
             self._waiting.append(req)
             self._cv.notify_all()
@@ -358,12 +428,15 @@ class Engine:
             self._pool = self._fns["close"](self._pool, jnp.asarray(mask))
         if self.drain and admit:
             state, self._ctx = self.lifecycle.batch(self.model, self.paradigm, admit)
-            self._pool = self._fns["prefill"](self.model.params, state, paradigm=self.paradigm, ctx=self._ctx)
+            if self.constraint_states:
+                dfas = [r.dfa for r in admit] + [None] * (state.batch - len(admit))
+                state = state.replace(constraint=self._tables(dfas, state.slots))
+            self._pool = self._fns["prefill"](self.params, state, paradigm=self.paradigm, ctx=self._ctx)
         for req in admit if not self.drain else ():
             self._admit_one(req)
         if not self._rows:
             return
-        self._pool = self._fns["round"](self.model.params, self._pool, jnp.int32(self.steps_per_round),
+        self._pool = self._fns["round"](self.params, self._pool, jnp.int32(self.steps_per_round),
                                         paradigm=self.paradigm, ctx=self._ctx)
         self.rounds += 1
         self._stream()
@@ -374,15 +447,21 @@ class Engine:
         stops = req.stop_ids + (-1,) * (STOP_WIDTH - len(req.stop_ids))
         fresh = common.new_state(self.cfg, [np.asarray(req.prompt_ids, np.int32)], lay, s.max_new_tokens,
                                  settings=[s], stop_ids=[stops], seed=s.seed, stream=0)
+        if self.constraint_states:
+            fresh = fresh.replace(constraint=self._tables([req.dfa], self.slots))
         ctx = dataclasses.replace(self.ctx, prefill_len=int(lay.prefill_len))
-        self._pool = self._fns["admit"](self.model.params, self._pool, fresh, jnp.int32(req.row),
+        self._pool = self._fns["admit"](self.params, self._pool, fresh, jnp.int32(req.row),
                                         paradigm=self.paradigm, ctx=ctx)
 
     def _stream(self) -> None:
         """Send every running request what became final this round; finish and free done rows."""
-        host = jax.device_get({k: getattr(self._pool, k) for k in
-                               ("tokens", "revealed", "step_map", "logprobs", "gen_start", "limit", "end",
-                                "done", "finish", "nfe")})
+        trace_fn = getattr(self.paradigm, "output_trace", None)
+        keys = getattr(self.paradigm, "trace_keys", None) if trace_fn is not None else None
+        fields = {k: getattr(self._pool, k) for k in ("tokens", "revealed", "step_map", "logprobs", "gen_start",
+                                                      "limit", "end", "done", "finish", "nfe")}
+        if keys:  # the per-row analysis arrays Output.trace reads (ar_spec: drafts proposed / accepted)
+            fields["extra"] = {k: self._pool.extra[k] for k in keys}
+        host = jax.device_get(fields)
         now = time.perf_counter()
         finished = []
         with self._cv:
@@ -416,7 +495,11 @@ class Engine:
                                logprobs=host["logprobs"][r, sl].tolist()))
                 req.sent = end - g0
             if done:
-                req.output = row_output(host, r, req.prompt_ids, self.model.tokenizer)
+                trace = trace_fn(host["extra"], r) if keys else None
+                req.output = row_output(host, r, req.prompt_ids, self.model.tokenizer, trace)
+                if req.dfa is not None:
+                    ok = req.output.finish_reason in ("stop", "length") and req.dfa.accepts(req.output.token_ids)
+                    req.output = dataclasses.replace(req.output, constraint_ok=bool(ok))
                 req.finished, req.status = now, "done"
                 finished.append((r, req))
         with self._cv:

@@ -2,7 +2,9 @@
 pool, what state it carries in, how its row is placed on the pool's canvas.
 
 The scheduler (`jdllm.serve.engine`) knows nothing about paradigms; it asks the lifecycle of the
-engine's paradigm. A lifecycle is picked by the paradigm's registry name (`LIFECYCLES`).
+engine's paradigm. A lifecycle is picked by the paradigm's registry name (`LIFECYCLES`); a
+paradigm with state of its own to carry has its own file (`lifecycle_ar_spec.SpecJoin`: ar_spec
+joins at any round, its draft KV cache riding along in the row's `extra`).
 
 `RowJoin` (ar, block_diffusion): rows are fully independent in these paradigms (per-row
 positions, cache length, block grid and PRNG stream), so a request joins at any scheduling round.
@@ -28,12 +30,14 @@ not once per request; they still stream (the revealed prefix) between rounds.
 from __future__ import annotations
 
 import dataclasses
+import importlib
 
 import jax
 import numpy as np
 
 from jdllm import errors
 from jdllm.decode import common
+from jdllm.model import KVCache
 from jdllm.state import DecodeState
 
 
@@ -82,8 +86,10 @@ class DrainJoin:
         return prep.state, prep.ctx
 
 
-LIFECYCLES = {"ar": RowJoin(), "block_diffusion": RowJoin(), "masked_diffusion": DrainJoin(),
-              "multi_block": DrainJoin()}
+# paradigm name -> "module:Class" of its lifecycle (a paradigm with its own file imports this one)
+LIFECYCLES = {"ar": "jdllm.serve.lifecycle:RowJoin", "block_diffusion": "jdllm.serve.lifecycle:RowJoin",
+              "masked_diffusion": "jdllm.serve.lifecycle:DrainJoin", "multi_block": "jdllm.serve.lifecycle:DrainJoin",
+              "ar_spec": "jdllm.serve.lifecycle_ar_spec:SpecJoin"}
 
 
 def lifecycle_for(paradigm):
@@ -93,27 +99,29 @@ def lifecycle_for(paradigm):
         raise errors.DecodingConfigError(
             f"paradigm {name!r} cannot be served yet (continuous batching supports {sorted(LIFECYCLES)}); "
             "use jdllm.generate for it")
-    return LIFECYCLES[name]
+    mod, cls = LIFECYCLES[name].split(":")
+    return getattr(importlib.import_module(mod), cls)()
 
 
 def merge_row(pool: DecodeState, new: DecodeState, row) -> DecodeState:
     """`pool` with its row `row` (a traced int: no recompile per row) replaced by `new`'s only row.
 
     Every per-row field (canvas, positions, sampling, stop ids, PRNG key, counters, the row's KV
-    cache and prev_logits, paradigm `extra` arrays) is copied; batch scalars (`forwards`,
-    `iteration`) stay the pool's.
+    cache and prev_logits, paradigm `extra` arrays, on-device constraint tables) is copied; a
+    `KVCache` anywhere (the state's, or one a paradigm keeps in `extra`, e.g. ar_spec's draft
+    cache) along its batch axis 1; batch scalars (`forwards`, `iteration`) stay the pool's.
     """
     def put(p, n):
+        if isinstance(p, KVCache):
+            return dataclasses.replace(p, k=p.k.at[:, row].set(n.k[:, 0]), v=p.v.at[:, row].set(n.v[:, 0]),
+                                       length=p.length.at[row].set(n.length[0]))
         return p if p.ndim == 0 else p.at[row].set(n[0])
 
-    c, nc = pool.cache, new.cache
-    cache = dataclasses.replace(c, k=c.k.at[:, row].set(nc.k[:, 0]), v=c.v.at[:, row].set(nc.v[:, 0]),
-                                length=c.length.at[row].set(nc.length[0]))
     rest = {f.name: getattr(pool, f.name) for f in dataclasses.fields(pool)
-            if f.name not in ("cache", "forwards", "iteration")}
+            if f.name not in ("forwards", "iteration")}
     fresh = {k: getattr(new, k) for k in rest}
-    merged = jax.tree.map(put, rest, fresh)
-    return pool.replace(cache=cache, **merged)
+    merged = jax.tree.map(put, rest, fresh, is_leaf=lambda x: isinstance(x, KVCache))
+    return pool.replace(**merged)
 
 
 __all__ = ["RowJoin", "DrainJoin", "LIFECYCLES", "lifecycle_for", "merge_row"]

@@ -6,9 +6,19 @@ events, `data: {...}` chunks then `data: [DONE]`), `GET /v1/models`, `GET /healt
 Request fields: `model` (must name the served model), `prompt` (text or token ids; completions)
 or `messages` (chat: the tokenizer's chat template when it has one, else the contents joined by
 newlines), `max_tokens` (chat also `max_completion_tokens`), `temperature`, `top_p`, `seed`,
-`stream`. jdllm's own options go in a `jdllm` object (the `openai` client's
+`stream`, `stop` (up to 4 strings: a choice ends before the first one in its final text, its row
+is freed at the next round; while streaming, a tail that may begin a stop string is held back),
+`n` (up to 16 choices, each its own engine row and stream, choice i sampling with `seed + i`),
+`logprobs` (completions: `logprobs=0`; chat: `logprobs=true`, `top_logprobs=0`: the sampled
+tokens' log-probs, under the distribution each was drawn from, temperature / top-k / top-p
+applied; top alternatives are not recorded, so asking for them is a 400).
+jdllm's own options go in a `jdllm` object (the `openai` client's
 `extra_body={"jdllm": {...}}`): `top_k`, `stop_token_ids`, `return_step_map` (stream a per-step
-event with the positions each step revealed and their step_map, for animating the denoising).
+event with the positions each step revealed and their step_map, for animating the denoising),
+`regex` / `choice` (a constraint). Constraints (`response_format: {"type": "json_schema",
+"json_schema": {"schema": {...}}}`, or `jdllm.regex` / `jdllm.choice`) are enforced on the device
+by the DFA backend (`jdllm.constraints.dfa`: regular languages, non-recursive schemas) when the
+server was started with `--constraint-states Q`; choices then carry `jdllm.constraint_ok`.
 The paradigm is fixed when the server starts (it is compiled into the engine); an unknown option
 is refused. Every response choice carries `jdllm: {token_ids, step_map, nfe}` (streamed chunks:
 `token_ids`, `step_map` of the tokens they carry).
@@ -31,10 +41,7 @@ from jdllm import errors
 from jdllm.sampling import Sampling
 from jdllm.serve.engine import Engine, Event
 
-JDLLM_OPTIONS = ("top_k", "stop_token_ids", "return_step_map")
-IGNORED = ("user", "stream_options", "frequency_penalty", "presence_penalty", "logit_bias", "suffix", "echo",
-           "best_of", "logprobs", "top_logprobs", "n", "stop", "response_format", "tools", "tool_choice",
-           "parallel_tool_calls", "service_tier", "store", "metadata")
+JDLLM_OPTIONS = ("top_k", "stop_token_ids", "return_step_map", "regex", "choice")
 
 
 class ApiError(Exception):
@@ -61,18 +68,119 @@ def _number(body: dict, name: str, default, kind=float, lo=None, hi=None):
     return kind(v)
 
 
+MAX_N = 16  # choices per request
+MAX_STOPS = 4  # stop strings per request (OpenAI's limit)
+
+
 def _unsupported(body: dict) -> None:
-    n = body.get("n", 1)
-    if n not in (1, None):
-        raise ApiError(400, f"n={n!r}: this server returns one choice per request; send n requests", "n")
-    if body.get("stop"):
-        raise ApiError(400, "stop strings are not supported; pass token ids as jdllm.stop_token_ids", "stop")
-    if body.get("logprobs") not in (None, False, 0) or body.get("echo"):
-        raise ApiError(400, "logprobs / echo are not supported; per-token log-probs are not returned yet",
-                       "logprobs")
-    for name in ("response_format", "tools"):
-        if body.get(name) not in (None, {"type": "text"}):
+    if body.get("echo"):
+        raise ApiError(400, "echo is not supported", "echo")
+    if body.get("best_of") not in (None, 1, body.get("n", 1)):
+        raise ApiError(400, "best_of is not supported; use n", "best_of")
+    for name in ("tools", "logit_bias"):
+        if body.get(name):
             raise ApiError(400, f"{name} is not supported by this server", name)
+
+
+def _stops(body: dict) -> tuple[str, ...]:
+    stop = body.get("stop")
+    if stop is None:
+        return ()
+    stops = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stops, list) or not all(isinstance(x, str) and x for x in stops) or len(stops) > MAX_STOPS:
+        raise ApiError(400, f"stop={stop!r} must be a non-empty string or a list of at most {MAX_STOPS} "
+                            "non-empty strings", "stop")
+    return tuple(stops)
+
+
+def _logprobs(body: dict, chat: bool) -> bool:
+    """Whether choices carry the sampled tokens' log-probs (jdllm records only the sampled token's,
+    under the distribution it was drawn from: temperature / top-k / top-p applied)."""
+    if chat:
+        on = body.get("logprobs")
+        if on not in (None, True, False):
+            raise ApiError(400, f"logprobs={on!r} must be true or false", "logprobs")
+        top = body.get("top_logprobs")
+        if top not in (None, 0):
+            raise ApiError(400, f"top_logprobs={top!r}: only the sampled token's log-prob is recorded; "
+                                "use top_logprobs=0 (or leave it out)", "top_logprobs")
+        return bool(on)
+    n = body.get("logprobs")
+    if n is None:
+        return False
+    if isinstance(n, bool) or not isinstance(n, int) or n != 0:
+        raise ApiError(400, f"logprobs={n!r}: only the sampled token's log-prob is recorded; use logprobs=0 "
+                            "(top alternatives are not returned)", "logprobs")
+    return True
+
+
+class Choice:
+    """One choice's text as it streams: detokenized incrementally, cut before the first stop string
+    (a tail that may begin one is held back until it cannot), with its tokens' log-probs."""
+
+    def __init__(self, index: int, srv: "Server", stops: tuple[str, ...]):
+        self.index, self.srv, self.stops = index, srv, stops
+        self.ids: list[int] = []
+        self.step_map: list[int] = []
+        self.logprobs: list[float] = []
+        self.text = ""  # the text sent so far
+        self.sent_ids = 0  # tokens sent so far
+        self.finish: str | None = None
+        self.nfe: int | None = None
+        self.constraint_ok: bool | None = None  # constrained: the whole output matches
+        self.request = None  # the engine Request
+
+    @property
+    def done(self) -> bool:
+        return self.finish is not None
+
+    def _cut(self, text: str) -> int | None:
+        hits = [text.find(x) for x in self.stops if x in text]
+        return min(hits) if hits else None
+
+    def feed(self, ev: Event) -> tuple[str, slice]:
+        """The delta text and the new tokens (a slice of self.ids) this event lets out."""
+        if ev.kind == "done":
+            self.nfe, self.constraint_ok = ev.output.nfe, ev.output.constraint_ok
+            if not self.ids and ev.output.token_ids:  # a "done" with nothing streamed before it
+                self.ids, self.step_map = list(ev.output.token_ids), list(ev.output.step_map)
+                self.logprobs = list(ev.output.logprobs)
+        else:
+            self.ids += ev.token_ids
+            self.step_map += ev.step_map
+            self.logprobs += ev.logprobs
+        text = self.srv.text_of(self.ids)
+        end_ids = len(self.ids)
+        cut = self._cut(text) if self.stops else None
+        if cut is not None:  # a stop string: the choice ends before it, at the token that completed it
+            final, self.finish = text[:cut], "stop"
+            end_ids = next(k for k in range(1, len(self.ids) + 1)
+                           if self._cut(self.srv.text_of(self.ids[:k])) is not None)
+            del self.ids[end_ids:], self.step_map[end_ids:], self.logprobs[end_ids:]
+        elif ev.kind == "done":
+            final, self.finish = text, ev.output.finish_reason
+        elif text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for the rest
+            final = self.text
+        else:
+            hold = max((k for x in self.stops for k in range(1, len(x)) if text.endswith(x[:k])), default=0)
+            final = text[:len(text) - hold]
+        delta = final[len(self.text):] if final.startswith(self.text) else ""
+        self.text += delta
+        new = slice(self.sent_ids, end_ids)
+        self.sent_ids = end_ids
+        return delta, new
+
+    def logprob_block(self, sl: slice, chat: bool, offset0: int = 0):
+        toks = [self.srv.text_of([t]) for t in self.ids[sl]]
+        lps = [float(x) for x in self.logprobs[sl]]
+        if chat:
+            return {"content": [{"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
+                                for t, lp in zip(toks, lps)]}
+        offsets, at = [], offset0
+        for t in toks:
+            offsets.append(at)
+            at += len(t)
+        return {"tokens": toks, "token_logprobs": lps, "top_logprobs": None, "text_offset": offsets}
 
 
 class Server:
@@ -84,6 +192,42 @@ class Server:
         self.created = int(time.time())
 
     # ----------------------------------------------------------------- parsing
+    def constraint(self, body: dict):
+        """The request's constraint (`response_format` json_schema, or jdllm.regex / jdllm.choice) as a
+        `jdllm.constraints.Constraint` for the on-device DFA backend, or None."""
+        extra = body.get("jdllm") or {}
+        rf = body.get("response_format")
+        rf = None if rf in (None, {"type": "text"}) else rf
+        given = [n for n, v in (("response_format", rf), ("jdllm.regex", extra.get("regex")),
+                                ("jdllm.choice", extra.get("choice"))) if v is not None]
+        if not given:
+            return None
+        if len(given) > 1:
+            raise ApiError(400, f"give one constraint, got {given}", given[1])
+        if not self.engine.constraint_states:
+            raise ApiError(400, "this server enforces no constraints (start it with --constraint-states Q)",
+                           given[0])
+        from jdllm import constraints as C  # noqa: PLC0415
+
+        try:
+            if rf is not None:
+                kind = rf.get("type") if isinstance(rf, dict) else None
+                if kind == "json_object":
+                    raise ApiError(400, "response_format json_object (any JSON object) is not a regular "
+                                        "language; give {\"type\": \"json_schema\", \"json_schema\": "
+                                        "{\"schema\": {...}}}", "response_format")
+                js = rf.get("json_schema") if kind == "json_schema" else None
+                if not isinstance(js, dict) or "schema" not in js:
+                    raise ApiError(400, f"response_format={rf!r}: expected {{\"type\": \"text\"}} or "
+                                        "{\"type\": \"json_schema\", \"json_schema\": {\"schema\": {...}}}",
+                                   "response_format")
+                return C.json_schema(js["schema"], backend="dfa")
+            if extra.get("regex") is not None:
+                return C.regex(extra["regex"], backend="dfa")
+            return C.choice(extra["choice"], backend="dfa")
+        except errors.JdllmError as e:
+            raise ApiError(400, str(e), given[0]) from None
+
     def sampling(self, body: dict, max_default: int, max_names=("max_tokens",)) -> tuple[Sampling, bool]:
         model = body.get("model")
         if model is None:
@@ -159,13 +303,16 @@ class Server:
             return [int(t) for t in ids]
         return self.prompt_ids("\n".join(m["content"] for m in messages))
 
-    def submit(self, ids: list[int], sampling: Sampling, step_map: bool, on_event):
+    def submit(self, ids: list[int], sampling: Sampling, step_map: bool, on_event, constraint=None):
         try:
-            return self.engine.submit(ids, sampling, return_step_map=step_map, on_event=on_event)
+            return self.engine.submit(ids, sampling, return_step_map=step_map, on_event=on_event,
+                                      constraint=constraint)
         except errors.QueueFullError as e:
             raise ApiError(429, f"server overloaded: {e}", type_="rate_limit_error", code="queue_full") from None
         except errors.EngineStoppedError as e:
             raise ApiError(503, str(e), type_="server_error", code="shutting_down") from None
+        except errors.ConstraintError as e:
+            raise ApiError(400, str(e), "response_format") from None
         except errors.JdllmError as e:
             raise ApiError(400, str(e), "prompt") from None
 
@@ -216,86 +363,125 @@ def create_app(engine: Engine, model_name: str = "jdllm"):
 
     async def run(request: Request, body: dict, ids: list[int], sampling: Sampling, step_map: bool, chat: bool):
         loop = asyncio.get_running_loop()
-        queue: asyncio.Queue[Event] = asyncio.Queue()
-        req = srv.submit(ids, sampling, step_map, lambda ev: loop.call_soon_threadsafe(queue.put_nowait, ev))
+        queue: asyncio.Queue = asyncio.Queue()
+        n = _number(body, "n", 1, int, 1, MAX_N)
+        stops, want_lp, constraint = _stops(body), _logprobs(body, chat), srv.constraint(body)
+        choices = [Choice(i, srv, stops) for i in range(n)]
+        try:  # choice i samples with seed + i (greedy choices are all the same)
+            for c in choices:
+                s = sampling if c.index == 0 else dataclasses.replace(sampling, seed=(sampling.seed + c.index) % 2**32)
+                args = (ids, s, step_map, lambda ev, i=c.index: loop.call_soon_threadsafe(queue.put_nowait, (i, ev)),
+                        constraint)
+                # compiling a constraint's DFA takes host time: off the event loop
+                c.request = await asyncio.to_thread(srv.submit, *args) if constraint else srv.submit(*args)
+        except ApiError:
+            for c in choices:
+                if c.request is not None:
+                    engine.abort(c.request.id)
+            raise
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         created = int(time.time())
         obj = "chat.completion" if chat else "text_completion"
 
-        def choice(text: str | None, finish, extra: dict, first: bool = False) -> dict:
-            c = {"index": 0, "finish_reason": finish, "jdllm": extra}
+        def abort_rest():
+            for c in choices:
+                if not c.done:
+                    engine.abort(c.request.id)
+
+        async def next_event(stream: bool):
+            """(choice, event, delta text, new token slice) for the next event of a running choice."""
+            while True:
+                if stream:
+                    i, ev = await queue.get()
+                else:
+                    try:
+                        i, ev = await asyncio.wait_for(queue.get(), timeout=0.5)
+                    except asyncio.TimeoutError:
+                        if await request.is_disconnected():
+                            return None
+                        continue
+                c = choices[i]
+                if c.done:  # events queued before a stop string aborted it
+                    continue
+                if ev.kind == "error":
+                    raise ApiError(503, ev.message, type_="server_error")
+                if ev.kind == "steps":
+                    return c, ev, "", slice(0, 0)
+                delta, new = c.feed(ev)
+                if c.done and ev.kind != "done":  # a stop string: its row is freed at the next round
+                    engine.abort(c.request.id)
+                return c, ev, delta, new
+
+        if not body.get("stream"):
+            try:
+                while not all(c.done for c in choices):
+                    got = await next_event(stream=False)
+                    if got is None:
+                        abort_rest()
+                        return JSONResponse({}, status_code=499)
+            except (asyncio.CancelledError, ApiError):
+                abort_rest()
+                raise
+            out = []
+            for c in choices:
+                d = {"index": c.index, "finish_reason": c.finish,
+                     "logprobs": c.logprob_block(slice(0, len(c.ids)), chat) if want_lp else None,
+                     "jdllm": {"token_ids": c.ids, "step_map": c.step_map, "nfe": c.nfe}}
+                if constraint is not None:
+                    d["jdllm"]["constraint_ok"] = c.constraint_ok
+                if chat:
+                    d["message"] = {"role": "assistant", "content": c.text}
+                else:
+                    d["text"] = c.text
+                out.append(d)
+            k = sum(len(c.ids) for c in choices)
+            return {"id": rid, "object": obj, "created": created, "model": model_name, "choices": out,
+                    "usage": {"prompt_tokens": len(ids), "completion_tokens": k, "total_tokens": len(ids) + k}}
+
+        def chunk(c: Choice, text: str | None, finish, extra: dict, lp=None, first: bool = False) -> dict:
+            d = {"index": c.index, "finish_reason": finish, "jdllm": extra}
             if chat:
                 delta = {"role": "assistant"} if first else {}
                 if text:
                     delta["content"] = text
-                c["delta"] = delta
+                d["delta"] = delta
+                d["logprobs"] = lp
             else:
-                c["text"], c["logprobs"] = text or "", None
-            return c
-
-        if not body.get("stream"):
-            out = None
-            try:
-                while out is None:
-                    try:
-                        ev = await asyncio.wait_for(queue.get(), timeout=0.5)
-                    except asyncio.TimeoutError:
-                        if await request.is_disconnected():
-                            engine.abort(req.id)
-                            return JSONResponse({}, status_code=499)
-                        continue
-                    if ev.kind == "error":
-                        raise ApiError(503, ev.message, type_="server_error")
-                    if ev.kind == "done":
-                        out = ev.output
-            except asyncio.CancelledError:
-                engine.abort(req.id)
-                raise
-            c = {"index": 0, "finish_reason": out.finish_reason, "logprobs": None,
-                 "jdllm": {"token_ids": out.token_ids, "step_map": out.step_map, "nfe": out.nfe}}
-            if chat:
-                c["message"] = {"role": "assistant", "content": out.text or ""}
-            else:
-                c["text"] = out.text or ""
-            n = len(out.token_ids)
-            return {"id": rid, "object": obj, "created": created, "model": model_name, "choices": [c],
-                    "usage": {"prompt_tokens": len(ids), "completion_tokens": n, "total_tokens": len(ids) + n}}
+                d["text"], d["logprobs"] = text or "", lp
+            return d
 
         async def events():
-            finished = False
-            ids_sent: list[int] = []
-            text_sent = ""
             chunk_obj = "chat.completion.chunk" if chat else "text_completion"
 
-            def sse(c: dict) -> str:
+            def sse(d: dict) -> str:
                 return "data: " + json.dumps({"id": rid, "object": chunk_obj, "created": created,
-                                              "model": model_name, "choices": [c]}) + "\n\n"
+                                              "model": model_name, "choices": [d]}) + "\n\n"
             try:
                 if chat:
-                    yield sse(choice(None, None, {}, first=True))
-                while True:
-                    ev = await queue.get()
-                    if ev.kind == "error":
-                        yield "data: " + json.dumps(ApiError(503, ev.message, type_="server_error").body()) + "\n\n"
+                    for c in choices:
+                        yield sse(chunk(c, None, None, {}, first=True))
+                while not all(c.done for c in choices):
+                    try:
+                        c, ev, delta, new = await next_event(stream=True)
+                    except ApiError as e:
+                        yield "data: " + json.dumps(e.body()) + "\n\n"
                         break
                     if ev.kind == "steps":
-                        yield sse(choice(None, None, {"revealed": [{"position": p, "step": s, "token_id": t} for p, s, t
-                                                                   in zip(ev.positions, ev.steps, ev.token_ids)]}))
-                    elif ev.kind == "tokens":
-                        ids_sent += ev.token_ids
-                        text = srv.text_of(ids_sent)
-                        delta = text[len(text_sent):] if not text.endswith("\ufffd") else ""
-                        text_sent += delta
-                        yield sse(choice(delta, None, {"token_ids": ev.token_ids, "step_map": ev.step_map}))
-                    elif ev.kind == "done":
-                        finished = True
-                        text = srv.text_of(ids_sent)
-                        yield sse(choice(text[len(text_sent):], ev.output.finish_reason, {"nfe": ev.output.nfe}))
-                        break
+                        yield sse(chunk(c, None, None, {"revealed": [
+                            {"position": p, "step": st, "token_id": t}
+                            for p, st, t in zip(ev.positions, ev.steps, ev.token_ids)]}))
+                        continue
+                    lp = c.logprob_block(new, chat, len(c.text) - len(delta)) if want_lp else None
+                    extra = {"token_ids": c.ids[new], "step_map": c.step_map[new]}
+                    if c.done:
+                        extra["nfe"] = c.nfe
+                        if constraint is not None:
+                            extra["constraint_ok"] = c.constraint_ok
+                    if delta or new.stop > new.start or c.done:
+                        yield sse(chunk(c, delta, c.finish, extra, lp))
                 yield "data: [DONE]\n\n"
             finally:
-                if not finished:
-                    engine.abort(req.id)
+                abort_rest()
 
         return StreamingResponse(events(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
