@@ -231,6 +231,11 @@ def test_grpo_steps_lower_the_loss_on_a_fixed_batch():
         params, st, loss = update(params, st)
         losses.append(float(loss))
     assert losses[-1] < losses[0] - 1e-2 and all(b < a for a, b in zip(losses, losses[1:])), losses
+    # the sign: trajectories with a positive advantage became more likely, those with a negative one less
+    m = np.asarray(ro.answer_mask)
+    gain = ((np.asarray(_jit_replay()(params, ro, spec=spec)) - np.asarray(ref)) * m).sum(1)
+    a = np.asarray(adv)
+    assert gain[a > 0].mean() > 0 > gain[a < 0].mean(), (gain, a)
 
 
 def test_bad_input_errors():
