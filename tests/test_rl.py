@@ -266,3 +266,11 @@ def test_bad_input_errors():
         rl.trajectory_logprobs(m_ar.params, rl.Rollout(**{**ro_ar.__dict__, "step_map": swapped}), spec=spec_ar)
     with pytest.raises(errors.InputError, match="advantages"):
         rl.grpo_loss(ro.logprobs, ro.logprobs, jnp.zeros(3), ro.answer_mask)
+    # select_groups keeps whole groups (rows g * G .. g * G + G - 1) in the given order, with a matching spec
+    sub, sub_spec = rl.select_groups(ro, spec, [1, 0])
+    assert sub_spec.prompts == 2 and sub_spec.group == spec.group and sub.batch == 2 * GROUP
+    order = [GROUP + j for j in range(GROUP)] + list(range(GROUP))
+    np.testing.assert_array_equal(np.asarray(sub.tokens), np.asarray(ro.tokens)[order])
+    np.testing.assert_array_equal(np.asarray(sub.sampling.temperature), np.asarray(ro.sampling.temperature)[order])
+    with pytest.raises(errors.InputError, match="groups="):
+        rl.select_groups(ro, spec, [len(PROMPTS)])
