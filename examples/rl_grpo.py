@@ -83,18 +83,18 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=120)
     ap.add_argument("--prompts", type=int, default=16, help="prompts per step")
     ap.add_argument("--group", type=int, default=8, help="samples per prompt (G)")
-    ap.add_argument("--inner", type=int, default=2, help="optimizer updates per rollout batch")
-    ap.add_argument("--train-groups", type=int, default=0,
+    ap.add_argument("--inner", type=int, default=1, help="optimizer updates per rollout batch")
+    ap.add_argument("--train-groups", type=int, default=4,
                     help="update on this many groups of each rollout batch, those with the widest reward spread "
                          "(equal rewards = zero advantage = no gradient); 0 = all")
-    ap.add_argument("--lr", type=float, default=3e-4)
+    ap.add_argument("--lr", type=float, default=1e-4)
     ap.add_argument("--clip", type=float, default=0.2)
     ap.add_argument("--kl", type=float, default=0.0, help="KL coefficient to the initial policy")
     ap.add_argument("--shrink", type=int, default=1)
     ap.add_argument("--temperature", type=float, default=1.0)
-    ap.add_argument("--add-weight", type=float, default=2.0, help="sampling weight of 'add' (sort, rev: 1)")
+    ap.add_argument("--add-weight", type=float, default=4.0, help="sampling weight of 'add' (sort, rev: 1)")
     ap.add_argument("--eval-items", type=int, default=300)
-    ap.add_argument("--eval-every", type=int, default=20)
+    ap.add_argument("--eval-every", type=int, default=25)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--time-budget", type=float, default=None, help="stop after this many seconds of training")
     args = ap.parse_args(argv)
