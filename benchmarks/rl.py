@@ -4,9 +4,10 @@ trajectory replay (packed one-forward vs one batched copy per step vs one forwar
     python benchmarks/rl.py [--repeats 5] [--json benchmarks/out/rl.json]
 
 Rollouts run `models/tiny-llada` (MaskedDiffusion, 12 tokens, one per step) at temperature 1 on
---prompts x --group rows. Replays run a random model of `models/tiny-sdar`'s config (block diffusion,
-block 4) and of tiny-llada's (masked diffusion); only the cost is measured. Timings are wall clock,
-interleaved, median of --repeats after a warm-up call (compiles excluded).
+--prompts x --group rows. Replays (value and gradient of the summed trajectory log-likelihood) run
+T=1 rollouts of `models/tiny-sdar` (block diffusion, block 4, one token per step) and tiny-llada.
+Timings are wall clock, interleaved, median of --repeats after a warm-up call (compiles excluded).
+--only rollout|replay runs one half.
 """
 
 from __future__ import annotations
@@ -83,26 +84,30 @@ def rollout_bench(args) -> list[dict]:
 
 
 def replay_bench(args) -> list[dict]:
+    """Gradient of the trajectory log-likelihood: jdllm's replay (one call) vs one forward + backward per
+    decoding step (a jitted call per step, the naive replay). Methods interleaved, median of --repeats."""
     res = []
     for name, path, dec in (
             ("block_diffusion", "models/tiny-sdar", jdllm.BlockDiffusion(block_length=4, denoising_steps=4,
                                                                          strategy="low_confidence_static")),
             ("masked_diffusion", "models/tiny-llada", jdllm.MaskedDiffusion(gen_length=12, block_length=4,
                                                                             steps=12))):
-        cfg = jdllm.ModelConfig.from_hf(os.path.join(ROOT, path))  # the config only: random weights
-        model = Model(cfg, init_params(cfg, jax.random.key(0)), tokenizer=None, attn_impl="xla")
+        model = jdllm.load(os.path.join(ROOT, path), dtype="float32", attn_impl="xla")  # trained: real step_maps
         prompts = [tasks.encode(e.prompt) for e in tasks.test_set(args.prompts, seed=0)]
         state, spec = rl.prepare_rollout(model, prompts, dec, jdllm.Sampling(temperature=1.0, max_new_tokens=12),
                                          group=args.group)
         ro = rl.compiled_rollout(model.params, state, jax.random.key(0), spec=spec)
         steps = int(jnp.max(ro.step_map))
-        methods = ["packed", "per_step"] if name == "block_diffusion" else ["per_step"]
-        for m in methods:
-            f = jax.jit(jax.grad(lambda p, m=m: jnp.sum(rl.trajectory_logprobs(p, ro, spec=spec, method=m))))
-            t = statistics.median(timed(lambda: jax.block_until_ready(f(model.params)), args.repeats))
-            cost = rl.replay_cost(spec, ro.slots, m)
-            res.append({"paradigm": name, "method": m, "forward_calls": 1, "positions_per_row": cost["tokens"],
-                        "grad_median_s": t, "steps": steps})
+        scored = int(jnp.sum(ro.step_map > 0))
+        variants = ([("packed", 1), ("packed", 2), ("per_step", 1)] if name == "block_diffusion"
+                    else [("per_step", 1), ("per_step", 2)])
+        fns, meta = {}, {}
+        for m, k in variants:
+            f = jax.jit(jax.grad(lambda p, m=m, k=k: jnp.sum(rl.trajectory_logprobs(p, ro, spec=spec, method=m,
+                                                                                   shrink=k))))
+            label = f"{m}" + (f", shrink={k}" if k > 1 else "")
+            fns[label] = lambda f=f: jax.block_until_ready(f(model.params))
+            meta[label] = {"forward_calls": 1, "positions_per_row": rl.replay_cost(spec, ro.slots, m, k)["tokens"]}
         # the naive replay: one forward (and its backward) per decoding step, each its own call
         cfgm = spec.ctx.model
         S = ro.slots
@@ -122,9 +127,21 @@ def replay_bench(args) -> list[dict]:
             for s in range(1, steps + 1):
                 jax.block_until_ready(g1(model.params, jnp.int32(s)))
 
-        t = statistics.median(timed(loop_all, args.repeats))
-        res.append({"paradigm": name, "method": "one forward per step (loop)", "forward_calls": steps,
-                    "positions_per_row": steps * S, "grad_median_s": t, "steps": steps})
+        fns["one forward per step (loop)"] = loop_all
+        meta["one forward per step (loop)"] = {"forward_calls": steps, "positions_per_row": steps * S}
+        for f in fns.values():
+            f()  # compile
+        times = {k: [] for k in fns}
+        for _ in range(args.repeats):
+            for k, f in fns.items():
+                t = time.perf_counter()
+                f()
+                times[k].append(time.perf_counter() - t)
+        for k in fns:
+            med = statistics.median(times[k])
+            res.append({"paradigm": name, "method": k, **meta[k], "grad_median_s": med, "steps": steps,
+                        "rows": ro.batch, "scored_tokens": scored, "scored_tokens_per_s": scored / med})
+            print(f"  {name} {k}: {med:.3f}s", flush=True)
     return res
 
 
@@ -134,19 +151,22 @@ def main(argv=None) -> int:
     ap.add_argument("--group", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--json", default=os.path.join(ROOT, "benchmarks/out/rl.json"))
+    ap.add_argument("--only", choices=("rollout", "replay"), default=None)
     args = ap.parse_args(argv)
-    roll = rollout_bench(args)
-    print(f"\nrollout, tiny-llada MaskedDiffusion(12 tokens, 12 steps), T=1, {roll[0]['rows']} rows "
+    roll = rollout_bench(args) if args.only != "replay" else []
+    rows = args.prompts * args.group
+    print(f"\nrollout, tiny-llada MaskedDiffusion(12 tokens, 12 steps), T=1, {rows} rows "
           f"({args.prompts} prompts x G={args.group}), median of {args.repeats}, {jax.default_backend()}")
     print("| path | tokens | median s | tokens/s |\n|---|---:|---:|---:|")
     for r in roll:
         print(f"| {r['what']} | {r['tokens']} | {r['median_s']:.3f} | {r['tokens_per_s']:.0f} |")
-    rep = replay_bench(args)
-    print(f"\nreplay + grad, random weights of the tiny configs, {roll[0]['rows']} rows, median of {args.repeats}")
-    print("| paradigm | method | steps | forward calls | positions / row | grad s |\n|---|---|---:|---:|---:|---:|")
+    rep = replay_bench(args) if args.only != "rollout" else []
+    print(f"\nreplay + grad (tiny-sdar / tiny-llada, T=1 rollouts), {rows} rows, median of {args.repeats}")
+    print("| paradigm | method | steps | forward calls | positions / row | grad s | scored tokens/s |\n"
+          "|---|---|---:|---:|---:|---:|---:|")
     for r in rep:
         print(f"| {r['paradigm']} | {r['method']} | {r['steps']} | {r['forward_calls']} | {r['positions_per_row']} "
-              f"| {r['grad_median_s']:.3f} |")
+              f"| {r['grad_median_s']:.3f} | {r['scored_tokens_per_s']:.0f} |")
     os.makedirs(os.path.dirname(args.json), exist_ok=True)
     with open(args.json, "w") as f:
         json.dump({"rollout": roll, "replay": rep, "backend": jax.default_backend()}, f, indent=1)

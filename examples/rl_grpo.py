@@ -1,12 +1,19 @@
 """GRPO on a shipped diffusion model: jdllm as the rollout and scoring engine of an optax loop.
 
-    python examples/rl_grpo.py --model models/tiny-llada --steps 120 --seed 0 --out /tmp/rl-tiny-llada
+    python examples/rl_grpo.py --model models/tiny-llada --prompts 16 --group 8 --train-groups 4 --inner 1 \
+        --lr 1e-4 --add-weight 4 --eval-every 25 --time-budget 1300 --seed 0 --out /tmp/rl-tiny-llada
+
+(the run recorded in benchmarks/RESULTS.md; Adam above ~2e-4 makes the tiny
+model oscillate or degrade, see there).
 
 Each step: G = --group samples of --prompts prompts (`jdllm.rl.rollout`, one
 jitted call, temperature 1, every row its own PRNG stream), reward = exact
 match of `jdllm.tasks` (verifiable), group-normalised advantages, then
 --inner optax updates of the GRPO loss over the TraceRL replay of the
-rollout's `step_map` (`jdllm.rl.trajectory_logprobs`). New params never
+rollout's `step_map` (`jdllm.rl.trajectory_logprobs`). --train-groups N
+updates on the N groups with the widest reward spread only (`rl.select_groups`:
+a group whose samples all score the same has zero advantage, so it would cost
+compute for no gradient). New params never
 recompile the rollout. Greedy accuracy on held-out items (per task) is
 measured before, every --eval-every steps and after; the trained model is
 saved as a Hugging Face directory `jdllm.load` reads, with `rl.json`
@@ -76,15 +83,18 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=120)
     ap.add_argument("--prompts", type=int, default=16, help="prompts per step")
     ap.add_argument("--group", type=int, default=8, help="samples per prompt (G)")
-    ap.add_argument("--inner", type=int, default=2, help="optimizer updates per rollout batch")
-    ap.add_argument("--lr", type=float, default=3e-4)
+    ap.add_argument("--inner", type=int, default=1, help="optimizer updates per rollout batch")
+    ap.add_argument("--train-groups", type=int, default=4,
+                    help="update on this many groups of each rollout batch, those with the widest reward spread "
+                         "(equal rewards = zero advantage = no gradient); 0 = all")
+    ap.add_argument("--lr", type=float, default=1e-4)
     ap.add_argument("--clip", type=float, default=0.2)
     ap.add_argument("--kl", type=float, default=0.0, help="KL coefficient to the initial policy")
     ap.add_argument("--shrink", type=int, default=1)
     ap.add_argument("--temperature", type=float, default=1.0)
-    ap.add_argument("--add-weight", type=float, default=2.0, help="sampling weight of 'add' (sort, rev: 1)")
+    ap.add_argument("--add-weight", type=float, default=4.0, help="sampling weight of 'add' (sort, rev: 1)")
     ap.add_argument("--eval-items", type=int, default=300)
-    ap.add_argument("--eval-every", type=int, default=20)
+    ap.add_argument("--eval-every", type=int, default=25)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--time-budget", type=float, default=None, help="stop after this many seconds of training")
     args = ap.parse_args(argv)
@@ -136,10 +146,18 @@ def main(argv=None) -> int:
         for r, txt in enumerate(texts):
             rewards[r] = float(tasks.normalize(txt) == batch[r // args.group].answer)
         adv = rl.group_advantages(rewards, spec.group, active=ro.active)
-        ref = replay(params0, ro, spec=spec, shrink=args.shrink) if args.kl else None
+        tro, tspec, tadv = ro, spec, adv
+        informative = int((rewards[:spec.rows].reshape(spec.prompts, spec.group).std(axis=1) > 0).sum())
+        if args.train_groups:  # update on a fixed number of groups, informative ones (reward spread) first
+            spread = rewards[:spec.rows].reshape(spec.prompts, spec.group).std(axis=1)
+            order = np.argsort(-spread, kind="stable")[:args.train_groups]
+            tro, tspec = rl.select_groups(ro, spec, order)
+            tadv = rl.group_advantages(rewards[:spec.rows].reshape(spec.prompts, spec.group)[order].reshape(-1),
+                                       spec.group)
+        ref = replay(params0, tro, spec=tspec, shrink=args.shrink) if args.kl else None
         t2 = time.perf_counter()
         for _ in range(args.inner):
-            params, opt_state, loss, stats = update(params, opt_state, ro, adv, ref, spec=spec)
+            params, opt_state, loss, stats = update(params, opt_state, tro, tadv, ref, spec=tspec)
         loss = float(loss)
         dt_train = time.perf_counter() - t2
         if step > 2:  # the first steps compile
@@ -147,10 +165,11 @@ def main(argv=None) -> int:
         by_task = {t: float(np.mean([rewards[r] for r in range(spec.rows) if batch[r // args.group].task == t] or [0]))
                    for t in tasks.TASKS}
         rec = {"step": step, "reward": float(rewards[:spec.rows].mean()), "reward_by_task": by_task, "loss": loss,
-               "clip_frac": float(stats["clip_frac"]), "rollout_s": dt_roll, "train_s": dt_train, "tokens": n_tok}
+               "clip_frac": float(stats["clip_frac"]), "rollout_s": dt_roll, "train_s": dt_train, "tokens": n_tok,
+               "informative_groups": informative}
         log["steps"].append(rec)
         print(f"step {step:4d} reward {rec['reward']:.3f} (add {by_task['add']:.2f}) loss {loss:+.4f} "
-              f"clip {rec['clip_frac']:.3f} rollout {dt_roll:.2f}s train {dt_train:.2f}s", flush=True)
+              f"clip {rec['clip_frac']:.3f} informative {informative}/{spec.prompts} rollout {dt_roll:.2f}s train {dt_train:.2f}s", flush=True)
         if step % args.eval_every == 0 or step == args.steps:
             ev = evaluate(model, params, decoding, test)
             log["evals"].append({"step": step, **ev})

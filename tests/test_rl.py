@@ -29,7 +29,7 @@ def _jit_rollout():
 
 @functools.lru_cache(maxsize=None)
 def _jit_replay():
-    return jax.jit(rl.trajectory_logprobs, static_argnames=("spec", "shrink", "method", "attn_impl"),
+    return jax.jit(rl.trajectory_logprobs, static_argnames=("spec", "shrink", "method", "attn_impl", "cached_as_exact"),
                    compiler_options=dict(FAST_COMPILE))
 
 
@@ -45,6 +45,7 @@ def _cases():
         ("masked_dream", bidir_model(shift=True), jdllm.MaskedDiffusion(block_length=4, steps=4, alg="entropy")),
         ("multi_block", block_model(), jdllm.MultiBlock(block_size=4, max_blocks=2)),
         ("multi_block_bidir", bidir_model(), jdllm.MultiBlock(block_size=4, early_stop=False)),
+        ("ar_spec", causal_model(), jdllm.Speculative(proposer="prompt_lookup", num_draft_tokens=2, max_ngram=2)),
     ]
 
 
@@ -119,6 +120,32 @@ def test_replay_gradient_matches_finite_differences(name):
                - fj(jax.tree.map(lambda p, d: p - eps * d, model.params, v))) / (2 * eps)
     assert directional > 0.1
     np.testing.assert_allclose(directional, fd, rtol=2e-2)
+
+
+def test_approximate_caches_raise_unless_replayed_as_exact():
+    """A dual-cache (Fast-dLLM) rollout raises InputError; cached_as_exact=True replays the no-cache
+    forward, which on a one-layer model (K/V depend only on their own slot's token, so the dual cache is
+    exact there) equals the recorded log-probs. CFG always raises (the replay runs no guidance)."""
+    sampling = jdllm.Sampling(temperature=1.0, max_new_tokens=8, stop_token_ids=())
+    model = bidir_model(layers=1)
+    state, spec = rl.prepare_rollout(model, PROMPTS, jdllm.MaskedDiffusion(block_length=4, steps=4, cache="dual"),
+                                     sampling, group=GROUP)
+    assert "approximate cache" in rl.approximate_decode(spec)
+    ro = _jit_rollout()(model.params, state, jax.random.key(3), spec=spec)
+    with pytest.raises(errors.InputError, match="approximate cache.*cached_as_exact=True"):
+        rl.trajectory_logprobs(model.params, ro, spec=spec)
+    lp = _jit_replay()(model.params, ro, spec=spec, cached_as_exact=True)
+    gen = np.asarray(ro.step_map) > 0
+    assert gen.sum() >= spec.rows * 4
+    np.testing.assert_allclose(np.asarray(lp)[gen], np.asarray(ro.logprobs)[gen], atol=3e-4, rtol=1e-4)
+    _, spec_cfg = rl.prepare_rollout(model, PROMPTS, jdllm.MaskedDiffusion(block_length=4, steps=4, cfg_scale=1.0),
+                                     sampling, group=GROUP)
+    assert "guidance" in rl.approximate_decode(spec_cfg)
+    with pytest.raises(errors.InputError, match="CFG"):
+        rl.trajectory_logprobs(model.params, ro, spec=spec_cfg, cached_as_exact=True)
+    _, spec_none = rl.prepare_rollout(model, PROMPTS, jdllm.MaskedDiffusion(block_length=4, steps=4), sampling,
+                                      group=GROUP)
+    assert rl.approximate_decode(spec_none) is None
 
 
 def test_rollout_is_pure_and_does_not_recompile():
@@ -204,6 +231,11 @@ def test_grpo_steps_lower_the_loss_on_a_fixed_batch():
         params, st, loss = update(params, st)
         losses.append(float(loss))
     assert losses[-1] < losses[0] - 1e-2 and all(b < a for a, b in zip(losses, losses[1:])), losses
+    # the sign: trajectories with a positive advantage became more likely, those with a negative one less
+    m = np.asarray(ro.answer_mask)
+    gain = ((np.asarray(_jit_replay()(params, ro, spec=spec)) - np.asarray(ref)) * m).sum(1)
+    a = np.asarray(adv)
+    assert gain[a > 0].mean() > 0 > gain[a < 0].mean(), (gain, a)
 
 
 def test_bad_input_errors():
@@ -234,3 +266,11 @@ def test_bad_input_errors():
         rl.trajectory_logprobs(m_ar.params, rl.Rollout(**{**ro_ar.__dict__, "step_map": swapped}), spec=spec_ar)
     with pytest.raises(errors.InputError, match="advantages"):
         rl.grpo_loss(ro.logprobs, ro.logprobs, jnp.zeros(3), ro.answer_mask)
+    # select_groups keeps whole groups (rows g * G .. g * G + G - 1) in the given order, with a matching spec
+    sub, sub_spec = rl.select_groups(ro, spec, [1, 0])
+    assert sub_spec.prompts == 2 and sub_spec.group == spec.group and sub.batch == 2 * GROUP
+    order = [GROUP + j for j in range(GROUP)] + list(range(GROUP))
+    np.testing.assert_array_equal(np.asarray(sub.tokens), np.asarray(ro.tokens)[order])
+    np.testing.assert_array_equal(np.asarray(sub.sampling.temperature), np.asarray(ro.sampling.temperature)[order])
+    with pytest.raises(errors.InputError, match="groups="):
+        rl.select_groups(ro, spec, [len(PROMPTS)])

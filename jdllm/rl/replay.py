@@ -31,10 +31,19 @@ Replay matches decode time exactly for every paradigm with an exact forward:
 AR, block_diffusion, masked_diffusion with cache="none" and multi_block with
 cache "none"/"exact" (with `early_stop`, slots filled by the EOS fill are
 replayed as visible from the step after the leftmost stop token; a fill that
-overwrote earlier reveals is not recoverable from the final state). Cached
-approximations (masked_diffusion prefix/dual, multi_block approx/window) are
-replayed as their exact counterpart: the log-probs then differ by the cache's
-approximation error.
+overwrote earlier reveals is not recoverable from the final state).
+
+Approximate caches (masked_diffusion cache="prefix"/"dual", multi_block
+cache="approx"/"window" with refresh_interval > 1) sampled from logits the
+exact forward does not give, and classifier-free guidance (cfg_scale > 0)
+from a mix of two forwards the replay does not run: `trajectory_logprobs`
+raises `InputError` for them (`approximate_decode(spec)` says why) unless
+`cached_as_exact=True`, which replays the exact (no-cache) counterpart; the
+log-probs then differ from the recorded ones by the cache's approximation
+error (the importance ratio exp(new - old) absorbs it in GRPO; use
+`old_logprobs` from a replay under the rollout's params rather than
+`Rollout.logprobs` if the ratio should start at exactly 1). CFG is never
+replayed.
 """
 
 from __future__ import annotations
@@ -150,9 +159,27 @@ def _gather_rows(h, rows_idx, slot_idx):
     return h[rows_idx, b, slot_idx]
 
 
+def approximate_decode(spec: RolloutSpec) -> str | None:
+    """Why the decode's logits are not the exact forward's (an approximate cache, CFG), or None if they are."""
+    p = spec.paradigm
+    name = p.name
+    cache = getattr(p, "cache", None)
+    if name == "masked_diffusion":
+        if getattr(p, "cfg_scale", 0.0) > 0:
+            return f"MaskedDiffusion(cfg_scale={p.cfg_scale}) samples from a classifier-free-guidance mix of two forwards"
+        if cache in ("prefix", "dual"):
+            return f"MaskedDiffusion(cache={cache!r}) is Fast-dLLM's approximate cache"
+    if name == "multi_block":
+        if cache == "approx":
+            return "MultiBlock(cache='approx') is d3LLM's approximate delayed prefix cache"
+        if cache == "window" and getattr(p, "refresh_interval", 1) != 1:
+            return f"MultiBlock(cache='window', refresh_interval={p.refresh_interval}) is an approximate cache"
+    return None
+
+
 def default_method(spec: RolloutSpec) -> str:
     name = spec.paradigm.name
-    if name == "ar":
+    if name in ("ar", "ar_spec"):  # speculative sampling draws from the target: its AR likelihood
         return "teacher_forcing"
     if name == "block_diffusion":
         return "packed"
@@ -172,12 +199,22 @@ def replay_cost(spec: RolloutSpec, slots: int, method: str = "auto", shrink: int
 
 
 def trajectory_logprobs(params, ro: Rollout, *, spec: RolloutSpec, shrink: int = 1, method: str = "auto",
-                        attn_impl: str = "xla") -> jax.Array:
+                        attn_impl: str = "xla", cached_as_exact: bool = False) -> jax.Array:
     """[B, S] float32: log-prob of each generated token under `params`, replaying `ro.step_map`
     (0 where nothing was generated). Differentiable in params; pure (jit with spec, shrink, method static).
+
+    A rollout decoded with an approximate cache raises InputError unless
+    cached_as_exact=True (replay the exact no-cache forward instead); CFG always raises.
     """
     if method not in METHODS:
         raise errors.InputError(f"method={method!r} is not one of {METHODS}")
+    why = approximate_decode(spec)
+    if why is not None and (not cached_as_exact or "guidance" in why):
+        hint = ("; the replay does not run CFG: decode RL rollouts with cfg_scale=0" if "guidance" in why else
+                "; its log-probs are not the exact forward's. Pass cached_as_exact=True to replay the exact "
+                "(no-cache) forward anyway (log-probs then differ by the cache's error), or decode with "
+                "cache='none'/'exact'")
+        raise errors.InputError(f"the rollout cannot be replayed exactly: {why}{hint}")
     check_rollout(ro, spec, shrink)
     cfg = spec.ctx.model
     check_params(params, cfg)
@@ -186,7 +223,7 @@ def trajectory_logprobs(params, ro: Rollout, *, spec: RolloutSpec, shrink: int =
         raise errors.InputError(f"method='teacher_forcing' needs a causal model, this one is {cfg.attention!r}")
     if method == "packed" and (cfg.attention != "block_causal" or spec.paradigm.name != "block_diffusion"):
         raise errors.InputError("method='packed' replays block_diffusion on block-causal models; use 'per_step'")
-    if method == "per_step" and spec.paradigm.name == "ar":
+    if method == "per_step" and spec.paradigm.name in ("ar", "ar_spec"):
         method = "teacher_forcing"
     if method != "teacher_forcing" and cfg.mask_token_id is None:
         raise errors.ConfigError("a diffusion replay needs the model's mask_token_id")
@@ -300,4 +337,4 @@ def _packed(params, cfg, ro: Rollout, shrink: int, attn_impl):
 
 
 __all__ = ["trajectory_logprobs", "token_logprobs", "check_rollout", "check_params", "replay_cost",
-           "packed_attention_mask", "default_method", "METHODS"]
+           "packed_attention_mask", "default_method", "approximate_decode", "METHODS"]

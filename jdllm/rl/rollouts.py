@@ -138,6 +138,21 @@ def rollout(params, state: DecodeState, key, *, spec: RolloutSpec) -> Rollout:
 compiled_rollout = jax.jit(rollout, static_argnames=("spec",))
 
 
+def select_groups(ro: Rollout, spec: RolloutSpec, groups) -> tuple[Rollout, RolloutSpec]:
+    """Host side: the rollout restricted to whole groups (prompt indices `groups`, in that order) and its spec.
+
+    A group whose rewards are all equal has zero GRPO advantage and adds nothing
+    to the gradient but its compute: keep the informative groups (DAPO's dynamic
+    sampling) and update on a fixed number of them, so the update compiles once.
+    """
+    groups = [int(g) for g in groups]
+    if not groups or any(g < 0 or g >= spec.prompts for g in groups):
+        raise errors.InputError(f"groups={groups}: need prompt indices in [0, {spec.prompts})")
+    rows = np.asarray([g * spec.group + j for g in groups for j in range(spec.group)], np.int32)
+    sub = jax.tree.map(lambda x: x[rows], ro)
+    return sub, dataclasses.replace(spec, prompts=len(groups))
+
+
 def texts(ro: Rollout, spec: RolloutSpec, tokenizer=None, decode=None) -> list[str]:
     """Host side: each real row's returned text (tokenizer.decode or a `decode(ids)` callable)."""
     host = jax.device_get((ro.tokens, ro.gen_start, ro.end))
@@ -155,4 +170,4 @@ def texts(ro: Rollout, spec: RolloutSpec, tokenizer=None, decode=None) -> list[s
 
 
 __all__ = ["RolloutSpec", "Rollout", "prepare_rollout", "rollout", "compiled_rollout", "row_stream_keys",
-           "texts", "TRACES"]
+           "select_groups", "texts", "TRACES"]
