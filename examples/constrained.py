@@ -45,6 +45,21 @@ def main() -> None:
         print(f"sdar:        {o.text!r:12} finish={o.finish_reason} constraint_ok={o.constraint_ok} "
               f"step_map={o.step_map}")
 
+    # speculative AR: the verification slots are masked from the drafts (one parallel llguidance call)
+    outs = jdllm.generate(ar, ["rev:abcd=", "sort:5 3 4="], jdllm.Speculative(num_draft_tokens=3), sampling,
+                          constraint=[constraints.regex("[a-d]{3,5}"), constraints.regex(r"[0-9]( [0-9])*")])
+    for o in outs:
+        print(f"ar_spec:     {o.text!r:12} finish={o.finish_reason} constraint_ok={o.constraint_ok} nfe={o.nfe} "
+              f"drafts accepted={o.trace['drafts_accepted']}")
+
+    # masked diffusion (LLaDA layout): the same out-of-order rule as block diffusion
+    llada = jdllm.load(os.path.join(ROOT, "models", "tiny-llada"), dtype="float32")
+    outs = jdllm.generate(llada, ["add:5+7=", "rev:abc="], jdllm.MaskedDiffusion(block_length=4, steps=8),
+                          sampling, constraint=[constraints.json_schema(schema), constraints.regex("[a-c]{3}")])
+    for o in outs:
+        print(f"llada:       {o.text!r:12} finish={o.finish_reason} constraint_ok={o.constraint_ok} "
+              f"step_map={o.step_map}")
+
 
 if __name__ == "__main__":
     main()
