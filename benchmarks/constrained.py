@@ -20,7 +20,10 @@ mask filling per step), host ms (consuming tokens, fast-forward, backtrack per s
 
 Cases: tiny-ar with AR and with ar_spec (prompt lookup / the tiny-ar-draft model, k = 3:
 draft-token masks in verification), tiny-sdar with block diffusion (dynamic 0.9, static
-top-2), tiny-llada with masked diffusion (block 4, 6 steps for 12 slots: 2 tokens per step).
+top-2), tiny-llada with masked diffusion (block 4, 6 steps for 12 slots: 2 tokens per step);
+json-*: the structured task (`jdllm.tasks` "json", schema `tasks.JSON_SCHEMA`, 24 new tokens)
+on models/tiny-json-ar (AR) and tiny-json-sdar (block diffusion), where valid % measures
+what the constraint adds (validity checked by hand: json.loads + keys / types / ranges).
 """
 
 from __future__ import annotations
@@ -44,7 +47,9 @@ FORMATS = {
 }
 
 
-CASES = ("ar", "spec-lookup", "spec-draft", "bd-dynamic", "bd-static", "masked")
+CASES = ("ar", "spec-lookup", "spec-draft", "bd-dynamic", "bd-static", "masked",
+         "json-ar", "json-bd-dynamic", "json-bd-static")
+DEFAULT_CASES = CASES[:6]  # the json-* cases need models/tiny-json-ar and tiny-json-sdar
 
 
 def label(decoding) -> str:
@@ -55,7 +60,20 @@ def label(decoding) -> str:
     return f"{decoding.name} {getattr(decoding, 'strategy', '')}".strip()
 
 
+def json_answer_ok(text: str) -> bool:
+    """The json task's schema, checked by hand (not by llguidance): {"w": 2-3 letters, "n": 0..99}."""
+    try:
+        v = json.loads(text)
+    except json.JSONDecodeError:
+        return False
+    return (isinstance(v, dict) and set(v) == {"w", "n"} and isinstance(v["w"], str)
+            and re.fullmatch("[a-z]{2,3}", v["w"]) is not None and isinstance(v["n"], int)
+            and not isinstance(v["n"], bool) and 0 <= v["n"] <= 99)
+
+
 def valid(task: str, text: str) -> bool:
+    if task == "json":
+        return json_answer_ok(text)
     kind, spec = FORMATS[task]
     if kind == "regex":
         return re.fullmatch(spec, text) is not None
@@ -72,7 +90,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--json", default=None)
-    ap.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
+    ap.add_argument("--cases", nargs="+", default=list(DEFAULT_CASES), choices=list(CASES))
     ap.add_argument("--temperatures", nargs="+", type=float, default=[0.0, 1.0])
     args = ap.parse_args()
 
@@ -84,7 +102,8 @@ def main() -> None:
     from jdllm.constraints import guidance as G
 
     cons = {t: (C.regex(s) if k == "regex" else C.json_schema(s)) for t, (k, s) in FORMATS.items()}
-    examples = tasks.test_set(args.n, seed=0)
+    cons["json"] = C.json_schema(tasks.JSON_SCHEMA)
+    suites = {False: tasks.test_set(args.n, seed=0), True: tasks.test_set(args.n, seed=0, tasks=("json",))}
     cases = {"ar": ("tiny-ar", jdllm.AR()),
              "spec-lookup": ("tiny-ar", jdllm.Speculative(num_draft_tokens=3)),
              "spec-draft": ("tiny-ar", jdllm.Speculative(draft=os.path.join(ROOT, "models", "tiny-ar-draft"),
@@ -93,11 +112,18 @@ def main() -> None:
                                                               confidence_threshold=0.9)),
              "bd-static": ("tiny-sdar", jdllm.BlockDiffusion(block_length=4, strategy="low_confidence_static",
                                                              denoising_steps=2)),
-             "masked": ("tiny-llada", jdllm.MaskedDiffusion(block_length=4, steps=6))}
+             "masked": ("tiny-llada", jdllm.MaskedDiffusion(block_length=4, steps=6)),
+             "json-ar": ("tiny-json-ar", jdllm.AR()),
+             "json-bd-dynamic": ("tiny-json-sdar", jdllm.BlockDiffusion(
+                 block_length=4, strategy="low_confidence_dynamic", confidence_threshold=0.9)),
+             "json-bd-static": ("tiny-json-sdar", jdllm.BlockDiffusion(
+                 block_length=4, strategy="low_confidence_static", denoising_steps=2))}
     cases = [cases[c] for c in args.cases]
     models = {name: jdllm.load(os.path.join(ROOT, "models", name), dtype="float32") for name in {n for n, _ in cases}}
     records = []
     for name, decoding in cases:
+        examples = suites["json" in name]
+        max_new = 24 if "json" in name else 12
         model = models[name]
         for temp in args.temperatures:
             def run(mode):
@@ -105,7 +131,7 @@ def main() -> None:
                 t0 = time.perf_counter()
                 for i in range(0, args.n, args.batch):
                     ex = examples[i:i + args.batch]
-                    samp = [jdllm.Sampling(temperature=temp, max_new_tokens=12, seed=1000 + i + j)
+                    samp = [jdllm.Sampling(temperature=temp, max_new_tokens=max_new, seed=1000 + i + j)
                             for j in range(len(ex))]
                     prompts = [e.prompt for e in ex]
                     if mode == "free":
