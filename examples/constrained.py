@@ -3,7 +3,8 @@
 Every output of a constrained row is accepted by its constraint (or ends "length" with
 `constraint_ok=False` when max_new_tokens runs out first). The shipped tiny models know
 only `sort:` / `add:` / `rev:` prompts and a character vocabulary of lowercase letters,
-digits and ` ()+,-.:=`, so the constraints below use those characters.
+digits and ` ()+,-.:=`, so the constraints below use those characters; the last one uses
+models/tiny-json-ar, trained on the structured `json:` task (its alphabet has `{ } "`).
 
     python examples/constrained.py
 """
@@ -59,6 +60,16 @@ def main() -> None:
     for o in outs:
         print(f"llada:       {o.text!r:12} finish={o.finish_reason} constraint_ok={o.constraint_ok} "
               f"step_map={o.step_map}")
+
+    # the structured task: a model trained on json: prompts, under the task's JSON schema
+    from jdllm import tasks
+
+    jm = jdllm.load(os.path.join(ROOT, "models", "tiny-json-ar"), dtype="float32")
+    outs = jdllm.generate(jm, ["json:abc 7=", "json:xy 42="],
+                          sampling=jdllm.Sampling(temperature=1.0, max_new_tokens=24),
+                          constraint=constraints.json_schema(tasks.JSON_SCHEMA))
+    for o in outs:
+        print(f"json task:   {o.text!r:22} finish={o.finish_reason} constraint_ok={o.constraint_ok} nfe={o.nfe}")
 
 
 if __name__ == "__main__":
