@@ -3,7 +3,8 @@
 Every output of a constrained row is accepted by its constraint (or ends "length" with
 `constraint_ok=False` when max_new_tokens runs out first). The shipped tiny models know
 only `sort:` / `add:` / `rev:` prompts and a character vocabulary of lowercase letters,
-digits and ` ()+,-.:=`, so the constraints below use those characters.
+digits and ` ()+,-.:=`, so the constraints below use those characters; the last one uses
+models/tiny-json-ar, trained on the structured `json:` task (its alphabet has `{ } "`).
 
     python examples/constrained.py
 """
@@ -44,6 +45,31 @@ def main() -> None:
     for o in outs:
         print(f"sdar:        {o.text!r:12} finish={o.finish_reason} constraint_ok={o.constraint_ok} "
               f"step_map={o.step_map}")
+
+    # speculative AR: the verification slots are masked from the drafts (one parallel llguidance call)
+    outs = jdllm.generate(ar, ["rev:abcd=", "sort:5 3 4="], jdllm.Speculative(num_draft_tokens=3), sampling,
+                          constraint=[constraints.regex("[a-d]{3,5}"), constraints.regex(r"[0-9]( [0-9])*")])
+    for o in outs:
+        print(f"ar_spec:     {o.text!r:12} finish={o.finish_reason} constraint_ok={o.constraint_ok} nfe={o.nfe} "
+              f"drafts accepted={o.trace['drafts_accepted']}")
+
+    # masked diffusion (LLaDA layout): the same out-of-order rule as block diffusion
+    llada = jdllm.load(os.path.join(ROOT, "models", "tiny-llada"), dtype="float32")
+    outs = jdllm.generate(llada, ["add:5+7=", "rev:abc="], jdllm.MaskedDiffusion(block_length=4, steps=8),
+                          sampling, constraint=[constraints.json_schema(schema), constraints.regex("[a-c]{3}")])
+    for o in outs:
+        print(f"llada:       {o.text!r:12} finish={o.finish_reason} constraint_ok={o.constraint_ok} "
+              f"step_map={o.step_map}")
+
+    # the structured task: a model trained on json: prompts, under the task's JSON schema
+    from jdllm import tasks
+
+    jm = jdllm.load(os.path.join(ROOT, "models", "tiny-json-ar"), dtype="float32")
+    outs = jdllm.generate(jm, ["json:abc 7=", "json:xy 42="],
+                          sampling=jdllm.Sampling(temperature=1.0, max_new_tokens=24),
+                          constraint=constraints.json_schema(tasks.JSON_SCHEMA))
+    for o in outs:
+        print(f"json task:   {o.text!r:22} finish={o.finish_reason} constraint_ok={o.constraint_ok} nfe={o.nfe}")
 
 
 if __name__ == "__main__":

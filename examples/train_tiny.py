@@ -17,6 +17,11 @@ scratch; the diffusion models start from its weights (RECIPES).
     python examples/train_tiny.py --model all --out models      # ... over the shipped models themselves
     python examples/train_tiny.py --model sdar --steps 20 --smoke --out /tmp/tiny
 
+--tasks json trains the structured task alone (its own alphabet: jdllm.tasks.JSON_CHARS), e.g.
+the shipped models/tiny-json-ar and tiny-json-sdar:
+    python examples/train_tiny.py --model ar --tasks json --name tiny-json-ar --steps 600 --out models
+    python examples/train_tiny.py --model sdar --tasks json --name tiny-json-sdar --steps 300 --lr 1e-3 \
+        --init-from models/tiny-json-ar --out models
 --tasks mixes in the long-answer task "rep" (jdllm.tasks.LONG_TASKS; rows of 64 slots), e.g. a
 fine-tune of the shipped tiny-sdar (not shipped yet: see benchmarks/RESULTS.md for the figures):
 
@@ -57,6 +62,7 @@ SEQ_LEN = 32  # training row length: left padding | prompt | answer | EOS fill
 LONG_SEQ_LEN = 64  # ... when a long-answer task is in the mix
 EVAL_PROMPT, EVAL_GEN = 16, 12  # eval layout: prompt left-padded to 16 slots, 12 generated
 LONG_EVAL_GEN = 48  # generated slots when scoring the long-answer tasks
+JSON_EVAL_GEN = 24  # ... the json task (answers of up to 18 characters)
 
 
 def model_config(kind: str, hidden: int = 128, layers: int = 4, heads: int = 4, kv_heads: int = 2,
@@ -88,10 +94,10 @@ class Batches:
     Tasks are drawn uniformly (the addition space is smaller than the others).
     """
 
-    def __init__(self, examples, seed: int, seq_len: int = SEQ_LEN):
+    def __init__(self, examples, seed: int, seq_len: int = SEQ_LEN, chars=tasks.CHARS):
         self.seq_len = seq_len
-        self.prompts = [tasks.encode(ex.prompt) for ex in examples]
-        self.answers = [tasks.encode(ex.answer) for ex in examples]
+        self.prompts = [tasks.encode(ex.prompt, chars) for ex in examples]
+        self.answers = [tasks.encode(ex.answer, chars) for ex in examples]
         self.by_task = [np.array([i for i, ex in enumerate(examples) if ex.task == t]) for t in tasks.ALL_TASKS]
         self.by_task = [ix for ix in self.by_task if len(ix)]
         self.rng = np.random.default_rng(seed)
@@ -115,13 +121,13 @@ class Batches:
 
 
 # --------------------------------------------------------------------------- eval
-def eval_rows(examples, gen: int = EVAL_GEN):
+def eval_rows(examples, gen: int = EVAL_GEN, chars=tasks.CHARS):
     """Prompts left-padded to EVAL_PROMPT slots, followed by `gen` mask slots."""
     n = len(examples)
     tokens = np.full((n, EVAL_PROMPT + gen), tasks.MASK_ID, np.int32)
     start = np.zeros((n,), np.int32)
     for b, ex in enumerate(examples):
-        p = tasks.encode(ex.prompt)
+        p = tasks.encode(ex.prompt, chars)
         tokens[b, :EVAL_PROMPT] = tasks.PAD_ID
         tokens[b, EVAL_PROMPT - len(p):EVAL_PROMPT] = p
         start[b] = EVAL_PROMPT - len(p)
@@ -159,13 +165,13 @@ def greedy_decode(params, tokens, start, *, cfg: ModelConfig, gen: int = EVAL_GE
     return jax.lax.fori_loop(0, gen, step, tokens)
 
 
-def evaluate(params, cfg, examples, batch: int = 100, gen: int = EVAL_GEN) -> float:
+def evaluate(params, cfg, examples, batch: int = 100, gen: int = EVAL_GEN, chars=tasks.CHARS) -> float:
     preds = []
     for i in range(0, len(examples), batch):
         chunk = examples[i:i + batch]
-        toks, start = eval_rows(chunk, gen)
+        toks, start = eval_rows(chunk, gen, chars)
         out = np.asarray(greedy_decode(params, toks, start, cfg=cfg, gen=gen))
-        preds += [tasks.decode(r[EVAL_PROMPT:]).replace("<eos>", "\x00").split("\x00")[0] for r in out]
+        preds += [tasks.decode(r[EVAL_PROMPT:], chars).replace("<eos>", "\x00").split("\x00")[0] for r in out]
     return tasks.exact_match(preds, examples)
 
 
@@ -186,7 +192,7 @@ def warm_start(params, cfg: ModelConfig, path: str):
 
 
 def train(kind: str, steps: int, batch: int, lr: float, seed: int, out: str, n_train: int, n_eval: int,
-          quiet: bool = False, init_from: str | None = None, task_mix=tasks.TASKS) -> dict:
+          quiet: bool = False, init_from: str | None = None, task_mix=tasks.TASKS, name: str | None = None) -> dict:
     import functools  # noqa: PLC0415
 
     import optax  # noqa: PLC0415
@@ -213,10 +219,12 @@ def train(kind: str, steps: int, batch: int, lr: float, seed: int, out: str, n_t
         return optax.apply_updates(params, upd), opt_state, loss
 
     long = [t for t in task_mix if t in tasks.LONG_TASKS]
-    data = Batches(tasks.train_set(n_train, seed, task_mix), seed, LONG_SEQ_LEN if long else SEQ_LEN)
+    chars = tasks.chars_for(task_mix)  # the json task has its own alphabet
+    data = Batches(tasks.train_set(n_train, seed, task_mix), seed, LONG_SEQ_LEN if long else SEQ_LEN, chars)
+    name = name or NAMES[kind]
     losses = []
     t0 = time.time()
-    bar = tqdm(range(steps), desc=NAMES[kind], disable=quiet, mininterval=5.0)
+    bar = tqdm(range(steps), desc=name, disable=quiet, mininterval=5.0)
     for i in bar:
         tokens, target, start = data(batch)
         params, opt_state, loss = update(params, opt_state, tokens, target, start, jax.random.fold_in(key, i + 1))
@@ -224,19 +232,23 @@ def train(kind: str, steps: int, batch: int, lr: float, seed: int, out: str, n_t
         if i % 10 == 0:
             bar.set_postfix(loss=f"{np.mean(losses[-50:]):.4f}")
     train_s = time.time() - t0
-    acc = evaluate(params, cfg, tasks.test_set(n_eval, seed)) if n_eval else float("nan")
+    structured = chars is tasks.JSON_CHARS
+    acc = evaluate(params, cfg, tasks.test_set(n_eval, seed, task_mix if structured else tasks.TASKS),
+                   gen=JSON_EVAL_GEN if structured else EVAL_GEN, chars=chars) if n_eval else float("nan")
     long_acc = evaluate(params, cfg, tasks.test_set(n_eval, seed, long), gen=LONG_EVAL_GEN) \
         if n_eval and long else None
 
-    out_dir = os.path.join(out, NAMES[kind])
-    save(out_dir, params, cfg)
-    plot_losses(losses, os.path.join(out_dir, "loss.png"), f"{NAMES[kind]} ({cfg.model_type}, {loss_fn.__name__})")
-    info = {"model": NAMES[kind], "model_type": cfg.model_type, "objective": loss_fn.__name__,
+    out_dir = os.path.join(out, name)
+    save(out_dir, params, cfg, chars)
+    plot_losses(losses, os.path.join(out_dir, "loss.png"), f"{name} ({cfg.model_type}, {loss_fn.__name__})")
+    info = {"model": name, "model_type": cfg.model_type, "objective": loss_fn.__name__,
             "params": n_params, "init_from": init_from and os.path.basename(os.path.normpath(init_from)),
             "steps": steps, "batch": batch, "lr": lr, "seed": seed,
             "train_examples": n_train, "train_seconds": round(train_s, 1),
             "final_loss": float(np.mean(losses[-50:])), "eval_items": n_eval,
             "eval_exact_match": acc}
+    if structured:
+        info.update(tasks=list(task_mix))
     if long:
         info.update(tasks=list(task_mix), seq_len=data.seq_len, eval_long_tasks=long, eval_long_exact_match=long_acc)
     with open(os.path.join(out_dir, "training.json"), "w") as f:
@@ -245,12 +257,12 @@ def train(kind: str, steps: int, batch: int, lr: float, seed: int, out: str, n_t
     return info
 
 
-def save(out_dir: str, params, cfg: ModelConfig) -> None:
+def save(out_dir: str, params, cfg: ModelConfig, chars=tasks.CHARS) -> None:
     """Hugging Face directory: config.json, model.safetensors (float32), tokenizer files."""
     from convert.hf import save_hf_dir  # noqa: PLC0415
 
     save_hf_dir(out_dir, jax.tree.map(np.asarray, params), cfg)
-    tasks.save_tokenizer(out_dir)
+    tasks.save_tokenizer(out_dir, chars)
 
 
 def plot_losses(losses, path: str, title: str) -> None:
@@ -295,6 +307,7 @@ def main(argv=None) -> int:
     ap.add_argument("--tasks", nargs="+", default=list(tasks.TASKS), choices=list(tasks.ALL_TASKS),
                     help="training mix (default: the short tasks); a long-answer task lengthens rows to "
                          f"{LONG_SEQ_LEN} slots and adds its own score to training.json")
+    ap.add_argument("--name", default=None, help="output directory name (default: the family's tiny-* name)")
     args = ap.parse_args(argv)
     if args.smoke:
         args.batch, args.train_size, args.eval = 8, 200, 0
@@ -306,7 +319,8 @@ def main(argv=None) -> int:
             cand = os.path.join(args.out, NAMES[recipe["init_from"]])
             init = cand if os.path.isfile(os.path.join(cand, "config.json")) else None
         train(kind, args.steps or recipe["steps"], args.batch, args.lr or recipe["lr"], args.seed, args.out,
-              args.train_size, args.eval, args.quiet, None if args.scratch else init, tuple(args.tasks))
+              args.train_size, args.eval, args.quiet, None if args.scratch else init, tuple(args.tasks),
+              name=args.name)
     return 0
 
 

@@ -15,6 +15,16 @@ sets above never change) and asked for by name (`LONG_TASKS`, `ALL_TASKS`):
 Its answers are long enough for several decoding blocks to be in flight at
 once, which the short tasks (answers of ~6 tokens) never allow.
 
+and one structured task (`STRUCTURED_TASKS`, also asked for by name), whose answer is a
+small JSON object, for measuring grammar-constrained decoding:
+
+    json:abc 7=   -> {"w":"abc","n":7}     (a 2-3 letter word, a number in [0, 99])
+
+Its characters `{`, `}` and `"` are not in the shipped models' alphabet: it has its own
+(`JSON_CHARS`: `(`, `)` and `+` give their ids to `{`, `}` and `"`; `chars_for(tasks)`
+picks it), used by the models trained on it (models/tiny-json-*). `JSON_SCHEMA` is the
+answer's schema.
+
 A prompt ends with "="; the answer follows and ends with EOS. Train and
 held-out test sets are deterministic functions of a seed and never share a
 prompt. The tokenizer is character level (one token per character) and is
@@ -33,13 +43,19 @@ from jdllm import errors
 
 TASKS = ("sort", "add", "rev")  # the default sets
 LONG_TASKS = ("rep",)  # long answers; only when asked for by name
-ALL_TASKS = TASKS + LONG_TASKS
+STRUCTURED_TASKS = ("json",)  # JSON answers, own alphabet (JSON_CHARS); only when asked for by name
+ALL_TASKS = TASKS + LONG_TASKS + STRUCTURED_TASKS
 REP_TIMES = 5  # "rep" repeats its word this many times
 PAD, EOS, MASK = "<pad>", "<eos>", "<mask>"
 SPECIALS = (PAD, EOS, MASK)  # ids 0, 1, 2
 # Printable characters, one token each; padded so the vocabulary is 48 ids in all.
 CHARS = tuple("0123456789abcdefghijklmnopqrstuvwxyz :+=-,.()*/?#")[:48 - len(SPECIALS)]
 VOCAB_SIZE = len(SPECIALS) + len(CHARS)
+# the json task's alphabet: the same ids, with "(", ")", "+" replaced by "{", "}", '"'
+JSON_CHARS = tuple({"(": "{", ")": "}", "+": '"'}.get(c, c) for c in CHARS)
+JSON_SCHEMA = {"type": "object", "properties": {"w": {"type": "string", "pattern": "^[a-z]{2,3}$"},
+                                                "n": {"type": "integer", "minimum": 0, "maximum": 99}},
+               "required": ["w", "n"], "additionalProperties": False}
 PAD_ID, EOS_ID, MASK_ID = 0, 1, 2
 MAX_PROMPT_LEN = 15  # "sort:d d d d d="
 MAX_ANSWER_LEN = 9  # "d d d d d"
@@ -71,6 +87,10 @@ def make_example(task: str, rng: random.Random) -> Example:
     if task == "rep":
         w = "".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(4, 8)))
         return Example(task, f"rep:{w}=", " ".join([w] * REP_TIMES))
+    if task == "json":
+        w = "".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(2, 3)))
+        n = rng.randrange(100)
+        return Example(task, f"json:{w} {n}=", json.dumps({"w": w, "n": n}, separators=(",", ":")))
     raise errors.InputError(f"task {task!r} is not one of {ALL_TASKS}")
 
 
@@ -135,28 +155,37 @@ def exact_match(predictions: Iterable[str], examples: Sequence[Example]) -> floa
 
 
 # --------------------------------------------------------------------------- tokenizer
-def _char_vocab() -> dict[str, int]:
+def chars_for(task_mix: Sequence[str]) -> tuple[str, ...]:
+    """The alphabet of a training mix: JSON_CHARS when it has the json task (alone), else CHARS."""
+    if any(t in STRUCTURED_TASKS for t in task_mix):
+        if any(t not in STRUCTURED_TASKS for t in task_mix):
+            raise errors.InputError(f"tasks={list(task_mix)!r}: the json task has its own alphabet; train it alone")
+        return JSON_CHARS
+    return CHARS
+
+
+def _char_vocab(chars: Sequence[str] = CHARS) -> dict[str, int]:
     vocab = {s: i for i, s in enumerate(SPECIALS)}
-    vocab.update({c: len(SPECIALS) + i for i, c in enumerate(CHARS)})
+    vocab.update({c: len(SPECIALS) + i for i, c in enumerate(chars)})
     return vocab
 
 
-def build_tokenizer():
+def build_tokenizer(chars: Sequence[str] = CHARS):
     """A `tokenizers.Tokenizer`: one token per character, specials <pad>, <eos>, <mask>."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers  # noqa: PLC0415
 
-    tok = Tokenizer(models.WordLevel(vocab=_char_vocab(), unk_token=None))
+    tok = Tokenizer(models.WordLevel(vocab=_char_vocab(chars), unk_token=None))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     tok.decoder = decoders.Fuse()
     tok.add_special_tokens(list(SPECIALS))
     return tok
 
 
-def save_tokenizer(out_dir: str | os.PathLike) -> None:
+def save_tokenizer(out_dir: str | os.PathLike, chars: Sequence[str] = CHARS) -> None:
     """Write tokenizer.json, tokenizer_config.json and special_tokens_map.json to `out_dir`."""
     out_dir = os.fspath(out_dir)
     os.makedirs(out_dir, exist_ok=True)
-    build_tokenizer().save(os.path.join(out_dir, "tokenizer.json"))
+    build_tokenizer(chars).save(os.path.join(out_dir, "tokenizer.json"))
     added = {str(i): {"content": s, "lstrip": False, "rstrip": False, "normalized": False,
                       "single_word": False, "special": True} for i, s in enumerate(SPECIALS)}
     config = {
@@ -186,16 +215,16 @@ def load_tokenizer(path: str | os.PathLike | None = None):
     return PreTrainedTokenizerFast(tokenizer_file=file, pad_token=PAD, eos_token=EOS, mask_token=MASK)
 
 
-def encode(text: str) -> list[int]:
+def encode(text: str, chars: Sequence[str] = CHARS) -> list[int]:
     """Token ids of plain task text (no specials), without loading `transformers`."""
-    vocab = _char_vocab()
+    vocab = _char_vocab(chars)
     try:
         return [vocab[c] for c in text]
     except KeyError as e:
-        raise errors.InputError(f"character {e.args[0]!r} is not in the task vocabulary {CHARS}") from None
+        raise errors.InputError(f"character {e.args[0]!r} is not in the task vocabulary {chars}") from None
 
 
-def decode(ids: Iterable[int]) -> str:
+def decode(ids: Iterable[int], chars: Sequence[str] = CHARS) -> str:
     """Text of token ids; EOS/pad/mask render as their names."""
-    inv = {i: s for s, i in _char_vocab().items()}
+    inv = {i: s for s, i in _char_vocab(chars).items()}
     return "".join(inv.get(int(i), "?") for i in ids)

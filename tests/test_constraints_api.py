@@ -16,6 +16,17 @@ def test_constructors_are_hashable_data():
     assert constraints.choice(["yes", "no"]).source == '["yes", "no"]'
 
 
+def test_json_schema_keeps_property_order():
+    """Properties are emitted in the schema's order (llguidance): the canonical text sorts every key
+    but the property names, so {"w", "n"} and {"n", "w"} are different constraints."""
+    props = {"w": {"type": "string"}, "n": {"type": "integer"}}
+    a = constraints.json_schema({"type": "object", "properties": props, "required": ["w", "n"]})
+    b = constraints.json_schema({"required": ["w", "n"], "properties": dict(reversed(props.items())),
+                                 "type": "object"})
+    assert a != b
+    assert a.source.index('"w"') < a.source.index('"n"') and b.source.index('"n"') < b.source.index('"w"')
+
+
 @pytest.mark.parametrize("make, err", [
     (lambda: constraints.regex(""), ConstraintError),
     (lambda: constraints.regex(3), ArgumentTypeError),

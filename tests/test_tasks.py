@@ -98,3 +98,26 @@ def test_long_task_outside_default_sets():
     mixed = tasks.train_set(2000, seed=0, tasks=tasks.ALL_TASKS)
     held = {ex.prompt for ts in (tasks.TASKS, tasks.LONG_TASKS) for ex in tasks.test_set(1000, 0, ts)}
     assert {ex.task for ex in mixed} == set(tasks.ALL_TASKS) and not {ex.prompt for ex in mixed} & held
+
+
+def test_json_task_answers_parse_and_own_alphabet(tmp_path):
+    """json: answers are JSON objects with the prompt's word and number (checked with json.loads, not
+    with llguidance); its alphabet replaces ( ) + by { } " at the same ids; it trains alone."""
+    exs = tasks.test_set(50, seed=0, tasks=("json",))
+    assert len({e.prompt for e in exs}) == 50
+    for e in exs:
+        word, num = e.prompt[len("json:"):-1].split(" ")
+        v = json.loads(e.answer)
+        assert v == {"w": word, "n": int(num)} and list(v) == ["w", "n"]
+        assert 2 <= len(word) <= 3 and 0 <= v["n"] <= 99 and len(e.prompt) + len(e.answer) <= 31
+        ids = tasks.encode(e.answer, tasks.JSON_CHARS)
+        assert tasks.decode(ids, tasks.JSON_CHARS) == e.answer and max(ids) < tasks.VOCAB_SIZE
+    assert tasks.chars_for(("json",)) == tasks.JSON_CHARS and tasks.chars_for(tasks.TASKS) == tasks.CHARS
+    assert [c for c, d in zip(tasks.CHARS, tasks.JSON_CHARS) if c != d] == ["+", "(", ")"]
+    with pytest.raises(errors.InputError, match="alone"):
+        tasks.chars_for(("json", "add"))
+    with pytest.raises(errors.InputError):
+        tasks.encode('{"w"', tasks.CHARS)  # the shipped alphabet has no braces or quotes
+    tasks.save_tokenizer(tmp_path, tasks.JSON_CHARS)
+    tok = tasks.load_tokenizer(tmp_path)
+    assert tok.encode(exs[0].answer, add_special_tokens=False) == tasks.encode(exs[0].answer, tasks.JSON_CHARS)

@@ -37,7 +37,8 @@ KINDS = ("regex", "json_schema", "lark", "choice")
 @dataclasses.dataclass(frozen=True)
 class Constraint:
     """kind: "regex" | "json_schema" | "lark" | "choice"; source: the pattern, the schema
-    as canonical JSON text, the Lark grammar, or the choices as a JSON list; backend:
+    as canonical JSON text (keys sorted, except the order of "properties", which is kept:
+    properties are emitted in that order), the Lark grammar, or the choices as a JSON list; backend:
     a key of `BACKENDS`."""
 
     kind: str
@@ -78,7 +79,20 @@ def json_schema(schema: dict | str, *, backend: str = "llguidance") -> Constrain
             raise ConstraintError(f"JSON schema is not valid JSON: {e}") from None
     if not isinstance(schema, (dict, bool)):
         raise ArgumentTypeError(f"JSON schema must be a dict (or its JSON text), got {type(schema).__name__}")
-    return Constraint("json_schema", json.dumps(schema, sort_keys=True, separators=(",", ":")), backend)
+    return Constraint("json_schema", json.dumps(_canonical(schema), separators=(",", ":")), backend)
+
+
+def _canonical(node, keep_order: bool = False):
+    """A schema with its keys sorted (equal schemas, equal constraints), except the keys of a
+    "properties" object: llguidance and the DFA compiler emit properties in that order, so it
+    decides which outputs are valid."""
+    if isinstance(node, dict):
+        keys = list(node) if keep_order else sorted(node)
+        return {k: _canonical(node[k], k == "properties" and not keep_order) if not keep_order
+                else _canonical(node[k]) for k in keys}
+    if isinstance(node, list):
+        return [_canonical(v) for v in node]
+    return node
 
 
 def lark(grammar: str, *, backend: str = "llguidance") -> Constraint:

@@ -35,27 +35,48 @@ from the row's committed cache length up to the slot it samples in one window (w
 bucketed to a power of two). Forced tokens get log-prob 0 (probability 1 under the
 constraint) and the step number of the step that revealed the token forcing them.
 
-Out-of-order paradigms (block_diffusion): the rule
-==================================================
+Out-of-order paradigms (block_diffusion, masked_diffusion): the rule
+====================================================================
 A left-to-right matcher can judge a slot only when every slot before it is known. The
 matcher of a row has consumed exactly the row's contiguous revealed prefix; its first
 unrevealed slot is the *frontier*. Each step:
   * the frontier slot is sampled under the matcher's exact mask (so whenever the
     frontier is revealed it is valid);
-  * any other planned slot may be revealed *provisionally*, from any token except the
-    row's stop tokens (a stop token is only ever revealed at the frontier, where the
-    mask allows it only if the grammar accepts there: a row never ends "stop" unless
-    its output is accepted);
+  * any other planned slot may be revealed *provisionally*, from any token, stop tokens
+    included (the paradigm's own choice, unchanged);
   * after the reveal the matcher consumes the contiguous revealed run from the frontier
-    left to right (like draft tokens); the first token it rejects is re-masked (its
-    step_map and log-prob cleared; a row that had ended "length" is reopened) and
-    becomes the new frontier; tokens after it stay provisional until judged.
-Every returned token has therefore been consumed by the matcher, so a finished row is
-accepted (or ended "length" / "invalid" with constraint_ok False). step_map stays truthful
-(a re-masked slot gets the step that finally reveals it) and NFE counts every forward,
-so the TPF cost of the rule is measurable (benchmarks/RESULTS.md).
-masked_diffusion and multi_block keep schedule state in `state.extra` that a re-mask would
-have to rewind; this backend refuses them with a ConstraintError (use backend="dfa").
+    left to right (like draft tokens; a stop token is its EOS, accepted only where the
+    grammar accepts); the first token it rejects is re-masked (its step_map and log-prob
+    cleared; a row the device had ended "stop" or "length" on the strength of provisional
+    tokens is reopened in the same host step) and becomes the new frontier; tokens after
+    it stay provisional until judged.
+Every returned token has therefore been consumed by the matcher, so a finished "stop" row
+is accepted; other endings ("length") carry constraint_ok False unless the grammar accepts.
+step_map stays truthful (a re-masked slot gets the step that finally reveals it) and NFE
+counts every forward, so the TPF cost of the rule is measurable (benchmarks/RESULTS.md).
+(An earlier rule kept stop tokens off provisional slots; with static top-k it made the
+model reveal its second choice where it wanted EOS, e.g. "iowe" for "iow": exact match on
+tiny-sdar static top-2 fell from 97.9 % to 75 %. With stop tokens provisional it is 97.9 %,
+the same as the free run and as the DFA backend.)
+masked_diffusion: a re-masked slot lies in the batch's current block (a block is left only
+once it is full, i.e. once every slot before its end has been judged), so the block stays
+current until the slot is revealed again; once its `steps` schedule is spent, the block's
+remaining masked slots are revealed together on the next step (the paradigm's own rule).
+multi_block is refused (its EOS fill and Completed block states would need rewinding;
+use backend="dfa" for it).
+
+Dead ends: when the frontier's mask allows nothing (the grammar needs a token this
+vocabulary lacks), the row ends "length" at the frontier with constraint_ok False.
+
+ar_spec: verification with draft-token masks
+============================================
+After the forward proposes drafts (and the target scores them), the host fills the masks
+of all k + 1 verification slots in one parallel call (`Controller.verify_masks`, llguidance's
+`fill_next_token_bitmask_par_with_draft_tokens`: mask i = after drafts[:i]), and `reveal`
+applies them to the target's logits before the acceptance rule: a draft the grammar rejects
+is rejected there, the correction is drawn from the masked target. The matchers advance
+only by the tokens `reveal` emitted. No fast-forward in ar_spec (its cache must cover every
+slot before the frontier); greedy constrained ar_spec equals greedy constrained AR.
 """
 
 from __future__ import annotations
@@ -75,7 +96,8 @@ from jdllm.decode import common, loop
 from jdllm.errors import ConstraintError
 from jdllm.state import LENGTH, RUNNING, STOP, slot_index
 
-SUPPORTED = ("ar", "block_diffusion")
+SUPPORTED = ("ar", "ar_spec", "block_diffusion", "masked_diffusion")
+FIRST_STEP_IN_PREFILL = ("ar", "block_diffusion")  # their prefill also takes the first step (with a mask)
 COMPILER_OPTIONS: tuple = ()  # XLA options for the host-driven pieces (tests lower the opt level)
 
 
@@ -197,6 +219,7 @@ def _pack(ids, W32: int) -> np.ndarray:
 
 
 # --------------------------------------------------------------------------- the controller
+CLOSE_STOP, CLOSE_LENGTH = 1, 2
 class Edits(NamedTuple):
     """What the host changes on the canvas after a step, as padded [B, E] arrays."""
 
@@ -204,8 +227,9 @@ class Edits(NamedTuple):
     tokens: np.ndarray  # [B, E] int32
     kind: np.ndarray  # [B, E] int32: 1 = write a forced token, 2 = re-mask (backtrack)
     reopen: np.ndarray  # [B] bool: a row that ended "length" gets a hole back
-    close: np.ndarray  # [B] bool: the grammar is complete and the row has no stop token: STOP here
-    close_end: np.ndarray  # [B] int32
+    close: np.ndarray  # [B] int32: CLOSE_STOP (the grammar is complete, the row has no stop token),
+    #                    CLOSE_LENGTH (dead end: no token can continue), 0 = leave the row alone
+    close_end: np.ndarray  # [B] int32: the closed row's end
 
 
 @dataclasses.dataclass
@@ -240,30 +264,38 @@ class Controller:
         self.eos_bit = _pack([self.eos], self.W32)
         self.executor = llg.LLExecutor(threads)
         self.stats = Stats()
+        self.final = np.zeros(len(self.m), bool)  # the matcher consumed the row's end (stop / close / dead)
+        self.dead = np.zeros(len(self.m), bool)  # the grammar allows no token of this vocabulary at the frontier
 
     @property
     def batch(self) -> int:
         return len(self.m)
 
     def sample_mask(self, offset: np.ndarray, width: int, done: np.ndarray) -> np.ndarray:
-        """[B, N, W32] int32: the mask of row b's planned slots [offset[b], offset[b] + N)."""
+        """[B, N, W32] int32: the mask of row b's planned slots [offset[b], offset[b] + N).
+
+        The frontier slot gets the matcher's exact mask (its EOS bit stands for the row's stop
+        tokens); every other slot is provisional and gets all tokens, stop tokens included
+        (judged once the matcher reaches them). A frontier whose mask allows nothing (the
+        grammar needs a token this vocabulary lacks) marks the row dead: `advance` ends it
+        "length" at the frontier (constraint_ok False)."""
         t0 = time.perf_counter()
         B = self.batch
         out = np.full((B, width, self.W32), -1, np.int32)
-        rows = [b for b in range(B) if self.m[b] is not None and not done[b]]
+        rows = [b for b in range(B) if self.m[b] is not None and not done[b] and not self.final[b]]
         front = [b for b in rows if offset[b] <= self.pos[b] < offset[b] + width]
         scratch = np.zeros((max(1, len(front)), self.W32), np.int32)
         if front:
             _llg().numpy.fill_next_token_bitmask_par(self.executor, [(self.m[b], i) for i, b in enumerate(front)],
                                                      scratch)
-        for b in rows:  # non-frontier slots: provisional, any token but a stop token
-            out[b] &= ~self.stop_bits[b]
         for i, b in enumerate(front):
             mask = scratch[i]
             eos_ok = self.m[b].is_accepting() and bool((mask[self.eos // 32] >> (self.eos % 32)) & 1)
             mask = mask & ~self.stop_bits[b] & ~self.eos_bit
             if eos_ok:
                 mask = mask | self.stop_bits[b]
+            if not mask.any():
+                self.dead[b] = True
             out[b, int(self.pos[b] - offset[b])] = mask
         self.stats.mask_s += time.perf_counter() - t0
         return out
@@ -273,13 +305,19 @@ class Controller:
         t0 = time.perf_counter()
         B = self.batch
         edits: list[list[tuple[int, int, int]]] = [[] for _ in range(B)]
-        reopen, close = np.zeros(B, bool), np.zeros(B, bool)
+        reopen, close = np.zeros(B, bool), np.zeros(B, np.int32)
         close_end = np.zeros(B, np.int32)
         for b in range(B):
             m = self.m[b]
-            if m is None or (done[b] and finish[b] != LENGTH):  # only "length" rows may still need a re-mask
+            # rows the device ended "stop" / "length" may still hold provisional tokens to judge
+            if m is None or self.final[b]:
                 continue
             p, lim = int(self.pos[b]), int(self.limit[b])
+            if self.dead[b]:  # no token can continue the output: end it here, "length", not accepted
+                close[b], close_end[b], self.final[b] = CLOSE_LENGTH, p, True  # (over the INVALID it got)
+                continue
+            if done[b] and finish[b] not in (LENGTH, STOP):
+                continue
             toks, rev = tokens[b].copy(), revealed[b].copy()
             stopped = back = False
             while True:
@@ -296,7 +334,7 @@ class Controller:
                         break
                     p += 1
                     if is_stop:
-                        stopped = True
+                        stopped = self.final[b] = True
                         break
                 if stopped or back or p >= lim:
                     break
@@ -304,7 +342,7 @@ class Controller:
                     if self.stops[b]:
                         ff = [self.stops[b][0]]
                     else:
-                        close[b], close_end[b] = True, p
+                        close[b], close_end[b], self.final[b] = CLOSE_STOP, p, True
                         break
                 elif self.fast_forward:
                     ff = m.compute_ff_tokens()
@@ -343,13 +381,54 @@ class Controller:
         out = np.full((self.batch, K + 1, self.W32), -1, np.int32)
         rows = [b for b in range(self.batch) if self.m[b] is not None]
         flat = np.zeros((max(1, len(rows)) * (K + 1), self.W32), np.int32)
-        if rows:
-            _llg().numpy.fill_next_token_bitmask_par_with_draft_tokens(
-                self.executor, [(self.m[b], i * (K + 1), [int(t) for t in drafts[b]]) for i, b in enumerate(rows)],
-                flat)
-            for i, b in enumerate(rows):
-                out[b] = flat[i * (K + 1):(i + 1) * (K + 1)]
+        llnp = _llg().numpy
+        with_drafts = [(self.m[b], i * (K + 1), [int(t) for t in drafts[b]])
+                       for i, b in enumerate(rows) if len(drafts[b])]
+        if with_drafts:
+            llnp.fill_next_token_bitmask_par_with_draft_tokens(self.executor, with_drafts, flat)
+        without = [(self.m[b], i * (K + 1)) for i, b in enumerate(rows) if not len(drafts[b])]
+        if without:  # llguidance refuses an empty draft list: these rows need their current mask only
+            llnp.fill_next_token_bitmask_par(self.executor, without, flat)
+        for i, b in enumerate(rows):
+            out[b] = flat[i * (K + 1):(i + 1) * (K + 1)]
         self.stats.mask_s += time.perf_counter() - t0
+        return out
+
+    def verify_masks(self, drafts: np.ndarray, n_draft: np.ndarray, done: np.ndarray) -> np.ndarray:
+        """ar_spec's verification masks [B, K + 1, W32] for the slots [frontier, frontier + K]:
+        `draft_masks` of each row's first n_draft[b] drafts (cut after a stop token, which the
+        matcher sees as its EOS), EOS bits turned into the row's stop tokens as in `sample_mask`.
+        Position 0 is the frontier's exact mask (all-zero: the row is dead, see `sample_mask`).
+        A later all-zero position (after a draft the grammar rejects, which verification can
+        never accept past) becomes all-ones so that no NaN can appear where nothing is drawn."""
+        B, K = drafts.shape
+        cut = []
+        for b in range(B):
+            d = [int(t) for t in drafts[b, :int(n_draft[b])]]
+            if self.m[b] is None or done[b] or self.final[b]:
+                d = []
+            for i, t in enumerate(d):
+                if t in self.stops[b]:
+                    d = d[:i] + [self.eos]
+                    break
+            cut.append(d)
+        raw = self.draft_masks(cut)
+        out = np.full((B, K + 1, self.W32), -1, np.int32)
+        for b in range(B):
+            if self.m[b] is None or done[b] or self.final[b]:
+                continue
+            for i in range(raw.shape[1]):
+                mask = raw[b, i]
+                eos_ok = bool((mask[self.eos // 32] >> (self.eos % 32)) & 1)
+                mask = mask & ~self.stop_bits[b] & ~self.eos_bit
+                if eos_ok:
+                    mask = mask | self.stop_bits[b]
+                if not mask.any():
+                    if i == 0:
+                        self.dead[b] = True
+                    else:
+                        mask = np.full_like(mask, -1)
+                out[b, i] = mask
         return out
 
     def accepted(self) -> list[bool | None]:
@@ -360,7 +439,8 @@ class Controller:
 def apply_edits(state, slots, tokens, kind, reopen, close, close_end, *, fill: int):
     """Write forced tokens (kind 1) and re-mask rejected ones (kind 2) at slots [B, E]; reopen /
     close rows; lower a row's committed cache length below its first edited slot; then the
-    usual stop rule (a forced stop token or the last slot ends the row)."""
+    usual stop rule (a forced stop token or the last slot ends the row). close [B]: CLOSE_STOP
+    ends a running row "stop" at close_end, CLOSE_LENGTH ends a row "length" there (dead end)."""
     S = state.slots
     hit = slot_index(state)[:, None, :] == slots[:, :, None]  # [B, E, S]
     wr = jnp.any(hit & (kind == 1)[:, :, None], axis=1)
@@ -379,7 +459,10 @@ def apply_edits(state, slots, tokens, kind, reopen, close, close_end, *, fill: i
     )
     if state.cache is not None:
         state = state.replace(cache=state.cache.commit(jnp.minimum(state.cache.length, first)))
-    state = common.close_rows(state, close & ~state.done, STOP, close_end)
+    state = common.close_rows(state, (close == CLOSE_STOP) & ~state.done, STOP, close_end)
+    dead = close == CLOSE_LENGTH  # overrides the INVALID an all-zero frontier mask may have left
+    state = state.replace(done=state.done | dead, finish=jnp.where(dead, LENGTH, state.finish),
+                          end=jnp.where(dead, close_end, state.end))
     return common.finish_rows(state)
 
 
@@ -425,8 +508,8 @@ def generate(model, prompts, decoding, sampling, constraints, *, apply_chat_temp
     name = getattr(paradigm, "name", None)
     if name not in SUPPORTED:
         raise ConstraintError(
-            f"the 'llguidance' backend drives paradigms {SUPPORTED}, not {name!r} (its out-of-order "
-            "schedule keeps state a grammar backtrack cannot rewind); use backend='dfa' for it")
+            f"the 'llguidance' backend drives paradigms {SUPPORTED}, not {name!r} (its EOS fill and block "
+            "states keep state a grammar backtrack cannot rewind); use backend='dfa' for it")
     lltok = ll_tokenizer(model)
     matchers = [None if c is None else matcher(c, lltok) for c in constraints]
     prep = api.prepare(model, prompts, decoding, sampling, apply_chat_template=apply_chat_template)
@@ -434,20 +517,28 @@ def generate(model, prompts, decoding, sampling, constraints, *, apply_chat_temp
     B = state.batch
     matchers += [None] * (B - len(matchers))
     host0 = jax.device_get({"gen_start": state.gen_start, "limit": state.limit, "stop_ids": state.stop_ids})
+    # ar_spec: no fast-forward (its cache must hold every slot before the frontier; drafts already
+    # cover several tokens per forward). masked_diffusion: forced tokens may fill any later slot.
     ctl = Controller(lltok, matchers, cfg.vocab_size, host0["gen_start"], host0["limit"], host0["stop_ids"],
-                     fast_forward=fast_forward, block=getattr(prep.paradigm, "block_length", None))
+                     fast_forward=fast_forward and name != "ar_spec",
+                     block=prep.paradigm.block_length if name == "block_diffusion" else None)
     if stats is not None:
         ctl.stats = stats
     fill = common.fill_token(cfg)
     steps = loop.compiled_steps(COMPILER_OPTIONS)
     kw = dict(paradigm=prep.paradigm, ctx=prep.ctx)
+    params = api.params_for(model, prep.paradigm)
     t_start = time.perf_counter()
 
-    state, p = steps["plan"](state, **kw)
-    done = np.asarray(jax.device_get(state.done))
-    mask = ctl.sample_mask(np.asarray(jax.device_get(p.offset)), p.width, done)
-    state = steps["prefill"](model.params, state, jnp.asarray(mask), **kw)
-    state, done = _edit(state, ctl, fill)
+    if name in FIRST_STEP_IN_PREFILL:  # the prefill also samples the first slots: mask them
+        state, p = steps["plan"](state, **kw)
+        done = np.asarray(jax.device_get(state.done))
+        mask = ctl.sample_mask(np.asarray(jax.device_get(p.offset)), p.width, done)
+        state = steps["prefill"](params, state, jnp.asarray(mask), **kw)
+        state, done = _edit(state, ctl, fill)
+    else:
+        state = steps["prefill"](params, state, None, **kw)
+        done = np.asarray(jax.device_get(state.done))
     bound = 4 * loop.max_iterations(prep.paradigm, state)
     it = 0
     while not done.all() and it < bound:
@@ -458,11 +549,15 @@ def generate(model, prompts, decoding, sampling, constraints, *, apply_chat_temp
             pending = off - np.asarray(jax.device_get(state.cache.length))
             width = int(np.max(np.where(done, 1, pending), initial=1))
         if width > 1:
-            state, logits = _compiled(COMPILER_OPTIONS)["catch_up"](model.params, state, p, width=common.bucket(width, 8),
+            state, logits = _compiled(COMPILER_OPTIONS)["catch_up"](params, state, p, width=common.bucket(width, 8),
                                                                    ctx=prep.ctx)
         else:
-            state, logits = steps["forward"](model.params, state, p, **kw)
-        mask = ctl.sample_mask(off, p.width, done)  # on the host while the forward runs
+            state, logits = steps["forward"](params, state, p, **kw)
+        if name == "ar_spec":  # the drafts are known once the forward has run: masks for all k + 1 slots
+            d = jax.device_get({"drafts": state.extra["drafts"], "n": state.extra["n_draft"]})
+            mask = ctl.verify_masks(np.asarray(d["drafts"]), np.asarray(d["n"]), done)
+        else:
+            mask = ctl.sample_mask(off, p.width, done)  # on the host while the forward runs
         state = steps["reveal"](state, p, logits, jnp.asarray(mask), **kw)
         state, done = _edit(state, ctl, fill)
         ctl.stats.steps += 1
