@@ -85,19 +85,25 @@ class Batches:
 
     The EOS fill length is random (>= 1), so the left padding and hence the
     alignment of the answer on the block grid vary, as they do at inference.
-    Tasks are drawn uniformly (the addition space is smaller than the others).
+    Tasks are drawn uniformly (the addition space is smaller than the others), or with
+    `weights` ({task: weight}).
     """
 
-    def __init__(self, examples, seed: int, seq_len: int = SEQ_LEN):
+    def __init__(self, examples, seed: int, seq_len: int = SEQ_LEN, weights=None):
         self.seq_len = seq_len
         self.prompts = [tasks.encode(ex.prompt) for ex in examples]
         self.answers = [tasks.encode(ex.answer) for ex in examples]
         self.by_task = [np.array([i for i, ex in enumerate(examples) if ex.task == t]) for t in tasks.ALL_TASKS]
-        self.by_task = [ix for ix in self.by_task if len(ix)]
+        w = np.ones(len(tasks.ALL_TASKS)) if weights is None else np.asarray(
+            [weights.get(t, 0.0) for t in tasks.ALL_TASKS], float)
+        keep = [i for i, ix in enumerate(self.by_task) if len(ix) and w[i] > 0]
+        self.by_task = [self.by_task[i] for i in keep]
+        self.p = None if weights is None else w[keep] / w[keep].sum()
         self.rng = np.random.default_rng(seed)
 
     def __call__(self, batch: int):
-        which = self.rng.integers(0, len(self.by_task), batch)
+        which = (self.rng.integers(0, len(self.by_task), batch) if self.p is None  # the shipped recipes' stream
+                 else self.rng.choice(len(self.by_task), batch, p=self.p))
         idx = [self.by_task[w][self.rng.integers(0, len(self.by_task[w]))] for w in which]
         T = self.seq_len
         tokens = np.full((batch, T), tasks.PAD_ID, np.int32)
@@ -186,7 +192,8 @@ def warm_start(params, cfg: ModelConfig, path: str):
 
 
 def train(kind: str, steps: int, batch: int, lr: float, seed: int, out: str, n_train: int, n_eval: int,
-          quiet: bool = False, init_from: str | None = None, task_mix=tasks.TASKS) -> dict:
+          quiet: bool = False, init_from: str | None = None, task_mix=tasks.TASKS, weights=None,
+          eval_every: int = 0) -> dict:
     import functools  # noqa: PLC0415
 
     import optax  # noqa: PLC0415
@@ -213,8 +220,9 @@ def train(kind: str, steps: int, batch: int, lr: float, seed: int, out: str, n_t
         return optax.apply_updates(params, upd), opt_state, loss
 
     long = [t for t in task_mix if t in tasks.LONG_TASKS]
-    data = Batches(tasks.train_set(n_train, seed, task_mix), seed, LONG_SEQ_LEN if long else SEQ_LEN)
+    data = Batches(tasks.train_set(n_train, seed, task_mix), seed, LONG_SEQ_LEN if long else SEQ_LEN, weights)
     losses = []
+    out_dir = os.path.join(out, NAMES[kind])
     t0 = time.time()
     bar = tqdm(range(steps), desc=NAMES[kind], disable=quiet, mininterval=5.0)
     for i in bar:
@@ -223,12 +231,19 @@ def train(kind: str, steps: int, batch: int, lr: float, seed: int, out: str, n_t
         losses.append(float(loss))
         if i % 10 == 0:
             bar.set_postfix(loss=f"{np.mean(losses[-50:]):.4f}")
+        if eval_every and (i + 1) % eval_every == 0 and i + 1 < steps:  # progress: small scores + a checkpoint
+            a = evaluate(params, cfg, tasks.test_set(100, seed)) if n_eval else float("nan")
+            la = evaluate(params, cfg, tasks.test_set(50, seed, long), gen=LONG_EVAL_GEN) if n_eval and long else None
+            ck = os.path.join(out_dir + "-ckpt", f"step{i + 1}")
+            save(ck, params, cfg)
+            print(json.dumps({"step": i + 1, "elapsed_s": round(time.time() - t0, 1),
+                              "loss": float(np.mean(losses[-50:])), "old_tasks_100": a, "long_50": la,
+                              "checkpoint": ck}), flush=True)
     train_s = time.time() - t0
     acc = evaluate(params, cfg, tasks.test_set(n_eval, seed)) if n_eval else float("nan")
     long_acc = evaluate(params, cfg, tasks.test_set(n_eval, seed, long), gen=LONG_EVAL_GEN) \
         if n_eval and long else None
 
-    out_dir = os.path.join(out, NAMES[kind])
     save(out_dir, params, cfg)
     plot_losses(losses, os.path.join(out_dir, "loss.png"), f"{NAMES[kind]} ({cfg.model_type}, {loss_fn.__name__})")
     info = {"model": NAMES[kind], "model_type": cfg.model_type, "objective": loss_fn.__name__,
@@ -237,6 +252,8 @@ def train(kind: str, steps: int, batch: int, lr: float, seed: int, out: str, n_t
             "train_examples": n_train, "train_seconds": round(train_s, 1),
             "final_loss": float(np.mean(losses[-50:])), "eval_items": n_eval,
             "eval_exact_match": acc}
+    if weights:
+        info["task_weights"] = {t: weights[t] for t in task_mix if t in weights}
     if long:
         info.update(tasks=list(task_mix), seq_len=data.seq_len, eval_long_tasks=long, eval_long_exact_match=long_acc)
     with open(os.path.join(out_dir, "training.json"), "w") as f:
@@ -295,7 +312,15 @@ def main(argv=None) -> int:
     ap.add_argument("--tasks", nargs="+", default=list(tasks.TASKS), choices=list(tasks.ALL_TASKS),
                     help="training mix (default: the short tasks); a long-answer task lengthens rows to "
                          f"{LONG_SEQ_LEN} slots and adds its own score to training.json")
+    ap.add_argument("--weights", nargs="+", type=float, default=None,
+                    help="sampling weight of each --tasks entry, in order (default: uniform)")
+    ap.add_argument("--eval-every", type=int, default=0,
+                    help="every N steps: score 100 old-task items (+ 50 long-task items) and save a checkpoint "
+                         "under OUT/<model>-ckpt/stepN (0: never)")
     args = ap.parse_args(argv)
+    if args.weights is not None and len(args.weights) != len(args.tasks):
+        ap.error(f"--weights needs one value per --tasks entry ({len(args.tasks)})")
+    weights = dict(zip(args.tasks, args.weights)) if args.weights else None
     if args.smoke:
         args.batch, args.train_size, args.eval = 8, 200, 0
     kinds = ["ar", "sdar", "llada", "ar-draft"] if args.model == "all" else [args.model]
@@ -306,7 +331,8 @@ def main(argv=None) -> int:
             cand = os.path.join(args.out, NAMES[recipe["init_from"]])
             init = cand if os.path.isfile(os.path.join(cand, "config.json")) else None
         train(kind, args.steps or recipe["steps"], args.batch, args.lr or recipe["lr"], args.seed, args.out,
-              args.train_size, args.eval, args.quiet, None if args.scratch else init, tuple(args.tasks))
+              args.train_size, args.eval, args.quiet, None if args.scratch else init, tuple(args.tasks),
+              weights, args.eval_every)
     return 0
 
 
