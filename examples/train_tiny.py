@@ -17,11 +17,12 @@ scratch; the diffusion models start from its weights (RECIPES).
     python examples/train_tiny.py --model all --out models      # ... over the shipped models themselves
     python examples/train_tiny.py --model sdar --steps 20 --smoke --out /tmp/tiny
 
---tasks mixes in the long-answer task "rep" (jdllm.tasks.LONG_TASKS; rows of 64 slots), e.g. a
-fine-tune of the shipped tiny-sdar (not shipped yet: see benchmarks/RESULTS.md for the figures):
+--tasks mixes in the long-answer task "rep" (jdllm.tasks.LONG_TASKS; rows of 64 slots), e.g. the
+fine-tune of the shipped tiny-sdar measured in benchmarks/RESULTS.md (rep 78.7%, old tasks -2.3
+points: not shipped over models/tiny-sdar; ~18 min on 2 shared cores):
 
-    python examples/train_tiny.py --model sdar --tasks sort add rev rep --init-from models/tiny-sdar \
-        --steps 300 --lr 5e-4 --out /tmp/tiny-long
+    python examples/train_tiny.py --model sdar --tasks sort add rev rep --weights 1 1 1 1 \
+        --init-from models/tiny-sdar --steps 240 --lr 4e-4 --eval-every 60 --out /tmp/tiny-long
 """
 
 from __future__ import annotations
