@@ -194,13 +194,13 @@ def warm_start(params, cfg: ModelConfig, path: str):
 
 def train(kind: str, steps: int, batch: int, lr: float, seed: int, out: str, n_train: int, n_eval: int,
           quiet: bool = False, init_from: str | None = None, task_mix=tasks.TASKS, weights=None,
-          eval_every: int = 0) -> dict:
+          eval_every: int = 0, block_size: int = 4) -> dict:
     import functools  # noqa: PLC0415
 
     import optax  # noqa: PLC0415
     from tqdm import tqdm  # noqa: PLC0415
 
-    cfg = model_config(kind)
+    cfg = model_config(kind, block_size=block_size)
     key = jax.random.key(seed)
     params = init_params(cfg, jax.random.fold_in(key, 0))
     if init_from:
@@ -318,6 +318,8 @@ def main(argv=None) -> int:
     ap.add_argument("--eval-every", type=int, default=0,
                     help="every N steps: score 100 old-task items (+ 50 long-task items) and save a checkpoint "
                          "under OUT/<model>-ckpt/stepN (0: never)")
+    ap.add_argument("--block-size", type=int, default=4,
+                    help="sdar attention block grid (default 4, the shipped tiny-sdar's)")
     args = ap.parse_args(argv)
     if args.weights is not None and len(args.weights) != len(args.tasks):
         ap.error(f"--weights needs one value per --tasks entry ({len(args.tasks)})")
@@ -333,7 +335,7 @@ def main(argv=None) -> int:
             init = cand if os.path.isfile(os.path.join(cand, "config.json")) else None
         train(kind, args.steps or recipe["steps"], args.batch, args.lr or recipe["lr"], args.seed, args.out,
               args.train_size, args.eval, args.quiet, None if args.scratch else init, tuple(args.tasks),
-              weights, args.eval_every)
+              weights, args.eval_every, args.block_size)
     return 0
 
 
