@@ -131,7 +131,9 @@ def main(argv=None) -> int:
     ap.add_argument("--mb-gen-lengths", type=int, nargs="*", default=[64, 256, 1024],
                     help="multi_block generation lengths (none: skip it)")
     ap.add_argument("--mb-block", type=int, default=32, help="multi_block block_size")
-    ap.add_argument("--mb-max-blocks", type=int, default=4, help="multi_block max_blocks (blocks in flight)")
+    ap.add_argument("--mb-max-blocks", type=int, default=None,
+                    help="multi_block max_blocks (blocks in flight); default: none, the MultiBlock default "
+                         "(d3LLM's, uncapped). The multi_block rows in RESULTS.md before issue 11 used 4")
     ap.add_argument("--mb-entropy", type=float, default=0.9, help="multi_block entropy_threshold")
     ap.add_argument("--mb-only", action="store_true",
                     help="run only the multi_block rows (written to benchmarks/out/decode_multi_block.json)")

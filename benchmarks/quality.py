@@ -12,6 +12,11 @@ as skipped, with the reason, instead of failing the run.
 
     python benchmarks/quality.py                 # full sweep, 256 items
     python benchmarks/quality.py --n 64 --quick  # a few settings per paradigm
+
+The long-answer task (`rep`, 24-44 tokens: several blocks in flight), multi_block under both
+forced-progress rules, results in benchmarks/out/quality-rep.{json,md}:
+
+    python benchmarks/quality.py --tasks rep --only tiny-sdar --forced-progress first every --figure ''
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GEN_TOKENS = 12  # answers are <= 9 characters + EOS
+LONG_GEN_TOKENS = 48  # the long tasks' answers are <= 44 characters + EOS
 
 
 # --------------------------------------------------------------------------- AUP
@@ -77,11 +83,27 @@ def _s(paradigm: str, curve: str, label: str, **kw) -> Setting:
     return Setting(paradigm, curve, label, tuple(sorted(kw.items())))
 
 
-def sweep(attention: str, block_size: int, quick: bool) -> list[Setting]:
-    """The settings that apply to a model with this attention kind."""
+def sweep(attention: str, block_size: int, quick: bool, forced: Sequence[str] = ("first",),
+          gen: int = GEN_TOKENS) -> list[Setting]:
+    """The settings that apply to a model with this attention kind; multi_block once per forced-progress
+    rule in `forced` (curve "entropy" for d3LLM's default "first", "entropy/every" for jdllm's variant)."""
+
+    def fp(curve, f):
+        return curve if f == "first" else f"{curve}/{f}"
+
     B = block_size
     if attention == "causal":
         return [_s("AR", "greedy", "-")]
+    if attention == "block_causal" and gen == LONG_GEN_TOKENS and not quick:  # long answers: the comparison
+        # multi_block vs block_diffusion at equal accuracy, with one token per step as the reference
+        out = [_s("BlockDiffusion", "low_confidence_static", f"steps={B}", block_length=B, denoising_steps=B,
+                  strategy="low_confidence_static")]
+        out += [_s("BlockDiffusion", "low_confidence_dynamic", f"conf>={c}", block_length=B, denoising_steps=B,
+                   strategy="low_confidence_dynamic", confidence_threshold=c) for c in (0.95, 0.9, 0.7, 0.5)]
+        out += [_s("MultiBlock", fp("entropy", f), f"H<={e}", block_size=B, entropy_threshold=e,
+                   **({} if f == "first" else {"forced_progress": f}))
+                for f in forced for e in (0.2, 0.5, 1.0)]
+        return out
     if attention == "block_causal":
         confs = [0.95, 0.7] if quick else [0.95, 0.9, 0.8, 0.7, 0.5]
         out = [_s("BlockDiffusion", "low_confidence_static", f"steps={s}", block_length=B, denoising_steps=s,
@@ -93,11 +115,12 @@ def sweep(attention: str, block_size: int, quick: bool) -> list[Setting]:
                        strategy="sequential")]
             out += [_s("BlockDiffusion", "entropy_bounded", f"eb<={e}", block_length=B, denoising_steps=B,
                        strategy="entropy_bounded", eb_threshold=e) for e in (0.5, 1.5)]
-        out += [_s("MultiBlock", "entropy", f"H<={e}", block_size=B, entropy_threshold=e)
-                for e in ([0.1, 0.6] if quick else [0.2, 0.5, 1.0, 1.5])]
+        out += [_s("MultiBlock", fp("entropy", f), f"H<={e}", block_size=B, entropy_threshold=e,
+                   **({} if f == "first" else {"forced_progress": f}))
+                for f in forced for e in ([0.1, 0.6] if quick else [0.2, 0.5, 1.0, 1.5])]
         return out
     if attention == "bidirectional":
-        G = GEN_TOKENS
+        G = gen
         out = []
         for cache in ("none",) if quick else ("none", "prefix", "dual"):
             out += [_s("MaskedDiffusion", f"low_confidence/cache={cache}", f"steps={s}", gen_length=G,
@@ -109,8 +132,9 @@ def sweep(attention: str, block_size: int, quick: bool) -> list[Setting]:
             out += [_s("MaskedDiffusion", "random/cache=none", f"steps={G}", gen_length=G, block_length=4,
                        steps=G, remasking="random", cache="none")]
         for cache in ("none",) if quick else ("none", "approx", "window"):
-            out += [_s("MultiBlock", f"entropy/cache={cache}", f"H<={e}", block_size=4, entropy_threshold=e,
-                       cache=cache) for e in ([0.5] if quick else [0.5, 1.0])]
+            out += [_s("MultiBlock", fp(f"entropy/cache={cache}", f), f"H<={e}", block_size=4, entropy_threshold=e,
+                       cache=cache, **({} if f == "first" else {"forced_progress": f}))
+                    for f in forced for e in ([0.5] if quick else [0.5, 1.0])]
         return out
     raise ValueError(attention)
 
@@ -123,13 +147,13 @@ def paradigm_class(name: str):
 
 
 # --------------------------------------------------------------------------- measurement
-def run_setting(model, examples, setting: Setting, batch: int = 128) -> dict[str, Any]:
+def run_setting(model, examples, setting: Setting, batch: int = 128, gen: int = GEN_TOKENS) -> dict[str, Any]:
     """Decode every example under `setting`; accuracy, TPF, NFE, tokens/s (compile excluded)."""
     import jdllm  # noqa: PLC0415
     from jdllm import tasks  # noqa: PLC0415
 
     decoding = paradigm_class(setting.paradigm)(**dict(setting.kwargs))
-    sampling = jdllm.Sampling(temperature=0.0, max_new_tokens=GEN_TOKENS, seed=0)
+    sampling = jdllm.Sampling(temperature=0.0, max_new_tokens=gen, seed=0)
     prompts = [ex.prompt for ex in examples]
     t0 = time.perf_counter()
     jdllm.generate(model, prompts[:batch], decoding=decoding, sampling=sampling)  # compile + warm
@@ -142,7 +166,7 @@ def run_setting(model, examples, setting: Setting, batch: int = 128) -> dict[str
     tokens = sum(len(o.token_ids) for o in outs)
     nfe = sum(o.nfe for o in outs)
     by_task = {}
-    for t in tasks.TASKS:
+    for t in tasks.ALL_TASKS:
         idx = [i for i, ex in enumerate(examples) if ex.task == t]
         if idx:
             by_task[t] = 100.0 * tasks.exact_match([preds[i] for i in idx], [examples[i] for i in idx])
@@ -159,12 +183,15 @@ def run_setting(model, examples, setting: Setting, batch: int = 128) -> dict[str
 
 
 def measure(models_dir: str, n: int, quick: bool, only: Sequence[str] = (), seed: int = 0,
-            log: Callable[[str], None] = print) -> dict[str, Any]:
+            log: Callable[[str], None] = print, task_names: Sequence[str] | None = None,
+            forced: Sequence[str] = ("first",)) -> dict[str, Any]:
     """Run the sweep on every shipped model; rows for measured points and for skipped ones."""
     import jdllm  # noqa: PLC0415
     from jdllm import tasks  # noqa: PLC0415
 
-    examples = tasks.test_set(n, seed)
+    task_names = tuple(task_names or tasks.TASKS)
+    gen = LONG_GEN_TOKENS if set(task_names) & set(tasks.LONG_TASKS) else GEN_TOKENS
+    examples = tasks.test_set(n, seed, task_names)
     rows, skipped = [], []
     names = sorted(d for d in os.listdir(models_dir) if os.path.isfile(os.path.join(models_dir, d, "config.json")))
     for name in names:
@@ -172,7 +199,7 @@ def measure(models_dir: str, n: int, quick: bool, only: Sequence[str] = (), seed
             continue
         model = jdllm.load(os.path.join(models_dir, name), dtype="float32")
         cfg = model.config
-        for st in sweep(cfg.attention, cfg.block_size, quick):
+        for st in sweep(cfg.attention, cfg.block_size, quick, forced, gen):
             base = {"model": name, "paradigm": st.paradigm, "strategy": st.strategy, "setting": st.label,
                     "kwargs": dict(st.kwargs)}
             try:
@@ -183,7 +210,7 @@ def measure(models_dir: str, n: int, quick: bool, only: Sequence[str] = (), seed
                     log(f"skip {name} {st.paradigm}: not importable ({e})")
                 continue
             try:
-                res = run_setting(model, examples, st)
+                res = run_setting(model, examples, st, gen=gen)
             except (TypeError, ValueError, jdllm.errors.JdllmError) as e:  # settings this paradigm rejects
                 skipped.append({**base, "reason": f"{type(e).__name__}: {e}"})
                 log(f"skip {name} {st.paradigm} {st.strategy} {st.label}: {type(e).__name__}: {e}")
@@ -191,7 +218,8 @@ def measure(models_dir: str, n: int, quick: bool, only: Sequence[str] = (), seed
             rows.append({**base, **res})
             log(f"{name:11s} {st.paradigm:15s} {st.strategy:24s} {st.label:12s} acc {res['accuracy']:5.1f}%  "
                 f"TPF {res['tpf']:.2f}  NFE {res['nfe_per_item']:.1f}  {res['tokens_per_s']:.0f} tok/s")
-    return {"items": n, "seed": seed, "rows": rows, "skipped": skipped, "aup": aup_table(rows)}
+    return {"items": n, "seed": seed, "tasks": list(task_names), "gen_tokens": gen, "rows": rows,
+            "skipped": skipped, "aup": aup_table(rows)}
 
 
 def aup_table(rows: list[dict]) -> list[dict]:
@@ -209,13 +237,15 @@ def aup_table(rows: list[dict]) -> list[dict]:
 
 # --------------------------------------------------------------------------- reporting
 def markdown(result: dict[str, Any], machine: str) -> str:
-    lines = [f"{result['items']} held-out items of `jdllm.tasks` (sort / add / rev, seed {result['seed']}), greedy, "
-             f"max {GEN_TOKENS} new tokens, float32, {machine}. TPF = generated tokens (up to and including EOS) "
-             "/ forward passes (prefill and KV-commit passes count); tokens/s excludes compilation.", "",
-             "| model | paradigm | strategy | setting | exact match % | sort / add / rev % | TPF | NFE/item | tok/s |",
+    names = result.get("tasks", ["sort", "add", "rev"])
+    lines = [f"{result['items']} held-out items of `jdllm.tasks` ({' / '.join(names)}, seed {result['seed']}), "
+             f"greedy, max {result.get('gen_tokens', GEN_TOKENS)} new tokens, float32, {machine}. TPF = generated "
+             "tokens (up to and including EOS) / forward passes (prefill and KV-commit passes count); tokens/s "
+             "excludes compilation.", "",
+             f"| model | paradigm | strategy | setting | exact match % | {' / '.join(names)} % | TPF | NFE/item | tok/s |",
              "|---|---|---|---|---:|---|---:|---:|---:|"]
     for r in result["rows"]:
-        bt = " / ".join(f"{r['by_task'].get(t, float('nan')):.0f}" for t in ("sort", "add", "rev"))
+        bt = " / ".join(f"{r['by_task'].get(t, float('nan')):.0f}" for t in names)
         lines.append(f"| {r['model']} | {r['paradigm']} | {r['strategy']} | {r['setting']} | {r['accuracy']:.1f} | "
                      f"{bt} | {r['tpf']:.2f} | {r['nfe_per_item']:.1f} | {r['tokens_per_s']:.0f} |")
     lines += ["", "AUP (d3LLM definition: alpha = 3, points more than 5 accuracy points below the lowest-TPF "
@@ -269,11 +299,21 @@ def main(argv=None) -> int:
     ap.add_argument("--figure", default=os.path.join(ROOT, "benchmarks", "quality.png"),
                     help="accuracy-vs-TPF plot referenced by RESULTS.md ('' to skip)")
     ap.add_argument("--machine", default="CPU (2 shared cores)")
+    ap.add_argument("--tasks", nargs="+", default=None,
+                    help="jdllm.tasks names (default: the short tasks sort add rev); a long task (rep) decodes "
+                         f"{LONG_GEN_TOKENS} new tokens; other than the default, the outputs are named "
+                         "quality-<tasks>.{json,md,png}")
+    ap.add_argument("--forced-progress", nargs="+", default=["first"], choices=["first", "every"],
+                    help="multi_block forced-progress rules to sweep (default: d3LLM's 'first' only)")
     args = ap.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
-    result = measure(args.models, args.n, args.quick, args.only)
+    from jdllm import tasks  # noqa: PLC0415
+
+    stem = "quality" if not args.tasks or tuple(args.tasks) == tasks.TASKS else "quality-" + "-".join(args.tasks)
+    result = measure(args.models, args.n, args.quick, args.only, task_names=args.tasks,
+                     forced=args.forced_progress)
     result["machine"] = args.machine
-    previous = os.path.join(args.out, "quality.json")
+    previous = os.path.join(args.out, f"{stem}.json")
     if args.only and os.path.exists(previous):  # keep the other models' rows from an earlier run
         with open(previous) as f:
             old = json.load(f)
@@ -282,13 +322,13 @@ def main(argv=None) -> int:
             result["rows"] = [r for r in old["rows"] if r["model"] in keep] + result["rows"]
             result["skipped"] = [r for r in old["skipped"] if r["model"] in keep] + result["skipped"]
             result["aup"] = aup_table(result["rows"])
-    with open(os.path.join(args.out, "quality.json"), "w") as f:
+    with open(os.path.join(args.out, f"{stem}.json"), "w") as f:
         json.dump(result, f, indent=2)
-    plot(result, os.path.join(args.out, "quality.png"))
+    plot(result, os.path.join(args.out, f"{stem}.png"))
     if args.figure:
         plot(result, args.figure)
     table = markdown(result, args.machine)
-    with open(os.path.join(args.out, "quality.md"), "w") as f:
+    with open(os.path.join(args.out, f"{stem}.md"), "w") as f:
         f.write(table + "\n")
     print(table)
     return 0

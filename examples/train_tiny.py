@@ -22,11 +22,12 @@ the shipped models/tiny-json-ar and tiny-json-sdar:
     python examples/train_tiny.py --model ar --tasks json --name tiny-json-ar --steps 600 --out models
     python examples/train_tiny.py --model sdar --tasks json --name tiny-json-sdar --steps 300 --lr 1e-3 \
         --init-from models/tiny-json-ar --out models
---tasks mixes in the long-answer task "rep" (jdllm.tasks.LONG_TASKS; rows of 64 slots), e.g. a
-fine-tune of the shipped tiny-sdar (not shipped yet: see benchmarks/RESULTS.md for the figures):
+--tasks mixes in the long-answer task "rep" (jdllm.tasks.LONG_TASKS; rows of 64 slots), e.g. the
+fine-tune of the shipped tiny-sdar measured in benchmarks/RESULTS.md (rep 78.7%, old tasks -2.3
+points: not shipped over models/tiny-sdar; ~18 min on 2 shared cores):
 
-    python examples/train_tiny.py --model sdar --tasks sort add rev rep --init-from models/tiny-sdar \
-        --steps 300 --lr 5e-4 --out /tmp/tiny-long
+    python examples/train_tiny.py --model sdar --tasks sort add rev rep --weights 1 1 1 1 \
+        --init-from models/tiny-sdar --steps 240 --lr 4e-4 --eval-every 60 --out /tmp/tiny-long
 """
 
 from __future__ import annotations
@@ -91,19 +92,25 @@ class Batches:
 
     The EOS fill length is random (>= 1), so the left padding and hence the
     alignment of the answer on the block grid vary, as they do at inference.
-    Tasks are drawn uniformly (the addition space is smaller than the others).
+    Tasks are drawn uniformly (the addition space is smaller than the others), or with
+    `weights` ({task: weight}).
     """
 
-    def __init__(self, examples, seed: int, seq_len: int = SEQ_LEN, chars=tasks.CHARS):
+    def __init__(self, examples, seed: int, seq_len: int = SEQ_LEN, chars=tasks.CHARS, weights=None):
         self.seq_len = seq_len
         self.prompts = [tasks.encode(ex.prompt, chars) for ex in examples]
         self.answers = [tasks.encode(ex.answer, chars) for ex in examples]
         self.by_task = [np.array([i for i, ex in enumerate(examples) if ex.task == t]) for t in tasks.ALL_TASKS]
-        self.by_task = [ix for ix in self.by_task if len(ix)]
+        w = np.ones(len(tasks.ALL_TASKS)) if weights is None else np.asarray(
+            [weights.get(t, 0.0) for t in tasks.ALL_TASKS], float)
+        keep = [i for i, ix in enumerate(self.by_task) if len(ix) and w[i] > 0]
+        self.by_task = [self.by_task[i] for i in keep]
+        self.p = None if weights is None else w[keep] / w[keep].sum()
         self.rng = np.random.default_rng(seed)
 
     def __call__(self, batch: int):
-        which = self.rng.integers(0, len(self.by_task), batch)
+        which = (self.rng.integers(0, len(self.by_task), batch) if self.p is None  # the shipped recipes' stream
+                 else self.rng.choice(len(self.by_task), batch, p=self.p))
         idx = [self.by_task[w][self.rng.integers(0, len(self.by_task[w]))] for w in which]
         T = self.seq_len
         tokens = np.full((batch, T), tasks.PAD_ID, np.int32)
@@ -192,13 +199,14 @@ def warm_start(params, cfg: ModelConfig, path: str):
 
 
 def train(kind: str, steps: int, batch: int, lr: float, seed: int, out: str, n_train: int, n_eval: int,
-          quiet: bool = False, init_from: str | None = None, task_mix=tasks.TASKS, name: str | None = None) -> dict:
+          quiet: bool = False, init_from: str | None = None, task_mix=tasks.TASKS, name: str | None = None,
+          weights=None, eval_every: int = 0, block_size: int = 4) -> dict:
     import functools  # noqa: PLC0415
 
     import optax  # noqa: PLC0415
     from tqdm import tqdm  # noqa: PLC0415
 
-    cfg = model_config(kind)
+    cfg = model_config(kind, block_size=block_size)
     key = jax.random.key(seed)
     params = init_params(cfg, jax.random.fold_in(key, 0))
     if init_from:
@@ -220,9 +228,10 @@ def train(kind: str, steps: int, batch: int, lr: float, seed: int, out: str, n_t
 
     long = [t for t in task_mix if t in tasks.LONG_TASKS]
     chars = tasks.chars_for(task_mix)  # the json task has its own alphabet
-    data = Batches(tasks.train_set(n_train, seed, task_mix), seed, LONG_SEQ_LEN if long else SEQ_LEN, chars)
+    data = Batches(tasks.train_set(n_train, seed, task_mix), seed, LONG_SEQ_LEN if long else SEQ_LEN, chars, weights)
     name = name or NAMES[kind]
     losses = []
+    out_dir = os.path.join(out, name)
     t0 = time.time()
     bar = tqdm(range(steps), desc=name, disable=quiet, mininterval=5.0)
     for i in bar:
@@ -231,6 +240,14 @@ def train(kind: str, steps: int, batch: int, lr: float, seed: int, out: str, n_t
         losses.append(float(loss))
         if i % 10 == 0:
             bar.set_postfix(loss=f"{np.mean(losses[-50:]):.4f}")
+        if eval_every and (i + 1) % eval_every == 0 and i + 1 < steps:  # progress: small scores + a checkpoint
+            a = evaluate(params, cfg, tasks.test_set(100, seed)) if n_eval else float("nan")
+            la = evaluate(params, cfg, tasks.test_set(50, seed, long), gen=LONG_EVAL_GEN) if n_eval and long else None
+            ck = os.path.join(out_dir + "-ckpt", f"step{i + 1}")
+            save(ck, params, cfg)
+            print(json.dumps({"step": i + 1, "elapsed_s": round(time.time() - t0, 1),
+                              "loss": float(np.mean(losses[-50:])), "old_tasks_100": a, "long_50": la,
+                              "checkpoint": ck}), flush=True)
     train_s = time.time() - t0
     structured = chars is tasks.JSON_CHARS
     acc = evaluate(params, cfg, tasks.test_set(n_eval, seed, task_mix if structured else tasks.TASKS),
@@ -238,7 +255,6 @@ def train(kind: str, steps: int, batch: int, lr: float, seed: int, out: str, n_t
     long_acc = evaluate(params, cfg, tasks.test_set(n_eval, seed, long), gen=LONG_EVAL_GEN) \
         if n_eval and long else None
 
-    out_dir = os.path.join(out, name)
     save(out_dir, params, cfg, chars)
     plot_losses(losses, os.path.join(out_dir, "loss.png"), f"{name} ({cfg.model_type}, {loss_fn.__name__})")
     info = {"model": name, "model_type": cfg.model_type, "objective": loss_fn.__name__,
@@ -249,6 +265,8 @@ def train(kind: str, steps: int, batch: int, lr: float, seed: int, out: str, n_t
             "eval_exact_match": acc}
     if structured:
         info.update(tasks=list(task_mix))
+    if weights:
+        info["task_weights"] = {t: weights[t] for t in task_mix if t in weights}
     if long:
         info.update(tasks=list(task_mix), seq_len=data.seq_len, eval_long_tasks=long, eval_long_exact_match=long_acc)
     with open(os.path.join(out_dir, "training.json"), "w") as f:
@@ -308,7 +326,17 @@ def main(argv=None) -> int:
                     help="training mix (default: the short tasks); a long-answer task lengthens rows to "
                          f"{LONG_SEQ_LEN} slots and adds its own score to training.json")
     ap.add_argument("--name", default=None, help="output directory name (default: the family's tiny-* name)")
+    ap.add_argument("--weights", nargs="+", type=float, default=None,
+                    help="sampling weight of each --tasks entry, in order (default: uniform)")
+    ap.add_argument("--eval-every", type=int, default=0,
+                    help="every N steps: score 100 old-task items (+ 50 long-task items) and save a checkpoint "
+                         "under OUT/<model>-ckpt/stepN (0: never)")
+    ap.add_argument("--block-size", type=int, default=4,
+                    help="sdar attention block grid (default 4, the shipped tiny-sdar's)")
     args = ap.parse_args(argv)
+    if args.weights is not None and len(args.weights) != len(args.tasks):
+        ap.error(f"--weights needs one value per --tasks entry ({len(args.tasks)})")
+    weights = dict(zip(args.tasks, args.weights)) if args.weights else None
     if args.smoke:
         args.batch, args.train_size, args.eval = 8, 200, 0
     kinds = ["ar", "sdar", "llada", "ar-draft"] if args.model == "all" else [args.model]
@@ -320,7 +348,7 @@ def main(argv=None) -> int:
             init = cand if os.path.isfile(os.path.join(cand, "config.json")) else None
         train(kind, args.steps or recipe["steps"], args.batch, args.lr or recipe["lr"], args.seed, args.out,
               args.train_size, args.eval, args.quiet, None if args.scratch else init, tuple(args.tasks),
-              name=args.name)
+              name=args.name, weights=weights, eval_every=args.eval_every, block_size=args.block_size)
     return 0
 
 

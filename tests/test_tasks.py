@@ -19,7 +19,7 @@ def _check_answer(ex: tasks.Example) -> bool:
     if head == "rev":
         return ex.answer == "".join(reversed(body))
     if head == "rep":
-        return ex.answer.split(" ") == [body] * 5 and body.isalpha()
+        return ex.answer.split(" ") == [body] * 8 and body.isalpha() and len(body) == 4
     return False
 
 
@@ -88,12 +88,12 @@ def test_encode_rejects_unknown_character():
 
 
 def test_long_task_outside_default_sets():
-    """"rep" has 24-44 token answers, is asked for by name, and never enters the default sets."""
+    """"rep" has 39-token answers, is asked for by name, and never enters the default sets."""
     exs = tasks.test_set(60, seed=1, tasks=tasks.LONG_TASKS)
     assert {ex.task for ex in exs} == {"rep"}
     for ex in exs:
         assert _check_answer(ex), ex
-        assert 24 <= len(ex.answer) <= tasks.LONG_MAX_ANSWER_LEN and len(ex.prompt) <= tasks.LONG_MAX_PROMPT_LEN
+        assert len(ex.answer) == 39 == tasks.LONG_MAX_ANSWER_LEN and len(ex.prompt) <= tasks.LONG_MAX_PROMPT_LEN
     assert "rep" not in {ex.task for ex in tasks.test_set(300)}
     mixed = tasks.train_set(2000, seed=0, tasks=tasks.ALL_TASKS)
     held = {ex.prompt for ts in (tasks.TASKS, tasks.LONG_TASKS) for ex in tasks.test_set(1000, 0, ts)}
