@@ -211,17 +211,23 @@ def to_host(tree):
     return jax.tree.map(one, tree)
 
 
+def trace_arrays(paradigm, extra):
+    """The part of a state's `extra` that `paradigm.output_trace` reads (its `trace_keys`, else all
+    of it), to fetch to the host; None for a paradigm that keeps no trace."""
+    if getattr(paradigm, "output_trace", None) is None:
+        return None
+    keys = getattr(paradigm, "trace_keys", None)
+    return extra if keys is None else {k: extra[k] for k in keys}
+
+
 def outputs(prep: Prepared, state: DecodeState) -> list[Output]:
     """Final state -> one Output per real prompt (the row's end and finish reason come from the device)."""
     host = to_host({k: getattr(state, k) for k in
                     ("tokens", "step_map", "logprobs", "gen_start", "end", "nfe", "finish")})
-    trace_fn = getattr(prep.paradigm, "output_trace", None)
-    keys = getattr(prep.paradigm, "trace_keys", None)  # fetch only what the trace reads
-    extra = None if trace_fn is None else to_host(
-        state.extra if keys is None else {k: state.extra[k] for k in keys})
+    extra = to_host(trace_arrays(prep.paradigm, state.extra))
     outs = []
     for b, prompt in enumerate(prep.prompts):
-        out = row_output(host, b, prompt, prep.tokenizer, trace_fn(extra, b) if trace_fn is not None else None)
+        out = row_output(host, b, prompt, prep.tokenizer, None if extra is None else prep.paradigm.output_trace(extra, b))
         reason = out.finish_reason
         if reason in ("abort", "invalid"):
             why = {"abort": "hit the iteration guard or the paradigm's forward budget before finishing",
@@ -279,4 +285,5 @@ def params_for(model: Model, decoding):
     return params
 
 
-__all__ = ["generate", "Output", "prepare", "decode", "outputs", "row_output", "Prepared", "params_for"]
+__all__ = ["generate", "Output", "prepare", "decode", "outputs", "row_output", "trace_arrays", "Prepared",
+           "params_for"]

@@ -48,10 +48,17 @@ def compile(model, constraint, stop_ids=None) -> TokenDFA:  # noqa: A001
                            stop_ids=tuple(stops), mask_id=model.config.mask_token_id)
 
 
-def _check_budget(row: int, d: TokenDFA, budget: int) -> None:
+def check_budget(d: TokenDFA, budget: int, where: str = "", raise_what: str = "max_new_tokens") -> None:
+    """ConstraintError when the DFA's shortest match needs more than `budget` tokens (where: a prefix
+    naming the row; raise_what: the option the caller's user sets)."""
     if d.min_tokens > budget:
-        raise ConstraintError(f"prompt {row}: the constraint's shortest match takes {d.min_tokens} tokens but "
-                              f"max_new_tokens={budget}; raise max_new_tokens")
+        raise ConstraintError(f"{where}the constraint's shortest match takes {d.min_tokens} tokens but "
+                              f"max_new_tokens={budget}; raise {raise_what}")
+
+
+def output_ok(d: TokenDFA, out) -> bool:
+    """`Output.constraint_ok`: the row ended normally ("stop" / "length") and the DFA accepts its tokens."""
+    return bool(out.finish_reason in ("stop", "length") and d.accepts(out.token_ids))
 
 
 def tables(model, constraints, state, budgets=None) -> DFATables:
@@ -68,7 +75,7 @@ def tables(model, constraints, state, budgets=None) -> DFATables:
             continue
         d = compile(model, c, [int(t) for t in stop_rows[b] if t >= 0])
         if budgets is not None:
-            _check_budget(b, d, budgets[b])
+            check_budget(d, budgets[b], f"prompt {b}: ")
         rows.append(d)
     return stack(rows, model.config.vocab_size, slots=state.slots)
 
@@ -86,7 +93,7 @@ def generate(model, prompts, decoding, sampling, constraints, *, apply_chat_temp
     for b, (c, s) in enumerate(zip(constraints, settings)):  # errors before anything compiles
         if c is not None:
             stops = model.config.eos_token_ids if s.stop_token_ids is None else s.stop_token_ids
-            _check_budget(b, compile(model, c, stops), budgets[b])
+            check_budget(compile(model, c, stops), budgets[b], f"prompt {b}: ")
     prep = api.prepare(model, prompts, decoding, sampling, apply_chat_template=apply_chat_template)
     tab = tables(model, constraints, prep.state, budgets)
     state = prep.state.replace(constraint=tab)
@@ -99,9 +106,8 @@ def generate(model, prompts, decoding, sampling, constraints, *, apply_chat_temp
             res.append(o)
             continue
         d = compile(model, c, [int(t) for t in stop_rows[b] if t >= 0])
-        ok = o.finish_reason in ("stop", "length") and d.accepts(o.token_ids)
-        res.append(dataclasses.replace(o, constraint_ok=bool(ok)))
+        res.append(dataclasses.replace(o, constraint_ok=output_ok(d, o)))
     return res
 
 
-__all__ = ["compile", "tables", "generate", "TokenDFA", "DFATables"]
+__all__ = ["compile", "tables", "generate", "check_budget", "output_ok", "TokenDFA", "DFATables"]

@@ -207,6 +207,7 @@ class MultiBlock:
     """
 
     name: ClassVar[str] = "multi_block"
+    trace_keys: ClassVar[tuple[str, ...]] = ("num_blocks", "block_state", "block_steps")  # what output_trace reads
 
     block_size: int = 32
     entropy_threshold: float = 0.9

@@ -43,7 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jdllm import errors, inputs
-from jdllm.api import Output, default_paradigm, params_for, row_output
+from jdllm.api import Output, default_paradigm, params_for, row_output, trace_arrays
 from jdllm.decode import common, loop
 from jdllm.loading import check_token_ids
 from jdllm.sampling import Sampling
@@ -279,9 +279,7 @@ class Engine:
                 f"the constraint compiles to {d.num_states} DFA states and {d.num_classes} token classes; this "
                 f"engine holds at most {self.constraint_states} states and {self.constraint_classes} classes "
                 "(constraint_states / constraint_classes); simplify it or raise them")
-        if d.min_tokens > budget:
-            raise errors.ConstraintError(f"the constraint's shortest match takes {d.min_tokens} tokens but "
-                                         f"max_new_tokens={budget}; raise max_tokens")
+        dfa.check_budget(d, budget, raise_what="max_tokens")
         return d
 
     def submit(self, prompt_ids, sampling: Sampling | None = None, *, return_step_map: bool = False,
@@ -455,12 +453,9 @@ class Engine:
 
     def _stream(self) -> None:
         """Send every running request what became final this round; finish and free done rows."""
-        trace_fn = getattr(self.paradigm, "output_trace", None)
-        keys = getattr(self.paradigm, "trace_keys", None) if trace_fn is not None else None
         fields = {k: getattr(self._pool, k) for k in ("tokens", "revealed", "step_map", "logprobs", "gen_start",
                                                       "limit", "end", "done", "finish", "nfe")}
-        if keys:  # the per-row analysis arrays Output.trace reads (ar_spec: drafts proposed / accepted)
-            fields["extra"] = {k: self._pool.extra[k] for k in keys}
+        fields["extra"] = trace_arrays(self.paradigm, self._pool.extra)  # what Output.trace reads, or None
         host = jax.device_get(fields)
         now = time.perf_counter()
         finished = []
@@ -495,11 +490,12 @@ class Engine:
                                logprobs=host["logprobs"][r, sl].tolist()))
                 req.sent = end - g0
             if done:
-                trace = trace_fn(host["extra"], r) if keys else None
+                trace = None if host["extra"] is None else self.paradigm.output_trace(host["extra"], r)
                 req.output = row_output(host, r, req.prompt_ids, self.model.tokenizer, trace)
                 if req.dfa is not None:
-                    ok = req.output.finish_reason in ("stop", "length") and req.dfa.accepts(req.output.token_ids)
-                    req.output = dataclasses.replace(req.output, constraint_ok=bool(ok))
+                    from jdllm.constraints.dfa import output_ok  # noqa: PLC0415
+
+                    req.output = dataclasses.replace(req.output, constraint_ok=output_ok(req.dfa, req.output))
                 req.finished, req.status = now, "done"
                 finished.append((r, req))
         with self._cv:
