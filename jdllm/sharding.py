@@ -236,9 +236,5 @@ def put(x, sharding: NamedSharding):
     return jax.make_array_from_callback(x.shape, sharding, lambda idx: x[idx])
 
 
-def placement_of(model) -> Placement | None:
-    return getattr(model, "placement", None)
-
-
 __all__ = ["Placement", "make_mesh", "initialize_distributed", "make_rules", "parse_mesh_spec", "DEFAULT_RULES", "LOGICAL_AXES",
            "MESH_AXES", "CACHE_AXES", "put"]

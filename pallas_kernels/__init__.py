@@ -71,12 +71,8 @@ class ShardedAttention:
                 need = max(1, h_local // group)
                 k = jax.lax.dynamic_slice_in_dim(k, first % k.shape[2], need, axis=2)
                 v = jax.lax.dynamic_slice_in_dim(v, first % v.shape[2], need, axis=2)
-            kw = dict(start=start, q_offset=qo, kv_len=kl, kind=kind, block_size=block_size, scale=scale)
-            if self.impl == "cudnn":
-                return _cudnn(q, k, v, **kw)
-            from pallas_kernels import flash  # noqa: PLC0415
-
-            return flash.attention(q, k, v, **kw)
+            return attention(q, k, v, start=start, q_offset=qo, kv_len=kl, kind=kind, block_size=block_size,
+                             scale=scale, impl=self.impl)  # the unsharded dispatch, on this shard
 
         fn = jax.shard_map(local, mesh=self.mesh,
                            in_specs=(qspec, kvspec, kvspec, row, row if q_offset.ndim else P(),
