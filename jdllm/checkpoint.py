@@ -303,16 +303,11 @@ def _load_hf_params(path: str, cfg: ModelConfig, dtype, shardings, check_finite:
     params: dict[str, Any] = {"layers": {}}
     for p, host in hf_layout.iter_params_from_hf_tensors(SafetensorsDir(path), cfg, dtype=dtype, source=path):
         if check_finite and not np.isfinite(host.astype(np.float32)).all():
-            partial = {"layers": {p[1]: host}} if len(p) > 1 else {p[0]: host}
-            check_params_finite(partial, cfg, source=path)
+            check_params_finite(hf_layout.set_param({}, p, host), cfg, source=path)
         target = shardings
         for key in p:
             target = None if target is None else target[key]
-        dev = jnp.asarray(host) if target is None else put(host, target)
-        if len(p) == 1:
-            params[p[0]] = dev
-        else:
-            params["layers"][p[1]] = dev
+        hf_layout.set_param(params, p, jnp.asarray(host) if target is None else put(host, target))
         del host
     return params
 

@@ -217,11 +217,18 @@ def params_from_hf_tensors(tensors: Mapping[str, Any], cfg: ModelConfig, dtype=N
     """
     out: dict[str, Any] = {"layers": {}}
     for path, x in iter_params_from_hf_tensors(tensors, cfg, dtype, progress, source):
-        if len(path) == 1:
-            out[path[0]] = x
-        else:
-            out["layers"][path[1]] = x
+        set_param(out, path, x)
     return out
+
+
+def set_param(tree: dict, path: tuple[str, ...], x) -> dict:
+    """`tree` with the parameter at `path` (("embed",), ("layers", "q"), ...) set to `x` (in place;
+    missing levels are created)."""
+    node = tree
+    for key in path[:-1]:
+        node = node.setdefault(key, {})
+    node[path[-1]] = x
+    return tree
 
 
 def iter_params_from_hf_tensors(tensors: Mapping[str, Any], cfg: ModelConfig, dtype=None,
