@@ -220,6 +220,8 @@ def _pack(ids, W32: int) -> np.ndarray:
 
 # --------------------------------------------------------------------------- the controller
 CLOSE_STOP, CLOSE_LENGTH = 1, 2
+
+
 class Edits(NamedTuple):
     """What the host changes on the canvas after a step, as padded [B, E] arrays."""
 
@@ -271,6 +273,13 @@ class Controller:
     def batch(self) -> int:
         return len(self.m)
 
+    def _eos_as_stops(self, b: int, mask: np.ndarray, accepting: bool = True) -> np.ndarray:
+        """A matcher's packed mask with its EOS bit standing for row b's stop tokens: they are allowed
+        exactly where the grammar allows EOS (and, with `accepting` False, nowhere)."""
+        eos_ok = accepting and bool((mask[self.eos // 32] >> (self.eos % 32)) & 1)
+        mask = mask & ~self.stop_bits[b] & ~self.eos_bit
+        return mask | self.stop_bits[b] if eos_ok else mask
+
     def sample_mask(self, offset: np.ndarray, width: int, done: np.ndarray) -> np.ndarray:
         """[B, N, W32] int32: the mask of row b's planned slots [offset[b], offset[b] + N).
 
@@ -289,11 +298,7 @@ class Controller:
             _llg().numpy.fill_next_token_bitmask_par(self.executor, [(self.m[b], i) for i, b in enumerate(front)],
                                                      scratch)
         for i, b in enumerate(front):
-            mask = scratch[i]
-            eos_ok = self.m[b].is_accepting() and bool((mask[self.eos // 32] >> (self.eos % 32)) & 1)
-            mask = mask & ~self.stop_bits[b] & ~self.eos_bit
-            if eos_ok:
-                mask = mask | self.stop_bits[b]
+            mask = self._eos_as_stops(b, scratch[i], self.m[b].is_accepting())
             if not mask.any():
                 self.dead[b] = True
             out[b, int(self.pos[b] - offset[b])] = mask
@@ -418,11 +423,7 @@ class Controller:
             if self.m[b] is None or done[b] or self.final[b]:
                 continue
             for i in range(raw.shape[1]):
-                mask = raw[b, i]
-                eos_ok = bool((mask[self.eos // 32] >> (self.eos % 32)) & 1)
-                mask = mask & ~self.stop_bits[b] & ~self.eos_bit
-                if eos_ok:
-                    mask = mask | self.stop_bits[b]
+                mask = self._eos_as_stops(b, raw[b, i])
                 if not mask.any():
                     if i == 0:
                         self.dead[b] = True
