@@ -88,8 +88,7 @@ def _canonical(node, keep_order: bool = False):
     decides which outputs are valid."""
     if isinstance(node, dict):
         keys = list(node) if keep_order else sorted(node)
-        return {k: _canonical(node[k], k == "properties" and not keep_order) if not keep_order
-                else _canonical(node[k]) for k in keys}
+        return {k: _canonical(node[k], keep_order=k == "properties" and not keep_order) for k in keys}
     if isinstance(node, list):
         return [_canonical(v) for v in node]
     return node

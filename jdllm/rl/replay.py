@@ -209,8 +209,9 @@ def trajectory_logprobs(params, ro: Rollout, *, spec: RolloutSpec, shrink: int =
     if method not in METHODS:
         raise errors.InputError(f"method={method!r} is not one of {METHODS}")
     why = approximate_decode(spec)
-    if why is not None and (not cached_as_exact or "guidance" in why):
-        hint = ("; the replay does not run CFG: decode RL rollouts with cfg_scale=0" if "guidance" in why else
+    cfg_mix = getattr(spec.paradigm, "cfg_scale", 0.0) > 0  # never replayable: the replay runs no guidance
+    if why is not None and (not cached_as_exact or cfg_mix):
+        hint = ("; the replay does not run CFG: decode RL rollouts with cfg_scale=0" if cfg_mix else
                 "; its log-probs are not the exact forward's. Pass cached_as_exact=True to replay the exact "
                 "(no-cache) forward anyway (log-probs then differ by the cache's error), or decode with "
                 "cache='none'/'exact'")
