@@ -188,10 +188,27 @@ def test_ctrl_c_exits_130_without_a_traceback(delay):
     assert "interrupted" in err and "Traceback" not in err
 
 
+def _wait_until_importing(proc, timeout=60.0):
+    """Block until `proc` is importing numpy (its shared library is mapped). A fixed sleep raced
+    the interpreter's own start-up on a loaded machine: a SIGINT before `python -m convert` has run
+    its first line kills the process with no handler to answer it. Falls back to a short sleep
+    where /proc is unavailable."""
+    maps = f"/proc/{proc.pid}/maps"
+    if not os.path.exists(maps):
+        time.sleep(0.1)
+        return
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        with open(maps) as f:
+            if "numpy" in f.read():
+                return
+        time.sleep(0.005)
+
+
 def test_ctrl_c_during_convert(tmp_path):
     proc = subprocess.Popen([sys.executable, "-m", "convert", TINY_AR, str(tmp_path / "out"), "--quiet"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=ENV)
-    time.sleep(0.1)  # while it starts up (a KeyboardInterrupt mid-conversion: test_convert.py)
+    _wait_until_importing(proc)  # while it starts up (a KeyboardInterrupt mid-conversion: test_convert.py)
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 130, (proc.returncode, err)
