@@ -3,9 +3,11 @@
 The checkpoint layout and everything that reads it live in `jdllm.checkpoint`;
 this module writes it.
 
-`convert_checkpoint` builds it in a temporary directory beside OUT_DIR and
-renames it into place only when everything is written, so a failed or
-interrupted conversion leaves nothing at OUT_DIR.
+`convert_checkpoint` streams: each Hugging Face tensor is converted to jdllm's
+layout and written (`OrbaxStreamWriter`) as soon as it is read, so the host
+holds about one tensor at a time. It builds the checkpoint in a temporary
+directory beside OUT_DIR and renames it into place only when everything is
+written, so a failed or interrupted conversion leaves nothing at OUT_DIR.
 """
 
 from __future__ import annotations

@@ -4,7 +4,10 @@ A Hugging Face directory holds config.json, model.safetensors (or shards listed
 in model.safetensors.index.json) and the tokenizer files. A jdllm checkpoint
 directory (written by `convert`) holds
   jdllm_config.json   {"format": "jdllm", "version": 1, "dtype": ..., "config": ModelConfig.to_dict()}
-  params/             the parameter pytree, saved with Orbax (restorable straight into shardings)
+  params/             the parameter pytree in Orbax's StandardCheckpointer layout (OCDBT + one zarr
+                      array per parameter), restorable straight into shardings; `convert` writes it
+                      layer slice by layer slice (one zarr chunk per layer), older versions with
+                      Orbax's own save: both restore through Orbax
   hf_config.json      the source config.json, kept for reference
   tokenizer files     copied from the source (tokenizer.json, tokenizer_config.json, ...)
 

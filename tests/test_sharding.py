@@ -54,10 +54,17 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_two_processes_give_the_same_tokens_as_one():
+@pytest.mark.parametrize("source", ["hf", "converted"])
+def test_two_processes_give_the_same_tokens_as_one(source, tmp_path):
     """examples/multihost.py in 2 processes (jax.distributed, 2 CPU devices each, gloo collectives)
-    loading the shipped tiny-sdar into one 2x2 global mesh == one process on one device."""
+    loading the shipped tiny-sdar (its Hugging Face directory, or the jdllm checkpoint `convert`
+    makes of it: Orbax restoring each process's slices) into one 2x2 global mesh == one process on
+    one device."""
     model_dir = os.path.join(ROOT, "models", "tiny-sdar")
+    if source == "converted":
+        from convert.io import convert_checkpoint  # noqa: PLC0415
+
+        model_dir = convert_checkpoint(model_dir, str(tmp_path / "ck"), dtype="float32", progress=False)
     port = _free_port()
     args = [sys.executable, os.path.join(ROOT, "examples", "multihost.py"), "--model", model_dir,
             "--coordinator", f"localhost:{port}", "--num-processes", "2", "--mesh", "data=2,model=2",
