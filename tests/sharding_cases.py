@@ -166,13 +166,14 @@ def main(which: str = "all"):
              equal=bool((a["tokens"] == b["tokens"]).all() and (a["step_map"] == b["step_map"]).all()
                         and np.allclose(a["logprobs"], b["logprobs"], atol=1e-4)))
     if which in ("all", "quick", "serve"):
-        # the continuous-batching engine on 2x4: staggered requests (joining while others decode)
-        # give the tokens of one-device generate for each prompt alone
+        # the continuous-batching engine on 2x4: staggered requests (joining while others decode;
+        # masked_diffusion / multi_block: once the batch drains) give the tokens of one-device
+        # generate for each prompt alone
         from jdllm.serve.engine import Engine  # noqa: PLC0415
 
         samp = jdllm.Sampling(temperature=0.0, max_new_tokens=8, stop_token_ids=())
         prompts = PROMPTS + [[5, 6, 7, 8, 9], [10, 11]]
-        served = ("block_diffusion",) if which == "quick" else ("ar", "block_diffusion")
+        served = ("block_diffusion",) if which == "quick" else tuple(c[0] for c in cases())
         for name, m, dec in [c for c in cases() if c[0] in served]:
             ref = [run_one(m, dec, p, samp) for p in prompts]
             eng = Engine(m, dec, max_batch=4, max_prompt_tokens=8, max_new_tokens=8, steps_per_round=2,
