@@ -1,17 +1,21 @@
 """Checkpoints of a real size: load and conversion time and peak host memory.
 
 Writes a synthetic Hugging Face directory shaped like a real model (random bf16
-weights, sharded safetensors + index, written one shard at a time), then
-measures, each in a fresh subprocess (peak RSS = that process's ru_maxrss):
+weights, sharded safetensors + index, written one shard at a time, in its own
+process), then measures each step in a fresh subprocess:
 
+  baseline        a process that imports jax + jdllm and does nothing
   load_hf_1dev    jdllm.load(hf_dir) onto one CPU device
   load_hf_mesh    jdllm.load(hf_dir, mesh=1x8) onto 8 fake CPU devices
-  convert         jdllm convert hf_dir -> Orbax checkpoint
+  convert         jdllm convert hf_dir -> Orbax checkpoint (streaming, slice by slice)
+  convert_whole   the former converter: the whole params tree on the host, then
+                  Orbax StandardCheckpointer.save (for the before/after comparison)
   load_ckpt_mesh  jdllm.load(ckpt, mesh=1x8): Orbax restore straight into the shardings
-  baseline        a process that imports jax + jdllm and does nothing
 
-On CPU "devices" the loaded weights live in the same process, so a load's peak
-RSS includes the model itself: the host overhead is peak - baseline - model bytes.
+Peak RSS is the process's VmHWM (/proc/self/status): unlike ru_maxrss it is not
+inherited from the parent across fork + exec. On CPU "devices" the loaded
+weights live in the same process, so a load's peak includes the model itself:
+the host overhead is peak - baseline - model bytes.
 
     python benchmarks/checkpoint_scale.py --shape qwen3-0.6b --dir /tmp/ckpt_scale
 """
@@ -77,15 +81,21 @@ def write_hf(path: str, shape: str, shard_bytes: int) -> dict:
 
 
 CHILD = r"""
-import json, os, resource, sys, time
+import json, os, sys, time
 sys.path.insert(0, {root!r})
 what, src, dst = sys.argv[1:4]
+
+def status(key):
+    with open("/proc/self/status") as f:
+        return next(int(l.split()[1]) for l in f if l.startswith(key + ":")) / 2**20  # kB -> GB
+
 t0 = time.perf_counter()
 import jax
 import jdllm
 from jdllm import sharding
 t_import = time.perf_counter() - t0
 t0 = time.perf_counter()
+biggest = 0
 if what in ("load_hf_1dev", "load_hf_mesh", "load_ckpt_mesh"):
     mesh = sharding.make_mesh("model=8") if what.endswith("mesh") else None
     m = jdllm.load(src if what != "load_ckpt_mesh" else dst, dtype="bfloat16", mesh=mesh)
@@ -94,12 +104,22 @@ if what in ("load_hf_1dev", "load_hf_mesh", "load_ckpt_mesh"):
 elif what == "convert":
     from convert.io import convert_checkpoint
     convert_checkpoint(src, dst, dtype="bfloat16", overwrite=True, progress=False)
-    biggest = 0
-else:
-    biggest = 0
+elif what == "convert_whole":
+    import shutil
+    import ml_dtypes, numpy as np, orbax.checkpoint as ocp
+    from jdllm.checkpoint import SafetensorsDir
+    from jdllm.config import ModelConfig
+    from jdllm.hf_layout import params_from_hf_tensors
+    params = params_from_hf_tensors(SafetensorsDir(src), ModelConfig.from_hf(src), dtype=ml_dtypes.bfloat16)
+    shutil.rmtree(dst + "_whole", ignore_errors=True)
+    with ocp.StandardCheckpointer() as ck:
+        ck.save(dst + "_whole", params)
+        ck.wait_until_finished()
+    shutil.rmtree(dst + "_whole", ignore_errors=True)
 dt = time.perf_counter() - t0
 print(json.dumps(dict(what=what, seconds=round(dt, 2), import_s=round(t_import, 2),
-                      peak_rss_gb=round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 3),
+                      peak_rss_gb=round(status("VmHWM"), 3), end_rss_anon_gb=round(status("RssAnon"), 3),
+                      end_rss_file_gb=round(status("RssFile"), 3),
                       largest_device_buffer_gb=round(biggest / 2**30, 3))))
 """
 
@@ -116,13 +136,20 @@ def main(argv=None) -> int:
     p.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-0.6b")
     p.add_argument("--dir", default="/tmp/jdllm_ckpt_scale")
     p.add_argument("--shard-mb", type=int, default=512)
-    p.add_argument("--steps", default="baseline,load_hf_1dev,load_hf_mesh,convert,load_ckpt_mesh")
+    p.add_argument("--steps", default="baseline,load_hf_1dev,load_hf_mesh,convert_whole,convert,load_ckpt_mesh")
     p.add_argument("--json", default=None)
     p.add_argument("--keep", action="store_true", help="keep the synthetic checkpoints")
+    p.add_argument("--write-only", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     hf_dir, ck_dir = os.path.join(args.dir, "hf"), os.path.join(args.dir, "jdllm")
+    if args.write_only:
+        print(json.dumps(write_hf(hf_dir, args.shape, args.shard_mb << 20)))
+        return 0
     t0 = time.perf_counter()
-    info = write_hf(hf_dir, args.shape, args.shard_mb << 20)
+    # in its own process: torch's memory must not count in the measured children
+    info = json.loads(subprocess.run(
+        [sys.executable, __file__, "--write-only", "--shape", args.shape, "--dir", args.dir,
+         "--shard-mb", str(args.shard_mb)], capture_output=True, text=True, check=True).stdout.splitlines()[-1])
     info.update(shape=args.shape, write_s=round(time.perf_counter() - t0, 1))
     print(json.dumps(info), flush=True)
     rows = []

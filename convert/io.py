@@ -3,9 +3,11 @@
 The checkpoint layout and everything that reads it live in `jdllm.checkpoint`;
 this module writes it.
 
-`convert_checkpoint` builds it in a temporary directory beside OUT_DIR and
-renames it into place only when everything is written, so a failed or
-interrupted conversion leaves nothing at OUT_DIR.
+`convert_checkpoint` streams: each Hugging Face tensor is converted to jdllm's
+layout and written (`OrbaxStreamWriter`) as soon as it is read, so the host
+holds about one tensor at a time. It builds the checkpoint in a temporary
+directory beside OUT_DIR and renames it into place only when everything is
+written, so a failed or interrupted conversion leaves nothing at OUT_DIR.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ import json
 import os
 import shutil
 import tempfile
+import time
+from typing import Any
 
 import numpy as np
 
@@ -22,17 +26,123 @@ from jdllm import errors
 from jdllm.checkpoint import (CONFIG_FILE, FORMAT_VERSION, HF_CONFIG_COPY, MARKER_FILE, PARAMS_DIR,
                               SafetensorsDir, is_hf_dir, is_jdllm_dir, np_dtype)
 from jdllm.config import ModelConfig
-from jdllm.hf_layout import check_tensor_names, hf_tensor_names, params_from_hf_tensors
+from jdllm.hf_layout import check_tensor_names, hf_tensor_names, iter_hf_slices
 from jdllm.inputs import check_output_path
 
 
-def save_params(params_dir: str, params) -> None:
-    """Write the parameter pytree with Orbax (params_dir must not exist yet)."""
-    import orbax.checkpoint as ocp  # noqa: PLC0415
+# --------------------------------------------------------------------------- streaming Orbax writer
+CHUNK_BYTES = 8 << 20  # zarr chunk target: a device restoring its slice decompresses little else
+SLAB_BYTES = 64 << 20  # an unstacked parameter (the embedding) is handed to tensorstore in slabs this size
 
-    with ocp.StandardCheckpointer() as ckpt:
-        ckpt.save(os.path.abspath(params_dir), params)
-        ckpt.wait_until_finished()
+
+def chunk_shape(shape: tuple[int, ...], axes: tuple[str, ...], itemsize: int,
+                target: int = CHUNK_BYTES) -> tuple[int, ...]:
+    """zarr chunk shape of a parameter: one layer per chunk, then the axes a mesh splits (vocab,
+    heads, MLP) halved until a chunk holds <= `target` bytes, so a device restoring its slices
+    reads (and decompresses) only chunks it needs, for any mesh size that is a power of two."""
+    chunk = list(shape)
+    if axes and axes[0] == "layers":
+        chunk[0] = 1
+    order = [i for i, a in enumerate(axes) if a in ("vocab", "mlp", "q_heads", "kv_heads")]
+    order += [i for i, a in enumerate(axes) if i not in order and a != "layers"]
+    for i in order:
+        while np.prod(chunk) * itemsize > target and chunk[i] % 2 == 0:
+            chunk[i] //= 2
+    return tuple(int(c) for c in chunk)
+
+
+class OrbaxStreamWriter:
+    """Writes a params tree slice by slice in the on-disk layout of Orbax's
+    `StandardCheckpointer` (an OCDBT key-value store holding one zarr array per leaf, named by
+    its key path, e.g. `layers.q`, plus the `_METADATA` tree description), so
+    `StandardCheckpointer.restore` reads it into any shardings, each device its own slices.
+
+    Orbax's `save` takes the whole tree; this writes each layer of a stacked parameter as soon
+    as it is read, so the host holds about one tensor at a time. Chunks: `chunk_shape`.
+    """
+
+    def __init__(self, params_dir: str, cfg: ModelConfig):
+        import tensorstore as ts  # noqa: PLC0415
+
+        from jdllm.model import param_specs  # noqa: PLC0415
+
+        self.ts = ts
+        self.dir = os.path.abspath(params_dir)
+        os.makedirs(self.dir)
+        self.specs = {}
+        _flatten(param_specs(cfg), (), self.specs)
+        # one context: every array shares the one OCDBT store; no chunk cache (write and forget)
+        self.context = ts.Context({"cache_pool": {"total_bytes_limit": 0}})
+        self.kvstore = {"driver": "ocdbt", "base": f"file://{self.dir}/",
+                        "config": {"compression": {"id": "zstd"}}}
+        self.arrays: dict[tuple[str, ...], Any] = {}
+        self.dtypes: dict[tuple[str, ...], np.dtype] = {}
+        self.written: dict[tuple[str, ...], int] = {}
+
+    def _open(self, path: tuple[str, ...], dtype: np.dtype):
+        spec = self.specs[path]
+        chunks = chunk_shape(spec.shape, spec.axes, dtype.itemsize)
+        arr = self.ts.open({
+            "driver": "zarr", "kvstore": self.kvstore, "path": ".".join(path),
+            "metadata": {"shape": list(spec.shape), "chunks": list(chunks), "dtype": _zarr_dtype(dtype),
+                         "compressor": {"id": "zstd", "level": 1}, "fill_value": None, "order": "C",
+                         "filters": None, "dimension_separator": "."},
+        }, create=True, context=self.context).result()
+        self.arrays[path], self.dtypes[path] = arr, dtype
+        return arr
+
+    def write(self, path: tuple[str, ...], layer: int | None, x: np.ndarray) -> None:
+        """Write `x`: the whole parameter (layer None) or layer `layer` of a stacked one (cast to
+        the dtype of the parameter's first slice)."""
+        arr = self.arrays.get(path)
+        if arr is None:
+            arr = self._open(path, np.dtype(x.dtype))
+        x = x.astype(self.dtypes[path], copy=False)
+        if layer is not None:
+            arr[layer].write(x).result()
+        else:
+            rows = max(1, SLAB_BYTES // max(1, x[:1].nbytes))
+            step = arr.chunk_layout.write_chunk.shape[0]
+            rows = max(step, rows // step * step)
+            for r in range(0, x.shape[0], rows):
+                end = min(r + rows, x.shape[0])
+                arr[r:end].write(x[r:end]).result()
+        self.written[path] = self.written.get(path, 0) + 1
+
+    def finish(self) -> set[str]:
+        """Write Orbax's metadata files once every parameter is complete; returns the stored dtypes."""
+        for path, spec in self.specs.items():
+            want = spec.shape[0] if spec.axes[:1] == ("layers",) else 1
+            if self.written.get(path, 0) != want:
+                raise AssertionError(f"parameter {path} got {self.written.get(path, 0)} of {want} slices")
+        tree = {}
+        for path in sorted(self.specs, key=lambda p: [str(k) for k in p]):
+            tree[str(path)] = {"key_metadata": [{"key": k, "key_type": 2} for k in path],
+                               "value_metadata": {"value_type": "np.ndarray", "skip_deserialize": False}}
+        meta = {"tree_metadata": tree, "use_ocdbt": True, "use_zarr3": False,
+                "store_array_data_equal_to_fill_value": True, "custom_metadata": None}
+        with open(os.path.join(self.dir, "_METADATA"), "w") as f:
+            json.dump(meta, f)
+        now = time.time_ns()
+        with open(os.path.join(self.dir, "_CHECKPOINT_METADATA"), "w") as f:
+            json.dump({"item_handlers": "orbax.checkpoint._src.handlers.standard_checkpoint_handler."
+                                        "StandardCheckpointHandler",
+                       "metrics": {}, "performance_metrics": {}, "init_timestamp_nsecs": now,
+                       "commit_timestamp_nsecs": now, "custom_metadata": {}}, f)
+        self.arrays.clear()
+        return {d.name for d in self.dtypes.values()}
+
+
+def _flatten(tree, prefix, out):
+    if isinstance(tree, dict):
+        for k, v in tree.items():
+            _flatten(v, prefix + (k,), out)
+    else:
+        out[prefix] = tree
+
+
+def _zarr_dtype(dtype: np.dtype) -> str:
+    return "bfloat16" if dtype.name == "bfloat16" else dtype.str
 
 
 # --------------------------------------------------------------------------- convert
@@ -72,12 +182,14 @@ def convert_checkpoint(hf_dir: str, out_dir: str, dtype="bfloat16", overwrite: b
             f"cannot create OUT_DIR {out_dir} ({e.strerror or e}); choose a writable location") from None
     try:
         os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes it 0700; OUT_DIR gets ordinary permissions
+        writer = OrbaxStreamWriter(os.path.join(tmp, PARAMS_DIR), cfg)
         with tqdm(total=len(hf_tensor_names(cfg)), desc=f"convert {os.path.basename(hf_dir.rstrip('/'))}",
                   unit="tensor", disable=not progress) as bar:
-            params = params_from_hf_tensors(tensors, cfg, dtype=want, source=hf_dir,
-                                               progress=lambda name: bar.update(1))
-        stored = {np.asarray(x).dtype.name for x in _leaves(params)}
-        save_params(os.path.join(tmp, PARAMS_DIR), params)
+            for path, layer, _, x in iter_hf_slices(tensors, cfg, dtype=want, source=hf_dir,
+                                                    progress=lambda name: bar.update(1)):
+                writer.write(path, layer, x)
+                del x
+        stored = writer.finish()
         meta = {"format": "jdllm", "version": FORMAT_VERSION,
                 "dtype": stored.pop() if len(stored) == 1 else "mixed",
                 "source": os.path.abspath(hf_dir), "config": cfg.to_dict()}
@@ -120,14 +232,6 @@ def _umask() -> int:
     mask = os.umask(0)
     os.umask(mask)
     return mask
-
-
-def _leaves(tree):
-    if isinstance(tree, dict):
-        for v in tree.values():
-            yield from _leaves(v)
-    else:
-        yield tree
 
 
 def _move_into_place(tmp: str, out_dir: str, overwrite: bool) -> None:

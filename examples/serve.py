@@ -6,10 +6,13 @@ left-contiguous revealed prefix of its answer, and ends exactly as `jdllm.genera
 prompt alone. The HTTP server (`jdllm serve`, see the README) drives the same engine on a thread.
 
     python examples/serve.py
+    # the same on a 2x2 device mesh (rows over `data`, heads / MLP over `model`), 4 fake CPU devices:
+    XLA_FLAGS=--xla_force_host_platform_device_count=4 python examples/serve.py --mesh data=2,model=2
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 
 import jdllm
@@ -19,7 +22,15 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def main() -> None:
-    model = jdllm.load(os.path.join(ROOT, "models", "tiny-sdar"))
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--mesh", default=None, help="serve on a device mesh, e.g. data=2,model=2")
+    args = p.parse_args()
+    mesh = None
+    if args.mesh:
+        from jdllm import sharding
+
+        mesh = sharding.make_mesh(args.mesh)
+    model = jdllm.load(os.path.join(ROOT, "models", "tiny-sdar"), mesh=mesh)
     tok = model.tokenizer
     decoding = jdllm.BlockDiffusion(block_length=4, denoising_steps=2)
     engine = Engine(model, decoding, max_batch=2, max_prompt_tokens=16, max_new_tokens=16, steps_per_round=1)

@@ -4,7 +4,10 @@ A Hugging Face directory holds config.json, model.safetensors (or shards listed
 in model.safetensors.index.json) and the tokenizer files. A jdllm checkpoint
 directory (written by `convert`) holds
   jdllm_config.json   {"format": "jdllm", "version": 1, "dtype": ..., "config": ModelConfig.to_dict()}
-  params/             the parameter pytree, saved with Orbax (restorable straight into shardings)
+  params/             the parameter pytree in Orbax's StandardCheckpointer layout (OCDBT + one zarr
+                      array per parameter), restorable straight into shardings; `convert` writes it
+                      layer slice by layer slice (one zarr chunk per layer), older versions with
+                      Orbax's own save: both restore through Orbax
   hf_config.json      the source config.json, kept for reference
   tokenizer files     copied from the source (tokenizer.json, tokenizer_config.json, ...)
 
@@ -79,7 +82,8 @@ class SafetensorsDir(Mapping):
     """Lazy {tensor name: NumPy array} over a HF directory's single or sharded safetensors.
 
     Opening checks the index and every shard header; a tensor is read from disk
-    when it is accessed.
+    when it is accessed, through a mapping of its file opened for that read only (a mapping kept
+    open would keep every page read so far in the process's resident memory).
     """
 
     def __init__(self, hf_dir: str):
@@ -110,18 +114,18 @@ class SafetensorsDir(Mapping):
             raise errors.CheckpointError(
                 f"{self.dir} holds neither {SINGLE_FILE} nor {INDEX_FILE}: point at a Hugging Face "
                 "model directory with safetensors weights (convert .bin weights with transformers first)")
-        self._handles = {}
+        self._open = safe_open
         self._where: dict[str, str] = {}
+        self._shapes: dict[str, tuple[int, ...]] = {}
         for fn in files:
             path = os.path.join(self.dir, fn)
             try:
-                h = safe_open(path, framework="numpy")
-                names = list(h.keys())
+                with safe_open(path, framework="numpy") as h:
+                    for n in h.keys():
+                        self._where[n] = fn
+                        self._shapes[n] = tuple(h.get_slice(n).get_shape())
             except Exception as e:  # noqa: BLE001 (safetensors raises its own error types)
                 raise _safetensors_error(path, e) from e
-            self._handles[fn] = h
-            for n in names:
-                self._where[n] = fn
         if weight_map is not None:
             for n, fn in weight_map.items():
                 if self._where.get(n) != fn:
@@ -130,14 +134,15 @@ class SafetensorsDir(Mapping):
                         "re-download the checkpoint (the index and shards disagree)")
 
     def __getitem__(self, name: str) -> np.ndarray:
-        fn = self._where[name]
+        path = os.path.join(self.dir, self._where[name])
         try:
-            return self._handles[fn].get_tensor(name)
+            with self._open(path, framework="numpy") as h:
+                return h.get_tensor(name)
         except Exception as e:  # noqa: BLE001
-            raise _safetensors_error(os.path.join(self.dir, fn), e) from e
+            raise _safetensors_error(path, e) from e
 
     def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self._handles[self._where[name]].get_slice(name).get_shape())
+        return self._shapes[name]
 
     def __iter__(self):
         return iter(self._where)

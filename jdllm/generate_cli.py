@@ -61,9 +61,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--attn-impl", default="auto", choices=ATTN_IMPLS,
                    help="attention implementation (default: auto = Pallas on a GPU, XLA elsewhere)")
     add_check_finite_argument(p)
-    p.add_argument("--mesh", default=None, metavar="data=D,model=M",
-                   help="decode on a device mesh: rows split over D data shards, heads / MLP over M model "
-                        "shards (D * M = the number of devices; see README 'Scaling out')")
+    add_mesh_argument(p)
     p.add_argument("--distributed", action="store_true",
                    help="call jax.distributed.initialize() first (one process per host; the cluster "
                         "environment, e.g. SLURM, or JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / "
@@ -90,6 +88,12 @@ def add_constraint_arguments(p: argparse.ArgumentParser) -> None:
     x.add_argument("--lark", default=None, metavar="FILE", help="outputs in the language of the Lark grammar in FILE")
     c.add_argument("--constraint-backend", default="llguidance", choices=("llguidance", "dfa"),
                    help="constraint backend (default: llguidance)")
+
+
+def add_mesh_argument(p) -> None:
+    p.add_argument("--mesh", default=None, metavar="data=D,model=M",
+                   help="decode on a device mesh: rows split over D data shards, heads / MLP over M model "
+                        "shards (D * M = the number of devices; see README 'Scaling out')")
 
 
 def constraint_from_args(args):

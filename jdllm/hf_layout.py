@@ -231,23 +231,22 @@ def set_param(tree: dict, path: tuple[str, ...], x) -> dict:
     return tree
 
 
-def iter_params_from_hf_tensors(tensors: Mapping[str, Any], cfg: ModelConfig, dtype=None,
-                                progress: Callable[[str], None] | None = None, source: str = "checkpoint"):
-    """Yield (param path, NumPy array) one jdllm parameter at a time, each as soon as every HF
-    tensor it stacks has been read: a caller that places each one (on a device or mesh) and drops
-    it holds at most one parameter on the host (`jdllm.load` does)."""
+def iter_hf_slices(tensors: Mapping[str, Any], cfg: ModelConfig, dtype=None,
+                   progress: Callable[[str], None] | None = None, source: str = "checkpoint"):
+    """Yield (param path, layer index or None, the parameter's full jdllm shape, NumPy array) one HF
+    tensor at a time, in jdllm's layout and `dtype`, ordered parameter by parameter and, within a
+    stacked parameter, layer by layer. A caller that writes each slice where it belongs and drops
+    it (the streaming `jdllm convert`) holds one tensor on the host, never a stacked parameter."""
     from jdllm.model import param_shapes  # noqa: PLC0415
 
     table = hf_tensor_names(cfg)
     check_tensor_names(tensors.keys(), cfg, source)
     shapes = param_shapes(cfg)
-    remaining: dict[tuple[str, ...], int] = {}
-    for slot in table.values():
-        remaining[tuple(slot.path)] = remaining.get(tuple(slot.path), 0) + 1
-    # read layer by layer within one parameter: group the table by parameter path
-    order = sorted(table.items(), key=lambda kv: (list(remaining).index(tuple(kv[1].path)),
+    first: dict[tuple[str, ...], int] = {}
+    for i, slot in enumerate(table.values()):
+        first.setdefault(tuple(slot.path), i)
+    order = sorted(table.items(), key=lambda kv: (first[tuple(kv[1].path)],
                                                    -1 if kv[1].layer is None else kv[1].layer))
-    building: dict[tuple[str, ...], np.ndarray] = {}
     for name, slot in order:
         x = np.asarray(tensors[name])
         check_tensor_shape(name, x.shape, slot, cfg, source)
@@ -257,21 +256,31 @@ def iter_params_from_hf_tensors(tensors: Mapping[str, Any], cfg: ModelConfig, dt
             full = full[key]
         jd_shape = tuple(full[1:]) if slot.layer is not None else tuple(full)
         y = _to_jdllm(x, slot, jd_shape)
-        target_dtype = np.dtype(dtype) if dtype is not None else x.dtype
-        path = tuple(slot.path)
-        if slot.layer is None:
-            building[path] = np.ascontiguousarray(y, dtype=target_dtype)
-        else:
-            stacked = building.get(path)
-            if stacked is None:
-                stacked = building[path] = np.empty(tuple(full), target_dtype)
-            stacked[slot.layer] = y.astype(stacked.dtype, copy=False)
-        del x, y
+        del x
+        y = np.ascontiguousarray(y, dtype=np.dtype(dtype) if dtype is not None else y.dtype)
+        yield tuple(slot.path), slot.layer, tuple(full), y
+        del y
         if progress is not None:
             progress(name)
-        remaining[path] -= 1
-        if remaining[path] == 0:
-            yield path, building.pop(path)
+
+
+def iter_params_from_hf_tensors(tensors: Mapping[str, Any], cfg: ModelConfig, dtype=None,
+                                progress: Callable[[str], None] | None = None, source: str = "checkpoint"):
+    """Yield (param path, NumPy array) one jdllm parameter at a time, each as soon as every HF
+    tensor it stacks has been read: a caller that places each one (on a device or mesh) and drops
+    it holds at most one parameter on the host (`jdllm.load` does)."""
+    stacked, current = None, None
+    for path, layer, full, y in iter_hf_slices(tensors, cfg, dtype, progress, source):
+        if layer is None:
+            yield path, y
+            continue
+        if path != current:
+            stacked, current = np.empty(full, y.dtype), path
+        stacked[layer] = y.astype(stacked.dtype, copy=False)
+        del y
+        if layer == full[0] - 1:
+            out, stacked, current = stacked, None, None
+            yield path, out
 
 
 def params_to_hf_tensors(params, cfg: ModelConfig) -> dict[str, np.ndarray]:

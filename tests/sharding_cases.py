@@ -67,6 +67,11 @@ def run(model, decoding, n=8):
     return [(o.token_ids, o.step_map, o.nfe, o.finish_reason) for o in outs]
 
 
+def run_one(model, decoding, prompt, sampling):
+    o = jdllm.generate(model, [prompt], decoding, sampling)[0]
+    return o.token_ids, o.step_map, o.nfe, o.finish_reason
+
+
 def split_ok(model) -> bool:
     """The q projection is split over `model` and no device holds it whole (when model > 1)."""
     q = model.params["layers"]["q"]
@@ -160,6 +165,30 @@ def main(which: str = "all"):
         emit(paradigm="rl_rollout", mesh="2x4", split=True, logit_diff=0.0,
              equal=bool((a["tokens"] == b["tokens"]).all() and (a["step_map"] == b["step_map"]).all()
                         and np.allclose(a["logprobs"], b["logprobs"], atol=1e-4)))
+    if which in ("all", "quick", "serve"):
+        # the continuous-batching engine on 2x4: staggered requests (joining while others decode;
+        # masked_diffusion / multi_block: once the batch drains) give the tokens of one-device
+        # generate for each prompt alone
+        from jdllm.serve.engine import Engine  # noqa: PLC0415
+
+        samp = jdllm.Sampling(temperature=0.0, max_new_tokens=8, stop_token_ids=())
+        prompts = PROMPTS + [[5, 6, 7, 8, 9], [10, 11]]
+        served = ("block_diffusion",) if which == "quick" else tuple(c[0] for c in cases())
+        for name, m, dec in [c for c in cases() if c[0] in served]:
+            ref = [run_one(m, dec, p, samp) for p in prompts]
+            eng = Engine(m, dec, max_batch=4, max_prompt_tokens=8, max_new_tokens=8, steps_per_round=2,
+                         compiler_options=FAST, mesh=meshes["2x4"])
+            reqs = [eng.submit(p, samp) for p in prompts[:2]]
+            eng.step_round()
+            reqs.append(eng.submit(prompts[2], samp))
+            eng.step_round()
+            reqs.append(eng.submit(prompts[3], samp))
+            eng.run_until_idle()
+            got = [(r.output.token_ids, r.output.step_map, r.output.nfe, r.output.finish_reason) for r in reqs]
+            cache = eng._pool.cache.k
+            emit(paradigm=f"serve_{name}", mesh="2x4", equal=got == ref, split=split_ok(eng.model)
+                 and all(s.data.shape[1] == cache.shape[1] // 2 for s in cache.addressable_shards),
+                 tokens=[g[0] for g in got], ref=[r[0] for r in ref])
     if which in ("all", "quick", "errors"):
         m = tiny("causal", 0, kv=4)  # 4 KV heads cannot split 8 ways
         try:
@@ -168,6 +197,14 @@ def main(which: str = "all"):
         except Exception as e:  # noqa: BLE001
             emit(error="indivisible", message=str(e))
             emit(error="indivisible_type", message=type(e).__name__)
+        from jdllm.serve.engine import Engine  # noqa: PLC0415
+
+        try:  # 3 rows do not split over data=2
+            Engine(tiny("causal", 0), jdllm.AR(), max_batch=3, max_prompt_tokens=8, max_new_tokens=8,
+                   mesh=meshes["2x4"])
+            emit(error="engine_rows", message="no error")
+        except Exception as e:  # noqa: BLE001
+            emit(error="engine_rows", message=f"{type(e).__name__}: {e}")
 
 
 if __name__ == "__main__":

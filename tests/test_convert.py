@@ -245,15 +245,15 @@ def test_interrupted_conversion_leaves_nothing(where, exc, tmp_path, monkeypatch
             return real(*a)
 
         monkeypatch.setattr(hf_layout, "_to_jdllm", flaky)
-    else:  # after Orbax has written part of the checkpoint
-        real_save = cio.save_params
+    else:  # after every array of the Orbax checkpoint is written
+        real_finish = cio.OrbaxStreamWriter.finish
 
-        def flaky_save(params_dir, params):
-            real_save(params_dir, params)
-            assert os.listdir(params_dir)
+        def flaky_finish(self):
+            real_finish(self)
+            assert os.listdir(self.dir)
             raise exc("interrupted")
 
-        monkeypatch.setattr(cio, "save_params", flaky_save)
+        monkeypatch.setattr(cio.OrbaxStreamWriter, "finish", flaky_finish)
     with pytest.raises(exc):
         cio.convert_checkpoint(hf_dir, str(tmp_path / "out"), dtype="float32", progress=False)
     _no_leftovers(str(tmp_path))
@@ -338,3 +338,48 @@ def test_damaged_jdllm_checkpoint(tmp_path):
     shutil.rmtree(os.path.join(out, "params"))
     with pytest.raises(errors.CorruptCheckpointError, match="params"):
         jdllm.load(out)
+
+
+# --------------------------------------------------------------------------- streaming layout
+def test_conversion_streams_one_tensor_at_a_time(tmp_path, monkeypatch):
+    """The converter hands the writer one HF tensor's worth at a time (never a stacked parameter),
+    the result is an ordinary Orbax checkpoint (Orbax's own restore reads it, one zarr chunk per
+    layer), and a checkpoint written the former way (Orbax saving the whole tree) still loads."""
+    import orbax.checkpoint as ocp  # noqa: PLC0415
+    import tensorstore as ts  # noqa: PLC0415
+
+    hf_dir, _ = fx.build_transformers_model("qwen3", str(tmp_path / "hf"), seed=2, max_shard_size="20KB")
+    src = _hf_tensors(hf_dir)
+    largest = max(x.nbytes for x in src.values())
+    sizes, real_write = [], cio.OrbaxStreamWriter.write
+
+    def spy(self, path, layer, x):
+        sizes.append(x.nbytes)
+        return real_write(self, path, layer, x)
+
+    monkeypatch.setattr(cio.OrbaxStreamWriter, "write", spy)
+    out = cio.convert_checkpoint(hf_dir, str(tmp_path / "out"), dtype="float32", progress=False)
+    cfg = ModelConfig.from_hf(hf_dir)
+    assert len(sizes) == len(hf_layout.hf_tensor_names(cfg)) and max(sizes) == largest
+    want = hf_layout.params_from_hf_tensors(src, cfg)
+    with ocp.StandardCheckpointer() as c:  # Orbax alone, no jdllm code on the read side
+        _assert_bit_equal(c.restore(os.path.join(out, ckpt.PARAMS_DIR)), want)
+    q = ts.open({"driver": "zarr", "kvstore": {"driver": "ocdbt", "base": f"file://{out}/params/"},
+                 "path": "layers.q"}).result()
+    assert q.chunk_layout.read_chunk.shape == (1,) + tuple(q.shape[1:])
+    # the former layout: the whole tree saved by Orbax
+    old = tmp_path / "old"
+    shutil.copytree(out, old)
+    shutil.rmtree(old / ckpt.PARAMS_DIR)
+    with ocp.StandardCheckpointer() as c:
+        c.save(str(old / ckpt.PARAMS_DIR), want)
+        c.wait_until_finished()
+    _assert_bit_equal(ckpt.restore_params(str(old)), want)
+
+
+def test_chunk_shape():
+    # one layer per chunk, then the axes a mesh splits halved down to the target size
+    assert cio.chunk_shape((28, 1024, 16, 128), ("layers", "embed", "q_heads", "head_dim"), 2) == (1, 1024, 16, 128)
+    assert cio.chunk_shape((28, 2048, 6144), ("layers", "embed", "mlp"), 2) == (1, 2048, 1536)
+    assert cio.chunk_shape((151936, 1024), ("vocab", "embed"), 2) == (2374, 1024)
+    assert cio.chunk_shape((1024,), ("embed",), 2) == (1024,)

@@ -54,10 +54,17 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_two_processes_give_the_same_tokens_as_one():
+@pytest.mark.parametrize("source", ["hf", "converted"])
+def test_two_processes_give_the_same_tokens_as_one(source, tmp_path):
     """examples/multihost.py in 2 processes (jax.distributed, 2 CPU devices each, gloo collectives)
-    loading the shipped tiny-sdar into one 2x2 global mesh == one process on one device."""
+    loading the shipped tiny-sdar (its Hugging Face directory, or the jdllm checkpoint `convert`
+    makes of it: Orbax restoring each process's slices) into one 2x2 global mesh == one process on
+    one device."""
     model_dir = os.path.join(ROOT, "models", "tiny-sdar")
+    if source == "converted":
+        from convert.io import convert_checkpoint  # noqa: PLC0415
+
+        model_dir = convert_checkpoint(model_dir, str(tmp_path / "ck"), dtype="float32", progress=False)
     port = _free_port()
     args = [sys.executable, os.path.join(ROOT, "examples", "multihost.py"), "--model", model_dir,
             "--coordinator", f"localhost:{port}", "--num-processes", "2", "--mesh", "data=2,model=2",
@@ -100,12 +107,23 @@ def test_mesh_and_rules_errors():
         jdllm.load(os.path.join(ROOT, "models", "tiny-ar"), rules={"mlp": None})
 
 
-def test_cli_mesh_option_refuses_a_bad_mesh():
-    res = subprocess.run([sys.executable, "-m", "jdllm.cli", "generate", os.path.join(ROOT, "models", "tiny-ar"),
-                          "--mesh", "data=2,model=4", "--prompt-ids", "1,2"], capture_output=True, text=True,
+@pytest.mark.parametrize("command", [["generate", "--prompt-ids", "1,2"], ["serve", "--port", "1"]])
+def test_cli_mesh_option_refuses_a_bad_mesh(command):
+    res = subprocess.run([sys.executable, "-m", "jdllm.cli", command[0], os.path.join(ROOT, "models", "tiny-ar"),
+                          "--mesh", "data=2,model=4", *command[1:]], capture_output=True, text=True,
                          cwd=ROOT, env=_env(1), timeout=300)
     assert res.returncode == 2, res.stderr
     assert "Traceback" not in res.stderr and "needs 8 devices but 1" in res.stderr, res.stderr
+
+
+def test_engine_mesh_errors():
+    from jdllm.serve.engine import Engine  # noqa: PLC0415
+
+    model = jdllm.load(os.path.join(ROOT, "models", "tiny-ar"), dtype="float32")
+    with pytest.raises(errors.ShardingError, match="needs a mesh"):
+        Engine(model, rules={"mlp": None})
+    with pytest.raises(errors.ArgumentTypeError, match="Mesh"):
+        Engine(model, mesh="data=2")
 
 
 def test_one_device_mesh_is_a_no_op():
@@ -120,7 +138,7 @@ def test_one_device_mesh_is_a_no_op():
 
 def test_sharded_decoding_equals_one_device(equality_run):
     """Every paradigm on the 2x4 mesh (the Pallas kernels per shard on 1x8), an RL
-    rollout on sharded params: greedy tokens, step maps, NFE and finish reasons equal to one device's;
+    rollout on sharded params, the serving engine on 2x4 with staggered requests: greedy tokens, step maps, NFE and finish reasons equal to one device's;
     logits equal up to float32 summation order; weights really split over `model`; no retrace on a
     second call. (`python tests/sharding_cases.py all` runs every paradigm x 8x1 / 1x8 / 2x4.)"""
     out, err = equality_run.communicate(timeout=600)
@@ -128,7 +146,8 @@ def test_sharded_decoding_equals_one_device(equality_run):
     rows = _json_lines(out)
     seen = {(r["paradigm"], r["mesh"]) for r in rows if "paradigm" in r}
     assert {(name, "2x4") for name in ("ar", "ar_spec", "block_diffusion", "multi_block", "masked_diffusion")} \
-        | {("pallas_block_diffusion", "1x8"), ("pallas_logits", "2x4"), ("rl_rollout", "2x4")} <= seen, seen
+        | {("pallas_block_diffusion", "1x8"), ("pallas_logits", "2x4"), ("rl_rollout", "2x4"),
+           ("serve_block_diffusion", "2x4")} <= seen, seen
     for r in (r for r in rows if "paradigm" in r):
         assert r["equal"], r
         assert r["split"], r
@@ -140,3 +159,4 @@ def test_sharded_decoding_equals_one_device(equality_run):
     errs = {r["error"]: r["message"] for r in rows if "error" in r}
     assert "kv_heads" in errs["indivisible"] and "['layers']['k']" in errs["indivisible"]
     assert "ShardingError" == errs["indivisible_type"]
+    assert errs["engine_rows"].startswith("ShardingError") and "'data'" in errs["engine_rows"]

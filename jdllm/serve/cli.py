@@ -1,4 +1,5 @@
-"""`jdllm serve MODEL --paradigm ... --max-batch N --port P`: the OpenAI-compatible server."""
+"""`jdllm serve MODEL --paradigm ... --max-batch N --port P [--mesh data=D,model=M]`: the OpenAI-compatible
+server."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ import sys
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from jdllm.checkpoint import ATTN_IMPLS, DTYPES  # noqa: PLC0415 (light: no JAX)
-    from jdllm.generate_cli import add_check_finite_argument, add_paradigm_arguments  # noqa: PLC0415
+    from jdllm.generate_cli import (add_check_finite_argument, add_mesh_argument,  # noqa: PLC0415
+                                    add_paradigm_arguments)
 
     p.add_argument("model", help="Hugging Face model directory or jdllm checkpoint")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, this machine only)")
@@ -33,6 +35,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--attn-impl", default="auto", choices=ATTN_IMPLS)
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
     add_check_finite_argument(p)
+    add_mesh_argument(p)
     add_paradigm_arguments(p)
 
 
@@ -48,7 +51,13 @@ def run(args) -> int:
                                       'pip install "jdllm[serve]"') from None
     from jdllm.serve.engine import Engine  # noqa: PLC0415
 
-    model = jdllm.load(args.model, dtype=args.dtype, attn_impl=args.attn_impl, check_finite=args.check_finite)
+    mesh = None
+    if args.mesh:
+        from jdllm import sharding  # noqa: PLC0415
+
+        mesh = sharding.make_mesh(args.mesh)
+    model = jdllm.load(args.model, dtype=args.dtype, attn_impl=args.attn_impl, check_finite=args.check_finite,
+                       mesh=mesh)
     decoding = decoding_from_args(args, model.config, command="serve")
     engine = Engine(model, decoding, max_batch=args.max_batch, max_queue=args.max_queue,
                     max_prompt_tokens=args.max_prompt_tokens, max_new_tokens=args.max_new_tokens,

@@ -59,10 +59,12 @@ STOP_WIDTH = 8  # stop ids a request may carry (the pool's stop_ids width)
 
 # --------------------------------------------------------------------------- jitted pieces
 def _admit(params, pool: DecodeState, fresh: DecodeState, row, *, paradigm, ctx):
-    """Prefill `fresh` (one row, the pool's canvas) with the row's own context and merge it into `row`."""
+    """Prefill `fresh` (one row, the pool's canvas) with the row's own context and merge it into `row`.
+    On a mesh the lone row is left to XLA (one row does not split over `data`); the merged pool is
+    pinned to its shardings."""
     TRACES["admit"] += 1
-    new = loop.prefill(params, fresh, paradigm=paradigm, ctx=ctx)
-    return merge_row(pool, new, row)
+    new = loop.prefill(params, fresh, paradigm=paradigm, ctx=dataclasses.replace(ctx, placement=None))
+    return common.constrain(ctx, merge_row(pool, new, row))
 
 
 def _round(params, pool: DecodeState, n, *, paradigm, ctx):
@@ -162,12 +164,22 @@ class Engine:
     and free requests share one compiled step; each step then also runs the constraint's
     reachability pass for every row (a cost the default, 0, does not pay).
 
+    mesh / rules: serve on a device mesh (`jdllm.sharding.make_mesh`): the model's params are placed
+    on it under `rules` (as `jdllm.load(path, mesh=, rules=)` does; a model loaded that way needs
+    neither), the pool's rows split over `data` (max_batch must be a multiple of its size), heads /
+    MLP over `model`, and every round runs under those shardings.
+
     Drive it with `start()` (a background thread) or call `step_round()` yourself.
     """
 
     def __init__(self, model, decoding=None, *, max_batch: int = 8, max_prompt_tokens: int | None = None,
                  max_new_tokens: int | None = None, max_queue: int = 256, steps_per_round: int = 4,
-                 compiler_options: tuple = (), constraint_states: int = 0, constraint_classes: int = 64):
+                 compiler_options: tuple = (), constraint_states: int = 0, constraint_classes: int = 64,
+                 mesh=None, rules=None):
+        if mesh is not None:
+            model = model.shard(mesh, rules)
+        elif rules is not None:
+            raise errors.ShardingError("rules= needs a mesh=: pass Engine(model, mesh=mesh, rules=rules)")
         cfg = model.config
         decoding = default_paradigm(cfg) if decoding is None else decoding
         if not hasattr(decoding, "layout"):
@@ -179,6 +191,11 @@ class Engine:
                             ("constraint_classes", constraint_classes, 1)):
             if isinstance(v, bool) or not isinstance(v, int) or v < lo:
                 raise errors.DecodingConfigError(f"{name}={v!r} must be an integer >= {lo}")
+        placement = model.placement
+        if placement is not None and max_batch % placement.batch_multiple():
+            raise errors.ShardingError(
+                f"max_batch={max_batch} rows do not split over the mesh's batch axis {placement.axis('batch')!r} "
+                f"of size {placement.batch_multiple()}; choose a multiple of it")
         ctx_len = cfg.max_position_embeddings
         self.max_prompt_tokens = int(max_prompt_tokens or min(512, ctx_len - 1))
         self.max_new_tokens = int(max_new_tokens or min(256, ctx_len - 1))
@@ -189,7 +206,8 @@ class Engine:
         self.model, self.paradigm, self.cfg = model, decoding, cfg
         self.max_batch, self.max_queue, self.steps_per_round = max_batch, max_queue, steps_per_round
         self.fwd_cfg = decoding.attention_config(cfg) if hasattr(decoding, "attention_config") else cfg
-        self.ctx = common.DecodeCtx(model=self.fwd_cfg, attn_impl=model.attn_impl, prefill_len=0)
+        self.ctx = common.DecodeCtx(model=self.fwd_cfg, attn_impl=model.forward_impl, prefill_len=0,
+                                    placement=placement)
         self._ctx = self.ctx  # the context rounds run with (a drained batch brings its own)
         self.drain = isinstance(self.lifecycle, DrainJoin)
         self.slots = self.lifecycle.pool_slots(decoding, cfg, self.max_prompt_tokens, self.max_new_tokens)
@@ -211,7 +229,8 @@ class Engine:
             idle = idle.replace(constraint=self._tables([None] * R, self.slots))
         self.params = params_for(model, decoding)  # ar_spec: the draft's parameters ride along
         pool = self._fns["buffers"](self.params, cfg, idle)
-        self._pool = pool.replace(extra=_idle_extra(self.params, pool, decoding, self.ctx))
+        pool = pool.replace(extra=_idle_extra(self.params, pool, decoding, self.ctx))
+        self._pool = pool if placement is None else placement.place_state(pool)
         self._free = list(range(R))
         self._rows: dict[int, Request] = {}  # row -> running request
         self._waiting: collections.deque[Request] = collections.deque()
