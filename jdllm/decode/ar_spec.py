@@ -24,6 +24,12 @@ One loop iteration, per row, with c its first unrevealed slot (its KV cache hold
    stale, hidden by the causal mask and overwritten by the next window), so rejected drafts
    leave no hole and never grow the cache.
 
+Constraints restrict the target before the acceptance rule, at each of the k + 1 slots as it
+stands after the drafts before it: a packed bitmask from the host (llguidance, `reveal`'s
+bitmask) or the on-device DFA (`state.constraint.draft_mask`). A draft the constraint rejects
+has probability 0 there; where nothing is drawable after accepted drafts (a grammar's dead end)
+the drafts are emitted without a correction.
+
 Tokens emitted in one verification share a step number (step_map), their log-probs are the
 target's, NFE counts target forwards (prefill included; draft forwards are reported apart), and
 `Output.trace` gives drafts proposed / accepted per row.
@@ -260,8 +266,11 @@ class Speculative:
         running = ~state.done
         drafts, n_draft = state.extra["drafts"], state.extra["n_draft"]
         sp = state.sampling
-        z = filter_logits(common.allowed_logits(ctx, logits, bitmask),
-                          **per_row(sp.temperature, sp.top_k, sp.top_p))  # [B, k+1, V] target
+        z = common.allowed_logits(ctx, logits, bitmask)
+        if state.constraint is not None:  # on-device DFA: slot c + i's mask after drafts[:i]
+            tab, allowed = state.constraint.draft_mask(state, c, drafts)
+            state, z = state.replace(constraint=tab), jnp.where(allowed, z, NEG_INF)
+        z = filter_logits(z, **per_row(sp.temperature, sp.top_k, sp.top_p))  # [B, k+1, V] target
         greedy = sp.temperature == 0
         state, sk = common.advance_keys(state)
         j = jnp.arange(k, dtype=jnp.int32)
