@@ -23,8 +23,9 @@ draft-token masks in verification), tiny-sdar with block diffusion (dynamic 0.9,
 top-2), tiny-llada with masked diffusion (block 4, 6 steps for 12 slots: 2 tokens per step);
 json-*: the structured task (`jdllm.tasks` "json", schema `tasks.JSON_SCHEMA`, 24 new tokens)
 on models/tiny-json-ar (AR) and tiny-json-sdar (block diffusion; json-mb: multi_block with
-block 4 and d3LLM's default thresholds), where valid % measures
-what the constraint adds (validity checked by hand: json.loads + keys / types / ranges).
+block 4 and d3LLM's default thresholds; json-spec-lookup: ar_spec with prompt lookup, k = 3),
+where valid % measures what the constraint adds (validity checked by hand: json.loads +
+keys / types / ranges).
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ FORMATS = {
 
 
 CASES = ("ar", "spec-lookup", "spec-draft", "bd-dynamic", "bd-static", "masked",
-         "json-ar", "json-bd-dynamic", "json-bd-static", "json-mb")
+         "json-ar", "json-bd-dynamic", "json-bd-static", "json-mb", "json-spec-lookup")
 DEFAULT_CASES = CASES[:6]  # the json-* cases need models/tiny-json-ar and tiny-json-sdar
 
 
@@ -122,7 +123,8 @@ def main() -> None:
                  block_length=4, strategy="low_confidence_dynamic", confidence_threshold=0.9)),
              "json-bd-static": ("tiny-json-sdar", jdllm.BlockDiffusion(
                  block_length=4, strategy="low_confidence_static", denoising_steps=2)),
-             "json-mb": ("tiny-json-sdar", jdllm.MultiBlock(block_size=4))}
+             "json-mb": ("tiny-json-sdar", jdllm.MultiBlock(block_size=4)),
+             "json-spec-lookup": ("tiny-json-ar", jdllm.Speculative(num_draft_tokens=3))}
     cases = [cases[c] for c in args.cases]
     models = {name: jdllm.load(os.path.join(ROOT, "models", name), dtype="float32") for name in {n for n, _ in cases}}
     records = []
