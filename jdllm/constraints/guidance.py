@@ -82,7 +82,9 @@ of all k + 1 verification slots in one parallel call (`Controller.verify_masks`,
 `fill_next_token_bitmask_par_with_draft_tokens`: mask i = after drafts[:i]), and `reveal`
 applies them to the target's logits before the acceptance rule: a draft the grammar rejects
 is rejected there, the correction is drawn from the masked target. The matchers advance
-only by the tokens `reveal` emitted. No fast-forward in ar_spec (its cache must cover every
+only by the tokens `reveal` emitted. A dead end after accepted drafts (the grammar allows no
+token there) gets an all-zero mask: `reveal` emits the drafts before it and no correction, and
+`advance` ends the row "length" at it, as AR does. No fast-forward in ar_spec (its cache must cover every
 slot before the frontier); greedy constrained ar_spec equals greedy constrained AR.
 """
 
@@ -510,7 +512,8 @@ def catch_up(params, state, plan, *, width: int, ctx):
 @functools.lru_cache(maxsize=None)
 def _compiled(options: tuple) -> dict:
     opts = dict(options) or None
-    return dict(apply_edits=jax.jit(apply_edits, static_argnames=("fill", "paradigm", "ctx"), donate_argnames=("state",),
+    return dict(apply_edits=jax.jit(apply_edits, static_argnames=("fill", "paradigm", "ctx"),
+                                    donate_argnames=("state",),
                                     compiler_options=opts),
                 catch_up=jax.jit(catch_up, static_argnames=("width", "ctx"), donate_argnames=("state",),
                                  compiler_options=opts))
