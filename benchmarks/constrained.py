@@ -22,8 +22,10 @@ Cases: tiny-ar with AR and with ar_spec (prompt lookup / the tiny-ar-draft model
 draft-token masks in verification), tiny-sdar with block diffusion (dynamic 0.9, static
 top-2), tiny-llada with masked diffusion (block 4, 6 steps for 12 slots: 2 tokens per step);
 json-*: the structured task (`jdllm.tasks` "json", schema `tasks.JSON_SCHEMA`, 24 new tokens)
-on models/tiny-json-ar (AR) and tiny-json-sdar (block diffusion), where valid % measures
-what the constraint adds (validity checked by hand: json.loads + keys / types / ranges).
+on models/tiny-json-ar (AR) and tiny-json-sdar (block diffusion; json-mb: multi_block with
+block 4 and d3LLM's default thresholds; json-spec-lookup: ar_spec with prompt lookup, k = 3),
+where valid % measures what the constraint adds (validity checked by hand: json.loads +
+keys / types / ranges).
 """
 
 from __future__ import annotations
@@ -48,13 +50,16 @@ FORMATS = {
 
 
 CASES = ("ar", "spec-lookup", "spec-draft", "bd-dynamic", "bd-static", "masked",
-         "json-ar", "json-bd-dynamic", "json-bd-static")
+         "json-ar", "json-bd-dynamic", "json-bd-static", "json-mb", "json-spec-lookup")
 DEFAULT_CASES = CASES[:6]  # the json-* cases need models/tiny-json-ar and tiny-json-sdar
 
 
 def label(decoding) -> str:
     if decoding.name == "ar_spec":
         return f"ar_spec {decoding.proposer} k={decoding.num_draft_tokens}"
+    if decoding.name == "multi_block":
+        return (f"multi_block H<={decoding.entropy_threshold} add={decoding.block_add_threshold} "
+                f"act={decoding.decoded_token_threshold}")
     if decoding.name == "masked_diffusion":
         return f"masked_diffusion bl={decoding.block_length} steps={decoding.steps}"
     return f"{decoding.name} {getattr(decoding, 'strategy', '')}".strip()
@@ -117,7 +122,9 @@ def main() -> None:
              "json-bd-dynamic": ("tiny-json-sdar", jdllm.BlockDiffusion(
                  block_length=4, strategy="low_confidence_dynamic", confidence_threshold=0.9)),
              "json-bd-static": ("tiny-json-sdar", jdllm.BlockDiffusion(
-                 block_length=4, strategy="low_confidence_static", denoising_steps=2))}
+                 block_length=4, strategy="low_confidence_static", denoising_steps=2)),
+             "json-mb": ("tiny-json-sdar", jdllm.MultiBlock(block_size=4)),
+             "json-spec-lookup": ("tiny-json-ar", jdllm.Speculative(num_draft_tokens=3))}
     cases = [cases[c] for c in args.cases]
     models = {name: jdllm.load(os.path.join(ROOT, "models", name), dtype="float32") for name in {n for n, _ in cases}}
     records = []

@@ -71,6 +71,14 @@ def main() -> None:
     for o in outs:
         print(f"json task:   {o.text!r:22} finish={o.finish_reason} constraint_ok={o.constraint_ok} nfe={o.nfe}")
 
+    # the same schema on the block-diffusion json model with multi_block (several blocks in flight)
+    js = jdllm.load(os.path.join(ROOT, "models", "tiny-json-sdar"), dtype="float32")
+    outs = jdllm.generate(js, ["json:abc 7=", "json:xy 42="], jdllm.MultiBlock(block_size=4),
+                          jdllm.Sampling(temperature=1.0, max_new_tokens=24),
+                          constraint=constraints.json_schema(tasks.JSON_SCHEMA))
+    for o in outs:
+        print(f"multi_block: {o.text!r:22} finish={o.finish_reason} constraint_ok={o.constraint_ok} nfe={o.nfe}")
+
 
 if __name__ == "__main__":
     main()

@@ -124,6 +124,33 @@ def test_masks_equal_the_exhaustive_oracle(pattern):
     assert checked > 0
 
 
+@jax.jit
+def _draft_allowed(tab, st, drafts):
+    return dfa_device.draft_allowed(tab, _ns(st), *dfa_device.reachable(tab, _ns(st)), 2, drafts)
+
+
+@pytest.mark.parametrize("pattern", [PATTERNS[1], PATTERNS[2], "SCHEMA"])
+def test_draft_masks_equal_the_oracle_after_each_draft(pattern):
+    """ar_spec's verification masks (`draft_allowed`): slot i's mask after drafts[:i] equals the
+    exhaustive oracle's set for the window with drafts[:i] revealed and the rest masked (the
+    one-by-one masks), for drafts valid or not."""
+    pat = _pattern(pattern)
+    d = dfa_compile.compile_pattern(pat, STRINGS, stop_ids=[STOP], mask_id=MASK)
+    rng = random.Random(hash(pattern) % 997)
+    L, K = 5, 3
+    drafts = [[rng.choice([t for t in range(V) if t != MASK]) for _ in range(K)] for _ in range(8)]
+    tab = dfa_device.stack([d] * len(drafts), V)
+    st = _fake_state([[None] * L] * len(drafts))
+    ok = np.asarray(_draft_allowed(tab, st, jnp.asarray(drafts)))
+    checked = 0
+    for b, dr in enumerate(drafts):
+        for i in range(K + 1):
+            want = _oracle(pat, list(dr[:i]) + [None] * (L - i))[i]
+            assert {v for v in range(V) if ok[b, i, v]} == want, (pattern, dr, i)
+            checked += bool(want)
+    assert checked > 0
+
+
 @pytest.mark.parametrize("pattern", [r"(ab|1){1,2}2?"])
 def test_joint_reveal_is_greedy_in_confidence_order(pattern):
     """Tokens chosen together (each allowed on its own) are cut to the ones that complete together,
@@ -208,7 +235,8 @@ def _check_outputs(model, outs, rows, max_new):
                                           decoded_token_threshold=0.1)),
     ("models/tiny-llada", jdllm.MaskedDiffusion(steps=4, block_length=4, remasking="random")),
     ("models/tiny-ar", jdllm.AR()),
-], ids=["block_diffusion", "multi_block", "masked_diffusion", "ar"])
+    ("models/tiny-ar", jdllm.Speculative(num_draft_tokens=3)),
+], ids=["block_diffusion", "multi_block", "masked_diffusion", "ar", "ar_spec"])
 def test_sampled_outputs_always_match(path, decoding, fast_compile):
     """Temperature 1, many seeds, several regexes per batch (random unmasking orders): every output
     matches; a second batch with other regexes in the same table buckets does not retrace."""
@@ -257,6 +285,24 @@ def test_greedy_ar_equals_a_brute_force_masked_reference(fast_compile):
                 break
             text += model.tokenizer.decode([t])
         assert o.token_ids == got, (p, o.text, model.tokenizer.decode(got))
+
+
+def test_greedy_ar_spec_equals_greedy_ar(fast_compile):
+    """ar_spec verifies under the DFA's masks after each draft: greedy tokens equal greedy constrained
+    AR's (free rows too), and drafts are accepted, not only corrected. (Sampled ar_spec outputs:
+    `test_sampled_outputs_always_match`, with prompt-lookup drafts.)"""
+    model = jdllm.load("models/tiny-ar", dtype="float32")
+    spec = jdllm.Speculative(num_draft_tokens=3, draft="models/tiny-ar-draft")
+    prompts = ["rev:abcd=", "=ab=", "sort:3 1 2=", "rev:cba="]
+    rows = [constraints.regex(p, backend="dfa") for p in ("[a-d]{3,5}", "ab[0-9]{2}", r"\d( \d)*")] + [None]
+    s = jdllm.Sampling(max_new_tokens=8)
+    ref = jdllm.generate(model, prompts, decoding=jdllm.AR(), sampling=s, constraint=rows)
+    got = jdllm.generate(model, prompts, decoding=spec, sampling=s, constraint=rows)
+    for r, g in zip(ref, got):
+        assert g.token_ids == r.token_ids and g.finish_reason == r.finish_reason == "stop"
+        assert g.constraint_ok == r.constraint_ok
+    assert [r.constraint_ok for r in ref] == [True, True, True, None]
+    assert sum(g.trace["drafts_accepted"] for g in got) >= 3
 
 
 def test_constrained_rollout_is_pure_under_jit_vmap():

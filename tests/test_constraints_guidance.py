@@ -127,6 +127,9 @@ def test_greedy_constrained_ar_equals_plain_loop(name):
     ("random-block", jdllm.BlockDiffusion(block_length=4, strategy="low_confidence_static", denoising_steps=2)),
     ("tiny-llada", jdllm.MaskedDiffusion(block_length=4, steps=8)),
     ("tiny-ar", jdllm.Speculative(num_draft_tokens=3)),
+    ("tiny-sdar", jdllm.MultiBlock(block_size=4, entropy_threshold=1.0)),
+    ("random-block", jdllm.MultiBlock(block_size=4, entropy_threshold=2.0, block_add_threshold=0.25,
+                                      decoded_token_threshold=0.25, max_blocks=3)),
 ])
 def test_sampled_outputs_pass_independent_checkers(name, decoding):
     model = {"tiny-ar": lambda: shipped("tiny-ar"), "tiny-sdar": lambda: shipped("tiny-sdar"),
@@ -153,7 +156,7 @@ def test_sampled_outputs_pass_independent_checkers(name, decoding):
             assert len(o.token_ids) == 16 and o.constraint_ok == check(body), (c.kind, body)
         assert min(o.step_map) >= 1 and o.nfe >= 1
     assert finished >= n // 4  # not vacuous: a good share of rows ended with eos
-    if decoding.name in ("block_diffusion", "masked_diffusion"):
+    if decoding.name in ("block_diffusion", "multi_block", "masked_diffusion"):
         print(f"{name}: {stats.backtracked} re-masked provisional tokens")
 
 
@@ -299,14 +302,11 @@ def test_bad_constraints_raise_before_compiling(make, match):
     assert {k: f._cache_size() for k, f in steps.items()} == sizes
 
 
-def test_no_tokenizer_and_unsupported_paradigm_raise():
+def test_no_tokenizer_raises():
     m = random_model("causal")
     bare = Model(m.config, m.params, tokenizer=None, attn_impl="xla")
     with pytest.raises(ConstraintError, match="tokenizer"):
         jdllm.generate(bare, [[13, 14]], sampling=jdllm.Sampling(max_new_tokens=4), constraint=C.regex("a+"))
-    with pytest.raises(ConstraintError, match="multi_block"):
-        jdllm.generate(shipped("tiny-sdar"), ["rev:ab="], jdllm.MultiBlock(),
-                       jdllm.Sampling(max_new_tokens=8), constraint=C.regex("a+"))
 
 
 @pytest.mark.parametrize("name, decoding", [("tiny-ar", jdllm.AR()),
@@ -387,3 +387,78 @@ def test_json_models_sampled_outputs_pass_schema(name, decoding):
     assert len(stopped) >= 6
     for o in outs:
         assert o.constraint_ok == (o.finish_reason == "stop") and (o.finish_reason != "stop" or _json_answer_ok(o.text))
+
+
+# --------------------------------------------------------------------------- multi_block's rewind
+def test_multi_block_rejected_stop_takes_back_eos_fill(monkeypatch):
+    """tiny-sdar answers "rev:ab=" with "ba" + EOS; under [a-z]{6,8} multi_block reveals that EOS
+    provisionally, fills the slots after it (early stop) and completes blocks; the matcher rejects
+    it: the rewind hook must take the fill back and reopen the blocks, so the row goes on to a
+    valid 6-8 letter answer (checked by re), its blocks all Completed, step numbers within NFE."""
+    model = shipped("tiny-sdar")
+    rejected_stops = []
+    orig = G.Controller.advance
+
+    def spy(self, tokens, revealed, done, finish):
+        e = orig(self, tokens, revealed, done, finish)
+        if e is not None:
+            rejected_stops.extend((b, int(s)) for b in range(self.batch) for s, k in zip(e.slots[b], e.kind[b])
+                                  if k == 2 and int(tokens[b, s]) in self.stops[b])
+        return e
+
+    monkeypatch.setattr(G.Controller, "advance", spy)
+    prompts = ["rev:ab=", "rev:abc=", "sort:2 1=", "add:1+2="]
+    dec = jdllm.MultiBlock(block_size=4, entropy_threshold=1.0)
+    outs = jdllm.generate(model, prompts, dec, S16, constraint=C.regex("[a-z]{6,8}"))
+    assert len({b for b, _ in rejected_stops}) == 4  # every row had a provisional EOS rejected
+    for o in outs:
+        assert re.fullmatch("[a-z]{6,8}", o.text) and o.finish_reason == "stop" and o.constraint_ok, o
+        assert 1 <= min(o.step_map) and max(o.step_map) <= o.nfe
+        assert all(s == 3 for s in o.trace["block_state"]), o.trace  # Completed
+        assert all(c >= 0 for _, _, c in o.trace["block_steps"])
+
+
+# --------------------------------------------------------------------------- ar_spec at a dead end
+def test_ar_spec_dead_end_inside_drafts_equals_ar():
+    """A grammar that dead-ends after "ab" (ab[A-Z]: no uppercase in the vocabulary), with drafts
+    that run into it (the draft model answers "ab" to "rev:ba=", "abc" to "rev:cba="), and one
+    that outlives max_new_tokens: greedy ar_spec ends
+    every row where greedy constrained AR does ("length", constraint_ok False), the same tokens;
+    nothing emitted is ever taken back (no backtrack: draft cache and counters stay in step), and
+    accepted drafts never outnumber the tokens returned."""
+    model = shipped("tiny-ar")
+    spec = jdllm.Speculative(num_draft_tokens=3, draft="models/tiny-ar-draft")
+    prompts = ["rev:ba=", "=ab=", "rev:abc=", "rev:cba="]
+    cons = [C.regex("ab[A-Z]"), C.regex("ab[A-Z]"), C.regex("[a-z]{20}"), C.regex("abc[A-Z]")]
+    ref = jdllm.generate(model, prompts, jdllm.AR(), S16, constraint=cons)
+    stats = G.Stats()
+    got = G.generate(model, prompts, spec, S16, cons, stats=stats)
+    for r, g in zip(ref, got):
+        assert g.token_ids == r.token_ids and g.finish_reason == r.finish_reason == "length"
+        assert g.constraint_ok is False and r.constraint_ok is False
+        assert g.trace["drafts_accepted"] <= len(g.token_ids) and 1 <= min(g.step_map)
+    assert [len(g.token_ids) for g in got] == [2, 2, 16, 3]
+    assert stats.backtracked == 0
+    assert any(g.trace["drafts_accepted"] >= 2 and max(g.step_map) == 1 for g in got)  # drafts ran into it
+
+
+def test_ar_spec_rewind_keeps_draft_cache_within_target():
+    """The ar_spec hook `apply_edits` calls: a re-masked slot lowers the target's cache, and the
+    draft model's cache no further than it (a guard: greedy verification never emits a token the
+    grammar rejects)."""
+    from jdllm import api
+
+    model = shipped("tiny-ar")
+    spec = jdllm.Speculative(num_draft_tokens=3, draft="models/tiny-ar-draft")
+    prep = api.prepare(model, ["rev:abcd="], spec, S16)
+    steps = loop.compiled_steps(FAST_COMPILE)
+    kw = dict(paradigm=prep.paradigm, ctx=prep.ctx)
+    state = steps["prefill"](api.params_for(model, spec), prep.state, None, **kw)
+    state = steps["step"](api.params_for(model, spec), state, **kw)
+    g0 = int(state.gen_start[0])
+    assert int(state.cache.length[0]) > g0 and int(state.extra["draft_cache"].length[0]) > g0
+    e = [np.array(x, np.int32) for x in ([[g0]], [[0]], [[2]])] + [np.zeros(1, bool), np.zeros(1, np.int32),
+                                                                  np.zeros(1, np.int32)]
+    state = G.apply_edits(state, *e, fill=2, paradigm=spec, ctx=prep.ctx)
+    assert int(state.cache.length[0]) == g0 and int(state.extra["draft_cache"].length[0]) == g0
+    assert not bool(state.revealed[0, g0]) and int(state.step_map[0, g0]) == 0

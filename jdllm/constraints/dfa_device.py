@@ -63,6 +63,14 @@ class DFATables:
         tab = self if self.fwd is None else dataclasses.replace(self, fwd=F, bwd=G)
         return tab, jnp.where(ok, logits, -jnp.inf)
 
+    def draft_mask(self, state, offset, drafts: jax.Array):
+        """(tables, ok [B, K+1, V]): ar_spec's verification masks for slots offset + i, i = 0..K, each
+        the tokens allowed once drafts [B, K] [:i] are read at the slots before it (every later slot
+        still masked). The returned tables keep this step's F / G for `joint`."""
+        F, G = reachable(self, state)
+        ok = draft_allowed(self, state, F, G, offset, drafts)
+        return (self if self.fwd is None else dataclasses.replace(self, fwd=F, bwd=G)), ok
+
     def joint(self, state, offset, sel: jax.Array, token: jax.Array, score: jax.Array) -> jax.Array:
         """sel [B, W] reduced so the step's reveals are jointly completable (confidence order)."""
         FG = None if self.fwd is None else (self.fwd, self.bwd)
@@ -186,6 +194,26 @@ def allowed_tokens(tab: DFATables, state, offset, width: int) -> jax.Array:
     return _allowed_tokens(tab, state, *reachable(tab, state), offset, width)
 
 
+def draft_allowed(tab: DFATables, state, F, G, offset, drafts: jax.Array) -> jax.Array:
+    """[B, K+1, V] bool: the tokens slot offset + i may take after drafts[:, :i] (see `draft_mask`).
+    Slots from `offset` on are masked (AR order), so G there does not depend on the drafts; only
+    the forward states do: f_0 = F before `offset`, f_{i+1} = f_i read through draft i."""
+    K = drafts.shape[1]
+    f0 = _rows_window(F, offset, 1)[:, 0]  # [B, Q] before slot offset
+    cls = _classes(tab, drafts)  # [B, K]
+
+    def step(f, c):
+        nf = _fwd(tab, f, jnp.ones_like(c), c)
+        return nf, nf
+
+    _, fs = jax.lax.scan(step, f0, cls.T)  # [K, B, Q]
+    f = jnp.concatenate([f0[None], fs], axis=0).transpose(1, 0, 2)  # [B, K+1, Q]
+    g = _rows_window(G[:, 1:], offset, K + 1)  # [B, K+1, Q] after each slot
+    g_next = jax.vmap(lambda gb, nb: gb[:, nb])(g, tab.next_state)  # [B, K+1, Q, C]
+    okc = jnp.any((f[..., None] > 0) & (g_next > 0), axis=2)  # [B, K+1, C]
+    return jax.vmap(lambda o, tc: o[:, tc])(okc, tab.token_class)
+
+
 def joint_select(tab: DFATables, state, offset, sel: jax.Array, token: jax.Array, score: jax.Array,
                  FG=None) -> jax.Array:
     """Keep the selected reveals [B, W] (tokens [B, W]) in descending `score` order while the window
@@ -221,4 +249,4 @@ def joint_select(tab: DFATables, state, offset, sel: jax.Array, token: jax.Array
     return jnp.where(all_ok[:, None], sel, keep)
 
 
-__all__ = ["DFATables", "stack", "reachable", "allowed_classes", "allowed_tokens", "joint_select"]
+__all__ = ["DFATables", "stack", "reachable", "allowed_classes", "allowed_tokens", "draft_allowed", "joint_select"]

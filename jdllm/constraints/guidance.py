@@ -35,8 +35,8 @@ from the row's committed cache length up to the slot it samples in one window (w
 bucketed to a power of two). Forced tokens get log-prob 0 (probability 1 under the
 constraint) and the step number of the step that revealed the token forcing them.
 
-Out-of-order paradigms (block_diffusion, masked_diffusion): the rule
-====================================================================
+Out-of-order paradigms (block_diffusion, multi_block, masked_diffusion): the rule
+================================================================================
 A left-to-right matcher can judge a slot only when every slot before it is known. The
 matcher of a row has consumed exactly the row's contiguous revealed prefix; its first
 unrevealed slot is the *frontier*. Each step:
@@ -62,8 +62,15 @@ masked_diffusion: a re-masked slot lies in the batch's current block (a block is
 once it is full, i.e. once every slot before its end has been judged), so the block stays
 current until the slot is revealed again; once its `steps` schedule is spent, the block's
 remaining masked slots are revealed together on the next step (the paradigm's own rule).
-multi_block is refused (its EOS fill and Completed block states would need rewinding;
-use backend="dfa" for it).
+multi_block: the same rule over its blocks in flight (the frontier lies in the row's first
+non-Completed block, which every step plans). Its own state is rewound by its `rewind` hook,
+which `apply_edits` calls after the host's edits: a re-masked stop token takes back the EOS
+early-stop fill it caused, a Completed block that has masks again reopens in the state it
+had reached (Fully-Activated / Activated, or Inactive when only the EOS fill completed it),
+blocks the forced tokens filled become Completed, and no row keeps KV-cache entries from its
+first edited block on. The cache never holds a re-masked slot in practice: exact and
+approximate caches commit only blocks without masks before the first open block, i.e. slots
+the matcher has already judged; the hook's cache rule is the guard.
 
 Dead ends: when the frontier's mask allows nothing (the grammar needs a token this
 vocabulary lacks), the row ends "length" at the frontier with constraint_ok False.
@@ -75,7 +82,9 @@ of all k + 1 verification slots in one parallel call (`Controller.verify_masks`,
 `fill_next_token_bitmask_par_with_draft_tokens`: mask i = after drafts[:i]), and `reveal`
 applies them to the target's logits before the acceptance rule: a draft the grammar rejects
 is rejected there, the correction is drawn from the masked target. The matchers advance
-only by the tokens `reveal` emitted. No fast-forward in ar_spec (its cache must cover every
+only by the tokens `reveal` emitted. A dead end after accepted drafts (the grammar allows no
+token there) gets an all-zero mask: `reveal` emits the drafts before it and no correction, and
+`advance` ends the row "length" at it, as AR does. No fast-forward in ar_spec (its cache must cover every
 slot before the frontier); greedy constrained ar_spec equals greedy constrained AR.
 """
 
@@ -96,7 +105,7 @@ from jdllm.decode import common, loop
 from jdllm.errors import ConstraintError
 from jdllm.state import LENGTH, RUNNING, STOP, slot_index
 
-SUPPORTED = ("ar", "ar_spec", "block_diffusion", "masked_diffusion")
+SUPPORTED = ("ar", "ar_spec", "block_diffusion", "multi_block", "masked_diffusion")
 FIRST_STEP_IN_PREFILL = ("ar", "block_diffusion")  # their prefill also takes the first step (with a mask)
 COMPILER_OPTIONS: tuple = ()  # XLA options for the host-driven pieces (tests lower the opt level)
 
@@ -268,6 +277,7 @@ class Controller:
         self.stats = Stats()
         self.final = np.zeros(len(self.m), bool)  # the matcher consumed the row's end (stop / close / dead)
         self.dead = np.zeros(len(self.m), bool)  # the grammar allows no token of this vocabulary at the frontier
+        self.dead_at = np.full(len(self.m), -1, np.int64)  # ar_spec: a dead end after the row's drafts
 
     @property
     def batch(self) -> int:
@@ -343,6 +353,9 @@ class Controller:
                         break
                 if stopped or back or p >= lim:
                     break
+                if p == self.dead_at[b]:  # ar_spec: the drafts reached a dead end: the row ends here
+                    close[b], close_end[b], self.final[b] = CLOSE_LENGTH, p, True
+                    break
                 if m.is_stopped() and (self.fast_forward or not self.stops[b]):
                     if self.stops[b]:
                         ff = [self.stops[b][0]]
@@ -379,19 +392,21 @@ class Controller:
         """Verification masks for speculative drafts: [B, K + 1, W32], row b's mask i is the
         mask after its matcher consumed drafts[b][:i] (filled in parallel for every row and
         position by `fill_next_token_bitmask_par_with_draft_tokens`; the matchers are left
-        unchanged). A draft token the grammar rejects leaves the masks after it all-zero, so
-        verification cuts the draft there. Free rows get all-ones masks."""
+        unchanged: llguidance fills them from copies, since filling a mask that allows nothing
+        puts a matcher in its error state). A draft token the grammar rejects leaves the masks
+        after it all-zero, so verification cuts the draft there. Free rows get all-ones masks."""
         t0 = time.perf_counter()
         K = max((len(d) for d in drafts), default=0)
         out = np.full((self.batch, K + 1, self.W32), -1, np.int32)
         rows = [b for b in range(self.batch) if self.m[b] is not None]
+        ms = {b: self.m[b].deep_copy() for b in rows}
         flat = np.zeros((max(1, len(rows)) * (K + 1), self.W32), np.int32)
         llnp = _llg().numpy
-        with_drafts = [(self.m[b], i * (K + 1), [int(t) for t in drafts[b]])
+        with_drafts = [(ms[b], i * (K + 1), [int(t) for t in drafts[b]])
                        for i, b in enumerate(rows) if len(drafts[b])]
         if with_drafts:
             llnp.fill_next_token_bitmask_par_with_draft_tokens(self.executor, with_drafts, flat)
-        without = [(self.m[b], i * (K + 1)) for i, b in enumerate(rows) if not len(drafts[b])]
+        without = [(ms[b], i * (K + 1)) for i, b in enumerate(rows) if not len(drafts[b])]
         if without:  # llguidance refuses an empty draft list: these rows need their current mask only
             llnp.fill_next_token_bitmask_par(self.executor, without, flat)
         for i, b in enumerate(rows):
@@ -403,11 +418,15 @@ class Controller:
         """ar_spec's verification masks [B, K + 1, W32] for the slots [frontier, frontier + K]:
         `draft_masks` of each row's first n_draft[b] drafts (cut after a stop token, which the
         matcher sees as its EOS), EOS bits turned into the row's stop tokens as in `sample_mask`.
-        Position 0 is the frontier's exact mask (all-zero: the row is dead, see `sample_mask`).
-        A later all-zero position (after a draft the grammar rejects, which verification can
-        never accept past) becomes all-ones so that no NaN can appear where nothing is drawn."""
+        Stop tokens are allowed at position i only where the grammar accepts after drafts[:i]
+        (the matcher consumes the drafts, notes `is_accepting`, and rolls back). An all-zero
+        position is left all-zero: at 0 the row is dead (see `sample_mask`); after drafts the
+        grammar accepted it is a dead end there (`dead_at`: verification emits the drafts before
+        it and no correction, `advance` ends the row "length" at it); after a draft the grammar
+        rejects, verification never gets there (that draft has probability 0)."""
         B, K = drafts.shape
-        cut = []
+        cut, accepting = [], []
+        self.dead_at[:] = -1
         for b in range(B):
             d = [int(t) for t in drafts[b, :int(n_draft[b])]]
             if self.m[b] is None or done[b] or self.final[b]:
@@ -417,18 +436,28 @@ class Controller:
                     d = d[:i] + [self.eos]
                     break
             cut.append(d)
+            acc = []
+            if self.m[b] is not None:
+                m = self.m[b].deep_copy()  # (~1 us)
+                acc.append(m.is_accepting())
+                for t in d:
+                    if m.try_consume_tokens([t]) != 1:
+                        break
+                    acc.append(m.is_accepting())
+            accepting.append(acc)
         raw = self.draft_masks(cut)
         out = np.full((B, K + 1, self.W32), -1, np.int32)
         for b in range(B):
             if self.m[b] is None or done[b] or self.final[b]:
                 continue
+            acc = accepting[b]
             for i in range(raw.shape[1]):
-                mask = self._eos_as_stops(b, raw[b, i])
+                mask = self._eos_as_stops(b, raw[b, i], i < len(acc) and acc[i])
                 if not mask.any():
                     if i == 0:
                         self.dead[b] = True
-                    else:
-                        mask = np.full_like(mask, -1)
+                    elif i < len(acc) and self.dead_at[b] < 0:
+                        self.dead_at[b] = self.pos[b] + i
                 out[b, i] = mask
         return out
 
@@ -437,12 +466,15 @@ class Controller:
 
 
 # --------------------------------------------------------------------------- device edits
-def apply_edits(state, slots, tokens, kind, reopen, close, close_end, *, fill: int):
+def apply_edits(state, slots, tokens, kind, reopen, close, close_end, *, fill: int, paradigm=None, ctx=None):
     """Write forced tokens (kind 1) and re-mask rejected ones (kind 2) at slots [B, E]; reopen /
     close rows; lower a row's committed cache length below its first edited slot; then the
     usual stop rule (a forced stop token or the last slot ends the row). close [B]: CLOSE_STOP
-    ends a running row "stop" at close_end, CLOSE_LENGTH ends a row "length" there (dead end)."""
+    ends a running row "stop" at close_end, CLOSE_LENGTH ends a row "length" there (dead end).
+    A paradigm with more bookkeeping than the canvas (multi_block's block states and EOS fill)
+    updates it in its `rewind(ctx, state, before, remasked, written)` hook."""
     S = state.slots
+    before = state
     hit = slot_index(state)[:, None, :] == slots[:, :, None]  # [B, E, S]
     wr = jnp.any(hit & (kind == 1)[:, :, None], axis=1)
     rm = jnp.any(hit & (kind == 2)[:, :, None], axis=1)
@@ -460,6 +492,8 @@ def apply_edits(state, slots, tokens, kind, reopen, close, close_end, *, fill: i
     )
     if state.cache is not None:
         state = state.replace(cache=state.cache.commit(jnp.minimum(state.cache.length, first)))
+    if getattr(paradigm, "rewind", None) is not None:
+        state = paradigm.rewind(ctx, state, before, rm, wr)
     state = common.close_rows(state, (close == CLOSE_STOP) & ~state.done, STOP, close_end)
     dead = close == CLOSE_LENGTH  # overrides the INVALID an all-zero frontier mask may have left
     state = state.replace(done=state.done | dead, finish=jnp.where(dead, LENGTH, state.finish),
@@ -478,19 +512,21 @@ def catch_up(params, state, plan, *, width: int, ctx):
 @functools.lru_cache(maxsize=None)
 def _compiled(options: tuple) -> dict:
     opts = dict(options) or None
-    return dict(apply_edits=jax.jit(apply_edits, static_argnames=("fill",), donate_argnames=("state",),
+    return dict(apply_edits=jax.jit(apply_edits, static_argnames=("fill", "paradigm", "ctx"),
+                                    donate_argnames=("state",),
                                     compiler_options=opts),
                 catch_up=jax.jit(catch_up, static_argnames=("width", "ctx"), donate_argnames=("state",),
                                  compiler_options=opts))
 
 
 # --------------------------------------------------------------------------- generate
-def _edit(state, ctl: Controller, fill: int):
+def _edit(state, ctl: Controller, fill: int, paradigm, ctx):
     host = jax.device_get({"tokens": state.tokens, "revealed": state.revealed, "done": state.done,
                            "finish": state.finish})
     e = ctl.advance(host["tokens"], host["revealed"], host["done"], host["finish"])
     if e is not None:
-        state = _compiled(COMPILER_OPTIONS)["apply_edits"](state, *(jnp.asarray(a) for a in e), fill=fill)
+        hook = dict(paradigm=paradigm, ctx=ctx) if getattr(paradigm, "rewind", None) is not None else {}
+        state = _compiled(COMPILER_OPTIONS)["apply_edits"](state, *(jnp.asarray(a) for a in e), fill=fill, **hook)
         host["done"] = np.asarray(jax.device_get(state.done))
     return state, host["done"]
 
@@ -508,9 +544,7 @@ def generate(model, prompts, decoding, sampling, constraints, *, apply_chat_temp
     paradigm = api.default_paradigm(cfg) if decoding is None else decoding
     name = getattr(paradigm, "name", None)
     if name not in SUPPORTED:
-        raise ConstraintError(
-            f"the 'llguidance' backend drives paradigms {SUPPORTED}, not {name!r} (its EOS fill and block "
-            "states keep state a grammar backtrack cannot rewind); use backend='dfa' for it")
+        raise ConstraintError(f"the 'llguidance' backend drives paradigms {SUPPORTED}, not {name!r}")
     lltok = ll_tokenizer(model)
     matchers = [None if c is None else matcher(c, lltok) for c in constraints]
     prep = api.prepare(model, prompts, decoding, sampling, apply_chat_template=apply_chat_template)
@@ -536,7 +570,7 @@ def generate(model, prompts, decoding, sampling, constraints, *, apply_chat_temp
         done = np.asarray(jax.device_get(state.done))
         mask = ctl.sample_mask(np.asarray(jax.device_get(p.offset)), p.width, done)
         state = steps["prefill"](params, state, jnp.asarray(mask), **kw)
-        state, done = _edit(state, ctl, fill)
+        state, done = _edit(state, ctl, fill, prep.paradigm, prep.ctx)
     else:
         state = steps["prefill"](params, state, None, **kw)
         done = np.asarray(jax.device_get(state.done))
@@ -560,7 +594,7 @@ def generate(model, prompts, decoding, sampling, constraints, *, apply_chat_temp
         else:
             mask = ctl.sample_mask(off, p.width, done)  # on the host while the forward runs
         state = steps["reveal"](state, p, logits, jnp.asarray(mask), **kw)
-        state, done = _edit(state, ctl, fill)
+        state, done = _edit(state, ctl, fill, prep.paradigm, prep.ctx)
         ctl.stats.steps += 1
         it += 1
     state = steps["finalize"](state)

@@ -24,6 +24,12 @@ One loop iteration, per row, with c its first unrevealed slot (its KV cache hold
    stale, hidden by the causal mask and overwritten by the next window), so rejected drafts
    leave no hole and never grow the cache.
 
+Constraints restrict the target before the acceptance rule, at each of the k + 1 slots as it
+stands after the drafts before it: a packed bitmask from the host (llguidance, `reveal`'s
+bitmask) or the on-device DFA (`state.constraint.draft_mask`). A draft the constraint rejects
+has probability 0 there; where nothing is drawable after accepted drafts (a grammar's dead end)
+the drafts are emitted without a correction.
+
 Tokens emitted in one verification share a step number (step_map), their log-probs are the
 target's, NFE counts target forwards (prefill included; draft forwards are reported apart), and
 `Output.trace` gives drafts proposed / accepted per row.
@@ -260,8 +266,11 @@ class Speculative:
         running = ~state.done
         drafts, n_draft = state.extra["drafts"], state.extra["n_draft"]
         sp = state.sampling
-        z = filter_logits(common.allowed_logits(ctx, logits, bitmask),
-                          **per_row(sp.temperature, sp.top_k, sp.top_p))  # [B, k+1, V] target
+        z = common.allowed_logits(ctx, logits, bitmask)
+        if state.constraint is not None:  # on-device DFA: slot c + i's mask after drafts[:i]
+            tab, allowed = state.constraint.draft_mask(state, c, drafts)
+            state, z = state.replace(constraint=tab), jnp.where(allowed, z, NEG_INF)
+        z = filter_logits(z, **per_row(sp.temperature, sp.top_k, sp.top_p))  # [B, k+1, V] target
         greedy = sp.temperature == 0
         state, sk = common.advance_keys(state)
         j = jnp.arange(k, dtype=jnp.int32)
@@ -272,7 +281,8 @@ class Speculative:
             qd = jnp.ones_like(pd)
         u = jax.vmap(lambda key: jax.random.uniform(jax.random.fold_in(key, 0), (k,)))(sk)
         is_max = drafts == jnp.argmax(z[:, :k], axis=-1)
-        ok = accept_drafts(pd, qd, u, is_max, greedy[:, None]) & (j[None] < n_draft[:, None])
+        drawable = jnp.any(z > NEG_INF, axis=-1)  # [B, k+1]: a bitmask may allow nothing at a slot
+        ok = accept_drafts(pd, qd, u, is_max, greedy[:, None]) & (j[None] < n_draft[:, None]) & drawable[:, :k]
         n_acc = jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=-1), axis=-1)  # [B]
 
         # the correction (first rejection) or bonus (all accepted) token at window position n_acc
@@ -293,7 +303,10 @@ class Speculative:
         jw = jnp.arange(W, dtype=jnp.int32)[None]
         dpad = jnp.concatenate([drafts, drafts[:, :1]], axis=1)
         emit = jnp.where(jw < n_acc[:, None], dpad, corr[:, None])  # [B, W]
-        sel = plan.valid & (jw <= n_acc[:, None])
+        # no correction where nothing is drawable after accepted drafts (a grammar's dead end: the
+        # drafts stay, the host ends the row there); at the first slot the row ends INVALID as usual
+        corr_ok = jnp.take_along_axis(drawable, n_acc[:, None], axis=1)[:, 0] | (n_acc == 0)
+        sel = plan.valid & ((jw < n_acc[:, None]) | ((jw == n_acc[:, None]) & corr_ok[:, None]))
         stop = jnp.any(emit[..., None] == state.stop_ids[:, None, :], axis=-1) & sel
         sel = sel & (jnp.cumsum(stop, axis=-1) - stop == 0)  # nothing after the first stop token
         state = common.reveal(state, c, sel, distribution_stats(z, emit))
@@ -312,6 +325,17 @@ class Speculative:
             extra["draft_cache"] = extra["draft_cache"].commit(jnp.where(grew, length, extra["draft_cache"].length))
         state = state.replace(tokens=tokens, cache=state.cache.commit(length), extra=extra)
         return common.finish_rows(state)
+
+
+    def rewind(self, ctx, state: DecodeState, before: DecodeState, remasked, written) -> DecodeState:
+        """After a host edited slots (`jdllm.constraints.guidance` re-masking a token its grammar
+        rejected): the draft model's cache keeps no K/V past the target's (their lengths agree after
+        every step). Pure; the unconstrained loop never calls it."""
+        if not self.uses_draft:
+            return state
+        dc = state.extra["draft_cache"]
+        return state.replace(extra=dict(state.extra, draft_cache=dc.commit(jnp.minimum(dc.length,
+                                                                                       state.cache.length))))
 
 
 def accept_drafts(pd, qd, u, is_max, greedy):

@@ -563,6 +563,56 @@ class MultiBlock:
             state = common.close_rows(state, ~state.done & (state.nfe >= self.max_forwards), common.ABORT)
         return state
 
+    # ----------------------------------------------------------------- host edits (constrained decoding)
+    def rewind(self, ctx, state: DecodeState, before: DecodeState, remasked, written) -> DecodeState:
+        """Bookkeeping after a host edited slots between steps (`jdllm.constraints.guidance`: its
+        grammar matcher re-masked provisional tokens it rejected, [B, S] `remasked`, or wrote forced
+        ones, `written`); `before` is the state the edits were applied to. Pure; the unconstrained
+        loop never calls it.
+
+        1. EOS fill: a re-masked slot that held a stop token takes back the early-stop fill it
+           caused (every generation slot after it that the fill wrote, step_map 0, is masked again).
+        2. Block states: a Completed block that has masks again reopens in the state it reached
+           before (Fully-Activated or Activated; Inactive when only the EOS fill completed it); its
+           Completed stamp and cache counters are cleared. An Activated / Fully-Activated block the
+           writes filled becomes Completed (as phase 7).
+        3. KV cache: no row keeps committed K/V at or after the start of its first edited block
+           (block-causal attention: a block's K/V depend on all of its slots).
+        """
+        Bs, S = self.block_size, state.slots
+        s_idx = slot_index(state)
+        if self.early_stop:
+            stop_rm = remasked & common.is_stop_token(before)
+            first = jnp.min(jnp.where(stop_rm, s_idx, S), axis=-1)  # [B]
+            unfill = (generated_mask(state) & state.revealed & (state.step_map == 0)
+                      & (s_idx > first[:, None]))
+            state = state.replace(tokens=jnp.where(unfill, common.fill_token(ctx.model), state.tokens),
+                                  revealed=state.revealed & ~unfill,
+                                  logprobs=jnp.where(unfill, 0.0, state.logprobs))
+            remasked = remasked | unfill
+        base = state.extra["base"]
+        NB = self._num_blocks(ctx, state)
+        idx, ok = self._view(state, base, NB)
+        size, dec = self._stats(state, idx, ok)
+        st, bst = state.extra["block_state"], state.extra["block_steps"]
+        reopen = (st == COMPLETED) & (dec < size)  # [B, NB]
+        was = jnp.where(bst[..., FULLY_ACTIVATED - 1] >= 0, FULLY_ACTIVATED,
+                        jnp.where(bst[..., ACTIVATED - 1] >= 0, ACTIVATED, INACTIVE))
+        new = jnp.where(reopen, was, st)
+        new = jnp.where(((new == ACTIVATED) | (new == FULLY_ACTIVATED)) & (dec >= size) & (size > 0), COMPLETED, new)
+        bst = bst.at[..., COMPLETED - 1].set(jnp.where(reopen, -1, bst[..., COMPLETED - 1]))
+        bst = self._stamp(bst, st, new, state.steps)
+        extra = {**state.extra, "block_state": new, "block_steps": bst,
+                 "completed_at": jnp.where(reopen, -1, state.extra["completed_at"]),
+                 "scanned_at": jnp.where(reopen, -1, state.extra["scanned_at"])}
+        state = state.replace(extra=extra)
+        if state.cache is not None:
+            edited = remasked | written
+            first = jnp.min(jnp.where(edited, s_idx, S), axis=-1)  # [B]
+            floor = jnp.where(first < S, base + (first - base) // Bs * Bs, S)
+            state = state.replace(cache=state.cache.commit(jnp.minimum(state.cache.length, jnp.maximum(floor, 0))))
+        return state
+
     # ----------------------------------------------------------------- cached forwards
     def _exact_forward(self, params, ctx, state, at, active_end):
         """Window from cache.length; commit the blocks that were Completed before this forward.
