@@ -20,6 +20,10 @@ def _check_answer(ex: tasks.Example) -> bool:
         return ex.answer == "".join(reversed(body))
     if head == "rep":
         return ex.answer.split(" ") == [body] * 8 and body.isalpha() and len(body) == 4
+    if head == "cumsum":  # digit k of group g = (sum of the group's input digits 0..k) mod 10
+        groups = [body[i:i + 4] for i in range(0, len(body), 4)]
+        want = "".join(str(sum(int(c) for c in g[:k + 1]) % 10) for g in groups for k in range(len(g)))
+        return len(body) == 24 and body.isdigit() and ex.answer == want
     return False
 
 
@@ -89,15 +93,34 @@ def test_encode_rejects_unknown_character():
 
 def test_long_task_outside_default_sets():
     """"rep" has 39-token answers, is asked for by name, and never enters the default sets."""
-    exs = tasks.test_set(60, seed=1, tasks=tasks.LONG_TASKS)
+    exs = tasks.test_set(60, seed=1, tasks=("rep",))
     assert {ex.task for ex in exs} == {"rep"}
     for ex in exs:
         assert _check_answer(ex), ex
         assert len(ex.answer) == 39 == tasks.LONG_MAX_ANSWER_LEN and len(ex.prompt) <= tasks.LONG_MAX_PROMPT_LEN
-    assert "rep" not in {ex.task for ex in tasks.test_set(300)}
-    mixed = tasks.train_set(2000, seed=0, tasks=tasks.ALL_TASKS)
-    held = {ex.prompt for ts in (tasks.TASKS, tasks.LONG_TASKS) for ex in tasks.test_set(1000, 0, ts)}
-    assert {ex.task for ex in mixed} == set(tasks.ALL_TASKS) and not {ex.prompt for ex in mixed} & held
+    assert not {"rep", "cumsum"} & {ex.task for ex in tasks.test_set(300)}
+    mixed = tasks.train_set(2000, seed=0, tasks=tasks.ALL_TASKS[:-1])  # json trains alone (own alphabet)
+    held = {ex.prompt for ts in (tasks.TASKS, ("rep",), ("cumsum",)) for ex in tasks.test_set(1000, 0, ts)}
+    assert {ex.task for ex in mixed} == set(tasks.ALL_TASKS[:-1]) and not {ex.prompt for ex in mixed} & held
+
+
+def test_cumsum_task_groups_block_aligned_and_scored():
+    """cumsum: 24 digits -> running sums mod 10 restarting every 4 digits (checked by an independent
+    solver); 32-token prompts, so on a block grid of 4 or 8 every block holds whole groups; the scorer
+    rejects an answer with one wrong group."""
+    exs = tasks.test_set(50, seed=2, tasks=("cumsum",))
+    assert len({ex.prompt for ex in exs}) == 50 and {ex.task for ex in exs} == {"cumsum"}
+    for ex in exs:
+        assert _check_answer(ex), ex
+        assert len(ex.prompt) == 32 == tasks.LONG_MAX_PROMPT_LEN and len(ex.answer) == 24
+    assert tasks.cumsum_answer([3, 1, 4, 1, 5, 9, 2, 6]) == "34895462"
+    assert tasks.max_new_tokens(("cumsum",)) == 28 and tasks.max_new_tokens(tasks.TASKS) == 12
+    assert len(exs[0].prompt) + tasks.max_new_tokens(("cumsum",)) <= 64  # the tiny models' context
+    ex = exs[0]
+    wrong = ex.answer[:4] + str((int(ex.answer[4]) + 1) % 10) + ex.answer[5:]
+    assert tasks.exact_match([ex.answer + "<eos>", wrong], [ex, ex]) == 0.5
+    with pytest.raises(errors.InputError, match="tasks"):
+        tasks.max_new_tokens(("cumsums",))
 
 
 def test_json_task_answers_parse_and_own_alphabet(tmp_path):
