@@ -13,12 +13,13 @@ as skipped, with the reason, instead of failing the run.
     python benchmarks/quality.py                 # full sweep, 256 items
     python benchmarks/quality.py --n 64 --quick  # a few settings per paradigm
 
-The long-answer tasks (`rep`, 39 tokens; `cumsum`, 24 tokens whose blocks take several forwards:
-several blocks in flight), multi_block under both forced-progress rules, results in
-benchmarks/out/quality-<task>.{json,md}:
+The long-answer tasks (`rep`, 39 tokens; `jumble` and `cumsum`, 32 / 24 tokens whose blocks take
+several forwards: several blocks in flight), multi_block under both forced-progress rules, results
+in benchmarks/out/quality-<task>.{json,md} ("exact match" is `jdllm.tasks.exact_match`: any valid
+answer for jumble):
 
     python benchmarks/quality.py --tasks rep --only tiny-sdar --forced-progress first every --figure ''
-    python benchmarks/quality.py --tasks cumsum --only tiny-sdar --forced-progress first every --figure ''
+    python benchmarks/quality.py --tasks jumble --only tiny-sdar --forced-progress first every --figure ''
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GEN_TOKENS = 12  # answers are <= 9 characters + EOS
-LONG_GEN_TOKENS = 48  # rep's answers are 39 characters + EOS (cumsum: tasks.max_new_tokens, 28)
+LONG_GEN_TOKENS = 48  # rep's answers are 39 characters + EOS (others: tasks.max_new_tokens)
 
 
 # --------------------------------------------------------------------------- AUP

@@ -24,6 +24,10 @@ def _check_answer(ex: tasks.Example) -> bool:
         groups = [body[i:i + 4] for i in range(0, len(body), 4)]
         want = "".join(str(sum(int(c) for c in g[:k + 1]) % 10) for g in groups for k in range(len(g)))
         return len(body) == 24 and body.isdigit() and ex.answer == want
+    if head == "jumble":  # 8 groups of 4, each a rearrangement of the word's distinct letters
+        groups = [ex.answer[i:i + 4] for i in range(0, 32, 4)]
+        return (len(ex.answer) == 32 and len(set(body)) == 4 == len(body)
+                and all(sorted(g) == sorted(body) for g in groups))
     return False
 
 
@@ -98,9 +102,9 @@ def test_long_task_outside_default_sets():
     for ex in exs:
         assert _check_answer(ex), ex
         assert len(ex.answer) == 39 == tasks.LONG_MAX_ANSWER_LEN and len(ex.prompt) <= tasks.LONG_MAX_PROMPT_LEN
-    assert not {"rep", "cumsum"} & {ex.task for ex in tasks.test_set(300)}
+    assert not {"rep", "cumsum", "jumble"} & {ex.task for ex in tasks.test_set(300)}
     mixed = tasks.train_set(2000, seed=0, tasks=tasks.ALL_TASKS[:-1])  # json trains alone (own alphabet)
-    held = {ex.prompt for ts in (tasks.TASKS, ("rep",), ("cumsum",)) for ex in tasks.test_set(1000, 0, ts)}
+    held = {ex.prompt for ts in (tasks.TASKS, ("rep",), ("cumsum",), ("jumble",)) for ex in tasks.test_set(1000, 0, ts)}
     assert {ex.task for ex in mixed} == set(tasks.ALL_TASKS[:-1]) and not {ex.prompt for ex in mixed} & held
 
 
@@ -144,3 +148,28 @@ def test_json_task_answers_parse_and_own_alphabet(tmp_path):
     tasks.save_tokenizer(tmp_path, tasks.JSON_CHARS)
     tok = tasks.load_tokenizer(tmp_path)
     assert tok.encode(exs[0].answer, add_special_tokens=False) == tasks.encode(exs[0].answer, tasks.JSON_CHARS)
+
+
+def test_jumble_task_accepts_any_valid_ordering():
+    """jumble: 12-token prompts (4-slot blocks hold whole groups), 32-token answers; the scorer takes
+    any answer whose 8 groups each rearrange the word, and nothing else (checked against hand cases)."""
+    exs = tasks.test_set(40, seed=4, tasks=("jumble",))
+    assert {ex.task for ex in exs} == {"jumble"} and len({ex.answer for ex in exs}) == 40
+    for ex in exs:
+        assert _check_answer(ex), ex
+        assert len(ex.prompt) == 12 and ex.prompt.startswith("jumble:")
+    assert tasks.max_new_tokens(("jumble",)) == 36
+    ex = tasks.Example("jumble", "jumble:abcd=", "abcd" * 8)
+    good = "dcba" * 4 + "badc" * 3 + "abcd"
+    cases = {good: True, good + "<eos><eos>": True, " " + good + " ": True,
+             "abcd" * 7: False,  # a group short
+             "abcd" * 8 + "a": False,  # a letter too many
+             "abcd" * 7 + "abca": False,  # a repeated letter
+             "abcd" * 7 + "abce": False,  # a foreign letter
+             "abcd" * 7 + "ab<mask>d": False}  # unfinished
+    for text, want in cases.items():
+        assert tasks.is_correct(text, ex) is want, text
+    assert tasks.exact_match(list(cases), [ex] * len(cases)) == 3 / len(cases)
+    # single-answer tasks stay exact
+    assert tasks.is_correct("cba<eos>", tasks.Example("rev", "rev:abc=", "cba"))
+    assert not tasks.is_correct("bca", tasks.Example("rev", "rev:abc=", "cba"))
