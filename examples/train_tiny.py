@@ -28,6 +28,13 @@ points: not shipped over models/tiny-sdar; ~18 min on 2 shared cores):
 
     python examples/train_tiny.py --model sdar --tasks sort add rev rep --weights 1 1 1 1 \
         --init-from models/tiny-sdar --steps 240 --lr 4e-4 --eval-every 60 --out /tmp/tiny-long
+
+The long tasks whose blocks take several forwards (jumble, cumsum) were tried the same way, with
+--noisy-context (a second block-diffusion term whose earlier blocks are noisy too, as multi_block
+decodes them); neither was learned in a ~25 min CPU budget (benchmarks/RESULTS.md), e.g.
+
+    python examples/train_tiny.py --model sdar --tasks sort add rev jumble --weights 1 1 1 1 \
+        --init-from models/tiny-sdar --steps 180 --lr 5e-4 --eval-every 45 --out /tmp/tiny-jumble
 """
 
 from __future__ import annotations
