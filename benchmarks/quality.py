@@ -13,10 +13,13 @@ as skipped, with the reason, instead of failing the run.
     python benchmarks/quality.py                 # full sweep, 256 items
     python benchmarks/quality.py --n 64 --quick  # a few settings per paradigm
 
-The long-answer task (`rep`, 24-44 tokens: several blocks in flight), multi_block under both
-forced-progress rules, results in benchmarks/out/quality-rep.{json,md}:
+The long-answer tasks (`rep`, 39 tokens; `jumble` and `cumsum`, 32 / 24 tokens whose blocks take
+several forwards: several blocks in flight), multi_block under both forced-progress rules, results
+in benchmarks/out/quality-<task>.{json,md} ("exact match" is `jdllm.tasks.exact_match`: any valid
+answer for jumble):
 
     python benchmarks/quality.py --tasks rep --only tiny-sdar --forced-progress first every --figure ''
+    python benchmarks/quality.py --tasks jumble --only tiny-sdar --forced-progress first every --figure ''
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GEN_TOKENS = 12  # answers are <= 9 characters + EOS
-LONG_GEN_TOKENS = 48  # the long tasks' answers are <= 44 characters + EOS
+LONG_GEN_TOKENS = 48  # rep's answers are 39 characters + EOS (others: tasks.max_new_tokens)
 
 
 # --------------------------------------------------------------------------- AUP
@@ -84,9 +87,10 @@ def _s(paradigm: str, curve: str, label: str, **kw) -> Setting:
 
 
 def sweep(attention: str, block_size: int, quick: bool, forced: Sequence[str] = ("first",),
-          gen: int = GEN_TOKENS) -> list[Setting]:
+          gen: int = GEN_TOKENS, long: bool = False) -> list[Setting]:
     """The settings that apply to a model with this attention kind; multi_block once per forced-progress
-    rule in `forced` (curve "entropy" for d3LLM's default "first", "entropy/every" for jdllm's variant)."""
+    rule in `forced` (curve "entropy" for d3LLM's default "first", "entropy/every" for jdllm's variant).
+    `long` (a long-answer task): the block-causal comparison multi_block vs block_diffusion."""
 
     def fp(curve, f):
         return curve if f == "first" else f"{curve}/{f}"
@@ -94,14 +98,18 @@ def sweep(attention: str, block_size: int, quick: bool, forced: Sequence[str] = 
     B = block_size
     if attention == "causal":
         return [_s("AR", "greedy", "-")]
-    if attention == "block_causal" and gen == LONG_GEN_TOKENS and not quick:  # long answers: the comparison
-        # multi_block vs block_diffusion at equal accuracy, with one token per step as the reference
+    if attention == "block_causal" and long and not quick:  # long answers: the comparison
+        # multi_block vs block_diffusion at equal accuracy, with one token per step as the reference;
+        # multi_block also with earlier block addition (a block joins once its predecessor has 1 of 4)
         out = [_s("BlockDiffusion", "low_confidence_static", f"steps={B}", block_length=B, denoising_steps=B,
                   strategy="low_confidence_static")]
         out += [_s("BlockDiffusion", "low_confidence_dynamic", f"conf>={c}", block_length=B, denoising_steps=B,
                    strategy="low_confidence_dynamic", confidence_threshold=c) for c in (0.95, 0.9, 0.7, 0.5)]
         out += [_s("MultiBlock", fp("entropy", f), f"H<={e}", block_size=B, entropy_threshold=e,
                    **({} if f == "first" else {"forced_progress": f}))
+                for f in forced for e in (0.2, 0.5, 1.0)]
+        out += [_s("MultiBlock", fp("entropy/add0.25", f), f"H<={e}", block_size=B, entropy_threshold=e,
+                   block_add_threshold=0.25, **({} if f == "first" else {"forced_progress": f}))
                 for f in forced for e in (0.2, 0.5, 1.0)]
         return out
     if attention == "block_causal":
@@ -190,7 +198,8 @@ def measure(models_dir: str, n: int, quick: bool, only: Sequence[str] = (), seed
     from jdllm import tasks  # noqa: PLC0415
 
     task_names = tuple(task_names or tasks.TASKS)
-    gen = LONG_GEN_TOKENS if set(task_names) & set(tasks.LONG_TASKS) else GEN_TOKENS
+    long = bool(set(task_names) & set(tasks.LONG_TASKS))
+    gen = LONG_GEN_TOKENS if "rep" in task_names else tasks.max_new_tokens(task_names)
     examples = tasks.test_set(n, seed, task_names)
     rows, skipped = [], []
     names = sorted(d for d in os.listdir(models_dir) if os.path.isfile(os.path.join(models_dir, d, "config.json")))
@@ -199,7 +208,7 @@ def measure(models_dir: str, n: int, quick: bool, only: Sequence[str] = (), seed
             continue
         model = jdllm.load(os.path.join(models_dir, name), dtype="float32")
         cfg = model.config
-        for st in sweep(cfg.attention, cfg.block_size, quick, forced, gen):
+        for st in sweep(cfg.attention, cfg.block_size, quick, forced, gen, long):
             base = {"model": name, "paradigm": st.paradigm, "strategy": st.strategy, "setting": st.label,
                     "kwargs": dict(st.kwargs)}
             try:
@@ -300,8 +309,9 @@ def main(argv=None) -> int:
                     help="accuracy-vs-TPF plot referenced by RESULTS.md ('' to skip)")
     ap.add_argument("--machine", default="CPU (2 shared cores)")
     ap.add_argument("--tasks", nargs="+", default=None,
-                    help="jdllm.tasks names (default: the short tasks sort add rev); a long task (rep) decodes "
-                         f"{LONG_GEN_TOKENS} new tokens; other than the default, the outputs are named "
+                    help="jdllm.tasks names (default: the short tasks sort add rev); rep decodes "
+                         f"{LONG_GEN_TOKENS} new tokens, others jdllm.tasks.max_new_tokens; other than the "
+                         "default, the outputs are named "
                          "quality-<tasks>.{json,md,png}")
     ap.add_argument("--forced-progress", nargs="+", default=["first"], choices=["first", "every"],
                     help="multi_block forced-progress rules to sweep (default: d3LLM's 'first' only)")

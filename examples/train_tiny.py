@@ -28,6 +28,13 @@ points: not shipped over models/tiny-sdar; ~18 min on 2 shared cores):
 
     python examples/train_tiny.py --model sdar --tasks sort add rev rep --weights 1 1 1 1 \
         --init-from models/tiny-sdar --steps 240 --lr 4e-4 --eval-every 60 --out /tmp/tiny-long
+
+The long tasks whose blocks take several forwards (jumble, cumsum) were tried the same way, with
+--noisy-context (a second block-diffusion term whose earlier blocks are noisy too, as multi_block
+decodes them); neither was learned in a ~25 min CPU budget (benchmarks/RESULTS.md), e.g.
+
+    python examples/train_tiny.py --model sdar --tasks sort add rev jumble --weights 1 1 1 1 \
+        --init-from models/tiny-sdar --steps 180 --lr 5e-4 --eval-every 45 --out /tmp/tiny-jumble
 """
 
 from __future__ import annotations
@@ -61,8 +68,8 @@ RECIPES = {
 }
 SEQ_LEN = 32  # training row length: left padding | prompt | answer | EOS fill
 LONG_SEQ_LEN = 64  # ... when a long-answer task is in the mix
-EVAL_PROMPT, EVAL_GEN = 16, 12  # eval layout: prompt left-padded to 16 slots, 12 generated
-LONG_EVAL_GEN = 48  # generated slots when scoring the long-answer tasks
+EVAL_PROMPT, EVAL_GEN = 16, 12  # eval layout: prompt left-padded to 16 slots (or more), 12 generated
+LONG_EVAL_GEN = 48  # generated slots when scoring "rep" (other long tasks: tasks.max_new_tokens)
 JSON_EVAL_GEN = 24  # ... the json task (answers of up to 18 characters)
 
 
@@ -128,16 +135,21 @@ class Batches:
 
 
 # --------------------------------------------------------------------------- eval
-def eval_rows(examples, gen: int = EVAL_GEN, chars=tasks.CHARS):
-    """Prompts left-padded to EVAL_PROMPT slots, followed by `gen` mask slots."""
+def prompt_width(examples) -> int:
+    """Prompt slots of the eval layout: EVAL_PROMPT, or the longest prompt rounded up to 8 (block-aligned)."""
+    return max(EVAL_PROMPT, -(-max(len(ex.prompt) for ex in examples) // 8) * 8)
+
+
+def eval_rows(examples, gen: int = EVAL_GEN, chars=tasks.CHARS, width: int = EVAL_PROMPT):
+    """Prompts left-padded to `width` slots, followed by `gen` mask slots."""
     n = len(examples)
-    tokens = np.full((n, EVAL_PROMPT + gen), tasks.MASK_ID, np.int32)
+    tokens = np.full((n, width + gen), tasks.MASK_ID, np.int32)
     start = np.zeros((n,), np.int32)
     for b, ex in enumerate(examples):
         p = tasks.encode(ex.prompt, chars)
-        tokens[b, :EVAL_PROMPT] = tasks.PAD_ID
-        tokens[b, EVAL_PROMPT - len(p):EVAL_PROMPT] = p
-        start[b] = EVAL_PROMPT - len(p)
+        tokens[b, :width] = tasks.PAD_ID
+        tokens[b, width - len(p):width] = p
+        start[b] = width - len(p)
     return jnp.asarray(tokens), jnp.asarray(start)
 
 
@@ -150,14 +162,15 @@ def greedy_decode(params, tokens, start, *, cfg: ModelConfig, gen: int = EVAL_GE
     bidirectional: the most confident masked slot of the whole answer per step.
     """
     B, T = tokens.shape
+    width = T - gen  # prompt slots
     pos = default_positions(start, 0, T)
     slots = jnp.arange(T)
 
     def step(i, toks):
         logits, _ = forward(params, cfg, toks, pos, start=start, attn_impl="xla")
         if cfg.attention == "causal":
-            nxt = jnp.argmax(logits[:, EVAL_PROMPT + i - 1], -1)
-            return toks.at[:, EVAL_PROMPT + i].set(nxt.astype(toks.dtype))
+            nxt = jnp.argmax(logits[:, width + i - 1], -1)
+            return toks.at[:, width + i].set(nxt.astype(toks.dtype))
         probs = jax.nn.softmax(logits, -1)
         pred, conf = jnp.argmax(probs, -1), jnp.max(probs, -1)
         masked = toks == tasks.MASK_ID
@@ -173,13 +186,33 @@ def greedy_decode(params, tokens, start, *, cfg: ModelConfig, gen: int = EVAL_GE
 
 
 def evaluate(params, cfg, examples, batch: int = 100, gen: int = EVAL_GEN, chars=tasks.CHARS) -> float:
-    preds = []
+    preds, width = [], prompt_width(examples)
     for i in range(0, len(examples), batch):
         chunk = examples[i:i + batch]
-        toks, start = eval_rows(chunk, gen, chars)
+        toks, start = eval_rows(chunk, gen, chars, width)
         out = np.asarray(greedy_decode(params, toks, start, cfg=cfg, gen=gen))
-        preds += [tasks.decode(r[EVAL_PROMPT:], chars).replace("<eos>", "\x00").split("\x00")[0] for r in out]
+        preds += [tasks.decode(r[width:], chars).replace("<eos>", "\x00").split("\x00")[0] for r in out]
     return tasks.exact_match(preds, examples)
+
+
+def evaluate_long(params, cfg, long, n: int, seed: int) -> dict[str, float]:
+    """Exact match of the script's greedy decoder on `n` held-out items of each long task alone."""
+    return {t: evaluate(params, cfg, tasks.test_set(n, seed, (t,)),
+                        gen=LONG_EVAL_GEN if t == "rep" else tasks.max_new_tokens((t,))) for t in long}
+
+
+def noisy_context_loss(params, cfg: ModelConfig, tokens, target, start, key, *, low_discrepancy: bool = False):
+    """Block diffusion with NOISY earlier blocks as context (one block-causal pass over the noisy row).
+
+    BD3-LM (`objectives.block_diffusion_loss`) always shows a block clean earlier blocks, as block
+    diffusion decodes; multi_block decodes a block while earlier ones still hold masks. Same per-block
+    noise and 1/t-weighted CE, only the context differs.
+    """
+    noisy, masked, p_mask = objectives.mask_noise(key, tokens, target, cfg.mask_token_id, block_size=cfg.block_size,
+                                                  low_discrepancy=low_discrepancy)
+    logits, _ = forward(params, cfg, noisy, default_positions(start, 0, tokens.shape[1]), start=start,
+                        attn_impl="xla")
+    return objectives._weighted_masked_ce(logits, tokens, masked, p_mask, target)
 
 
 # --------------------------------------------------------------------------- training
@@ -200,7 +233,7 @@ def warm_start(params, cfg: ModelConfig, path: str):
 
 def train(kind: str, steps: int, batch: int, lr: float, seed: int, out: str, n_train: int, n_eval: int,
           quiet: bool = False, init_from: str | None = None, task_mix=tasks.TASKS, name: str | None = None,
-          weights=None, eval_every: int = 0, block_size: int = 4) -> dict:
+          weights=None, eval_every: int = 0, block_size: int = 4, noisy_context: float = 0.0) -> dict:
     import functools  # noqa: PLC0415
 
     import optax  # noqa: PLC0415
@@ -219,6 +252,15 @@ def train(kind: str, steps: int, batch: int, lr: float, seed: int, out: str, n_t
     loss_fn = objectives.loss_for(cfg)
     if not kind.startswith("ar"):  # stratified noise levels: the 1/t-weighted loss has far lower variance
         loss_fn = functools.wraps(loss_fn)(functools.partial(loss_fn, low_discrepancy=True))
+    if noisy_context:
+        if cfg.attention != "block_causal":
+            raise SystemExit("--noisy-context applies to block-causal models (--model sdar)")
+        bd3 = loss_fn
+
+        @functools.wraps(bd3)
+        def loss_fn(params, cfg, tokens, target, start, k):  # BD3-LM + w * the noisy-context term
+            return bd3(params, cfg, tokens, target, start, k) + noisy_context * noisy_context_loss(
+                params, cfg, tokens, target, start, jax.random.fold_in(k, 7), low_discrepancy=True)
 
     @jax.jit
     def update(params, opt_state, tokens, target, start, k):
@@ -241,19 +283,18 @@ def train(kind: str, steps: int, batch: int, lr: float, seed: int, out: str, n_t
         if i % 10 == 0:
             bar.set_postfix(loss=f"{np.mean(losses[-50:]):.4f}")
         if eval_every and (i + 1) % eval_every == 0 and i + 1 < steps:  # progress: small scores + a checkpoint
-            a = evaluate(params, cfg, tasks.test_set(100, seed)) if n_eval else float("nan")
-            la = evaluate(params, cfg, tasks.test_set(50, seed, long), gen=LONG_EVAL_GEN) if n_eval and long else None
+            a = evaluate(params, cfg, tasks.test_set(n_eval, seed)) if n_eval else float("nan")
+            la = evaluate_long(params, cfg, long, min(n_eval, 100), seed) if n_eval and long else None
             ck = os.path.join(out_dir + "-ckpt", f"step{i + 1}")
             save(ck, params, cfg)
             print(json.dumps({"step": i + 1, "elapsed_s": round(time.time() - t0, 1),
-                              "loss": float(np.mean(losses[-50:])), "old_tasks_100": a, "long_50": la,
-                              "checkpoint": ck}), flush=True)
+                              "loss": float(np.mean(losses[-50:])), f"old_tasks_{n_eval}": a,
+                              "long_100": la, "checkpoint": ck}), flush=True)
     train_s = time.time() - t0
     structured = chars is tasks.JSON_CHARS
     acc = evaluate(params, cfg, tasks.test_set(n_eval, seed, task_mix if structured else tasks.TASKS),
                    gen=JSON_EVAL_GEN if structured else EVAL_GEN, chars=chars) if n_eval else float("nan")
-    long_acc = evaluate(params, cfg, tasks.test_set(n_eval, seed, long), gen=LONG_EVAL_GEN) \
-        if n_eval and long else None
+    long_acc = evaluate_long(params, cfg, long, n_eval, seed) if n_eval and long else None
 
     save(out_dir, params, cfg, chars)
     plot_losses(losses, os.path.join(out_dir, "loss.png"), f"{name} ({cfg.model_type}, {loss_fn.__name__})")
@@ -267,8 +308,12 @@ def train(kind: str, steps: int, batch: int, lr: float, seed: int, out: str, n_t
         info.update(tasks=list(task_mix))
     if weights:
         info["task_weights"] = {t: weights[t] for t in task_mix if t in weights}
+    if noisy_context:
+        info["noisy_context"] = noisy_context
     if long:
-        info.update(tasks=list(task_mix), seq_len=data.seq_len, eval_long_tasks=long, eval_long_exact_match=long_acc)
+        info.update(tasks=list(task_mix), seq_len=data.seq_len, eval_long_tasks=long,
+                    eval_long_exact_match=long_acc and sum(long_acc.values()) / len(long_acc),
+                    eval_long_by_task=long_acc)
     with open(os.path.join(out_dir, "training.json"), "w") as f:
         json.dump(info, f, indent=2)
     print(json.dumps(info), flush=True)
@@ -329,10 +374,13 @@ def main(argv=None) -> int:
     ap.add_argument("--weights", nargs="+", type=float, default=None,
                     help="sampling weight of each --tasks entry, in order (default: uniform)")
     ap.add_argument("--eval-every", type=int, default=0,
-                    help="every N steps: score 100 old-task items (+ 50 long-task items) and save a checkpoint "
-                         "under OUT/<model>-ckpt/stepN (0: never)")
+                    help="every N steps: score --eval old-task items (+ 100 items of each long task) and save a "
+                         "checkpoint under OUT/<model>-ckpt/stepN (0: never)")
     ap.add_argument("--block-size", type=int, default=4,
                     help="sdar attention block grid (default 4, the shipped tiny-sdar's)")
+    ap.add_argument("--noisy-context", type=float, default=0.0,
+                    help="sdar: add this weight times a block-diffusion term whose context blocks are noisy too "
+                         "(as multi_block decodes), to the BD3-LM loss (default 0: BD3-LM alone)")
     args = ap.parse_args(argv)
     if args.weights is not None and len(args.weights) != len(args.tasks):
         ap.error(f"--weights needs one value per --tasks entry ({len(args.tasks)})")
@@ -348,7 +396,8 @@ def main(argv=None) -> int:
             init = cand if os.path.isfile(os.path.join(cand, "config.json")) else None
         train(kind, args.steps or recipe["steps"], args.batch, args.lr or recipe["lr"], args.seed, args.out,
               args.train_size, args.eval, args.quiet, None if args.scratch else init, tuple(args.tasks),
-              name=args.name, weights=weights, eval_every=args.eval_every, block_size=args.block_size)
+              name=args.name, weights=weights, eval_every=args.eval_every, block_size=args.block_size,
+              noisy_context=args.noisy_context)
     return 0
 
 

@@ -7,15 +7,35 @@ decoding strategies can be compared on accuracy, not only speed:
     add:12+34=    -> 46         (add two numbers in [0, 99])
     rev:abc=      -> cba        (reverse 3-6 lowercase letters)
 
-and one long-answer task, kept out of the default `TASKS` (so the default
+and three long-answer tasks, kept out of the default `TASKS` (so the default
 sets above never change) and asked for by name (`LONG_TASKS`, `ALL_TASKS`):
 
     rep:abcd=     -> abcd abcd abcd abcd abcd abcd abcd abcd   (a 4-letter word 8 times: 39 tokens)
+    cumsum:314159265358979323846264=  (24 digits)
+                  -> 348954625831965825376848   (24 tokens: 3489 5462 5831 9658 2537 6848)
+    jumble:abcd=  -> bdac cabd abdc dcba acbd bacd dbca cdab   (without the spaces: 32 tokens)
 
-Its answers are long enough for several decoding blocks to be in flight at
-once, which the short tasks (answers of ~6 tokens) never allow. (A first version drew words
-of 4-8 letters, 5 times; the tiny models did not learn its variable period in the CPU budget,
-see benchmarks/RESULTS.md.)
+Their answers are long enough for several decoding blocks to be in flight at
+once, which the short tasks (answers of ~6 tokens) never allow. (A first version of rep drew
+words of 4-8 letters, 5 times; the tiny models did not learn its variable period in the CPU
+budget, see benchmarks/RESULTS.md.)
+
+`cumsum` is built so that pipelined decoding (`jdllm.MultiBlock`) has something to gain:
+the 24 input digits form 6 groups of 4 (`CUMSUM_GROUP`), and each answer group holds the
+running sums mod 10 of its own input group (3 1 4 1 -> 3 4 8 9), restarting at every
+group. Inside a group each digit is the previous one plus one input digit, easy once the
+previous one is known and hard from the prompt alone, so a block takes several forwards;
+different groups are independent, so later blocks can be decoded before earlier ones
+settle. Its prompt is 32 tokens, a multiple of 4 and 8: on a block grid of 4 (tiny-sdar's)
+or 8, every decoding block holds whole groups. (The tiny models did not learn it in the CPU
+budget: 0 % after 100 fine-tuning steps, see benchmarks/RESULTS.md.)
+
+`jumble` has the same shape with ambiguity instead of computation: 8 groups, each ANY
+ordering of the prompt's 4 distinct letters, so it has many correct answers (`is_correct`
+checks every group; the example's `answer` is one of them, the training target). A group's
+first letter is a free choice among 4, the next among the 3 left, ...: a block decoded on its
+own takes about 4 forwards, however well the model is trained, while groups are independent
+of each other. Its prompt is 12 tokens (a multiple of 4: 4-slot blocks hold whole groups).
 
 and one structured task (`STRUCTURED_TASKS`, also asked for by name), whose answer is a
 small JSON object, for measuring grammar-constrained decoding:
@@ -44,11 +64,13 @@ from typing import Iterable, Sequence
 from jdllm import errors
 
 TASKS = ("sort", "add", "rev")  # the default sets
-LONG_TASKS = ("rep",)  # long answers; only when asked for by name
+LONG_TASKS = ("rep", "cumsum", "jumble")  # long answers; only when asked for by name
 STRUCTURED_TASKS = ("json",)  # JSON answers, own alphabet (JSON_CHARS); only when asked for by name
 ALL_TASKS = TASKS + LONG_TASKS + STRUCTURED_TASKS
 REP_TIMES = 8  # "rep" repeats its word this many times
 REP_WORD_LEN = 4  # ... a word of this many letters
+CUMSUM_DIGITS, CUMSUM_GROUP = 24, 4  # "cumsum": 24 input digits, running sums restart every 4
+JUMBLE_TIMES, JUMBLE_WORD_LEN = 8, 4  # "jumble": 8 orderings of a word of 4 distinct letters
 PAD, EOS, MASK = "<pad>", "<eos>", "<mask>"
 SPECIALS = (PAD, EOS, MASK)  # ids 0, 1, 2
 # Printable characters, one token each; padded so the vocabulary is 48 ids in all.
@@ -62,8 +84,11 @@ JSON_SCHEMA = {"type": "object", "properties": {"w": {"type": "string", "pattern
 PAD_ID, EOS_ID, MASK_ID = 0, 1, 2
 MAX_PROMPT_LEN = 15  # "sort:d d d d d="
 MAX_ANSWER_LEN = 9  # "d d d d d"
-LONG_MAX_PROMPT_LEN = 9  # "rep:abcd="
-LONG_MAX_ANSWER_LEN = 39  # 8 x 4 letters + 7 spaces
+LONG_MAX_PROMPT_LEN = 32  # "cumsum:" + 24 digits + "="
+LONG_MAX_ANSWER_LEN = 39  # rep: 8 x 4 letters + 7 spaces (cumsum: 24 digits)
+# longest answer of each task in characters (= tokens), EOS not counted
+MAX_ANSWER = {"sort": 9, "add": 3, "rev": 6, "rep": 39, "cumsum": CUMSUM_DIGITS,
+              "jumble": JUMBLE_TIMES * JUMBLE_WORD_LEN, "json": 18}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,11 +115,33 @@ def make_example(task: str, rng: random.Random) -> Example:
     if task == "rep":
         w = "".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(REP_WORD_LEN))
         return Example(task, f"rep:{w}=", " ".join([w] * REP_TIMES))
+    if task == "cumsum":
+        digits = [rng.randrange(10) for _ in range(CUMSUM_DIGITS)]
+        return Example(task, "cumsum:" + "".join(map(str, digits)) + "=", cumsum_answer(digits))
+    if task == "jumble":
+        w = rng.sample("abcdefghijklmnopqrstuvwxyz", JUMBLE_WORD_LEN)
+        return Example(task, "jumble:" + "".join(w) + "=",
+                       "".join("".join(rng.sample(w, len(w))) for _ in range(JUMBLE_TIMES)))
     if task == "json":
         w = "".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(2, 3)))
         n = rng.randrange(100)
         return Example(task, f"json:{w} {n}=", json.dumps({"w": w, "n": n}, separators=(",", ":")))
     raise errors.InputError(f"task {task!r} is not one of {ALL_TASKS}")
+
+
+def cumsum_answer(digits: Sequence[int], group: int = CUMSUM_GROUP) -> str:
+    """Running sums mod 10 of each group of `group` digits, restarting at every group, concatenated."""
+    out, acc = [], 0
+    for i, d in enumerate(digits):
+        acc = (0 if i % group == 0 else acc) + int(d)
+        out.append(str(acc % 10))
+    return "".join(out)
+
+
+def max_new_tokens(task_names: Sequence[str]) -> int:
+    """Generation budget for a task mix: its longest answer + EOS, rounded up to a multiple of 4."""
+    _check_tasks(task_names)
+    return -(-(max(MAX_ANSWER[t] for t in task_names) + 1) // 4) * 4
 
 
 def _draw(n: int, seed: int, exclude: frozenset[str], tasks: Sequence[str]) -> list[Example]:
@@ -127,9 +174,10 @@ def test_set(n: int = 300, seed: int = 0, tasks: Sequence[str] = TASKS) -> list[
 def train_set(n: int, seed: int = 0, tasks: Sequence[str] = TASKS,
               n_test: int = 1000) -> list[Example]:
     """Training set: `n` distinct prompts drawn from `seed`, none in `test_set(n_test, seed, t)` for t
-    = `tasks`, the default `TASKS` or `LONG_TASKS` (a mixed set never trains on a standard test item)."""
+    = `tasks`, the default `TASKS` or one long task alone (a mixed set never trains on a standard test item)."""
     _check_tasks(tasks)
-    held = frozenset(ex.prompt for ts in {tuple(tasks), TASKS, LONG_TASKS} for ex in test_set(n_test, seed, ts))
+    sets = {tuple(tasks), TASKS} | {(t,) for t in LONG_TASKS}
+    held = frozenset(ex.prompt for ts in sets for ex in test_set(n_test, seed, ts))
     return _draw(n, seed * 2 + 2, held, tuple(tasks))
 
 
@@ -147,14 +195,25 @@ def normalize(text: str) -> str:
     return text.split(EOS, 1)[0].replace(PAD, "").strip()
 
 
+def is_correct(prediction: str, ex: Example) -> bool:
+    """Whether a decoded completion answers `ex`: its normalized text equals the answer, or, for
+    "jumble" (many correct answers), it is JUMBLE_TIMES groups each ordering the prompt's letters."""
+    text = normalize(prediction)
+    if ex.task != "jumble":
+        return text == ex.answer
+    word = sorted(ex.prompt[len("jumble:"):-1])
+    n = len(word)
+    return len(text) == n * JUMBLE_TIMES and all(sorted(text[i:i + n]) == word for i in range(0, len(text), n))
+
+
 def exact_match(predictions: Iterable[str], examples: Sequence[Example]) -> float:
-    """Fraction of predictions whose normalized text equals the answer exactly."""
+    """Fraction of predictions that are correct (`is_correct`: the exact answer; any valid one for jumble)."""
     preds = list(predictions)
     if len(preds) != len(examples):
         raise errors.InputError(f"{len(preds)} predictions for {len(examples)} examples")
     if not preds:
         return 0.0
-    return sum(normalize(p) == ex.answer for p, ex in zip(preds, examples)) / len(preds)
+    return sum(is_correct(p, ex) for p, ex in zip(preds, examples)) / len(preds)
 
 
 # --------------------------------------------------------------------------- tokenizer

@@ -20,6 +20,14 @@ def _check_answer(ex: tasks.Example) -> bool:
         return ex.answer == "".join(reversed(body))
     if head == "rep":
         return ex.answer.split(" ") == [body] * 8 and body.isalpha() and len(body) == 4
+    if head == "cumsum":  # digit k of group g = (sum of the group's input digits 0..k) mod 10
+        groups = [body[i:i + 4] for i in range(0, len(body), 4)]
+        want = "".join(str(sum(int(c) for c in g[:k + 1]) % 10) for g in groups for k in range(len(g)))
+        return len(body) == 24 and body.isdigit() and ex.answer == want
+    if head == "jumble":  # 8 groups of 4, each a rearrangement of the word's distinct letters
+        groups = [ex.answer[i:i + 4] for i in range(0, 32, 4)]
+        return (len(ex.answer) == 32 and len(set(body)) == 4 == len(body)
+                and all(sorted(g) == sorted(body) for g in groups))
     return False
 
 
@@ -89,15 +97,34 @@ def test_encode_rejects_unknown_character():
 
 def test_long_task_outside_default_sets():
     """"rep" has 39-token answers, is asked for by name, and never enters the default sets."""
-    exs = tasks.test_set(60, seed=1, tasks=tasks.LONG_TASKS)
+    exs = tasks.test_set(60, seed=1, tasks=("rep",))
     assert {ex.task for ex in exs} == {"rep"}
     for ex in exs:
         assert _check_answer(ex), ex
         assert len(ex.answer) == 39 == tasks.LONG_MAX_ANSWER_LEN and len(ex.prompt) <= tasks.LONG_MAX_PROMPT_LEN
-    assert "rep" not in {ex.task for ex in tasks.test_set(300)}
-    mixed = tasks.train_set(2000, seed=0, tasks=tasks.ALL_TASKS)
-    held = {ex.prompt for ts in (tasks.TASKS, tasks.LONG_TASKS) for ex in tasks.test_set(1000, 0, ts)}
-    assert {ex.task for ex in mixed} == set(tasks.ALL_TASKS) and not {ex.prompt for ex in mixed} & held
+    assert not {"rep", "cumsum", "jumble"} & {ex.task for ex in tasks.test_set(300)}
+    mixed = tasks.train_set(2000, seed=0, tasks=tasks.ALL_TASKS[:-1])  # json trains alone (own alphabet)
+    held = {ex.prompt for ts in (tasks.TASKS, ("rep",), ("cumsum",), ("jumble",)) for ex in tasks.test_set(1000, 0, ts)}
+    assert {ex.task for ex in mixed} == set(tasks.ALL_TASKS[:-1]) and not {ex.prompt for ex in mixed} & held
+
+
+def test_cumsum_task_groups_block_aligned_and_scored():
+    """cumsum: 24 digits -> running sums mod 10 restarting every 4 digits (checked by an independent
+    solver); 32-token prompts, so on a block grid of 4 or 8 every block holds whole groups; the scorer
+    rejects an answer with one wrong group."""
+    exs = tasks.test_set(50, seed=2, tasks=("cumsum",))
+    assert len({ex.prompt for ex in exs}) == 50 and {ex.task for ex in exs} == {"cumsum"}
+    for ex in exs:
+        assert _check_answer(ex), ex
+        assert len(ex.prompt) == 32 == tasks.LONG_MAX_PROMPT_LEN and len(ex.answer) == 24
+    assert tasks.cumsum_answer([3, 1, 4, 1, 5, 9, 2, 6]) == "34895462"
+    assert tasks.max_new_tokens(("cumsum",)) == 28 and tasks.max_new_tokens(tasks.TASKS) == 12
+    assert len(exs[0].prompt) + tasks.max_new_tokens(("cumsum",)) <= 64  # the tiny models' context
+    ex = exs[0]
+    wrong = ex.answer[:4] + str((int(ex.answer[4]) + 1) % 10) + ex.answer[5:]
+    assert tasks.exact_match([ex.answer + "<eos>", wrong], [ex, ex]) == 0.5
+    with pytest.raises(errors.InputError, match="tasks"):
+        tasks.max_new_tokens(("cumsums",))
 
 
 def test_json_task_answers_parse_and_own_alphabet(tmp_path):
@@ -121,3 +148,28 @@ def test_json_task_answers_parse_and_own_alphabet(tmp_path):
     tasks.save_tokenizer(tmp_path, tasks.JSON_CHARS)
     tok = tasks.load_tokenizer(tmp_path)
     assert tok.encode(exs[0].answer, add_special_tokens=False) == tasks.encode(exs[0].answer, tasks.JSON_CHARS)
+
+
+def test_jumble_task_accepts_any_valid_ordering():
+    """jumble: 12-token prompts (4-slot blocks hold whole groups), 32-token answers; the scorer takes
+    any answer whose 8 groups each rearrange the word, and nothing else (checked against hand cases)."""
+    exs = tasks.test_set(40, seed=4, tasks=("jumble",))
+    assert {ex.task for ex in exs} == {"jumble"} and len({ex.answer for ex in exs}) == 40
+    for ex in exs:
+        assert _check_answer(ex), ex
+        assert len(ex.prompt) == 12 and ex.prompt.startswith("jumble:")
+    assert tasks.max_new_tokens(("jumble",)) == 36
+    ex = tasks.Example("jumble", "jumble:abcd=", "abcd" * 8)
+    good = "dcba" * 4 + "badc" * 3 + "abcd"
+    cases = {good: True, good + "<eos><eos>": True, " " + good + " ": True,
+             "abcd" * 7: False,  # a group short
+             "abcd" * 8 + "a": False,  # a letter too many
+             "abcd" * 7 + "abca": False,  # a repeated letter
+             "abcd" * 7 + "abce": False,  # a foreign letter
+             "abcd" * 7 + "ab<mask>d": False}  # unfinished
+    for text, want in cases.items():
+        assert tasks.is_correct(text, ex) is want, text
+    assert tasks.exact_match(list(cases), [ex] * len(cases)) == 3 / len(cases)
+    # single-answer tasks stay exact
+    assert tasks.is_correct("cba<eos>", tasks.Example("rev", "rev:abc=", "cba"))
+    assert not tasks.is_correct("bca", tasks.Example("rev", "rev:abc=", "cba"))
