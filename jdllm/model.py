@@ -23,6 +23,7 @@ from flax import nnx
 
 from jdllm.config import ModelConfig
 from pallas_kernels import attention as attention_op
+from pallas_kernels import resolve_impl
 
 Params = dict[str, Any]
 
@@ -169,6 +170,18 @@ def write_rows(buf: jax.Array, x: jax.Array, offset, layer=None) -> jax.Array:
     return buf.at[(*lead, rows, slots)].set(x, unique_indices=True)
 
 
+def kv_buckets(max_len: int) -> tuple[int, ...]:
+    """Key lengths the XLA attention path may be cut to: powers of two from max_len / 8 (at least 8)
+    up to below max_len, then max_len. A forward attends over the smallest one that holds every
+    row's live keys (`kv_len`), so attention costs what the live length costs, not the canvas."""
+    sizes, n = [], 8
+    while n < max_len:
+        if 8 * n >= max_len:
+            sizes.append(n)
+        n *= 2
+    return (*sizes, max_len)
+
+
 # --------------------------------------------------------------------------- pieces
 def rms_norm(x, w, eps):
     xf = x.astype(jnp.float32)
@@ -296,6 +309,15 @@ def forward(params: Params, cfg: ModelConfig, tokens, positions, *, start, cache
         def window_of(c):  # [B, S, H, D] -> the window's slots [B, T, H, D]
             return jax.lax.dynamic_slice_in_dim(c, q_offset, T, axis=1)
 
+    # the XLA path attends over the smallest kv_buckets length holding every row's live keys; the
+    # kernels and an explicit mask bound their own key loops
+    bucket, sizes = None, ()
+    if cache is not None and attn_mask is None and isinstance(attn_impl, str) and resolve_impl(attn_impl) == "xla":
+        sizes = kv_buckets(cache.max_len)
+        if len(sizes) > 1:
+            live = jnp.max(jnp.broadcast_to(jnp.asarray(kv_len, jnp.int32), (B,)))
+            bucket = jnp.minimum(jnp.searchsorted(jnp.asarray(sizes, jnp.int32), live), len(sizes) - 1)
+
     def layer(carry, xs):
         h, ck, cv = carry
         lp, i = xs
@@ -310,18 +332,30 @@ def forward(params: Params, cfg: ModelConfig, tokens, positions, *, start, cache
             k = rms_norm(k, lp["k_norm"], cfg.rms_norm_eps)
         q = apply_rope(q, positions, inv_freq, rope_scale)
         k = apply_rope(k, positions, inv_freq, rope_scale)
+        def attend(keys, vals):
+            return attention_op(q, keys.astype(q.dtype), vals.astype(q.dtype), start=start, q_offset=q_offset,
+                                kv_len=kv_len, kind=cfg.attention, block_size=cfg.block_size,
+                                impl=attn_impl, mask=attn_mask)
+
         if ck is None:
-            keys, vals = k, v
+            a = attend(k, v)
         else:
             if keep_below is not None:  # keep the cached K/V of slots below keep_below[b]
                 k, v = (jnp.where(keep[:, :, None, None], window_of(c[i]), x.astype(c.dtype))
                         for c, x in ((ck, k), (cv, v)))
             ck, cv = write_rows(ck, k, q_offset, layer=i), write_rows(cv, v, q_offset, layer=i)
-            keys = jax.lax.dynamic_index_in_dim(ck, i, keepdims=False)
-            vals = jax.lax.dynamic_index_in_dim(cv, i, keepdims=False)
-        a = attention_op(q, keys.astype(q.dtype), vals.astype(q.dtype), start=start, q_offset=q_offset,
-                         kv_len=kv_len, kind=cfg.attention, block_size=cfg.block_size,
-                         impl=attn_impl, mask=attn_mask)
+
+            def upto(n):  # attention over this layer's cache slots [0, n)
+                def f(ck, cv):
+                    first = (i, 0, 0, 0, 0)
+                    size = (1, ck.shape[1], n) + ck.shape[3:]
+                    return attend(jax.lax.dynamic_slice(ck, first, size)[0], jax.lax.dynamic_slice(cv, first, size)[0])
+                return f
+
+            if bucket is None:
+                a = upto(ck.shape[2])(ck, cv)
+            else:
+                a = jax.lax.switch(bucket, [upto(n) for n in sizes], ck, cv)
         h = h + jnp.einsum("bthk,hkd->btd", a, lp["o"])
         x = rms_norm(h, lp["mlp_norm"], cfg.rms_norm_eps)
         g = jnp.einsum("btd,df->btf", x, lp["gate"])
