@@ -170,11 +170,17 @@ def write_rows(buf: jax.Array, x: jax.Array, offset, layer=None) -> jax.Array:
     return buf.at[(*lead, rows, slots)].set(x, unique_indices=True)
 
 
+KV_BUCKETS_FROM = 128  # shorter caches are attended whole: a switch would cost more compile time than it saves
+
+
 def kv_buckets(max_len: int) -> tuple[int, ...]:
-    """Key lengths the XLA attention path may be cut to: powers of two from max_len / 8 (at least 8)
-    up to below max_len, then max_len. A forward attends over the smallest one that holds every
-    row's live keys (`kv_len`), so attention costs what the live length costs, not the canvas."""
-    sizes, n = [], 8
+    """Key lengths the XLA attention path may be cut to: powers of two from max_len / 8 (at least 32)
+    up to below max_len, then max_len; just max_len below KV_BUCKETS_FROM slots. A forward attends
+    over the smallest one that holds every row's live keys (`kv_len`), so attention costs what the
+    live length costs, not the whole canvas."""
+    if max_len < KV_BUCKETS_FROM:
+        return (max_len,)
+    sizes, n = [], 32
     while n < max_len:
         if 8 * n >= max_len:
             sizes.append(n)
