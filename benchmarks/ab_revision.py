@@ -2,8 +2,9 @@
 
 "before" runs `jdllm/model.py` as it was at git revision --rev (loaded as a
 separate module and put in place of the decoders' `forward` while they are
-traced) and, with --old-block-layout, block diffusion's canvas with the extra
-trailing block it had before; "after" is the working tree. Both run the same
+traced), with --old-block-layout block diffusion's canvas with the extra
+trailing block it had before, and with --scan-before the layer scan on every
+step (no `unstack_layers` in `loop.run`); "after" is the working tree. Both run the same
 random float32 weights at the same shape; each decode is warmed up (compiled)
 first, then the two alternate --pairs times. Figures are this process's CPU
 time (one XLA thread), medians, with the wall time beside them; greedy tokens
@@ -37,7 +38,7 @@ import numpy as np  # noqa: E402
 
 import jdllm  # noqa: E402
 from jdllm.config import ModelConfig  # noqa: E402
-from jdllm.decode import block_diffusion, common, masked_diffusion, multi_block  # noqa: E402
+from jdllm.decode import block_diffusion, common, loop, masked_diffusion, multi_block  # noqa: E402
 from jdllm.model import init_params  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -94,6 +95,8 @@ def main(argv=None) -> int:
     ap.add_argument("--rev", required=True, help="git revision whose jdllm/model.py is 'before'")
     ap.add_argument("--old-block-layout", action="store_true",
                     help="'before' also uses block diffusion's old canvas (one trailing block more)")
+    ap.add_argument("--scan-before", action="store_true",
+                    help="'before' runs the layers as a lax.scan on every step (no unstack_layers in loop.run)")
     ap.add_argument("--only", nargs="*", default=["ar", "block_static", "block_dynamic"], choices=PARADIGMS)
     ap.add_argument("--gens", type=int, nargs="+", default=[128])
     ap.add_argument("--batches", type=int, nargs="+", default=[1])
@@ -134,11 +137,15 @@ def main(argv=None) -> int:
 
                 for mod in USERS:  # trace "before" with the old forward
                     mod.forward = old.forward
+                unroll_on = loop.UNROLL_LAYERS_ON
+                if args.scan_before:
+                    loop.UNROLL_LAYERS_ON = ()
                 try:
                     call("before")
                 finally:
                     for mod in USERS:
                         mod.forward = new_forward
+                    loop.UNROLL_LAYERS_ON = unroll_on
                 call("after")
                 cpu = {"before": [], "after": []}
                 wall = {"before": [], "after": []}
@@ -164,7 +171,8 @@ def main(argv=None) -> int:
     load = os.getloadavg()
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
-        json.dump(dict(rev=args.rev, old_block_layout=args.old_block_layout, load_average=load,
+        json.dump(dict(rev=args.rev, old_block_layout=args.old_block_layout, scan_before=args.scan_before,
+                       load_average=load,
                        model=dict(vocab=args.vocab, hidden=args.hidden, layers=args.layers, heads=args.heads,
                                   mlp=args.mlp, block=args.block), rows=rows), f, indent=2)
     print(f"load average {load}; wrote {args.out}")

@@ -1,7 +1,8 @@
 """The one decoder-only transformer every jdllm family runs on.
 
 Parameters are a plain nested dict (layers stacked on a leading axis and run
-with `lax.scan`) that jit-compiled functions take as an argument. Each weight
+with `lax.scan`, or split per layer by `unstack_layers` and run as straight-line
+code) that jit-compiled functions take as an argument. Each weight
 is described once in `param_specs` (shape, logical axes, initialiser); random
 initialisation, sharding and checkpoint layout all derive from that table.
 
@@ -370,8 +371,12 @@ def forward(params: Params, cfg: ModelConfig, tokens, positions, *, start, cache
         return (h, ck, cv), None
 
     ck, cv = (None, None) if cache is None else (cache.k, cache.v)
-    idx = jnp.arange(cfg.num_layers, dtype=jnp.int32)
-    (h, ck, cv), _ = jax.lax.scan(layer, (h, ck, cv), (params["layers"], idx))
+    if isinstance(params["layers"], (tuple, list)):  # one weight dict per layer (`unstack_layers`)
+        for i, lp in enumerate(params["layers"]):
+            (h, ck, cv), _ = layer((h, ck, cv), (lp, i))
+    else:
+        idx = jnp.arange(cfg.num_layers, dtype=jnp.int32)
+        (h, ck, cv), _ = jax.lax.scan(layer, (h, ck, cv), (params["layers"], idx))
     h = rms_norm(h, params["final_norm"], cfg.rms_norm_eps)
     hs = h if logits_at is None else jnp.take_along_axis(h, jnp.asarray(logits_at, jnp.int32)[..., None], axis=1)
     logits = lm_head(params, cfg, hs)
@@ -379,6 +384,17 @@ def forward(params: Params, cfg: ModelConfig, tokens, positions, *, start, cache
     if return_hidden:
         return logits, new_cache, h
     return logits, new_cache
+
+
+def unstack_layers(params: Params) -> Params:
+    """params with `layers` as a tuple of per-layer weight dicts: `forward` then runs the layers as
+    straight-line code instead of a `lax.scan`. Inside a jit, call it once outside a decode loop:
+    XLA:CPU copies a scanned layer's weights out of the stacked arrays on every pass (a
+    dynamic-slice per weight per step), while these slices are taken once."""
+    if isinstance(params["layers"], (tuple, list)):
+        return params
+    n = jax.tree.leaves(params["layers"])[0].shape[0]
+    return dict(params, layers=tuple(jax.tree.map(lambda x, i=i: x[i], params["layers"]) for i in range(n)))
 
 
 def lm_head(params: Params, cfg: ModelConfig, h) -> jax.Array:

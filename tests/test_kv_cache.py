@@ -196,3 +196,20 @@ def test_attention_cut_to_the_live_length(kind):
     # the comparison can fail: the last window without the 8 keys before it
     cut = np.asarray(_window_at(params, tokens[:, 8:], cache, jnp.asarray(START + 108), 108, cfg=cfg)[0])
     assert np.max(np.abs(cut - ref[:, 8:])) > 1e-3
+
+
+def test_unstacked_layers_run_the_same_forward():
+    """`unstack_layers` (what the CPU decode loop runs: layers unrolled, per-layer weights) gives the
+    scanned forward's logits and cache; a wrong layer order would not."""
+    from jdllm.model import unstack_layers  # noqa: PLC0415
+
+    cfg, params, tokens = _setup("causal", seed=6)
+    split = unstack_layers(params)
+    assert isinstance(split["layers"], tuple) and len(split["layers"]) == cfg.num_layers
+    a, ca = _window(params, tokens[:, :8], _garbage_cache(cfg), 0, cfg=cfg)
+    b, cb = _window(split, tokens[:, :8], _garbage_cache(cfg), 0, cfg=cfg)
+    np.testing.assert_allclose(np.asarray(b), np.asarray(a), atol=1e-6, rtol=0)
+    np.testing.assert_allclose(np.asarray(cb.k), np.asarray(ca.k), atol=1e-6, rtol=0)
+    swapped = dict(split, layers=split["layers"][::-1])
+    assert np.max(np.abs(np.asarray(_window(swapped, tokens[:, :8], _garbage_cache(cfg), 0, cfg=cfg)[0])
+                         - np.asarray(a))) > 1e-3
