@@ -339,6 +339,7 @@ def forward(params: Params, cfg: ModelConfig, tokens, positions, *, start, cache
             k = rms_norm(k, lp["k_norm"], cfg.rms_norm_eps)
         q = apply_rope(q, positions, inv_freq, rope_scale)
         k = apply_rope(k, positions, inv_freq, rope_scale)
+
         def attend(keys, vals):
             return attention_op(q, keys.astype(q.dtype), vals.astype(q.dtype), start=start, q_offset=q_offset,
                                 kv_len=kv_len, kind=cfg.attention, block_size=cfg.block_size,
@@ -356,7 +357,8 @@ def forward(params: Params, cfg: ModelConfig, tokens, positions, *, start, cache
                 def f(ck, cv):
                     first = (i, 0, 0, 0, 0)
                     size = (1, ck.shape[1], n) + ck.shape[3:]
-                    return attend(jax.lax.dynamic_slice(ck, first, size)[0], jax.lax.dynamic_slice(cv, first, size)[0])
+                    return attend(jax.lax.dynamic_slice(ck, first, size)[0],
+                                  jax.lax.dynamic_slice(cv, first, size)[0])
                 return f
 
             if bucket is None:

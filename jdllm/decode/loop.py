@@ -253,7 +253,7 @@ def unroll_layers(ctx: DecodeCtx) -> bool:
     """Whether `run` splits the stacked layer weights apart before its loop (see
     `jdllm.model.unstack_layers`): on the CPU without a mesh, where a scanned layer's weights are
     copied out of the stack on every step (~20% of an AR step at hidden 512), at the price of a
-    longer compile (about 3x for 8 layers)."""
+    longer compile (2-3x for 8 layers, +6% for 2)."""
     return jax.default_backend() in UNROLL_LAYERS_ON and ctx.placement is None
 
 
