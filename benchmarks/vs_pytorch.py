@@ -6,7 +6,7 @@ SDAR-style block diffusion, LLaMA for LLaDA-style masked diffusion), saved with
 run the same float32 weights. The PyTorch baselines are plain loops written
 here from the published algorithms (not copied from their repositories):
 
-- AR: `transformers` `generate()`, greedy, batch 1 and 4 (and 8 without --quick).
+- AR: `transformers` `generate()`, greedy, batch 1, 4 and 8.
 - LLaDA `generate()` without cache: every step one forward over prompt +
   gen_length (bidirectional), the linear transfer schedule per block, top-k
   confidence inside the current block.
@@ -21,6 +21,12 @@ here from the published algorithms (not copied from their repositories):
   forward that commits its K/V. `low_confidence_static` (k = block / steps
   per step) and SDAR's `low_confidence_dynamic` (all > threshold if at least
   k, else the top k).
+- d3LLM multi-block (`generate_multi_block`, LLaDA family, no cache): several
+  blocks in flight (Inactive -> Activated -> Fully-Activated -> Completed, one
+  block added per step once the newest reaches block_add_threshold), one
+  bidirectional forward over prompt + gen per step, the lowest-entropy mask
+  plus every one with entropy <= threshold, forced progress in the first
+  Fully-Activated block.
 
 Every pair is run interleaved (jdllm, baseline, jdllm, baseline, ...) after a
 warm-up / compile call of each, medians are compared (speed-up = baseline
@@ -34,7 +40,7 @@ its own CPU affinity.
 
     python benchmarks/vs_pytorch.py --quick          # a few minutes
     python benchmarks/vs_pytorch.py                  # gen 128 and 256, AR batch 1/4/8
-    python benchmarks/vs_pytorch.py --hidden 1024 --layers 16 --heads 16 --mlp 2816 --vocab 32768 --quick
+    python benchmarks/vs_pytorch.py --large --quick   # hidden 1024, 16 layers, vocab 32k
 """
 
 from __future__ import annotations
@@ -235,6 +241,64 @@ def torch_sdar(hf, prompt, *, gen, block, steps, mask_id, strategy="static", thr
     return x[0, n:limit].tolist()
 
 
+def torch_multi_block(hf, prompt, *, gen, block, mask_id, entropy_threshold, add_threshold=0.5,
+                      decoded_threshold=0.5):
+    """d3LLM multi-block decoding (`generate_multi_block`, LLaDA family, no cache), batch 1, greedy,
+    no stop token: blocks Inactive -> Activated -> Fully-Activated -> Completed; each step one
+    bidirectional forward over prompt + gen_length; among the masks before the active end, the
+    lowest-entropy one plus every one with entropy <= threshold; if the first Fully-Activated block
+    with masks got none, its lowest-entropy mask. Returns the generated tokens."""
+    import torch  # noqa: PLC0415
+
+    INACTIVE, ACTIVATED, FULLY, COMPLETED = range(4)
+    n = len(prompt)
+    T = n + gen
+    x = torch.tensor([list(prompt) + [mask_id] * gen])
+    starts = list(range(n, T, block))
+    state = [INACTIVE] * len(starts)
+    state[0] = FULLY
+    full = _mask4d(torch.ones(T, T, dtype=torch.bool))
+
+    def span(k):
+        return starts[k], min(starts[k] + block, T)
+
+    def progress(k):
+        a, b = span(k)
+        return float((x[0, a:b] != mask_id).float().mean())
+
+    with torch.no_grad():
+        while bool((x[0, n:] == mask_id).any()):
+            for k, st in enumerate(state):  # activation
+                if st == ACTIVATED and (k == 0 or progress(k - 1) >= decoded_threshold):
+                    state[k] = FULLY
+            last = max(k for k, st in enumerate(state) if st != INACTIVE)
+            if last + 1 < len(state) and progress(last) >= add_threshold:  # add one block
+                state[last + 1] = FULLY if progress(last) >= decoded_threshold else ACTIVATED
+            live = [k for k, st in enumerate(state) if st in (ACTIVATED, FULLY)]
+            end = span(max(live))[1]
+            logits = hf(input_ids=x, attention_mask=full, use_cache=False).logits[0, n:end].float()
+            logits[:, mask_id] = -torch.inf
+            logp = torch.log_softmax(logits, dim=-1)
+            ent = -(logp.exp() * torch.where(torch.isfinite(logp), logp, 0.0)).sum(-1)
+            tok = logits.argmax(-1)
+            masked = x[0, n:end] == mask_id
+            ent = torch.where(masked, ent, torch.inf)
+            chosen = masked & (ent <= entropy_threshold)
+            chosen[int(torch.argmin(ent))] = True  # first minimum: ties go to the leftmost
+            for k in live:  # forced progress in the first Fully-Activated block with masks
+                a, b = span(k)
+                if state[k] == FULLY and bool(masked[a - n:b - n].any()):
+                    if not bool(chosen[a - n:b - n].any()):
+                        chosen[a - n + int(torch.argmin(ent[a - n:b - n]))] = True
+                    break
+            x[0, n:end] = torch.where(chosen, tok, x[0, n:end])
+            for k in live:
+                a, b = span(k)
+                if not bool((x[0, a:b] == mask_id).any()):
+                    state[k] = COMPLETED
+    return x[0, n:].tolist()
+
+
 # --------------------------------------------------------------------------- timing
 def interleaved(fns: dict, pairs: int):
     """Warm each fn once, then call them in turn `pairs` times.
@@ -276,7 +340,9 @@ def compare(name, gen, batch, jd, pt, pairs, nfe=None):
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="gen 128 only, AR batch 1 and 4, 3 pairs")
+    ap.add_argument("--quick", action="store_true", help="gen 128 only, AR batch 1, 4 and 8")
+    ap.add_argument("--large", action="store_true",
+                    help="the larger shape: hidden 1024, 16 layers, 16 heads, MLP 2816, vocab 32768")
     ap.add_argument("--gens", type=int, nargs="+", default=[128, 256])
     ap.add_argument("--ar-batches", type=int, nargs="+", default=[1, 4, 8])
     ap.add_argument("--pairs", type=int, default=3)
@@ -289,20 +355,24 @@ def main(argv=None) -> int:
     ap.add_argument("--block", type=int, default=32)
     ap.add_argument("--steps-per-block", type=int, default=8, help="denoising steps per block (LLaDA, SDAR)")
     ap.add_argument("--threshold", type=float, default=0.9)
+    ap.add_argument("--entropy-threshold", type=float, default=0.9, help="d3LLM multi-block entropy threshold")
     ap.add_argument("--weight-scale", type=float, default=1.0,
                     help="weight std times sqrt(fan-in): > 1 gives peaked (confident) distributions")
     ap.add_argument("--only", nargs="*", default=None,
-                    help="subset of: ar llada fastdllm_prefix fastdllm_dual sdar_static sdar_dynamic")
+                    help="subset of: ar llada fastdllm_prefix fastdllm_dual sdar_static sdar_dynamic d3llm")
     ap.add_argument("--cpu", type=int, default=None, help="pin this process to one CPU core")
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "out", "vs_pytorch.json"))
     args = ap.parse_args(argv)
     if args.quick:
-        args.gens, args.ar_batches = [128], [1, 4]
+        args.gens = [128]
+    if args.large:
+        args.hidden, args.layers, args.heads, args.mlp, args.vocab = 1024, 16, 16, 2816, 32768
     if args.cpu is not None:
         os.sched_setaffinity(0, {args.cpu})
     import torch  # noqa: PLC0415
     torch.set_num_threads(1)
-    want = set(args.only or ["ar", "llada", "fastdllm_prefix", "fastdllm_dual", "sdar_static", "sdar_dynamic"])
+    want = set(args.only or ["ar", "llada", "fastdllm_prefix", "fastdllm_dual", "sdar_static", "sdar_dynamic",
+                             "d3llm"])
     rng = np.random.default_rng(0)
     V, mask = args.vocab, args.vocab - 1
     rows = []
@@ -353,6 +423,16 @@ def main(argv=None) -> int:
                                                            strategy=strat, threshold=args.threshold)]},
                                 args.pairs)
                 rows.append(compare(f"SDAR block_diffusion_generate {strat}, {args.steps_per_block} steps", gen, 1,
+                                    r["jd"], r["pt"], args.pairs))
+            if "d3llm" in want:
+                dec = jdllm.MultiBlock(block_size=args.block, entropy_threshold=args.entropy_threshold,
+                                       cache="none")
+                r = interleaved({"jd": lambda: jd_tokens(llada, [prompt], dec, gen),
+                                 "pt": lambda: [torch_multi_block(llama_hf, prompt, gen=gen, block=args.block,
+                                                                  mask_id=mask,
+                                                                  entropy_threshold=args.entropy_threshold)]},
+                                args.pairs)
+                rows.append(compare(f"d3LLM multi-block (LLaDA, no cache), entropy {args.entropy_threshold}", gen, 1,
                                     r["jd"], r["pt"], args.pairs))
     load = os.getloadavg()
     result = dict(machine=f"{platform.machine()} CPU, {os.cpu_count()} cores", load_average=load,

@@ -1,7 +1,8 @@
 """The one decoder-only transformer every jdllm family runs on.
 
 Parameters are a plain nested dict (layers stacked on a leading axis and run
-with `lax.scan`) that jit-compiled functions take as an argument. Each weight
+with `lax.scan`, or split per layer by `unstack_layers` and run as straight-line
+code) that jit-compiled functions take as an argument. Each weight
 is described once in `param_specs` (shape, logical axes, initialiser); random
 initialisation, sharding and checkpoint layout all derive from that table.
 
@@ -23,6 +24,7 @@ from flax import nnx
 
 from jdllm.config import ModelConfig
 from pallas_kernels import attention as attention_op
+from pallas_kernels import resolve_impl
 
 Params = dict[str, Any]
 
@@ -169,6 +171,24 @@ def write_rows(buf: jax.Array, x: jax.Array, offset, layer=None) -> jax.Array:
     return buf.at[(*lead, rows, slots)].set(x, unique_indices=True)
 
 
+KV_BUCKETS_FROM = 128  # shorter caches are attended whole: a switch would cost more compile time than it saves
+
+
+def kv_buckets(max_len: int) -> tuple[int, ...]:
+    """Key lengths the XLA attention path may be cut to: powers of two from max_len / 8 (at least 32)
+    up to below max_len, then max_len; just max_len below KV_BUCKETS_FROM slots. A forward attends
+    over the smallest one that holds every row's live keys (`kv_len`), so attention costs what the
+    live length costs, not the whole canvas."""
+    if max_len < KV_BUCKETS_FROM:
+        return (max_len,)
+    sizes, n = [], 32
+    while n < max_len:
+        if 8 * n >= max_len:
+            sizes.append(n)
+        n *= 2
+    return (*sizes, max_len)
+
+
 # --------------------------------------------------------------------------- pieces
 def rms_norm(x, w, eps):
     xf = x.astype(jnp.float32)
@@ -296,6 +316,15 @@ def forward(params: Params, cfg: ModelConfig, tokens, positions, *, start, cache
         def window_of(c):  # [B, S, H, D] -> the window's slots [B, T, H, D]
             return jax.lax.dynamic_slice_in_dim(c, q_offset, T, axis=1)
 
+    # the XLA path attends over the smallest kv_buckets length holding every row's live keys; the
+    # kernels and an explicit mask bound their own key loops
+    bucket, sizes = None, ()
+    if cache is not None and attn_mask is None and isinstance(attn_impl, str) and resolve_impl(attn_impl) == "xla":
+        sizes = kv_buckets(cache.max_len)
+        if len(sizes) > 1:
+            live = jnp.max(jnp.broadcast_to(jnp.asarray(kv_len, jnp.int32), (B,)))
+            bucket = jnp.minimum(jnp.searchsorted(jnp.asarray(sizes, jnp.int32), live), len(sizes) - 1)
+
     def layer(carry, xs):
         h, ck, cv = carry
         lp, i = xs
@@ -310,18 +339,32 @@ def forward(params: Params, cfg: ModelConfig, tokens, positions, *, start, cache
             k = rms_norm(k, lp["k_norm"], cfg.rms_norm_eps)
         q = apply_rope(q, positions, inv_freq, rope_scale)
         k = apply_rope(k, positions, inv_freq, rope_scale)
+
+        def attend(keys, vals):
+            return attention_op(q, keys.astype(q.dtype), vals.astype(q.dtype), start=start, q_offset=q_offset,
+                                kv_len=kv_len, kind=cfg.attention, block_size=cfg.block_size,
+                                impl=attn_impl, mask=attn_mask)
+
         if ck is None:
-            keys, vals = k, v
+            a = attend(k, v)
         else:
             if keep_below is not None:  # keep the cached K/V of slots below keep_below[b]
                 k, v = (jnp.where(keep[:, :, None, None], window_of(c[i]), x.astype(c.dtype))
                         for c, x in ((ck, k), (cv, v)))
             ck, cv = write_rows(ck, k, q_offset, layer=i), write_rows(cv, v, q_offset, layer=i)
-            keys = jax.lax.dynamic_index_in_dim(ck, i, keepdims=False)
-            vals = jax.lax.dynamic_index_in_dim(cv, i, keepdims=False)
-        a = attention_op(q, keys.astype(q.dtype), vals.astype(q.dtype), start=start, q_offset=q_offset,
-                         kv_len=kv_len, kind=cfg.attention, block_size=cfg.block_size,
-                         impl=attn_impl, mask=attn_mask)
+
+            def upto(n):  # attention over this layer's cache slots [0, n)
+                def f(ck, cv):
+                    first = (i, 0, 0, 0, 0)
+                    size = (1, ck.shape[1], n) + ck.shape[3:]
+                    return attend(jax.lax.dynamic_slice(ck, first, size)[0],
+                                  jax.lax.dynamic_slice(cv, first, size)[0])
+                return f
+
+            if bucket is None:
+                a = upto(ck.shape[2])(ck, cv)
+            else:
+                a = jax.lax.switch(bucket, [upto(n) for n in sizes], ck, cv)
         h = h + jnp.einsum("bthk,hkd->btd", a, lp["o"])
         x = rms_norm(h, lp["mlp_norm"], cfg.rms_norm_eps)
         g = jnp.einsum("btd,df->btf", x, lp["gate"])
@@ -330,8 +373,12 @@ def forward(params: Params, cfg: ModelConfig, tokens, positions, *, start, cache
         return (h, ck, cv), None
 
     ck, cv = (None, None) if cache is None else (cache.k, cache.v)
-    idx = jnp.arange(cfg.num_layers, dtype=jnp.int32)
-    (h, ck, cv), _ = jax.lax.scan(layer, (h, ck, cv), (params["layers"], idx))
+    if isinstance(params["layers"], (tuple, list)):  # one weight dict per layer (`unstack_layers`)
+        for i, lp in enumerate(params["layers"]):
+            (h, ck, cv), _ = layer((h, ck, cv), (lp, i))
+    else:
+        idx = jnp.arange(cfg.num_layers, dtype=jnp.int32)
+        (h, ck, cv), _ = jax.lax.scan(layer, (h, ck, cv), (params["layers"], idx))
     h = rms_norm(h, params["final_norm"], cfg.rms_norm_eps)
     hs = h if logits_at is None else jnp.take_along_axis(h, jnp.asarray(logits_at, jnp.int32)[..., None], axis=1)
     logits = lm_head(params, cfg, hs)
@@ -339,6 +386,17 @@ def forward(params: Params, cfg: ModelConfig, tokens, positions, *, start, cache
     if return_hidden:
         return logits, new_cache, h
     return logits, new_cache
+
+
+def unstack_layers(params: Params) -> Params:
+    """params with `layers` as a tuple of per-layer weight dicts: `forward` then runs the layers as
+    straight-line code instead of a `lax.scan`. Inside a jit, call it once outside a decode loop:
+    XLA:CPU copies a scanned layer's weights out of the stacked arrays on every pass (a
+    dynamic-slice per weight per step), while these slices are taken once."""
+    if isinstance(params["layers"], (tuple, list)):
+        return params
+    n = jax.tree.leaves(params["layers"])[0].shape[0]
+    return dict(params, layers=tuple(jax.tree.map(lambda x, i=i: x[i], params["layers"]) for i in range(n)))
 
 
 def lm_head(params: Params, cfg: ModelConfig, h) -> jax.Array:

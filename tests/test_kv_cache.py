@@ -160,3 +160,56 @@ def test_keep_below_keeps_each_rows_cached_prefix():
     np.testing.assert_allclose(np.asarray(cache.k)[:, 1, :T], np.asarray(plain_cache.k)[:, 1, :T], atol=1e-5, rtol=0)
     # the stale prefix matters: row 0 differs from the fresh forward
     assert np.max(np.abs(np.asarray(logits)[0, edge:] - np.asarray(plain)[0, edge:])) > 1e-3
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",))
+def _window_at(params, tokens, cache, start, offset, *, cfg):
+    pos = default_positions(start, offset, tokens.shape[1])
+    return forward(params, cfg, tokens, pos, start=start, cache=cache, offset=offset, attn_impl="xla")
+
+
+@pytest.mark.parametrize("kind", ["causal", "block_causal"])
+def test_attention_cut_to_the_live_length(kind):
+    """On a long cache (kv_buckets splits it) the XLA path attends only over the bucket holding the
+    live keys: windows whose key range ends exactly at a bucket edge (64), past it (68) and deep
+    in the canvas give the cacheless forward's logits; the garbage slots past the live length and
+    before `start` stay unseen, and a cut one bucket too short would drop keys."""
+    from jdllm.model import kv_buckets  # noqa: PLC0415
+
+    cfg, params, tokens = _setup(kind, seed=4)
+    S, n = 160, 16
+    assert kv_buckets(S) == (32, 64, 128, 160)
+    tokens = tokens[:, :n]
+    ref = np.asarray(_full(params, cfg, tokens))  # rows start at START: slot - start is the position
+    big = KVCache.empty(cfg, B, S)
+    k1, k2 = jax.random.split(jax.random.key(7))
+    big = KVCache(k=3.0 * jax.random.normal(k1, big.k.shape), v=3.0 * jax.random.normal(k2, big.v.shape),
+                  length=big.length)
+    for p in (48, 52, 100):  # the sequence at slots [p, p + 16) (block-aligned): it ends at 64, 68, 116
+        start = jnp.asarray(START + p)
+        outs, cache = [], big
+        for lo in (0, 8):
+            logits, cache = _window_at(params, tokens[:, lo:lo + 8], cache, start, p + lo, cfg=cfg)
+            cache = cache.commit(p + lo + 8)
+            outs.append(np.asarray(logits))
+        np.testing.assert_allclose(_real(np.concatenate(outs, axis=1)), _real(ref), atol=1e-5, rtol=0)
+    # the comparison can fail: the last window without the 8 keys before it
+    cut = np.asarray(_window_at(params, tokens[:, 8:], cache, jnp.asarray(START + 108), 108, cfg=cfg)[0])
+    assert np.max(np.abs(cut - ref[:, 8:])) > 1e-3
+
+
+def test_unstacked_layers_run_the_same_forward():
+    """`unstack_layers` (what the CPU decode loop runs: layers unrolled, per-layer weights) gives the
+    scanned forward's logits and cache; a wrong layer order would not."""
+    from jdllm.model import unstack_layers  # noqa: PLC0415
+
+    cfg, params, tokens = _setup("causal", seed=6)
+    split = unstack_layers(params)
+    assert isinstance(split["layers"], tuple) and len(split["layers"]) == cfg.num_layers
+    a, ca = _window(params, tokens[:, :8], _garbage_cache(cfg), 0, cfg=cfg)
+    b, cb = _window(split, tokens[:, :8], _garbage_cache(cfg), 0, cfg=cfg)
+    np.testing.assert_allclose(np.asarray(b), np.asarray(a), atol=1e-6, rtol=0)
+    np.testing.assert_allclose(np.asarray(cb.k), np.asarray(ca.k), atol=1e-6, rtol=0)
+    swapped = dict(split, layers=split["layers"][::-1])
+    assert np.max(np.abs(np.asarray(_window(swapped, tokens[:, :8], _garbage_cache(cfg), 0, cfg=cfg)[0])
+                         - np.asarray(a))) > 1e-3

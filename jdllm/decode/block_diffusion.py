@@ -130,7 +130,9 @@ class BlockDiffusion:
         gen_blocks = common.bucket(-(-(B - 1 + max_new_tokens) // B), 1, steps_per_octave=4)
         start = (B * (N - nb)).astype(np.int32)
         gen_start = (N * B + lengths % B).astype(np.int32)
-        return common.Layout(start=start, gen_start=gen_start, slots=(N + gen_blocks + 1) * B,
+        # no block past the last generation block: every window ends at its block's end (the
+        # commit rides on the next block's first step, and a row is done once its last block fills)
+        return common.Layout(start=start, gen_start=gen_start, slots=(N + gen_blocks) * B,
                              prefill_len=N * B)
 
     def max_iterations(self, state: DecodeState) -> int:
