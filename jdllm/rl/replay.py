@@ -260,7 +260,7 @@ def trajectory_logprobs(params, ro: Rollout, *, spec: RolloutSpec, shrink: int =
                                     "this rollout's rows use: take it from rl.replay_copies(ro, shrink)")
     over = None
     if method == "teacher_forcing":
-        h = _teacher_forcing(params, cfg, ro, attn_impl)
+        h = teacher_forced_hidden(params, cfg, ro.tokens, ro.start, attn_impl)
     elif method == "packed":
         h = _packed(params, cfg, ro, shrink, attn_impl)
     elif copies is None:
@@ -274,11 +274,13 @@ def trajectory_logprobs(params, ro: Rollout, *, spec: RolloutSpec, shrink: int =
     return jnp.where(ro.step_map > 0, lp, 0.0)
 
 
-def _teacher_forcing(params, cfg, ro: Rollout, attn_impl):
-    B, S = ro.tokens.shape
-    pos = default_positions(ro.start, 0, S)
+def teacher_forced_hidden(params, cfg, tokens, start, attn_impl: str = "xla"):
+    """[B, S, D]: the hidden state that predicts each slot of `tokens` [B, S] (slot p from p - 1; rows
+    start at `start` [B]) in one causal forward; `lm_head` of it gives the teacher-forced logits."""
+    B, S = tokens.shape
+    pos = default_positions(start, 0, S)
     at = jnp.zeros((B, 1), jnp.int32)
-    _, _, h = forward(params, cfg, ro.tokens, pos, start=ro.start, attn_impl=attn_impl, return_hidden=True,
+    _, _, h = forward(params, cfg, tokens, pos, start=start, attn_impl=attn_impl, return_hidden=True,
                       logits_at=at)
     src = jnp.clip(jnp.arange(S) - 1, 0, S - 1)
     return h[:, src]  # slot p is predicted at p - 1
