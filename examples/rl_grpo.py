@@ -3,8 +3,14 @@
     python examples/rl_grpo.py --model models/tiny-llada --prompts 16 --group 8 --train-groups 4 --inner 1 \
         --lr 1e-4 --add-weight 4 --eval-every 25 --time-budget 1300 --seed 0 --out /tmp/rl-tiny-llada
 
-(the run recorded in benchmarks/RESULTS.md; Adam above ~2e-4 makes the tiny
-model oscillate or degrade, see there).
+(the second session's run in benchmarks/RESULTS.md; Adam above ~2e-4 makes the tiny
+model oscillate or degrade, see there). The third session's runs add a KL anchor
+to the initial policy, sort/rev groups in every update and a checkpoint chosen on
+held-out validation items (the test items have no say):
+
+    python examples/rl_grpo.py --model models/tiny-llada --prompts 16 --group 8 --train-groups 4 \
+        --anchor-groups 1 --kl 0.1 --inner 1 --lr 1e-4 --lr-end 3e-5 --steps 600 --add-weight 4 \
+        --eval-every 25 --val-items 300 --time-budget 1380 --seed 1 --out /tmp/rl-tiny-llada
 
 Each step: G = --group samples of --prompts prompts (`jdllm.rl.rollout`, one
 jitted call, temperature 1, every row its own PRNG stream), reward = exact
