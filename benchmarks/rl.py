@@ -92,6 +92,8 @@ def replay_bench(args) -> list[dict]:
                                                                          strategy="low_confidence_static")),
             ("masked_diffusion", "models/tiny-llada", jdllm.MaskedDiffusion(gen_length=12, block_length=4,
                                                                             steps=12))):
+        if args.paradigm and name != args.paradigm:
+            continue
         model = jdllm.load(os.path.join(ROOT, path), dtype="float32", attn_impl="xla")  # trained: real step_maps
         prompts = [tasks.encode(e.prompt) for e in tasks.test_set(args.prompts, seed=0)]
         state, spec = rl.prepare_rollout(model, prompts, dec, jdllm.Sampling(temperature=1.0, max_new_tokens=12),
@@ -99,15 +101,18 @@ def replay_bench(args) -> list[dict]:
         ro = rl.compiled_rollout(model.params, state, jax.random.key(0), spec=spec)
         steps = int(jnp.max(ro.step_map))
         scored = int(jnp.sum(ro.step_map > 0))
-        variants = ([("packed", 1), ("packed", 2), ("per_step", 1)] if name == "block_diffusion"
-                    else [("per_step", 1), ("per_step", 2)])
+        variants = ([("packed", 1, False), ("packed", 2, False), ("per_step", 1, False)] if name == "block_diffusion"
+                    else [("per_step", 1, False), ("per_step", 1, True), ("per_step", 2, False), ("per_step", 2, True)])
         fns, meta = {}, {}
-        for m, k in variants:
-            f = jax.jit(jax.grad(lambda p, m=m, k=k: jnp.sum(rl.trajectory_logprobs(p, ro, spec=spec, method=m,
-                                                                                   shrink=k))))
-            label = f"{m}" + (f", shrink={k}" if k > 1 else "")
+        for m, k, bounded in variants:
+            c = rl.replay_copies(ro, k, multiple=1) if bounded else None  # only the copies the rows use
+            f = jax.jit(jax.grad(lambda p, m=m, k=k, c=c: jnp.sum(rl.trajectory_logprobs(
+                p, ro, spec=spec, method=m, shrink=k, copies=c))))
+            label = f"{m}" + (f", shrink={k}" if k > 1 else "") + (", bounded (rl.replay_copies)" if bounded else "")
             fns[label] = lambda f=f: jax.block_until_ready(f(model.params))
-            meta[label] = {"forward_calls": 1, "positions_per_row": rl.replay_cost(spec, ro.slots, m, k)["tokens"]}
+            per_row = (c * ro.slots / ro.batch if bounded else rl.replay_cost(spec, ro.slots, m, k)["tokens"])
+            meta[label] = {"forward_calls": 1, "positions_per_row": per_row, "canvas_copies": c if bounded else
+                           (ro.batch * -(-spec.max_steps // k) if m == "per_step" else None)}
         # the naive replay: one forward (and its backward) per decoding step, each its own call
         cfgm = spec.ctx.model
         S = ro.slots
@@ -128,7 +133,8 @@ def replay_bench(args) -> list[dict]:
                 jax.block_until_ready(g1(model.params, jnp.int32(s)))
 
         fns["one forward per step (loop)"] = loop_all
-        meta["one forward per step (loop)"] = {"forward_calls": steps, "positions_per_row": steps * S}
+        meta["one forward per step (loop)"] = {"forward_calls": steps, "positions_per_row": steps * S,
+                                               "canvas_copies": steps * ro.batch}
         for f in fns.values():
             f()  # compile
         times = {k: [] for k in fns}
@@ -152,6 +158,8 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--json", default=os.path.join(ROOT, "benchmarks/out/rl.json"))
     ap.add_argument("--only", choices=("rollout", "replay"), default=None)
+    ap.add_argument("--paradigm", choices=("block_diffusion", "masked_diffusion"), default=None,
+                    help="replay: one paradigm only")
     args = ap.parse_args(argv)
     roll = rollout_bench(args) if args.only != "replay" else []
     rows = args.prompts * args.group
@@ -162,10 +170,11 @@ def main(argv=None) -> int:
         print(f"| {r['what']} | {r['tokens']} | {r['median_s']:.3f} | {r['tokens_per_s']:.0f} |")
     rep = replay_bench(args) if args.only != "rollout" else []
     print(f"\nreplay + grad (tiny-sdar / tiny-llada, T=1 rollouts), {rows} rows, median of {args.repeats}")
-    print("| paradigm | method | steps | forward calls | positions / row | grad s | scored tokens/s |\n"
-          "|---|---|---:|---:|---:|---:|---:|")
+    print("| paradigm | method | steps | forward calls | canvas copies | positions / row | grad s | scored tokens/s |\n"
+          "|---|---|---:|---:|---:|---:|---:|---:|")
     for r in rep:
-        print(f"| {r['paradigm']} | {r['method']} | {r['steps']} | {r['forward_calls']} | {r['positions_per_row']} "
+        print(f"| {r['paradigm']} | {r['method']} | {r['steps']} | {r['forward_calls']} | {r.get('canvas_copies') or '-'} "
+              f"| {r['positions_per_row']:.0f} "
               f"| {r['grad_median_s']:.3f} | {r['scored_tokens_per_s']:.0f} |")
     os.makedirs(os.path.dirname(args.json), exist_ok=True)
     with open(args.json, "w") as f:

@@ -3,8 +3,14 @@
     python examples/rl_grpo.py --model models/tiny-llada --prompts 16 --group 8 --train-groups 4 --inner 1 \
         --lr 1e-4 --add-weight 4 --eval-every 25 --time-budget 1300 --seed 0 --out /tmp/rl-tiny-llada
 
-(the run recorded in benchmarks/RESULTS.md; Adam above ~2e-4 makes the tiny
-model oscillate or degrade, see there).
+(the second session's run in benchmarks/RESULTS.md; Adam above ~2e-4 makes the tiny
+model oscillate or degrade, see there). The third session's runs add a KL anchor
+to the initial policy, sort/rev groups in every update and a checkpoint chosen on
+held-out validation items (the test items have no say):
+
+    python examples/rl_grpo.py --model models/tiny-llada --prompts 16 --group 8 --train-groups 4 \
+        --anchor-groups 1 --kl 0.1 --inner 1 --lr 1e-4 --lr-end 3e-5 --steps 600 --add-weight 4 \
+        --eval-every 25 --val-items 300 --time-budget 1380 --seed 1 --out /tmp/rl-tiny-llada
 
 Each step: G = --group samples of --prompts prompts (`jdllm.rl.rollout`, one
 jitted call, temperature 1, every row its own PRNG stream), reward = exact
@@ -87,14 +93,26 @@ def main(argv=None) -> int:
     ap.add_argument("--train-groups", type=int, default=4,
                     help="update on this many groups of each rollout batch, those with the widest reward spread "
                          "(equal rewards = zero advantage = no gradient); 0 = all")
+    ap.add_argument("--anchor-groups", type=int, default=0,
+                    help="of the --train-groups, reserve this many for groups of the other tasks than the "
+                         "weak one ('add'), so the KL term (--kl) holds them near the initial policy")
     ap.add_argument("--lr", type=float, default=1e-4)
+    ap.add_argument("--lr-end", type=float, default=None,
+                    help="decay the rate linearly to this value over --steps (default: constant)")
     ap.add_argument("--clip", type=float, default=0.2)
     ap.add_argument("--kl", type=float, default=0.0, help="KL coefficient to the initial policy")
     ap.add_argument("--shrink", type=int, default=1)
+    ap.add_argument("--full-replay", action="store_true",
+                    help="replay every row over spec.max_steps canvas copies (default: only the copies the rows "
+                         "use, `rl.replay_copies`, rounded up to 2 x the rows so few shapes compile)")
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--add-weight", type=float, default=4.0, help="sampling weight of 'add' (sort, rev: 1)")
     ap.add_argument("--eval-items", type=int, default=300)
     ap.add_argument("--eval-every", type=int, default=25)
+    ap.add_argument("--val-items", type=int, default=0,
+                    help="held-out validation items (the held-out items after the --eval-items test ones): when > 0, "
+                         "every eval also scores them and the saved model is the checkpoint with the best "
+                         "validation accuracy (mean over tasks), the test figures reported are that checkpoint's")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--time-budget", type=float, default=None, help="stop after this many seconds of training")
     args = ap.parse_args(argv)
@@ -102,20 +120,24 @@ def main(argv=None) -> int:
     model = jdllm.load(args.model, dtype="float32", attn_impl="xla")
     decoding = decoding_for(model)
     sampling = jdllm.Sampling(temperature=args.temperature, max_new_tokens=GEN)
-    test = tasks.test_set(args.eval_items, seed=0)
+    # test = the first --eval-items of the held-out set; validation = the next --val-items of it (the tiny
+    # models never trained on its first 1000 items; the RL pool is the training set, disjoint from both)
+    held = tasks.test_set(args.eval_items + args.val_items, seed=0)
+    test, val = held[:args.eval_items], held[args.eval_items:]
     pool = {t: [e for e in tasks.train_set(6000, seed=0) if e.task == t] for t in tasks.TASKS}
     weights = {"sort": 1.0, "add": args.add_weight, "rev": 1.0}
     rng = random.Random(args.seed)
     key = jax.random.key(args.seed)
 
     params0 = model.params
-    opt = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(args.lr))
+    lr = args.lr if args.lr_end is None else optax.linear_schedule(args.lr, args.lr_end, args.steps)
+    opt = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(lr))
     opt_state = opt.init(params0)
 
-    @jax.jit(static_argnames=("spec",))
-    def update(params, opt_state, ro, adv, ref, *, spec):
+    @jax.jit(static_argnames=("spec", "copies"))
+    def update(params, opt_state, ro, adv, ref, *, spec, copies):
         def loss_fn(p):
-            lp = rl.trajectory_logprobs(p, ro, spec=spec, shrink=args.shrink)
+            lp = rl.trajectory_logprobs(p, ro, spec=spec, shrink=args.shrink, copies=copies)
             return rl.grpo_loss(lp, ro.logprobs, adv, ro.answer_mask, clip_eps=args.clip,
                                 ref_logprobs=ref, kl_coef=args.kl, return_stats=True)
 
@@ -123,13 +145,31 @@ def main(argv=None) -> int:
         u, opt_state = opt.update(g, opt_state, params)
         return optax.apply_updates(params, u), opt_state, loss, stats
 
-    replay = jax.jit(rl.trajectory_logprobs, static_argnames=("spec", "shrink"))
+    replay = jax.jit(rl.trajectory_logprobs, static_argnames=("spec", "shrink", "copies"))
 
     t0 = time.perf_counter()
     before = evaluate(model, params0, decoding, test)
     print(f"before: {before}  ({time.perf_counter() - t0:.1f}s)", flush=True)
     log = {"args": vars(args), "before": before, "steps": [], "evals": [{"step": 0, **before}]}
     params = params0
+    best = None  # (validation score, step, params) of the checkpoint to keep
+
+    def checkpoint(step, ev=None):
+        nonlocal best
+        ev = ev if ev is not None else evaluate(model, params, decoding, test)
+        rec = {"step": step, **ev}
+        if val:
+            v = evaluate(model, params, decoding, val)
+            score = float(np.mean([v[t] for t in tasks.TASKS]))
+            rec["val"] = v
+            if best is None or score > best[0]:
+                best = (score, step, params)
+        log["evals"].append(rec)
+        print(f"eval step {step}: {ev}" + (f" val {rec['val']}" if val else ""), flush=True)
+
+    if val:
+        log["evals"].pop(0)
+        checkpoint(0, before)
     roll_time = roll_tokens = train_time = 0.0
     t_train = time.perf_counter()
     for step in range(1, args.steps + 1):
@@ -149,15 +189,18 @@ def main(argv=None) -> int:
         tro, tspec, tadv = ro, spec, adv
         informative = int((rewards[:spec.rows].reshape(spec.prompts, spec.group).std(axis=1) > 0).sum())
         if args.train_groups:  # update on a fixed number of groups, informative ones (reward spread) first
-            spread = rewards[:spec.rows].reshape(spec.prompts, spec.group).std(axis=1)
-            order = np.argsort(-spread, kind="stable")[:args.train_groups]
+            order = pick_groups(rewards[:spec.rows].reshape(spec.prompts, spec.group),
+                                [e.task for e in batch], args.train_groups, args.anchor_groups)
             tro, tspec = rl.select_groups(ro, spec, order)
             tadv = rl.group_advantages(rewards[:spec.rows].reshape(spec.prompts, spec.group)[order].reshape(-1),
                                        spec.group)
-        ref = replay(params0, tro, spec=tspec, shrink=args.shrink) if args.kl else None
+        copies = None
+        if not args.full_replay and rl.default_method(tspec) == "per_step":
+            copies = rl.replay_copies(tro, args.shrink, multiple=2 * tspec.rows)
+        ref = replay(params0, tro, spec=tspec, shrink=args.shrink, copies=copies) if args.kl else None
         t2 = time.perf_counter()
         for _ in range(args.inner):
-            params, opt_state, loss, stats = update(params, opt_state, tro, tadv, ref, spec=tspec)
+            params, opt_state, loss, stats = update(params, opt_state, tro, tadv, ref, spec=tspec, copies=copies)
         loss = float(loss)
         dt_train = time.perf_counter() - t2
         if step > 2:  # the first steps compile
@@ -166,21 +209,22 @@ def main(argv=None) -> int:
                    for t in tasks.TASKS}
         rec = {"step": step, "reward": float(rewards[:spec.rows].mean()), "reward_by_task": by_task, "loss": loss,
                "clip_frac": float(stats["clip_frac"]), "rollout_s": dt_roll, "train_s": dt_train, "tokens": n_tok,
-               "informative_groups": informative}
+               "informative_groups": informative, "replay_copies": copies}
         log["steps"].append(rec)
         print(f"step {step:4d} reward {rec['reward']:.3f} (add {by_task['add']:.2f}) loss {loss:+.4f} "
               f"clip {rec['clip_frac']:.3f} informative {informative}/{spec.prompts} rollout {dt_roll:.2f}s train {dt_train:.2f}s", flush=True)
         if step % args.eval_every == 0 or step == args.steps:
-            ev = evaluate(model, params, decoding, test)
-            log["evals"].append({"step": step, **ev})
-            print(f"eval step {step}: {ev}", flush=True)
+            checkpoint(step)
         if args.time_budget and time.perf_counter() - t_train > args.time_budget:
             if log["evals"][-1]["step"] != step:
-                ev = evaluate(model, params, decoding, test)
-                log["evals"].append({"step": step, **ev})
-                print(f"eval step {step}: {ev}", flush=True)
+                checkpoint(step)
             break
-    after = log["evals"][-1]
+    log["last"] = log["evals"][-1]
+    if val:  # keep the checkpoint the validation set chose (the test set had no say)
+        _, best_step, params = best
+        log["selected_step"] = best_step
+        print(f"selected step {best_step} by validation accuracy", flush=True)
+    after = next(e for e in log["evals"] if e["step"] == log.get("selected_step", log["last"]["step"]))
     n_timed = max(1, len(log["steps"]) - 2)
     log.update(after=after, train_seconds=time.perf_counter() - t_train,
                rollout_tokens_per_s=roll_tokens / max(roll_time, 1e-9),
@@ -200,6 +244,16 @@ def main(argv=None) -> int:
     reloaded = jdllm.load(args.out, dtype="float32", attn_impl="xla")
     print(f"reloaded from {args.out}: {evaluate(reloaded, reloaded.params, decoding, test)}")
     return 0
+
+
+def pick_groups(rewards, task_of, n: int, anchors: int = 0, weak: str = "add"):
+    """n group indices of a [P, G] reward table: `anchors` of them from the other tasks than `weak`
+    (widest reward spread, then lowest mean reward), the rest by widest spread over all groups."""
+    spread, mean = rewards.std(axis=1), rewards.mean(axis=1)
+    order = list(np.lexsort((mean, -spread)))  # widest spread first, then the least solved
+    others = [g for g in order if task_of[g] != weak][:anchors]
+    rest = [g for g in order if g not in others][:n - len(others)]
+    return others + rest
 
 
 def plot(log, path: str) -> None:

@@ -29,7 +29,7 @@ def _jit_rollout():
 
 @functools.lru_cache(maxsize=None)
 def _jit_replay():
-    return jax.jit(rl.trajectory_logprobs, static_argnames=("spec", "shrink", "method", "attn_impl", "cached_as_exact"),
+    return jax.jit(rl.trajectory_logprobs, static_argnames=("spec", "shrink", "method", "attn_impl", "cached_as_exact", "copies"),
                    compiler_options=dict(FAST_COMPILE))
 
 
@@ -98,6 +98,23 @@ def test_shrink_merges_steps():
     np.testing.assert_allclose(merged[first], exact[first], atol=3e-4)
     second = (smap > 0) & (smap % 2 == 0)
     assert np.abs(merged[second] - exact[second]).max() > 1e-3
+
+
+def test_bounded_per_step_replay_runs_only_the_rows_steps():
+    """copies=replay_copies(ro): the per_step replay over only the copies the rows use equals the full
+    [K, B] grid (shrink 1 and 2), needs fewer copies when rows stop early, and
+    too few copies raise (concrete) or give NaN (traced), never a silently wrong log-prob."""
+    model, spec, ro = _rollout("multi_block_bidir", 1.0)
+    for shrink in (1, 2):
+        full = _jit_replay()(model.params, ro, spec=spec, shrink=shrink)
+        c = rl.replay_copies(ro, shrink, multiple=1)
+        assert c < ro.batch * -(-spec.max_steps // shrink)  # rows of 2 and 5 steps, K = 8
+        bounded = _jit_replay()(model.params, ro, spec=spec, shrink=shrink, copies=c)
+        np.testing.assert_allclose(np.asarray(bounded), np.asarray(full), atol=3e-5)
+    with pytest.raises(errors.InputError, match="copies"):
+        rl.trajectory_logprobs(model.params, ro, spec=spec, copies=c - 1)
+    short = _jit_replay()(model.params, ro, spec=spec, copies=2)  # traced: no host check
+    assert np.isnan(np.asarray(short)).any()
 
 
 @pytest.mark.parametrize("name", ["ar", "block_shift", "masked"])

@@ -12,11 +12,12 @@ See `examples/rl_grpo.py` for a whole GRPO loop with optax.
 
 from jdllm.rl.losses import AGGREGATES, group_advantages, grpo_loss, pg_loss
 from jdllm.rl.replay import (METHODS, approximate_decode, check_params, check_rollout, default_method,
-                             packed_attention_mask, replay_cost, token_logprobs, trajectory_logprobs)
+                             packed_attention_mask, replay_copies, replay_cost, token_logprobs,
+                             trajectory_logprobs)
 from jdllm.rl.rollouts import (TRACES, Rollout, RolloutSpec, compiled_rollout, prepare_rollout, rollout,
                               select_groups, texts)
 
 __all__ = ["prepare_rollout", "rollout", "compiled_rollout", "Rollout", "RolloutSpec", "select_groups", "texts", "TRACES",
-           "trajectory_logprobs", "token_logprobs", "check_rollout", "check_params", "replay_cost",
+           "trajectory_logprobs", "replay_copies", "token_logprobs", "check_rollout", "check_params", "replay_cost",
            "packed_attention_mask", "default_method", "approximate_decode", "METHODS", "group_advantages",
            "grpo_loss", "pg_loss", "AGGREGATES"]

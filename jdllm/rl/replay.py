@@ -195,13 +195,35 @@ def replay_cost(spec: RolloutSpec, slots: int, method: str = "auto", shrink: int
         J = math.ceil(spec.ctx.model.block_size / shrink)
         return {"passes": 1, "tokens": (J + 1) * slots}
     K = math.ceil(spec.max_steps / shrink)
-    return {"passes": 1, "tokens": K * slots}
+    return {"passes": 1, "tokens": K * slots}  # the bound; copies=replay_copies(ro) runs only the rows' own
+
+
+def replay_copies(ro: Rollout, shrink: int = 1, multiple: int | None = None) -> int:
+    """Host side: the canvas copies a bounded `per_step` replay of `ro` needs (`copies=` of
+    `trajectory_logprobs`): sum over rows of ceil(row's last step / shrink), rounded up to a
+    multiple of `multiple` (default: the row count) so that batches of similar length share one compile.
+    """
+    if isinstance(shrink, bool) or not isinstance(shrink, (int, np.integer)) or shrink < 1:
+        raise errors.InputError(f"shrink={shrink!r} must be an integer >= 1 (1 = exact replay)")
+    smap = np.asarray(jax.device_get(ro.step_map))
+    need = int(np.sum(-(-smap.max(axis=1) // shrink)))
+    m = int(multiple or smap.shape[0])
+    if m < 1:
+        raise errors.InputError(f"multiple={multiple!r} must be >= 1")
+    return max(m, -(-need // m) * m)
 
 
 def trajectory_logprobs(params, ro: Rollout, *, spec: RolloutSpec, shrink: int = 1, method: str = "auto",
-                        attn_impl: str = "xla", cached_as_exact: bool = False) -> jax.Array:
+                        attn_impl: str = "xla", cached_as_exact: bool = False, copies: int | None = None) -> jax.Array:
     """[B, S] float32: log-prob of each generated token under `params`, replaying `ro.step_map`
-    (0 where nothing was generated). Differentiable in params; pure (jit with spec, shrink, method static).
+    (0 where nothing was generated). Differentiable in params; pure (jit with spec, shrink, method,
+    copies static).
+
+    copies (per_step only): run only the canvas copies the rows use, `copies` of them in all
+    (`replay_copies(ro, shrink)` on the host gives a bucketed bound), instead of
+    ceil(spec.max_steps / shrink) for every row: rows that stopped early cost no more forwards.
+    Too few copies raise InputError on concrete step maps; under jit the slots past
+    the bound come back NaN, so a loss built on them is NaN, never silently wrong.
 
     A rollout decoded with an approximate cache raises InputError unless
     cached_as_exact=True (replay the exact no-cache forward instead); CFG always raises.
@@ -228,22 +250,37 @@ def trajectory_logprobs(params, ro: Rollout, *, spec: RolloutSpec, shrink: int =
         method = "teacher_forcing"
     if method != "teacher_forcing" and cfg.mask_token_id is None:
         raise errors.ConfigError("a diffusion replay needs the model's mask_token_id")
+    if copies is not None:
+        if method != "per_step":
+            raise errors.InputError(f"copies={copies!r} bounds the 'per_step' replay; method is {method!r}")
+        if isinstance(copies, bool) or not isinstance(copies, (int, np.integer)) or copies < 1:
+            raise errors.InputError(f"copies={copies!r} must be an integer >= 1 (see rl.replay_copies)")
+        if _concrete(ro.step_map) and replay_copies(ro, shrink, multiple=1) > copies:
+            raise errors.InputError(f"copies={copies} < the {replay_copies(ro, shrink, multiple=1)} step copies "
+                                    "this rollout's rows use: take it from rl.replay_copies(ro, shrink)")
+    over = None
     if method == "teacher_forcing":
-        h = _teacher_forcing(params, cfg, ro, attn_impl)
+        h = teacher_forced_hidden(params, cfg, ro.tokens, ro.start, attn_impl)
     elif method == "packed":
         h = _packed(params, cfg, ro, shrink, attn_impl)
-    else:
+    elif copies is None:
         h = _per_step(params, cfg, ro, math.ceil(spec.max_steps / shrink), shrink, attn_impl)
+    else:
+        h, over = _per_step_bounded(params, cfg, ro, int(copies), shrink, attn_impl)
     logits = lm_head(params, cfg, h)  # [B, S, V]
     lp = token_logprobs(logits, ro.tokens, ro, cfg.mask_token_id)
+    if over is not None:
+        lp = jnp.where(over, jnp.nan, lp)
     return jnp.where(ro.step_map > 0, lp, 0.0)
 
 
-def _teacher_forcing(params, cfg, ro: Rollout, attn_impl):
-    B, S = ro.tokens.shape
-    pos = default_positions(ro.start, 0, S)
+def teacher_forced_hidden(params, cfg, tokens, start, attn_impl: str = "xla"):
+    """[B, S, D]: the hidden state that predicts each slot of `tokens` [B, S] (slot p from p - 1; rows
+    start at `start` [B]) in one causal forward; `lm_head` of it gives the teacher-forced logits."""
+    B, S = tokens.shape
+    pos = default_positions(start, 0, S)
     at = jnp.zeros((B, 1), jnp.int32)
-    _, _, h = forward(params, cfg, ro.tokens, pos, start=ro.start, attn_impl=attn_impl, return_hidden=True,
+    _, _, h = forward(params, cfg, tokens, pos, start=start, attn_impl=attn_impl, return_hidden=True,
                       logits_at=at)
     src = jnp.clip(jnp.arange(S) - 1, 0, S - 1)
     return h[:, src]  # slot p is predicted at p - 1
@@ -265,14 +302,19 @@ def _steps(ro: Rollout, shrink: int):
     return vis, fill_step, gen, never
 
 
-def _per_step(params, cfg, ro: Rollout, K: int, shrink: int, attn_impl):
-    B, S = ro.tokens.shape
-    mask_id = cfg.mask_token_id
+def _visible_from(ro: Rollout, shrink: int, mask_id):
+    """[B, S]: the first step-copy index whose canvas shows the slot (0: prompt; never: stays masked)."""
     vis, fill_step, gen, never = _steps(ro, shrink)
     smap = ro.step_map
     is_fill = gen & (smap == 0) & (ro.tokens != mask_id) & (fill_step < never)
-    visible_from = jnp.where(~gen, 0, jnp.where(smap > 0, vis,
-                                                jnp.where(is_fill, -(-fill_step // shrink), never)))
+    return jnp.where(~gen, 0, jnp.where(smap > 0, vis, jnp.where(is_fill, -(-fill_step // shrink), never)))
+
+
+def _per_step(params, cfg, ro: Rollout, K: int, shrink: int, attn_impl):
+    B, S = ro.tokens.shape
+    mask_id = cfg.mask_token_id
+    visible_from = _visible_from(ro, shrink, mask_id)
+    smap = ro.step_map
     k = jnp.arange(K, dtype=jnp.int32)[:, None, None]
     toks = jnp.where(visible_from[None] <= k, ro.tokens[None], mask_id).reshape(K * B, S)
     start = jnp.tile(ro.start, K)
@@ -284,6 +326,32 @@ def _per_step(params, cfg, ro: Rollout, K: int, shrink: int, attn_impl):
     group = jnp.clip((smap - 1) // shrink, 0, K - 1)
     src = jnp.clip(jnp.arange(S) - shift, 0, S - 1)[None]
     return _gather_rows(h, group, jnp.broadcast_to(src, (B, S)))
+
+
+def _per_step_bounded(params, cfg, ro: Rollout, C: int, shrink: int, attn_impl):
+    """The per_step replay over C copies laid out row after row (row b owns ceil(its last step / shrink)
+    of them) instead of a [K, B] grid: -> (hidden [B, S, D], over [B, S] slots whose copy is past C)."""
+    B, S = ro.tokens.shape
+    mask_id = cfg.mask_token_id
+    visible_from = _visible_from(ro, shrink, mask_id)
+    smap = ro.step_map
+    n = -(-jnp.max(smap, axis=1) // shrink)  # [B] copies of each row
+    end = jnp.cumsum(n)
+    first = end - n  # [B] the row's first copy
+    c = jnp.arange(C, dtype=jnp.int32)
+    row = jnp.clip(jnp.searchsorted(end, c, side="right"), 0, B - 1)  # [C] the row copy c belongs to
+    k = c - first[row]  # [C] its step group
+    toks = jnp.where(visible_from[row] <= k[:, None], ro.tokens[row], mask_id)  # [C, S]
+    start = ro.start[row]
+    pos = default_positions(start, 0, S)
+    _, _, h = forward(params, cfg, toks, pos, start=start, attn_impl=attn_impl, return_hidden=True,
+                      logits_at=jnp.zeros((C, 1), jnp.int32))  # [C, S, D]
+    group = jnp.clip((smap - 1) // shrink, 0, None)
+    idx = first[:, None] + group  # [B, S]
+    over = idx >= C
+    shift = predicts_next(cfg)
+    src = jnp.broadcast_to(jnp.clip(jnp.arange(S) - shift, 0, S - 1)[None], (B, S))
+    return h[jnp.clip(idx, 0, C - 1), src], over
 
 
 def packed_attention_mask(S: int, W: int, J: int, start) -> jax.Array:
@@ -337,5 +405,5 @@ def _packed(params, cfg, ro: Rollout, shrink: int, attn_impl):
     return jnp.take_along_axis(h, idx[..., None], axis=1)
 
 
-__all__ = ["trajectory_logprobs", "token_logprobs", "check_rollout", "check_params", "replay_cost",
+__all__ = ["trajectory_logprobs", "replay_copies", "token_logprobs", "check_rollout", "check_params", "replay_cost",
            "packed_attention_mask", "default_method", "approximate_decode", "METHODS"]
