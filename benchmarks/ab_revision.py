@@ -40,6 +40,7 @@ import jdllm  # noqa: E402
 from jdllm.config import ModelConfig  # noqa: E402
 from jdllm.decode import block_diffusion, common, loop, masked_diffusion, multi_block  # noqa: E402
 from jdllm.model import init_params  # noqa: E402
+from vs_pytorch import add_shape_args  # noqa: E402 (benchmarks/ is this script's directory)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 USERS = (common, masked_diffusion, multi_block)  # modules that call `forward` by that name
@@ -100,15 +101,7 @@ def main(argv=None) -> int:
     ap.add_argument("--only", nargs="*", default=["ar", "block_static", "block_dynamic"], choices=PARADIGMS)
     ap.add_argument("--gens", type=int, nargs="+", default=[128])
     ap.add_argument("--batches", type=int, nargs="+", default=[1])
-    ap.add_argument("--pairs", type=int, default=3)
-    ap.add_argument("--prompt", type=int, default=32)
-    ap.add_argument("--vocab", type=int, default=4096)
-    ap.add_argument("--hidden", type=int, default=512)
-    ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--heads", type=int, default=8)
-    ap.add_argument("--mlp", type=int, default=1376)
-    ap.add_argument("--block", type=int, default=32)
-    ap.add_argument("--steps-per-block", type=int, default=8)
+    add_shape_args(ap)
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "out", "ab_revision.json"))
     args = ap.parse_args(argv)
     old = old_module(args.rev)

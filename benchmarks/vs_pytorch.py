@@ -338,13 +338,8 @@ def compare(name, gen, batch, jd, pt, pairs, nfe=None):
     return row
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="gen 128 only, AR batch 1, 4 and 8")
-    ap.add_argument("--large", action="store_true",
-                    help="the larger shape: hidden 1024, 16 layers, 16 heads, MLP 2816, vocab 32768")
-    ap.add_argument("--gens", type=int, nargs="+", default=[128, 256])
-    ap.add_argument("--ar-batches", type=int, nargs="+", default=[1, 4, 8])
+def add_shape_args(ap: argparse.ArgumentParser) -> None:
+    """The benchmark model's shape and run-size options (shared with ab_revision.py)."""
     ap.add_argument("--pairs", type=int, default=3)
     ap.add_argument("--prompt", type=int, default=32)
     ap.add_argument("--vocab", type=int, default=4096)
@@ -354,6 +349,16 @@ def main(argv=None) -> int:
     ap.add_argument("--mlp", type=int, default=1376)
     ap.add_argument("--block", type=int, default=32)
     ap.add_argument("--steps-per-block", type=int, default=8, help="denoising steps per block (LLaDA, SDAR)")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="gen 128 only, AR batch 1, 4 and 8")
+    ap.add_argument("--large", action="store_true",
+                    help="the larger shape: hidden 1024, 16 layers, 16 heads, MLP 2816, vocab 32768")
+    ap.add_argument("--gens", type=int, nargs="+", default=[128, 256])
+    ap.add_argument("--ar-batches", type=int, nargs="+", default=[1, 4, 8])
+    add_shape_args(ap)
     ap.add_argument("--threshold", type=float, default=0.9)
     ap.add_argument("--entropy-threshold", type=float, default=0.9, help="d3LLM multi-block entropy threshold")
     ap.add_argument("--weight-scale", type=float, default=1.0,
