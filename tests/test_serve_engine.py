@@ -163,8 +163,6 @@ def test_bounded_queue_and_bad_requests_fail_before_compiling():
 
     with pytest.raises(errors.ConstraintError, match="no constraint tables"):
         eng.submit([1, 2], s, constraint=C.regex("[a-c]+", backend="dfa"))
-    with pytest.raises(errors.DecodingConfigError, match="'ar_spec' does not take on-device constraints"):
-        E.Engine(m, _spec_of(m), constraint_states=8)
     eng.stop()
     with pytest.raises(errors.EngineStoppedError):
         eng.submit([1, 2], s)
@@ -222,3 +220,36 @@ def test_multi_block_joins_when_the_batch_drains_with_constraints():
     assert reqs[1].output.constraint_ok and reqs[2].output.text in ("1 2", "7 9")
     assert reqs[0].output.text == "1 2 3"  # the loose regex leaves the model's own answer
     assert eng.stats()["rows_free"] == 3 and eng.stats()["tracked"] == 0
+
+
+def test_ar_spec_serves_on_device_constraints():
+    """ar_spec with on-device DFA tables (verification masks every draft slot by the DFA state after
+    the drafts before it): staggered constrained and free requests on tiny-ar with its shipped draft
+    each equal generate() alone on the DFA backend, tokens, NFE, finish reason and draft counts."""
+    import os
+
+    from jdllm import constraints as C
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    m = jdllm.load(os.path.join(root, "models", "tiny-ar"), dtype="float32")
+    par = jdllm.Speculative(num_draft_tokens=3, draft=os.path.join(root, "models", "tiny-ar-draft"))
+    eng = E.Engine(m, par, max_batch=2, max_prompt_tokens=16, max_new_tokens=8, steps_per_round=2,
+                   compiler_options=FAST_COMPILE, constraint_states=16, constraint_classes=16)
+    prompts = ["rev:abcd=", "=ab=", "sort:3 1 2=", "rev:cba="]
+    cons = [C.regex("[a-d]{3,5}", backend="dfa"), C.regex("ab[0-9]{2}", backend="dfa"),
+            C.regex(r"\d( \d)*", backend="dfa"), None]
+    s = jdllm.Sampling(max_new_tokens=8)
+    ids = [m.tokenizer.encode(p, add_special_tokens=False) for p in prompts]
+    reqs = []
+    for i, (p, c) in enumerate(zip(ids, cons)):
+        reqs.append(eng.submit(p, s, constraint=c))
+        if i % 2:
+            eng.step_round()
+    eng.run_until_idle()
+    for p, c, r in zip(prompts, cons, reqs):
+        want = jdllm.generate(m, [p], par, s, constraint=c)[0]
+        assert _fields(r.output) == _fields(want), p
+        assert r.output.trace == want.trace and r.output.constraint_ok == want.constraint_ok
+    assert [r.output.constraint_ok for r in reqs] == [True, True, True, None]
+    assert sum(r.output.trace["drafts_accepted"] for r in reqs) >= 3
+    assert eng.stats()["rows_free"] == 2 and eng.stats()["tracked"] == 0

@@ -222,10 +222,6 @@ class Engine:
         self.constraint_states = common.bucket(constraint_states, 8) if constraint_states else 0
         self.constraint_classes = common.bucket(constraint_classes, 8)
         if self.constraint_states:
-            if self.paradigm.name == "ar_spec":
-                raise errors.DecodingConfigError(
-                    "paradigm 'ar_spec' does not take on-device constraints (its draft verification samples "
-                    "outside them); serve it with constraint_states=0")
             idle = idle.replace(constraint=self._tables([None] * R, self.slots))
         self.params = params_for(model, decoding)  # ar_spec: the draft's parameters ride along
         pool = self._fns["buffers"](self.params, cfg, idle)
