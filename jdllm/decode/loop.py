@@ -184,6 +184,7 @@ def max_iterations(paradigm, state: DecodeState) -> int:
 def prefill(params, state: DecodeState, bitmask=None, *, paradigm, ctx: DecodeCtx) -> DecodeState:
     """Allocate the KV cache (parameters' dtype) and run the paradigm's prefill (bitmask: for the
     slots `plan(state)` names, where the prefill also takes the first step)."""
+    params = layers_for(params, ctx)
     state = common.constrain(ctx, common.with_buffers(params, ctx.model, state))
     return common.constrain(ctx, paradigm.prefill(params, ctx, state, bitmask))
 
@@ -195,7 +196,7 @@ def plan(state: DecodeState, *, paradigm, ctx: DecodeCtx) -> tuple[DecodeState, 
 
 def forward(params, state: DecodeState, plan: common.Plan, *, paradigm, ctx: DecodeCtx):
     """The step's forward: (state, logits [B, N, V] predicting `plan.slots`)."""
-    return paradigm.forward(params, ctx, state, plan)
+    return paradigm.forward(layers_for(params, ctx), ctx, state, plan)
 
 
 def reveal(state: DecodeState, plan: common.Plan, logits, bitmask=None, *, paradigm, ctx: DecodeCtx) -> DecodeState:
@@ -222,7 +223,7 @@ def _loop(params, state: DecodeState, paradigm, ctx: DecodeCtx, bound) -> Decode
 def step_n(params, state: DecodeState, n, *, paradigm, ctx: DecodeCtx) -> DecodeState:
     """Up to n more iterations on the device (fewer when every row is done or the guard is hit)."""
     bound = jnp.minimum(state.iteration + jnp.asarray(n, jnp.int32), max_iterations(paradigm, state))
-    return _loop(params, state, paradigm, ctx, bound)
+    return _loop(layers_for(params, ctx), state, paradigm, ctx, bound)
 
 
 def finalize(state: DecodeState) -> DecodeState:
@@ -238,9 +239,7 @@ def run(params, state: DecodeState, *, paradigm, ctx: DecodeCtx) -> DecodeState:
     The input state is not consumed (it holds no cache), so it can be reused.
     """
     TRACES[paradigm.name] += 1
-    if unroll_layers(ctx):  # sliced once here, not on every step of the loop (a draft model's too)
-        params = {k: unstack_layers(v) if isinstance(v, dict) and "layers" in v else v
-                  for k, v in unstack_layers(params).items()}
+    params = layers_for(params, ctx)  # sliced once here, not on every step of the loop
     state = prefill(params, state, paradigm=paradigm, ctx=ctx)
     state = _loop(params, state, paradigm, ctx, max_iterations(paradigm, state))
     return finalize(state)
@@ -255,6 +254,18 @@ def unroll_layers(ctx: DecodeCtx) -> bool:
     copied out of the stack on every step (~20% of an AR step at hidden 512), at the price of a
     longer compile (2-3x for 8 layers, +6% for 2)."""
     return jax.default_backend() in UNROLL_LAYERS_ON and ctx.placement is None
+
+
+def layers_for(params, ctx: DecodeCtx):
+    """params as this context runs them: where `unroll_layers`, each stack of layer weights (the
+    model's and a draft model's riding along) split per layer; a no-op on split params. Every entry
+    point that runs a forward (`run`, `prefill`, `forward`, `step_n`; the serving engine's rounds and
+    the host-driven steps through them) calls it, so they all compute the same graph as `generate`
+    (in bfloat16 the scanned and the unrolled layers round differently)."""
+    if not unroll_layers(ctx):
+        return params
+    return {k: unstack_layers(v) if isinstance(v, dict) and "layers" in v else v
+            for k, v in unstack_layers(params).items()}
 
 
 def _jit(fn, static=("paradigm", "ctx"), donate=(), compiler_options=()):
