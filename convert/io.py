@@ -64,13 +64,12 @@ class OrbaxStreamWriter:
     def __init__(self, params_dir: str, cfg: ModelConfig):
         import tensorstore as ts  # noqa: PLC0415
 
-        from jdllm.model import param_specs  # noqa: PLC0415
+        from jdllm.model import flat_param_specs  # noqa: PLC0415
 
         self.ts = ts
         self.dir = os.path.abspath(params_dir)
         os.makedirs(self.dir)
-        self.specs = {}
-        _flatten(param_specs(cfg), (), self.specs)
+        self.specs = flat_param_specs(cfg)
         # one context: every array shares the one OCDBT store; no chunk cache (write and forget)
         self.context = ts.Context({"cache_pool": {"total_bytes_limit": 0}})
         self.kvstore = {"driver": "ocdbt", "base": f"file://{self.dir}/",
@@ -131,14 +130,6 @@ class OrbaxStreamWriter:
                        "commit_timestamp_nsecs": now, "custom_metadata": {}}, f)
         self.arrays.clear()
         return {d.name for d in self.dtypes.values()}
-
-
-def _flatten(tree, prefix, out):
-    if isinstance(tree, dict):
-        for k, v in tree.items():
-            _flatten(v, prefix + (k,), out)
-    else:
-        out[prefix] = tree
 
 
 def _zarr_dtype(dtype: np.dtype) -> str:

@@ -69,14 +69,21 @@ def param_specs(cfg: ModelConfig) -> Params:
     return specs
 
 
-def _is_spec(x) -> bool:
+def is_param_spec(x) -> bool:
+    """The `is_leaf` of a `param_specs` tree (a ParamSpec is a dataclass, not a pytree leaf by itself)."""
     return isinstance(x, ParamSpec)
+
+
+def flat_param_specs(cfg: ModelConfig) -> dict[tuple[str, ...], ParamSpec]:
+    """`param_specs` keyed by path, e.g. ('layers', 'q') -> its ParamSpec."""
+    flat = jax.tree_util.tree_flatten_with_path(param_specs(cfg), is_leaf=is_param_spec)[0]
+    return {tuple(k.key for k in path): spec for path, spec in flat}
 
 
 def init_params(cfg: ModelConfig, key: jax.Array, dtype=jnp.float32, std: float = 0.02) -> Params:
     """Random parameters following `param_specs` (normal(0, std) weights, unit norms)."""
     specs = param_specs(cfg)
-    leaves, treedef = jax.tree.flatten(specs, is_leaf=_is_spec)
+    leaves, treedef = jax.tree.flatten(specs, is_leaf=is_param_spec)
     keys = jax.random.split(key, len(leaves))
 
     def make(spec: ParamSpec, k):
@@ -90,7 +97,7 @@ def init_params(cfg: ModelConfig, key: jax.Array, dtype=jnp.float32, std: float 
 
 
 def param_shapes(cfg: ModelConfig) -> Params:
-    return jax.tree.map(lambda s: s.shape, param_specs(cfg), is_leaf=_is_spec)
+    return jax.tree.map(lambda s: s.shape, param_specs(cfg), is_leaf=is_param_spec)
 
 
 def shape_mismatch(tree, cfg: ModelConfig):
@@ -110,7 +117,7 @@ def shape_mismatch(tree, cfg: ModelConfig):
 
 
 def logical_axes(cfg: ModelConfig) -> Params:
-    return jax.tree.map(lambda s: s.axes, param_specs(cfg), is_leaf=_is_spec)
+    return jax.tree.map(lambda s: s.axes, param_specs(cfg), is_leaf=is_param_spec)
 
 
 # --------------------------------------------------------------------------- KV cache

@@ -111,11 +111,6 @@ def make_rules(rules: Mapping[str, Any] | None = None) -> tuple[tuple[str, Any],
     return tuple(sorted(table.items()))
 
 
-def _is_spec(x) -> bool:
-    from jdllm.model import ParamSpec  # noqa: PLC0415
-
-    return isinstance(x, ParamSpec)
-
 
 @dataclasses.dataclass(frozen=True)
 class Placement:
@@ -170,9 +165,9 @@ class Placement:
     # ------------------------------------------------------------------ params
     def param_shardings(self, cfg) -> Any:
         """NamedSharding per parameter (the params pytree's structure), checked for divisibility."""
-        from jdllm.model import param_specs  # noqa: PLC0415
+        from jdllm.model import is_param_spec, param_specs  # noqa: PLC0415
 
-        flat, treedef = jax.tree_util.tree_flatten_with_path(param_specs(cfg), is_leaf=_is_spec)
+        flat, treedef = jax.tree_util.tree_flatten_with_path(param_specs(cfg), is_leaf=is_param_spec)
         return jax.tree.unflatten(treedef, [
             self.sharding(s.axes, s.shape, f"parameter {jax.tree_util.keystr(k)} {s.shape}") for k, s in flat])
 
