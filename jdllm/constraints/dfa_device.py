@@ -60,8 +60,7 @@ class DFATables:
         W = logits.shape[1]
         F, G = reachable(self, state)
         ok = _allowed_tokens(self, state, F, G, offset, W)
-        tab = self if self.fwd is None else dataclasses.replace(self, fwd=F, bwd=G)
-        return tab, jnp.where(ok, logits, -jnp.inf)
+        return self._keeping(F, G), jnp.where(ok, logits, -jnp.inf)
 
     def draft_mask(self, state, offset, drafts: jax.Array):
         """(tables, ok [B, K+1, V]): ar_spec's verification masks for slots offset + i, i = 0..K, each
@@ -69,7 +68,11 @@ class DFATables:
         still masked). The returned tables keep this step's F / G for `joint`."""
         F, G = reachable(self, state)
         ok = draft_allowed(self, state, F, G, offset, drafts)
-        return (self if self.fwd is None else dataclasses.replace(self, fwd=F, bwd=G)), ok
+        return self._keeping(F, G), ok
+
+    def _keeping(self, F, G) -> "DFATables":
+        """These tables holding this step's F / G for `joint` (tables built without them stay so)."""
+        return self if self.fwd is None else dataclasses.replace(self, fwd=F, bwd=G)
 
     def joint(self, state, offset, sel: jax.Array, token: jax.Array, score: jax.Array) -> jax.Array:
         """sel [B, W] reduced so the step's reveals are jointly completable (confidence order)."""

@@ -326,7 +326,6 @@ class Speculative:
         state = state.replace(tokens=tokens, cache=state.cache.commit(length), extra=extra)
         return common.finish_rows(state)
 
-
     def rewind(self, ctx, state: DecodeState, before: DecodeState, remasked, written) -> DecodeState:
         """After a host edited slots (`jdllm.constraints.guidance` re-masking a token its grammar
         rejected): the draft model's cache keeps no K/V past the target's (their lengths agree after
