@@ -87,8 +87,8 @@ MAX_ANSWER_LEN = 9  # "d d d d d"
 LONG_MAX_PROMPT_LEN = 32  # "cumsum:" + 24 digits + "="
 LONG_MAX_ANSWER_LEN = 39  # rep: 8 x 4 letters + 7 spaces (cumsum: 24 digits)
 # longest answer of each task in characters (= tokens), EOS not counted
-MAX_ANSWER = {"sort": 9, "add": 3, "rev": 6, "rep": 39, "cumsum": CUMSUM_DIGITS,
-              "jumble": JUMBLE_TIMES * JUMBLE_WORD_LEN, "json": 18}
+MAX_ANSWER = {"sort": MAX_ANSWER_LEN, "add": 3, "rev": 6, "rep": REP_TIMES * (REP_WORD_LEN + 1) - 1,
+              "cumsum": CUMSUM_DIGITS, "jumble": JUMBLE_TIMES * JUMBLE_WORD_LEN, "json": 18}
 
 
 @dataclasses.dataclass(frozen=True)
