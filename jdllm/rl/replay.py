@@ -255,8 +255,9 @@ def trajectory_logprobs(params, ro: Rollout, *, spec: RolloutSpec, shrink: int =
             raise errors.InputError(f"copies={copies!r} bounds the 'per_step' replay; method is {method!r}")
         if isinstance(copies, bool) or not isinstance(copies, (int, np.integer)) or copies < 1:
             raise errors.InputError(f"copies={copies!r} must be an integer >= 1 (see rl.replay_copies)")
-        if _concrete(ro.step_map) and replay_copies(ro, shrink, multiple=1) > copies:
-            raise errors.InputError(f"copies={copies} < the {replay_copies(ro, shrink, multiple=1)} step copies "
+        need = replay_copies(ro, shrink, multiple=1) if _concrete(ro.step_map) else 0
+        if need > copies:
+            raise errors.InputError(f"copies={copies} < the {need} step copies "
                                     "this rollout's rows use: take it from rl.replay_copies(ro, shrink)")
     over = None
     if method == "teacher_forcing":
