@@ -130,6 +130,8 @@ def main(argv=None) -> int:
 
                 for mod in USERS:  # trace "before" with the old forward
                     mod.forward = old.forward
+                new_unstack = loop.unstack_layers  # and the old per-layer split (its weight names)
+                loop.unstack_layers = getattr(old, "unstack_layers", new_unstack)
                 unroll_on = loop.UNROLL_LAYERS_ON
                 if args.scan_before:
                     loop.UNROLL_LAYERS_ON = ()
@@ -138,6 +140,7 @@ def main(argv=None) -> int:
                 finally:
                     for mod in USERS:
                         mod.forward = new_forward
+                    loop.unstack_layers = new_unstack
                     loop.UNROLL_LAYERS_ON = unroll_on
                 call("after")
                 cpu = {"before": [], "after": []}
