@@ -233,7 +233,8 @@ def warm_start(params, cfg: ModelConfig, path: str):
 
 def train(kind: str, steps: int, batch: int, lr: float, seed: int, out: str, n_train: int, n_eval: int,
           quiet: bool = False, init_from: str | None = None, task_mix=tasks.TASKS, name: str | None = None,
-          weights=None, eval_every: int = 0, block_size: int = 4, noisy_context: float = 0.0) -> dict:
+          weights=None, eval_every: int = 0, block_size: int = 4, noisy_context: float = 0.0,
+          warmup: int | None = None, constant_lr: bool = False) -> dict:
     import functools  # noqa: PLC0415
 
     import optax  # noqa: PLC0415
@@ -245,8 +246,11 @@ def train(kind: str, steps: int, batch: int, lr: float, seed: int, out: str, n_t
     if init_from:
         params = warm_start(params, cfg, init_from)
     n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
-    sched = optax.warmup_cosine_decay_schedule(0.0, lr, min(100, max(1, steps // 10)), max(steps, 2),
-                                               end_value=lr * 0.1)
+    n_warm = min(100, max(1, steps // 10)) if warmup is None else warmup
+    if constant_lr:  # fine-tunes: a linear climb over `n_warm` steps (0: none), then lr throughout
+        sched = optax.linear_schedule(0.0, lr, n_warm) if n_warm else optax.constant_schedule(lr)
+    else:
+        sched = optax.warmup_cosine_decay_schedule(0.0, lr, max(1, n_warm), max(steps, 2), end_value=lr * 0.1)
     opt = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(sched, b2=0.98, weight_decay=0.01))
     opt_state = opt.init(params)
     loss_fn = objectives.loss_for(cfg)
@@ -310,6 +314,8 @@ def train(kind: str, steps: int, batch: int, lr: float, seed: int, out: str, n_t
         info["task_weights"] = {t: weights[t] for t in task_mix if t in weights}
     if noisy_context:
         info["noisy_context"] = noisy_context
+    if warmup is not None or constant_lr:
+        info.update(warmup_steps=warmup, lr_schedule="constant" if constant_lr else "cosine")
     if long:
         info.update(tasks=list(task_mix), seq_len=data.seq_len, eval_long_tasks=long,
                     eval_long_exact_match=long_acc and sum(long_acc.values()) / len(long_acc),
@@ -381,6 +387,11 @@ def main(argv=None) -> int:
     ap.add_argument("--noisy-context", type=float, default=0.0,
                     help="sdar: add this weight times a block-diffusion term whose context blocks are noisy too "
                          "(as multi_block decodes), to the BD3-LM loss (default 0: BD3-LM alone)")
+    ap.add_argument("--warmup", type=int, default=None,
+                    help="learning-rate warmup steps (default: min(100, steps/10)); warm-start fine-tunes "
+                         "lose old-task accuracy while a long warmup climbs back to the full rate")
+    ap.add_argument("--constant-lr", action="store_true",
+                    help="hold the learning rate after the warmup (default: cosine decay to lr/10)")
     args = ap.parse_args(argv)
     if args.weights is not None and len(args.weights) != len(args.tasks):
         ap.error(f"--weights needs one value per --tasks entry ({len(args.tasks)})")
@@ -397,7 +408,7 @@ def main(argv=None) -> int:
         train(kind, args.steps or recipe["steps"], args.batch, args.lr or recipe["lr"], args.seed, args.out,
               args.train_size, args.eval, args.quiet, None if args.scratch else init, tuple(args.tasks),
               name=args.name, weights=weights, eval_every=args.eval_every, block_size=args.block_size,
-              noisy_context=args.noisy_context)
+              noisy_context=args.noisy_context, warmup=args.warmup, constant_lr=args.constant_lr)
     return 0
 
 
