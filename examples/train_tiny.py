@@ -225,6 +225,17 @@ def noisy_context_loss(params, cfg: ModelConfig, tokens, target, start, key, *, 
 
 
 # --------------------------------------------------------------------------- training
+def lr_schedule(lr: float, steps: int, warmup: int | None = None, constant: bool = False):
+    """The optax schedule: a linear warmup over `warmup` steps (default min(100, steps / 10)), then a
+    cosine decay to lr / 10 at `steps` (the shipped recipes), or `constant` lr (0 warmup: lr from step 0)."""
+    import optax  # noqa: PLC0415
+
+    n_warm = min(100, max(1, steps // 10)) if warmup is None else warmup
+    if constant:
+        return optax.linear_schedule(0.0, lr, n_warm) if n_warm else optax.constant_schedule(lr)
+    return optax.warmup_cosine_decay_schedule(0.0, lr, max(1, n_warm), max(steps, 2), end_value=lr * 0.1)
+
+
 def warm_start(params, cfg: ModelConfig, path: str):
     """Copy every weight of the model at `path` whose name and shape match (AR -> diffusion adaptation,
     as SDAR and Dream start from Qwen checkpoints); the rest keeps its fresh initialisation."""
@@ -255,11 +266,7 @@ def train(kind: str, steps: int, batch: int, lr: float, seed: int, out: str, n_t
     if init_from:
         params = warm_start(params, cfg, init_from)
     n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
-    n_warm = min(100, max(1, steps // 10)) if warmup is None else warmup
-    if constant_lr:  # fine-tunes: a linear climb over `n_warm` steps (0: none), then lr throughout
-        sched = optax.linear_schedule(0.0, lr, n_warm) if n_warm else optax.constant_schedule(lr)
-    else:
-        sched = optax.warmup_cosine_decay_schedule(0.0, lr, max(1, n_warm), max(steps, 2), end_value=lr * 0.1)
+    sched = lr_schedule(lr, steps, warmup, constant_lr)
     opt = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(sched, b2=0.98, weight_decay=0.01))
     opt_state = opt.init(params)
     loss_fn = objectives.loss_for(cfg)
