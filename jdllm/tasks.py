@@ -7,7 +7,7 @@ decoding strategies can be compared on accuracy, not only speed:
     add:12+34=    -> 46         (add two numbers in [0, 99])
     rev:abc=      -> cba        (reverse 3-6 lowercase letters)
 
-and three long-answer tasks, kept out of the default `TASKS` (so the default
+and five long-answer tasks, kept out of the default `TASKS` (so the default
 sets above never change) and asked for by name (`LONG_TASKS`, `ALL_TASKS`):
 
     rep:abcd=     -> abcd abcd abcd abcd abcd abcd abcd abcd   (a 4-letter word 8 times: 39 tokens)
