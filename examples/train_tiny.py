@@ -37,13 +37,16 @@ decodes them); neither was learned in a ~25 min CPU budget (benchmarks/RESULTS.m
         --init-from models/tiny-sdar --steps 180 --lr 5e-4 --eval-every 45 --out /tmp/tiny-jumble
 
 The shipped models/tiny-sdar-long learned the long task "either" (a block's first token is a coin
-flip, so block diffusion needs ~2 forwards per block; ~20 min on one core), with a constant learning
+flip, so block diffusion needs ~2 forwards per block; ~24 min on one core), with a constant learning
 rate after a 10-step warmup (--warmup, --constant-lr: a long warmup back to the full rate cost
 earlier warm starts old-task accuracy):
 
     python examples/train_tiny.py --model sdar --tasks sort add rev either --weights 1 1 1 1 \
         --init-from models/tiny-sdar --steps 320 --lr 4e-4 --warmup 10 --constant-lr \
-        --noisy-context 0.5 --name tiny-sdar-long --out models
+        --noisy-context 0.5 --name stage1 --out /tmp/long
+    python examples/train_tiny.py --model sdar --tasks sort add rev either --weights 1 1 1 1 \
+        --init-from /tmp/long/stage1 --steps 100 --lr 2e-4 --warmup 5 --constant-lr \
+        --noisy-context 1.0 --name tiny-sdar-long --out models
 """
 
 from __future__ import annotations
