@@ -111,6 +111,12 @@ def sweep(attention: str, block_size: int, quick: bool, forced: Sequence[str] = 
         out += [_s("MultiBlock", fp("entropy/add0.25", f), f"H<={e}", block_size=B, entropy_threshold=e,
                    block_add_threshold=0.25, **({} if f == "first" else {"forced_progress": f}))
                 for f in forced for e in (0.2, 0.5, 1.0)]
+        # ... and made Fully-Activated at once (decoded 0.25): block k+1 can take its forced token in
+        # the forward that completes block k (oneof: a block's first letter is a coin flip, H = ln 2)
+        out += [_s("MultiBlock", fp("entropy/add0.25/dec0.25", f), f"H<={e}", block_size=B, entropy_threshold=e,
+                   block_add_threshold=0.25, decoded_token_threshold=0.25,
+                   **({} if f == "first" else {"forced_progress": f}))
+                for f in forced for e in (0.2, 0.5, 1.0)]
         return out
     if attention == "block_causal":
         confs = [0.95, 0.7] if quick else [0.95, 0.9, 0.8, 0.7, 0.5]
@@ -192,8 +198,9 @@ def run_setting(model, examples, setting: Setting, batch: int = 128, gen: int = 
 
 def measure(models_dir: str, n: int, quick: bool, only: Sequence[str] = (), seed: int = 0,
             log: Callable[[str], None] = print, task_names: Sequence[str] | None = None,
-            forced: Sequence[str] = ("first",)) -> dict[str, Any]:
-    """Run the sweep on every shipped model; rows for measured points and for skipped ones."""
+            forced: Sequence[str] = ("first",), curves: Sequence[str] = ()) -> dict[str, Any]:
+    """Run the sweep on every shipped model; rows for measured points and for skipped ones.
+    `curves`: only the settings whose strategy (curve name) is listed (default: all)."""
     import jdllm  # noqa: PLC0415
     from jdllm import tasks  # noqa: PLC0415
 
@@ -209,6 +216,8 @@ def measure(models_dir: str, n: int, quick: bool, only: Sequence[str] = (), seed
         model = jdllm.load(os.path.join(models_dir, name), dtype="float32")
         cfg = model.config
         for st in sweep(cfg.attention, cfg.block_size, quick, forced, gen, long):
+            if curves and st.strategy not in curves:
+                continue
             base = {"model": name, "paradigm": st.paradigm, "strategy": st.strategy, "setting": st.label,
                     "kwargs": dict(st.kwargs)}
             try:
@@ -315,13 +324,16 @@ def main(argv=None) -> int:
                          "quality-<tasks>.{json,md,png}")
     ap.add_argument("--forced-progress", nargs="+", default=["first"], choices=["first", "every"],
                     help="multi_block forced-progress rules to sweep (default: d3LLM's 'first' only)")
+    ap.add_argument("--curves", nargs="+", default=(),
+                    help="only these curves (the table's strategy column, e.g. low_confidence_dynamic "
+                         "entropy/add0.25/dec0.25/every); default: every curve of the sweep")
     args = ap.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     from jdllm import tasks  # noqa: PLC0415
 
     stem = "quality" if not args.tasks or tuple(args.tasks) == tasks.TASKS else "quality-" + "-".join(args.tasks)
     result = measure(args.models, args.n, args.quick, args.only, task_names=args.tasks,
-                     forced=args.forced_progress)
+                     forced=args.forced_progress, curves=args.curves)
     result["machine"] = args.machine
     previous = os.path.join(args.out, f"{stem}.json")
     if args.only and os.path.exists(previous):  # keep the other models' rows from an earlier run

@@ -35,6 +35,18 @@ decodes them); neither was learned in a ~25 min CPU budget (benchmarks/RESULTS.m
 
     python examples/train_tiny.py --model sdar --tasks sort add rev jumble --weights 1 1 1 1 \
         --init-from models/tiny-sdar --steps 180 --lr 5e-4 --eval-every 45 --out /tmp/tiny-jumble
+
+The shipped models/tiny-sdar-long learned the long task "either" (a block's first token is a coin
+flip, so block diffusion needs ~2 forwards per block; ~24 min on one core), with a constant learning
+rate after a 10-step warmup (--warmup, --constant-lr: a long warmup back to the full rate cost
+earlier warm starts old-task accuracy):
+
+    python examples/train_tiny.py --model sdar --tasks sort add rev either --weights 1 1 1 1 \
+        --init-from models/tiny-sdar --steps 320 --lr 4e-4 --warmup 10 --constant-lr \
+        --noisy-context 0.5 --name stage1 --out /tmp/long
+    python examples/train_tiny.py --model sdar --tasks sort add rev either --weights 1 1 1 1 \
+        --init-from /tmp/long/stage1 --steps 100 --lr 2e-4 --warmup 5 --constant-lr \
+        --noisy-context 1.0 --name tiny-sdar-long --out models
 """
 
 from __future__ import annotations
@@ -216,6 +228,17 @@ def noisy_context_loss(params, cfg: ModelConfig, tokens, target, start, key, *, 
 
 
 # --------------------------------------------------------------------------- training
+def lr_schedule(lr: float, steps: int, warmup: int | None = None, constant: bool = False):
+    """The optax schedule: a linear warmup over `warmup` steps (default min(100, steps / 10)), then a
+    cosine decay to lr / 10 at `steps` (the shipped recipes), or `constant` lr (0 warmup: lr from step 0)."""
+    import optax  # noqa: PLC0415
+
+    n_warm = min(100, max(1, steps // 10)) if warmup is None else warmup
+    if constant:
+        return optax.linear_schedule(0.0, lr, n_warm) if n_warm else optax.constant_schedule(lr)
+    return optax.warmup_cosine_decay_schedule(0.0, lr, max(1, n_warm), max(steps, 2), end_value=lr * 0.1)
+
+
 def warm_start(params, cfg: ModelConfig, path: str):
     """Copy every weight of the model at `path` whose name and shape match (AR -> diffusion adaptation,
     as SDAR and Dream start from Qwen checkpoints); the rest keeps its fresh initialisation."""
@@ -233,7 +256,8 @@ def warm_start(params, cfg: ModelConfig, path: str):
 
 def train(kind: str, steps: int, batch: int, lr: float, seed: int, out: str, n_train: int, n_eval: int,
           quiet: bool = False, init_from: str | None = None, task_mix=tasks.TASKS, name: str | None = None,
-          weights=None, eval_every: int = 0, block_size: int = 4, noisy_context: float = 0.0) -> dict:
+          weights=None, eval_every: int = 0, block_size: int = 4, noisy_context: float = 0.0,
+          warmup: int | None = None, constant_lr: bool = False) -> dict:
     import functools  # noqa: PLC0415
 
     import optax  # noqa: PLC0415
@@ -245,8 +269,7 @@ def train(kind: str, steps: int, batch: int, lr: float, seed: int, out: str, n_t
     if init_from:
         params = warm_start(params, cfg, init_from)
     n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
-    sched = optax.warmup_cosine_decay_schedule(0.0, lr, min(100, max(1, steps // 10)), max(steps, 2),
-                                               end_value=lr * 0.1)
+    sched = lr_schedule(lr, steps, warmup, constant_lr)
     opt = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(sched, b2=0.98, weight_decay=0.01))
     opt_state = opt.init(params)
     loss_fn = objectives.loss_for(cfg)
@@ -310,6 +333,8 @@ def train(kind: str, steps: int, batch: int, lr: float, seed: int, out: str, n_t
         info["task_weights"] = {t: weights[t] for t in task_mix if t in weights}
     if noisy_context:
         info["noisy_context"] = noisy_context
+    if warmup is not None or constant_lr:
+        info.update(warmup_steps=warmup, lr_schedule="constant" if constant_lr else "cosine")
     if long:
         info.update(tasks=list(task_mix), seq_len=data.seq_len, eval_long_tasks=long,
                     eval_long_exact_match=long_acc and sum(long_acc.values()) / len(long_acc),
@@ -381,6 +406,11 @@ def main(argv=None) -> int:
     ap.add_argument("--noisy-context", type=float, default=0.0,
                     help="sdar: add this weight times a block-diffusion term whose context blocks are noisy too "
                          "(as multi_block decodes), to the BD3-LM loss (default 0: BD3-LM alone)")
+    ap.add_argument("--warmup", type=int, default=None,
+                    help="learning-rate warmup steps (default: min(100, steps/10)); warm-start fine-tunes "
+                         "lose old-task accuracy while a long warmup climbs back to the full rate")
+    ap.add_argument("--constant-lr", action="store_true",
+                    help="hold the learning rate after the warmup (default: cosine decay to lr/10)")
     args = ap.parse_args(argv)
     if args.weights is not None and len(args.weights) != len(args.tasks):
         ap.error(f"--weights needs one value per --tasks entry ({len(args.tasks)})")
@@ -397,7 +427,7 @@ def main(argv=None) -> int:
         train(kind, args.steps or recipe["steps"], args.batch, args.lr or recipe["lr"], args.seed, args.out,
               args.train_size, args.eval, args.quiet, None if args.scratch else init, tuple(args.tasks),
               name=args.name, weights=weights, eval_every=args.eval_every, block_size=args.block_size,
-              noisy_context=args.noisy_context)
+              noisy_context=args.noisy_context, warmup=args.warmup, constant_lr=args.constant_lr)
     return 0
 
 

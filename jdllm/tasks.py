@@ -7,13 +7,15 @@ decoding strategies can be compared on accuracy, not only speed:
     add:12+34=    -> 46         (add two numbers in [0, 99])
     rev:abc=      -> cba        (reverse 3-6 lowercase letters)
 
-and three long-answer tasks, kept out of the default `TASKS` (so the default
+and five long-answer tasks, kept out of the default `TASKS` (so the default
 sets above never change) and asked for by name (`LONG_TASKS`, `ALL_TASKS`):
 
     rep:abcd=     -> abcd abcd abcd abcd abcd abcd abcd abcd   (a 4-letter word 8 times: 39 tokens)
     cumsum:314159265358979323846264=  (24 digits)
                   -> 348954625831965825376848   (24 tokens: 3489 5462 5831 9658 2537 6848)
     jumble:abcd=  -> bdac cabd abdc dcba acbd bacd dbca cdab   (without the spaces: 32 tokens)
+    oneof:abcd efgh=  -> abcd efgh efgh abcd abcd efgh abcd efgh   (without the spaces: 32 tokens)
+    either:abcd=  -> abcd ---- ---- abcd abcd ---- abcd ----   (without the spaces: 32 tokens)
 
 Their answers are long enough for several decoding blocks to be in flight at
 once, which the short tasks (answers of ~6 tokens) never allow. (A first version of rep drew
@@ -36,6 +38,21 @@ checks every group; the example's `answer` is one of them, the training target).
 first letter is a free choice among 4, the next among the 3 left, ...: a block decoded on its
 own takes about 4 forwards, however well the model is trained, while groups are independent
 of each other. Its prompt is 12 tokens (a multiple of 4: 4-slot blocks hold whole groups).
+
+`oneof` keeps rep's easy skill (copying a word of the prompt) with jumble's ambiguity: the
+prompt gives two 4-letter words with 8 distinct letters, and each of the 8 answer groups is
+EITHER word, drawn independently (`is_correct` accepts any such answer). A group's first letter
+is a coin flip (confidence 1/2, entropy ln 2 = 0.69, above the usual thresholds) and, once one
+letter is in, the other three are determined: block diffusion takes about 2 forwards per 4-slot
+block however well the model is trained, and groups do not depend on each other, so a
+pipelined decoder can start block k+1 while block k completes. Its prompt is 16 tokens, so
+4-slot (and 8-slot) blocks hold whole groups. (tiny-sdar did not learn it in 400 fine-tuning
+steps: finding which prompt word holds a revealed letter, then copying that word, is a two-hop
+lookup; see benchmarks/RESULTS.md.)
+
+`either` is the same shape with a one-hop copy: each group is the prompt's word or the filler
+`----` (EITHER_FILL), a coin flip per group; a revealed letter or dash settles its group. Its
+prompt is 12 tokens (block-aligned).
 
 and one structured task (`STRUCTURED_TASKS`, also asked for by name), whose answer is a
 small JSON object, for measuring grammar-constrained decoding:
@@ -64,13 +81,15 @@ from typing import Iterable, Sequence
 from jdllm import errors
 
 TASKS = ("sort", "add", "rev")  # the default sets
-LONG_TASKS = ("rep", "cumsum", "jumble")  # long answers; only when asked for by name
+LONG_TASKS = ("rep", "cumsum", "jumble", "oneof", "either")  # long answers; only when asked for by name
 STRUCTURED_TASKS = ("json",)  # JSON answers, own alphabet (JSON_CHARS); only when asked for by name
 ALL_TASKS = TASKS + LONG_TASKS + STRUCTURED_TASKS
 REP_TIMES = 8  # "rep" repeats its word this many times
 REP_WORD_LEN = 4  # ... a word of this many letters
 CUMSUM_DIGITS, CUMSUM_GROUP = 24, 4  # "cumsum": 24 input digits, running sums restart every 4
 JUMBLE_TIMES, JUMBLE_WORD_LEN = 8, 4  # "jumble": 8 orderings of a word of 4 distinct letters
+ONEOF_TIMES, ONEOF_WORD_LEN = 8, 4  # "oneof": 8 groups, each one of two 4-letter words (8 distinct letters)
+EITHER_FILL = "----"  # "either": 8 groups, each the prompt's 4-letter word or this filler
 PAD, EOS, MASK = "<pad>", "<eos>", "<mask>"
 SPECIALS = (PAD, EOS, MASK)  # ids 0, 1, 2
 # Printable characters, one token each; padded so the vocabulary is 48 ids in all.
@@ -88,7 +107,8 @@ LONG_MAX_PROMPT_LEN = 32  # "cumsum:" + 24 digits + "="
 LONG_MAX_ANSWER_LEN = 39  # rep: 8 x 4 letters + 7 spaces (cumsum: 24 digits)
 # longest answer of each task in characters (= tokens), EOS not counted
 MAX_ANSWER = {"sort": MAX_ANSWER_LEN, "add": 3, "rev": 6, "rep": REP_TIMES * (REP_WORD_LEN + 1) - 1,
-              "cumsum": CUMSUM_DIGITS, "jumble": JUMBLE_TIMES * JUMBLE_WORD_LEN, "json": 18}
+              "cumsum": CUMSUM_DIGITS, "jumble": JUMBLE_TIMES * JUMBLE_WORD_LEN,
+              "oneof": ONEOF_TIMES * ONEOF_WORD_LEN, "either": ONEOF_TIMES * ONEOF_WORD_LEN, "json": 18}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,6 +142,13 @@ def make_example(task: str, rng: random.Random) -> Example:
         w = rng.sample("abcdefghijklmnopqrstuvwxyz", JUMBLE_WORD_LEN)
         return Example(task, "jumble:" + "".join(w) + "=",
                        "".join("".join(rng.sample(w, len(w))) for _ in range(JUMBLE_TIMES)))
+    if task == "oneof":
+        letters = rng.sample("abcdefghijklmnopqrstuvwxyz", 2 * ONEOF_WORD_LEN)
+        a, b = "".join(letters[:ONEOF_WORD_LEN]), "".join(letters[ONEOF_WORD_LEN:])
+        return Example(task, f"oneof:{a} {b}=", "".join(rng.choice((a, b)) for _ in range(ONEOF_TIMES)))
+    if task == "either":
+        w = "".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(ONEOF_WORD_LEN))
+        return Example(task, f"either:{w}=", "".join(rng.choice((w, EITHER_FILL)) for _ in range(ONEOF_TIMES)))
     if task == "json":
         w = "".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(2, 3)))
         n = rng.randrange(100)
@@ -197,8 +224,15 @@ def normalize(text: str) -> str:
 
 def is_correct(prediction: str, ex: Example) -> bool:
     """Whether a decoded completion answers `ex`: its normalized text equals the answer, or, for
-    "jumble" (many correct answers), it is JUMBLE_TIMES groups each ordering the prompt's letters."""
+    "jumble" (many correct answers), it is JUMBLE_TIMES groups each ordering the prompt's letters,
+    for "oneof", ONEOF_TIMES groups each equal to one of the prompt's two words (for "either", to the
+    prompt's word or EITHER_FILL)."""
     text = normalize(prediction)
+    if ex.task in ("oneof", "either"):
+        words = ex.prompt[len("oneof:"):-1].split(" ") if ex.task == "oneof" else [ex.prompt[len("either:"):-1],
+                                                                                    EITHER_FILL]
+        n = ONEOF_WORD_LEN
+        return len(text) == n * ONEOF_TIMES and all(text[i:i + n] in words for i in range(0, len(text), n))
     if ex.task != "jumble":
         return text == ex.answer
     word = sorted(ex.prompt[len("jumble:"):-1])

@@ -75,6 +75,20 @@ def _run(name: str, decoding, n: int = 200):
     return acc, tpf
 
 
+def test_long_sweep_has_early_full_activation_under_both_rules():
+    """The block-causal long-task sweep: multi_block at add 0.25 / decoded 0.25 for each forced-progress
+    rule asked for (the setting where "every" overlaps blocks on `either`), next to block diffusion."""
+    q = _quality()
+    settings = q.sweep("block_causal", 4, False, ("first", "every"), 36, long=True)
+    early = {(s.strategy, s.label): dict(s.kwargs) for s in settings if "dec0.25" in s.strategy}
+    assert set(early) == {(c, f"H<={e}") for c in ("entropy/add0.25/dec0.25", "entropy/add0.25/dec0.25/every")
+                          for e in (0.2, 0.5, 1.0)}
+    for (curve, _), kw in early.items():
+        assert kw["block_add_threshold"] == kw["decoded_token_threshold"] == 0.25
+        assert kw.get("forced_progress", "first") == ("every" if curve.endswith("every") else "first")
+    assert any(s.paradigm == "BlockDiffusion" for s in settings)
+
+
 def test_shipped_directories_complete_and_small():
     total = 0
     for name in SHIPPED:

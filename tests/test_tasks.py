@@ -28,6 +28,14 @@ def _check_answer(ex: tasks.Example) -> bool:
         groups = [ex.answer[i:i + 4] for i in range(0, 32, 4)]
         return (len(ex.answer) == 32 and len(set(body)) == 4 == len(body)
                 and all(sorted(g) == sorted(body) for g in groups))
+    if head == "oneof":  # 8 groups of 4, each one of the prompt's two words; 8 distinct letters in all
+        a, b = body.split(" ")
+        groups = [ex.answer[i:i + 4] for i in range(0, len(ex.answer), 4)]
+        return (len(ex.answer) == 32 and len(a) == len(b) == 4 and len(set(a + b)) == 8
+                and all(g in (a, b) for g in groups))
+    if head == "either":  # 8 groups of 4, each the prompt's word or four dashes
+        groups = [ex.answer[i:i + 4] for i in range(0, len(ex.answer), 4)]
+        return len(ex.answer) == 32 and len(body) == 4 and body.isalpha() and all(g in (body, "----") for g in groups)
     return False
 
 
@@ -102,9 +110,10 @@ def test_long_task_outside_default_sets():
     for ex in exs:
         assert _check_answer(ex), ex
         assert len(ex.answer) == 39 == tasks.LONG_MAX_ANSWER_LEN and len(ex.prompt) <= tasks.LONG_MAX_PROMPT_LEN
-    assert not {"rep", "cumsum", "jumble"} & {ex.task for ex in tasks.test_set(300)}
+    assert not set(tasks.LONG_TASKS) & {ex.task for ex in tasks.test_set(300)}
     mixed = tasks.train_set(2000, seed=0, tasks=tasks.ALL_TASKS[:-1])  # json trains alone (own alphabet)
-    held = {ex.prompt for ts in (tasks.TASKS, ("rep",), ("cumsum",), ("jumble",)) for ex in tasks.test_set(1000, 0, ts)}
+    held = {ex.prompt for ts in (tasks.TASKS, *((t,) for t in tasks.LONG_TASKS))
+            for ex in tasks.test_set(1000, 0, ts)}
     assert {ex.task for ex in mixed} == set(tasks.ALL_TASKS[:-1]) and not {ex.prompt for ex in mixed} & held
 
 
@@ -173,3 +182,43 @@ def test_jumble_task_accepts_any_valid_ordering():
     # single-answer tasks stay exact
     assert tasks.is_correct("cba<eos>", tasks.Example("rev", "rev:abc=", "cba"))
     assert not tasks.is_correct("bca", tasks.Example("rev", "rev:abc=", "cba"))
+
+
+def test_oneof_task_accepts_either_word_per_group():
+    """oneof: 16-token prompts (4-slot blocks hold whole groups), 32-token answers drawing each group
+    from both words (checked by an independent solver); the scorer takes any answer whose 8 groups are
+    each one of the two words, and nothing else (hand cases)."""
+    exs = tasks.test_set(60, seed=5, tasks=("oneof",))
+    assert {ex.task for ex in exs} == {"oneof"} and len({ex.prompt for ex in exs}) == 60
+    for ex in exs:
+        assert _check_answer(ex), ex
+        assert len(ex.prompt) == 16 and tasks.is_correct(ex.answer + "<eos>", ex)
+    both = sum(len({ex.answer[i:i + 4] for i in range(0, 32, 4)}) == 2 for ex in exs)
+    assert both >= 55  # each group is a fair coin: all 8 the same word has probability 2 / 256
+    assert tasks.max_new_tokens(("oneof",)) == 36
+    ex = tasks.Example("oneof", "oneof:abcd efgh=", "abcd" * 8)
+    good = "efgh" * 3 + "abcd" * 4 + "efgh"
+    cases = {good: True, "abcd" * 8 + "<eos>": True, " " + good + " ": True,
+             "abcd" * 7: False,  # a group short
+             "abcd" * 8 + "e": False,  # a letter too many
+             "abcd" * 7 + "abgh": False,  # a group mixing the two words
+             "abcd" * 7 + "dcba": False,  # the right letters, wrong order
+             "abcd" * 7 + "ab<mask>d": False}  # unfinished
+    for text, want in cases.items():
+        assert tasks.is_correct(text, ex) is want, text
+
+
+def test_either_task_accepts_word_or_filler_per_group():
+    """either: 12-token prompts, 32-token answers whose groups are the word or "----" (independent
+    solver); the scorer takes any such answer, not a group mixing the two."""
+    exs = tasks.test_set(60, seed=6, tasks=("either",))
+    assert {ex.task for ex in exs} == {"either"} and len({ex.prompt for ex in exs}) == 60
+    for ex in exs:
+        assert _check_answer(ex), ex
+        assert len(ex.prompt) == 12 and tasks.is_correct(ex.answer, ex)
+    assert sum(len({ex.answer[i:i + 4] for i in range(0, 32, 4)}) == 2 for ex in exs) >= 55
+    ex = tasks.Example("either", "either:abcd=", "abcd" * 8)
+    cases = {"----" * 8: True, "abcd----" * 4 + "<eos>": True, "abcd" * 7: False, "abcd" * 7 + "ab--": False,
+             "abcd" * 7 + "dcba": False, "abcd" * 7 + "---": False}
+    for text, want in cases.items():
+        assert tasks.is_correct(text, ex) is want, text

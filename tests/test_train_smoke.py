@@ -72,3 +72,14 @@ def test_training_is_deterministic(smoke_dir, tmp_path):
     assert a.keys() == b.keys()
     for k in a:
         np.testing.assert_array_equal(a[k], b[k], err_msg=k)
+
+
+def test_lr_schedule_warmup_and_constant():
+    """--warmup / --constant-lr: hand values of a linear climb then a flat rate, and the default
+    (cosine) schedule's warmup length and end value."""
+    sched = _train_tiny().lr_schedule
+    flat = sched(4e-4, 500, warmup=10, constant=True)
+    np.testing.assert_allclose([float(flat(t)) for t in (0, 5, 10, 250, 499)], [0, 2e-4, 4e-4, 4e-4, 4e-4], rtol=1e-6)
+    assert float(sched(1e-3, 500, warmup=0, constant=True)(0)) == pytest.approx(1e-3)
+    cos = sched(1e-3, 600)  # default: warmup min(100, 60) = 60 steps, cosine to lr / 10 at step 600
+    np.testing.assert_allclose([float(cos(t)) for t in (30, 60, 600)], [5e-4, 1e-3, 1e-4], rtol=1e-5)
