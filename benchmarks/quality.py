@@ -104,7 +104,7 @@ def sweep(attention: str, block_size: int, quick: bool, forced: Sequence[str] = 
         out = [_s("BlockDiffusion", "low_confidence_static", f"steps={B}", block_length=B, denoising_steps=B,
                   strategy="low_confidence_static")]
         out += [_s("BlockDiffusion", "low_confidence_dynamic", f"conf>={c}", block_length=B, denoising_steps=B,
-                   strategy="low_confidence_dynamic", confidence_threshold=c) for c in (0.95, 0.9, 0.7, 0.5)]
+                   strategy="low_confidence_dynamic", confidence_threshold=c) for c in (0.95, 0.9, 0.8, 0.7, 0.5)]
         out += [_s("MultiBlock", fp("entropy", f), f"H<={e}", block_size=B, entropy_threshold=e,
                    **({} if f == "first" else {"forced_progress": f}))
                 for f in forced for e in (0.2, 0.5, 1.0)]
@@ -116,7 +116,7 @@ def sweep(attention: str, block_size: int, quick: bool, forced: Sequence[str] = 
         out += [_s("MultiBlock", fp("entropy/add0.25/dec0.25", f), f"H<={e}", block_size=B, entropy_threshold=e,
                    block_add_threshold=0.25, decoded_token_threshold=0.25,
                    **({} if f == "first" else {"forced_progress": f}))
-                for f in forced for e in (0.2, 0.5, 1.0)]
+                for f in forced for e in (0.2, 0.3, 0.4, 0.5, 1.0)]
         return out
     if attention == "block_causal":
         confs = [0.95, 0.7] if quick else [0.95, 0.9, 0.8, 0.7, 0.5]

@@ -82,7 +82,7 @@ def test_long_sweep_has_early_full_activation_under_both_rules():
     settings = q.sweep("block_causal", 4, False, ("first", "every"), 36, long=True)
     early = {(s.strategy, s.label): dict(s.kwargs) for s in settings if "dec0.25" in s.strategy}
     assert set(early) == {(c, f"H<={e}") for c in ("entropy/add0.25/dec0.25", "entropy/add0.25/dec0.25/every")
-                          for e in (0.2, 0.5, 1.0)}
+                          for e in (0.2, 0.3, 0.4, 0.5, 1.0)}
     for (curve, _), kw in early.items():
         assert kw["block_add_threshold"] == kw["decoded_token_threshold"] == 0.25
         assert kw.get("forced_progress", "first") == ("every" if curve.endswith("every") else "first")
