@@ -369,7 +369,7 @@ def forward(params: Params, cfg: ModelConfig, tokens, positions, *, start, cache
             live = jnp.max(jnp.broadcast_to(jnp.asarray(kv_len, jnp.int32), (B,)))
             bucket = jnp.minimum(jnp.searchsorted(jnp.asarray(sizes, jnp.int32), live), len(sizes) - 1)
 
-    # a window of a few queries on the XLA path: attention as multiply-reduce over the keys in place
+    # a window of at most SMALL_WINDOW queries on the XLA path: `window_attention` (no transposed cache copy)
     small_window = (cache is not None and attn_mask is None and isinstance(attn_impl, str)
                     and resolve_impl(attn_impl) == "xla" and T <= SMALL_WINDOW)
 
