@@ -128,8 +128,12 @@ def row_settings(sampling, n: int) -> list[Sampling]:
 
 
 def prepare(model: Model, prompts, decoding=None, sampling: Sampling | list[Sampling] | None = None, *,
-            apply_chat_template: bool = False) -> Prepared:
+            apply_chat_template: bool = False, max_rows: int | None = None) -> Prepared:
     """Check inputs and build the initial DecodeState and static context (nothing compiles).
+
+    The batch is padded with inactive rows up to its shape bucket (a power of two, times the
+    mesh's batch split), or to `max_rows` when that is smaller (the serving engine's pool size):
+    a batch then never holds more than max_rows rows.
 
     sampling: one `Sampling` for every prompt (row b then draws from the stream
     fold_in(seed, b)) or a list with one per prompt (each row draws from its own
@@ -168,7 +172,14 @@ def prepare(model: Model, prompts, decoding=None, sampling: Sampling | list[Samp
     n = len(ids)
     placement = model.placement
     mult = 1 if placement is None else placement.batch_multiple()  # rows split evenly over `data`
-    pad = -(-common.bucket(n) // mult) * mult - n  # batch padding rows copy prompt 0, inactive
+    padded = -(-common.bucket(n) // mult) * mult
+    if max_rows is not None:
+        if n > max_rows or max_rows % mult:
+            raise errors.InputError(
+                f"max_rows={max_rows} cannot hold {n} prompts" if n > max_rows else
+                f"max_rows={max_rows} rows do not split over the mesh's batch axis (a multiple of {mult})")
+        padded = min(padded, max_rows)
+    pad = padded - n  # batch padding rows copy prompt 0, inactive
     rows = ids + [ids[0]] * pad
     active = np.arange(len(rows)) < n
     lengths = np.array([len(r) for r in rows], np.int32)

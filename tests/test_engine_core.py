@@ -265,3 +265,18 @@ def test_prepared_state_can_be_decoded_twice():
     first = _fields(outputs(prep, loop.decode(m.params, prep.state, **kw)))
     again = _fields(outputs(prep, loop.decode(m.params, prep.state, **kw)))
     assert first == again
+
+
+def test_prepare_max_rows_caps_the_padded_batch():
+    """prepare pads a batch to its shape bucket (3 prompts -> 4 rows) unless max_rows is smaller (the
+    serving pool); fewer rows than prompts is an InputError."""
+    from jdllm import errors
+
+    m, par = _paradigms()[1]
+    prompts, s = PROMPTS, jdllm.Sampling(max_new_tokens=8)
+    assert prepare(m, prompts, par, s).state.batch == 4
+    prep = prepare(m, prompts, par, s, max_rows=3)
+    assert prep.state.batch == 3 and not np.asarray(prep.state.done).any()
+    assert prepare(m, prompts, par, s, max_rows=8).state.batch == 4
+    with pytest.raises(errors.InputError, match="max_rows=2 cannot hold 3 prompts"):
+        prepare(m, prompts, par, s, max_rows=2)

@@ -171,17 +171,19 @@ def test_bounded_queue_and_bad_requests_fail_before_compiling():
 
 def test_masked_diffusion_joins_when_the_batch_drains():
     """masked_diffusion rows share one window schedule: requests start together once the pool has
-    drained (FIFO among those with the head's max_new_tokens), each equal to generate() alone."""
+    drained (FIFO among those with the head's max_new_tokens), each equal to generate() alone. The
+    drained batch keeps the pool's size: 3 requests make 3 rows, not their shape bucket's 4."""
     from tests.test_decode_masked import bidir_model
 
     m, par = bidir_model(), jdllm.MaskedDiffusion(block_length=4, steps=8)
-    eng = E.Engine(m, par, max_batch=2, max_prompt_tokens=8, max_new_tokens=8, steps_per_round=2,
+    eng = E.Engine(m, par, max_batch=3, max_prompt_tokens=8, max_new_tokens=8, steps_per_round=2,
                    compiler_options=FAST_COMPILE)
     prompts = [[5, 17, 3, 44, 9], [70, 2, 8], [8, 8, 31, 4], [11, 12, 13]]
     news = [8, 8, 4, 8]
     reqs = [eng.submit(p, jdllm.Sampling(max_new_tokens=n, stop_token_ids=())) for p, n in zip(prompts, news)]
     eng.step_round()
-    assert [r.status for r in reqs] == ["running", "running", "waiting", "waiting"]
+    assert [r.status for r in reqs] == ["running", "running", "waiting", "running"]
+    assert eng._pool.batch == 3  # prepare() alone would pad 3 prompts to 4 rows
     eng.run_until_idle()
     for p, n, r in zip(prompts, news, reqs):
         assert _fields(r.output) == _fields(_alone(m, par, p, jdllm.Sampling(max_new_tokens=n, stop_token_ids=())))

@@ -440,7 +440,7 @@ class Engine:
             mask[kill] = True
             self._pool = self._fns["close"](self._pool, jnp.asarray(mask))
         if self.drain and admit:
-            state, self._ctx = self.lifecycle.batch(self.model, self.paradigm, admit)
+            state, self._ctx = self.lifecycle.batch(self.model, self.paradigm, admit, max_rows=self.max_batch)
             if self.constraint_states:
                 dfas = [r.dfa for r in admit] + [None] * (state.batch - len(admit))
                 state = state.replace(constraint=self._tables(dfas, state.slots))

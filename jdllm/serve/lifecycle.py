@@ -77,12 +77,13 @@ class DrainJoin:
         n = waiting[0].sampling.max_new_tokens
         return [r for r in waiting if r.sampling.max_new_tokens == n][:capacity]
 
-    def batch(self, model, paradigm, reqs: list):
-        """(state, ctx) for these requests as one batch (`jdllm.api.prepare`, token-id prompts)."""
+    def batch(self, model, paradigm, reqs: list, max_rows: int | None = None):
+        """(state, ctx) for these requests as one batch (`jdllm.api.prepare`, token-id prompts) of at
+        most `max_rows` rows (the engine's pool)."""
         from jdllm.api import prepare  # noqa: PLC0415
 
         settings = [dataclasses.replace(r.sampling, stop_token_ids=r.stop_ids) for r in reqs]
-        prep = prepare(model, [r.prompt_ids for r in reqs], paradigm, settings)
+        prep = prepare(model, [r.prompt_ids for r in reqs], paradigm, settings, max_rows=max_rows)
         return prep.state, prep.ctx
 
 
