@@ -188,6 +188,7 @@ def test_stop_strings_n_choices_and_logprobs_equal_offline(server):
     c = res.choices[0]
     assert (c.text, c.finish_reason) == (want.text[:j], "stop")
     assert c.model_extra["jdllm"]["token_ids"] == want.token_ids[:k] and res.usage.completion_tokens == k
+    assert k <= c.model_extra["jdllm"]["nfe"] <= want.nfe  # forwards by the round the stop string completed
     np.testing.assert_allclose(c.logprobs.token_logprobs, want.logprobs[:k], atol=1e-5)
     text, finish = "", None
     for ch in client.completions.create(**kw, stream=True):

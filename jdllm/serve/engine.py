@@ -104,7 +104,8 @@ def _compiled(compiler_options: tuple = ()):
 class Event:
     """What a request hears from the engine.
 
-    kind "tokens": `token_ids` became final (with their `step_map` and `logprobs`);
+    kind "tokens": `token_ids` became final (with their `step_map` and `logprobs`; `nfe`: the row's
+    forwards so far, prefill included, as of the round that made them final);
     kind "steps" (only with return_step_map): `positions` (0-based in the generation) revealed
     since the last event and their `steps` (step_map values) and `token_ids`, in any order;
     kind "done": the request finished, `output` holds the whole `jdllm.Output`;
@@ -117,6 +118,7 @@ class Event:
     logprobs: list[float] = dataclasses.field(default_factory=list)
     positions: list[int] = dataclasses.field(default_factory=list)
     steps: list[int] = dataclasses.field(default_factory=list)
+    nfe: int | None = None
     output: Output | None = None
     message: str = ""
 
@@ -502,7 +504,7 @@ class Engine:
                     req.first_token = now
                 req.emit(Event("tokens", token_ids=host["tokens"][r, sl].tolist(),
                                step_map=host["step_map"][r, sl].tolist(),
-                               logprobs=host["logprobs"][r, sl].tolist()))
+                               logprobs=host["logprobs"][r, sl].tolist(), nfe=int(host["nfe"][r])))
                 req.sent = end - g0
             if done:
                 trace = None if host["extra"] is None else self.paradigm.output_trace(host["extra"], r)

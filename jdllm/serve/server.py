@@ -21,7 +21,8 @@ by the DFA backend (`jdllm.constraints.dfa`: regular languages, non-recursive sc
 server was started with `--constraint-states Q`; choices then carry `jdllm.constraint_ok`.
 The paradigm is fixed when the server starts (it is compiled into the engine); an unknown option
 is refused. Every response choice carries `jdllm: {token_ids, step_map, nfe}` (streamed chunks:
-`token_ids`, `step_map` of the tokens they carry).
+`token_ids`, `step_map` of the tokens they carry; a choice cut by a `stop` string reports the
+forwards its row had run by the round that completed the stop string).
 
 Errors are OpenAI-shaped `{"error": {"message", "type", "param", "code"}}`: 400 for a bad request
 (malformed JSON, unknown model, bad value, prompt over the context), 429 when the engine's bounded
@@ -146,6 +147,7 @@ class Choice:
                 self.ids, self.step_map = list(ev.output.token_ids), list(ev.output.step_map)
                 self.logprobs = list(ev.output.logprobs)
         else:
+            self.nfe = ev.nfe if ev.nfe is not None else self.nfe  # a stop string may end the choice here
             self.ids += ev.token_ids
             self.step_map += ev.step_map
             self.logprobs += ev.logprobs
