@@ -24,7 +24,7 @@ from flax import nnx
 
 from jdllm.config import ModelConfig
 from pallas_kernels import attention as attention_op
-from pallas_kernels import resolve_impl, visible_mask
+from pallas_kernels import resolve_impl
 
 Params = dict[str, Any]
 
@@ -196,43 +196,6 @@ def kv_buckets(max_len: int) -> tuple[int, ...]:
     return (*sizes, max_len)
 
 
-SMALL_WINDOW = 1  # windows of at most this many queries attend through `window_attention`
-
-
-def window_attention(q, k, v, *, start, q_offset, kv_len, kind, block_size):
-    """The XLA reference attention (`pallas_kernels.attention_reference`: same masking rule, float32
-    scores and softmax) for a window of a few queries, as two matmuls batched over rows only.
-    q [B, T, H, D], k/v [B, S, KV, D] -> [B, T, H, D].
-
-    The reference's dots batch over (row, kv head), so XLA:CPU first copies the keys and values
-    to [B, KV, S, D] / [B, KV, D, S] and then runs B x KV matrix-vector products (an AR step:
-    T = 1). Here the keys are read where they lie, as [B, S, KV * D]: the queries go in a
-    block-diagonal [B, KV * D, T * H] (head h's D entries in its kv head's rows, zeros
-    elsewhere), one dot gives every head's scores, and the values' dot gives [B, T * H, KV * D]
-    of which each head keeps its kv head's D columns. KV times the attention's arithmetic (small
-    next to the projections when T * KV is), no transposed copy of the cache."""
-    B, T, H, D = q.shape
-    S, KV = k.shape[1], k.shape[2]
-    G = H // KV
-    mask = visible_mask(T, S, start=start, q_offset=q_offset, kv_len=kv_len, kind=kind,
-                        block_size=block_size)  # [B, T, S]
-    eye = jnp.eye(KV, dtype=jnp.float32)
-    qg = q.reshape(B, T, KV, G, D).astype(jnp.float32) * (D ** -0.5)
-    qbd = jnp.einsum("btkgd,kj->bjdtkg", qg, eye).reshape(B, KV * D, T * H)  # block-diagonal queries
-    scores = jnp.einsum("bsc,bch->bsh", k.reshape(B, S, KV * D).astype(jnp.float32), qbd)  # [B, S, T * H]
-    scores = scores.reshape(B, S, T, H)
-    m = mask.transpose(0, 2, 1)[..., None]  # [B, S, T, 1]
-    scores = jnp.where(m, scores, -jnp.inf)
-    mx = jnp.max(scores, axis=1, keepdims=True)
-    mx = jnp.where(jnp.isfinite(mx), mx, 0.0)
-    p = jnp.where(m, jnp.exp(scores - mx), 0.0)
-    denom = jnp.sum(p, axis=1, keepdims=True)
-    p = (p / jnp.where(denom == 0, 1.0, denom)).reshape(B, S, T * H)
-    full = jnp.einsum("bsh,bsc->bhc", p, v.reshape(B, S, KV * D).astype(jnp.float32))  # [B, T * H, KV * D]
-    out = jnp.einsum("btkgjd,kj->btkgd", full.reshape(B, T, KV, G, KV, D), eye)  # each head's own kv head
-    return out.reshape(B, T, H, D).astype(q.dtype)
-
-
 # --------------------------------------------------------------------------- pieces
 def rms_norm(x, w, eps):
     xf = x.astype(jnp.float32)
@@ -369,10 +332,6 @@ def forward(params: Params, cfg: ModelConfig, tokens, positions, *, start, cache
             live = jnp.max(jnp.broadcast_to(jnp.asarray(kv_len, jnp.int32), (B,)))
             bucket = jnp.minimum(jnp.searchsorted(jnp.asarray(sizes, jnp.int32), live), len(sizes) - 1)
 
-    # a window of at most SMALL_WINDOW queries on the XLA path: `window_attention` (no transposed cache copy)
-    small_window = (cache is not None and attn_mask is None and isinstance(attn_impl, str)
-                    and resolve_impl(attn_impl) == "xla" and T <= SMALL_WINDOW)
-
     def layer(carry, xs):
         h, ck, cv = carry
         lp, i = xs
@@ -393,9 +352,6 @@ def forward(params: Params, cfg: ModelConfig, tokens, positions, *, start, cache
         k = apply_rope(k, positions, inv_freq, rope_scale)
 
         def attend(keys, vals):
-            if small_window:
-                return window_attention(q, keys, vals, start=start, q_offset=q_offset, kv_len=kv_len,
-                                        kind=cfg.attention, block_size=cfg.block_size)
             return attention_op(q, keys.astype(q.dtype), vals.astype(q.dtype), start=start, q_offset=q_offset,
                                 kv_len=kv_len, kind=cfg.attention, block_size=cfg.block_size,
                                 impl=attn_impl, mask=attn_mask)

@@ -26,8 +26,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.reference import (KINDS, attention_reference, horizon, masked_attention_reference,
-                                      visible_mask)
+from pallas_kernels.reference import (KINDS, SMALL_WINDOW, attention_reference, horizon,
+                                      masked_attention_reference, visible_mask, window_reference)
 
 IMPLS = ("auto", "xla", "pallas", "cudnn")
 
@@ -128,8 +128,8 @@ def attention(q, k, v, *, start, q_offset=0, kv_len=None, kind="causal", block_s
     if isinstance(impl, ShardedAttention):
         return impl(q, k, v, **kw)
     impl = resolve_impl(impl)
-    if impl == "xla":
-        return attention_reference(q, k, v, **kw)
+    if impl == "xla":  # one-query windows (AR steps) without the reference's transposed cache copy
+        return (window_reference if q.shape[1] <= SMALL_WINDOW else attention_reference)(q, k, v, **kw)
     if impl == "cudnn":
         return _cudnn(q, k, v, **kw)
     from pallas_kernels import flash  # noqa: PLC0415 (imported only when asked for)

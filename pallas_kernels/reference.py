@@ -69,12 +69,49 @@ def masked_attention_reference(q, k, v, mask, *, scale=None):
     scores = jnp.einsum("btkgd,bskd->bkgts", qg, k,
                         preferred_element_type=jnp.float32) * scale  # [B, KV, G, T, S]
     mask = mask[:, None, None]
-    scores = jnp.where(mask, scores, -jnp.inf)
-    mx = jnp.max(scores, axis=-1, keepdims=True)
-    mx = jnp.where(jnp.isfinite(mx), mx, 0.0)
-    p = jnp.where(mask, jnp.exp(scores - mx), 0.0)
-    denom = jnp.sum(p, axis=-1, keepdims=True)
-    p = p / jnp.where(denom == 0, 1.0, denom)
+    p = _masked_softmax(scores, mask, axis=-1)
     out = jnp.einsum("bkgts,bskd->btkgd", p.astype(v.dtype), v,
                      preferred_element_type=jnp.float32)
+    return out.reshape(B, T, H, D).astype(q.dtype)
+
+
+def _masked_softmax(scores, mask, axis: int):
+    """Softmax of float32 `scores` over `axis` where `mask` (broadcastable) is True; zeros where a
+    query sees no key."""
+    scores = jnp.where(mask, scores, -jnp.inf)
+    mx = jnp.max(scores, axis=axis, keepdims=True)
+    mx = jnp.where(jnp.isfinite(mx), mx, 0.0)
+    p = jnp.where(mask, jnp.exp(scores - mx), 0.0)
+    denom = jnp.sum(p, axis=axis, keepdims=True)
+    return p / jnp.where(denom == 0, 1.0, denom)
+
+
+SMALL_WINDOW = 1  # the XLA path attends windows of at most this many queries through `window_reference`
+
+
+def window_reference(q, k, v, *, start, q_offset=0, kv_len=None, kind="causal", block_size=1, scale=None):
+    """`attention_reference` (same rule, float32 scores and softmax) for a window of a few queries,
+    as two matmuls batched over rows only. q [B, T, H, D], k/v [B, S, KV, D] -> [B, T, H, D].
+
+    The reference's dots batch over (row, kv head), so XLA:CPU first copies the keys and values
+    to [B, KV, S, D] / [B, KV, D, S] and then runs B x KV matrix-vector products (an AR step:
+    T = 1). Here the keys are read where they lie, as [B, S, KV * D]: the queries go in a
+    block-diagonal [B, KV * D, T * H] (head h's D entries in its kv head's rows, zeros
+    elsewhere), one dot gives every head's scores, and the values' dot gives [B, T * H, KV * D]
+    of which each head keeps its kv head's D columns. KV times the attention's arithmetic (small
+    next to the projections when T * KV is), no transposed copy of the cache."""
+    B, T, H, D = q.shape
+    S, KV = k.shape[1], k.shape[2]
+    G = H // KV
+    scale = D ** -0.5 if scale is None else scale
+    mask = visible_mask(T, S, start=start, q_offset=q_offset, kv_len=S if kv_len is None else kv_len,
+                        kind=kind, block_size=block_size)  # [B, T, S]
+    eye = jnp.eye(KV, dtype=jnp.float32)
+    qg = q.reshape(B, T, KV, G, D).astype(jnp.float32) * scale
+    qbd = jnp.einsum("btkgd,kj->bjdtkg", qg, eye).reshape(B, KV * D, T * H)  # block-diagonal queries
+    scores = jnp.einsum("bsc,bch->bsh", k.reshape(B, S, KV * D).astype(jnp.float32), qbd)  # [B, S, T * H]
+    m = mask.transpose(0, 2, 1)[..., None]  # [B, S, T, 1]
+    p = _masked_softmax(scores.reshape(B, S, T, H), m, axis=1).reshape(B, S, T * H)
+    full = jnp.einsum("bsh,bsc->bhc", p, v.reshape(B, S, KV * D).astype(jnp.float32))  # [B, T * H, KV * D]
+    out = jnp.einsum("btkgjd,kj->btkgd", full.reshape(B, T, KV, G, KV, D), eye)  # each head's own kv head
     return out.reshape(B, T, H, D).astype(q.dtype)

@@ -220,9 +220,9 @@ def test_unstacked_layers_run_the_same_forward():
 
 @pytest.mark.parametrize("kind,T,H,KV", [("causal", 1, 4, 2), ("block_causal", 3, 4, 4), ("bidirectional", 2, 6, 3)])
 def test_window_attention_is_the_reference_attention(kind, T, H, KV):
-    """`window_attention` (the XLA path's one-query windows) against the reference attention, rows at
+    """`window_reference` (the XLA path's one-query windows) against the reference attention, rows at
     their own offsets and starts; a head reading another kv head's values would not match."""
-    from jdllm.model import window_attention  # noqa: PLC0415
+    from pallas_kernels.reference import window_reference  # noqa: PLC0415
     from pallas_kernels import attention_reference  # noqa: PLC0415
 
     r = np.random.default_rng(T)
@@ -230,7 +230,7 @@ def test_window_attention_is_the_reference_attention(kind, T, H, KV):
     kw = dict(start=jnp.asarray([0, 5, 2]), q_offset=jnp.asarray([6, 12, 24 - T]),
               kv_len=jnp.asarray([6 + T, 12 + T, 24]), kind=kind, block_size=4)
     ref = np.asarray(attention_reference(q, k, v, **kw))
-    np.testing.assert_allclose(np.asarray(window_attention(q, k, v, **kw)), ref, atol=1e-5, rtol=0)
+    np.testing.assert_allclose(np.asarray(window_reference(q, k, v, **kw)), ref, atol=1e-5, rtol=0)
     if KV > 1:  # the check can fail: every head reading kv head 0
         k0 = jnp.broadcast_to(k[:, :, :1], k.shape)
         v0 = jnp.broadcast_to(v[:, :, :1], v.shape)
