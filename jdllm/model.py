@@ -403,14 +403,17 @@ def forward(params: Params, cfg: ModelConfig, tokens, positions, *, start, cache
 
 
 def unstack_layers(params: Params, fuse: bool = True) -> Params:
-    """params with `layers` as a tuple of per-layer weight dicts: `forward` then runs the layers as
-    straight-line code instead of a `lax.scan`. Inside a jit, call it once outside a decode loop:
-    XLA:CPU copies a scanned layer's weights out of the stacked arrays on every pass (a
-    dynamic-slice per weight per step), while these slices are taken once.
+    """params with `layers` as a tuple of per-layer weight dicts (the per-layer layout): `forward`
+    then runs the layers as straight-line code over arrays it reads in place, instead of a
+    `lax.scan` whose slices XLA copies out of the stacked arrays on every pass (a dynamic-slice per
+    weight per step: ~20% of an AR step on the CPU, 2.5-3x the weight-read floor on an H100).
+
+    `jdllm.load` and `Model.random` return this layout, built once outside any jit; called inside
+    a jit on stacked params (`loop.layers_for`), the slices are a second copy of the weights.
 
     fuse: also concatenate each layer's q / k / v projections into one `qkv` [D, H + 2 KV, Dh] and
     gate / up into one `gate_up` [D, 2 F] (`fuse_projections`), so a layer runs 4 matmuls instead
-    of 7. The checkpoint layout (stacked, separate) is unchanged: this is a per-call view."""
+    of 7. `stack_layers` is the inverse (the checkpoint layout: stacked, separate)."""
     if isinstance(params["layers"], (tuple, list)):
         return params
     n = jax.tree.leaves(params["layers"])[0].shape[0]
@@ -418,13 +421,55 @@ def unstack_layers(params: Params, fuse: bool = True) -> Params:
     return dict(params, layers=tuple(fuse_projections(lp) for lp in layers) if fuse else layers)
 
 
+def stack_layers(params: Params, cfg: ModelConfig | None = None) -> Params:
+    """The stacked layout (what checkpoints store and `param_specs` describes: each layer weight
+    [layers, ...], q / k / v and gate / up separate) of params in either layout; a no-op on
+    stacked params. cfg is needed only to split a fused `qkv` whose heads it cannot infer."""
+    if not isinstance(params["layers"], (tuple, list)):
+        return params
+    layers = [split_projections(lp, cfg) for lp in params["layers"]]
+    stacked = {k: jnp.stack([lp[k] for lp in layers]) for k in layers[0]}
+    return dict(params, layers=stacked)
+
+
+def layer_layout(params: Params) -> str:
+    """'stacked' (one [layers, ...] array per weight, run through lax.scan), 'per_layer' (one dict
+    per layer) or 'per_layer_fused' (per layer, q/k/v and gate/up fused)."""
+    layers = params["layers"]
+    if not isinstance(layers, (tuple, list)):
+        return "stacked"
+    return "per_layer_fused" if layers and "qkv" in layers[0] else "per_layer"
+
+
 def fuse_projections(lp: Params) -> Params:
     """One layer's weights with q / k / v as one `qkv` (heads concatenated) and gate / up as one
-    `gate_up` (columns concatenated); `forward` splits the products. On one CPU thread a small-M
-    matmul pays a fixed cost per call, so fewer, wider ones are cheaper (see benchmarks/RESULTS.md)."""
+    `gate_up` (columns concatenated); `forward` splits the products. Fewer, wider matmuls: on one
+    CPU thread a small-M matmul pays a fixed cost per call (see benchmarks/RESULTS.md), on a GPU a
+    kernel launch."""
     lp = dict(lp)
     lp["qkv"] = jnp.concatenate([lp.pop("q"), lp.pop("k"), lp.pop("v")], axis=1)
     lp["gate_up"] = jnp.concatenate([lp.pop("gate"), lp.pop("up")], axis=1)
+    return lp
+
+
+def split_projections(lp: Params, cfg: ModelConfig | None = None) -> Params:
+    """The inverse of `fuse_projections` (a no-op on an unfused layer). The q / kv head split of a
+    fused `qkv` comes from cfg, or from the q / k norms' or biases' shapes when cfg is None."""
+    lp = dict(lp)
+    if "qkv" in lp:
+        qkv = lp.pop("qkv")
+        if cfg is not None:
+            H, KV = cfg.num_heads, cfg.num_kv_heads
+        elif "k_bias" in lp:
+            KV = lp["k_bias"].shape[0]
+            H = qkv.shape[1] - 2 * KV
+        else:
+            raise ValueError("stack_layers: a fused qkv needs cfg to split its heads")
+        lp["q"], lp["k"], lp["v"] = qkv[:, :H], qkv[:, H:H + KV], qkv[:, H + KV:]
+    if "gate_up" in lp:
+        g = lp.pop("gate_up")
+        F = g.shape[1] // 2
+        lp["gate"], lp["up"] = g[:, :F], g[:, F:]
     return lp
 
 
