@@ -244,7 +244,9 @@ def warm_start(params, cfg: ModelConfig, path: str):
     as SDAR and Dream start from Qwen checkpoints); the rest keeps its fresh initialisation."""
     from jdllm.checkpoint import load_model  # noqa: PLC0415
 
-    src = load_model(path, dtype="float32").params
+    from jdllm.model import stack_layers  # noqa: PLC0415
+
+    src = stack_layers(load_model(path, dtype="float32").params, cfg)  # training runs the stacked layout
 
     def pick(new, old):
         return {k: pick(v, old.get(k)) if isinstance(v, dict) else

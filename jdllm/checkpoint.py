@@ -272,19 +272,17 @@ def check_special_ids(cfg: ModelConfig, source: str) -> None:
 
 def check_params_finite(params, cfg: ModelConfig, source: str) -> None:
     """Raise NonFiniteWeightsError naming the first tensor (by its Hugging Face name) holding NaN/inf.
-    Parameters absent from `params` (a partial tree) are skipped."""
+    `params` in any layout; parameters absent from it (a partial tree) are skipped."""
     import jax  # noqa: PLC0415
     import jax.numpy as jnp  # noqa: PLC0415
 
+    from jdllm.model import weight  # noqa: PLC0415
+
     for slot_name, slot in hf_layout.hf_tensor_names(cfg).items():
-        x = params
         try:
-            for key in slot.path:
-                x = x[key]
-        except KeyError:
+            x = weight(params, slot.path, slot.layer, cfg)
+        except (KeyError, IndexError):
             continue
-        if slot.layer is not None:
-            x = x[slot.layer]
         if isinstance(x, np.ndarray):
             bad = ~np.isfinite(x.astype(np.float32))
             count = int(bad.sum())
@@ -298,23 +296,40 @@ def check_params_finite(params, cfg: ModelConfig, source: str) -> None:
                 "(check_finite=False / --no-check-finite loads them anyway)")
 
 
-def _load_hf_params(path: str, cfg: ModelConfig, dtype, shardings, check_finite: bool):
-    """HF safetensors -> params on the device (or placed with `shardings`), one parameter at a
-    time: the host holds at most one (stacked) parameter, never the whole model."""
+def _load_hf_params(path: str, cfg: ModelConfig, dtype, placement, check_finite: bool, stacked_shardings=None):
+    """HF safetensors -> params on the device (or the mesh of `placement`) in the layout jdllm runs
+    (`jdllm.model.default_layout`), one parameter at a time: the host holds at most one stacked
+    parameter, and each layer's slice goes to the device on its own, so the device never holds a
+    stacked copy beside the per-layer one."""
     import jax.numpy as jnp  # noqa: PLC0415
 
+    from jdllm.model import default_layout, to_layout  # noqa: PLC0415
     from jdllm.sharding import put  # noqa: PLC0415
 
-    params: dict[str, Any] = {"layers": {}}
+    layout = default_layout(placement)
+    # placed per layer, unfused; fused (if the layout is) once every part of a layer is there
+    shardings = None if placement is None else placement.param_shardings(cfg, "per_layer")
+    params: dict[str, Any] = {"layers": tuple({} for _ in range(cfg.num_layers))}
+    if stacked_shardings is not None:  # the caller's shardings of the stacked layout: placed stacked, then split
+        params["layers"] = {}
     for p, host in hf_layout.iter_params_from_hf_tensors(SafetensorsDir(path), cfg, dtype=dtype, source=path):
         if check_finite and not np.isfinite(host.astype(np.float32)).all():
             check_params_finite(hf_layout.set_param({}, p, host), cfg, source=path)
-        target = shardings
-        for key in p:
-            target = None if target is None else target[key]
-        hf_layout.set_param(params, p, jnp.asarray(host) if target is None else put(host, target))
+        if stacked_shardings is not None:
+            target = stacked_shardings
+            for key in p:
+                target = target[key]
+            hf_layout.set_param(params, p, put(host, target))
+        elif p[0] == "layers":
+            for i, lp in enumerate(params["layers"]):
+                x = host[i]
+                lp[p[1]] = jnp.asarray(x) if shardings is None else put(x, shardings["layers"][i][p[1]])
+        else:
+            target = None if shardings is None else shardings[p[0]]
+            params[p[0]] = jnp.asarray(host) if target is None else put(host, target)
         del host
-    return params
+    final = None if placement is None else placement.param_shardings(cfg, layout)
+    return to_layout(params, cfg, layout, shardings=final, consume=True)
 
 
 def load_model(path: str, dtype="bfloat16", attn_impl: str = "auto", shardings=None,
@@ -325,6 +340,7 @@ def load_model(path: str, dtype="bfloat16", attn_impl: str = "auto", shardings=N
     import jax.numpy as jnp  # noqa: PLC0415
 
     from jdllm.loading import Model  # noqa: PLC0415
+    from jdllm.model import default_layout, to_layout  # noqa: PLC0415
 
     if not isinstance(path, (str, os.PathLike)):
         raise errors.ArgumentTypeError(
@@ -348,13 +364,14 @@ def load_model(path: str, dtype="bfloat16", attn_impl: str = "auto", shardings=N
         if placement is not None:
             shardings = placement.param_shardings(cfg)
         params = restore_params(path, dtype=dtype, shardings=shardings)
+        layout = default_layout(placement)  # split per layer, each stacked array freed once split
+        params = to_layout(params, cfg, layout, consume=True,
+                           shardings=None if placement is None else placement.param_shardings(cfg, layout))
     elif is_hf_dir(path):
         cfg = ModelConfig.from_hf(path)
         check_special_ids(cfg, os.path.join(path, CONFIG_FILE))
-        if placement is not None:
-            shardings = placement.param_shardings(cfg)
-        want = np_dtype(dtype)
-        params = _load_hf_params(path, cfg, want, shardings, check_finite)
+        params = _load_hf_params(path, cfg, np_dtype(dtype), placement, check_finite,
+                                 stacked_shardings=shardings if placement is None else None)
         check_finite = False  # checked on the host, before the copy to the device
     else:
         raise errors.CheckpointError(

@@ -284,14 +284,12 @@ def iter_params_from_hf_tensors(tensors: Mapping[str, Any], cfg: ModelConfig, dt
 
 
 def params_to_hf_tensors(params, cfg: ModelConfig) -> dict[str, np.ndarray]:
-    """jdllm params -> {HF name: NumPy array} in the family's published layout (exact inverse)."""
+    """jdllm params (any layout: `jdllm.model.param_specs`) -> {HF name: NumPy array} in the
+    family's published layout (exact inverse)."""
+    from jdllm.model import weight  # noqa: PLC0415
+
     out = {}
     for name, slot in hf_tensor_names(cfg).items():
-        x = params
-        for key in slot.path:
-            x = x[key]
-        x = np.asarray(x)
-        if slot.layer is not None:
-            x = x[slot.layer]
+        x = np.asarray(weight(params, slot.path, slot.layer, cfg))
         out[name] = np.ascontiguousarray(_to_hf(x, slot))
     return out

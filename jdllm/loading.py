@@ -17,12 +17,19 @@ import numpy as np
 
 from jdllm import errors, inputs
 from jdllm.config import ModelConfig
-from jdllm.model import Params, default_positions, forward, init_params
+from jdllm.model import Params, default_layout, default_positions, forward, init_params, to_layout
 
 
 @dataclasses.dataclass(eq=False)
 class Model:
-    """A loaded model: config (static), params (pytree), tokenizer, attention impl."""
+    """A loaded model: config (static), params (pytree), tokenizer, attention impl.
+
+    `jdllm.load` and `Model.random` hold the params per layer (`params["layers"]` a tuple of
+    per-layer dicts, q/k/v and gate/up fused where no mesh splits them: `jdllm.model.param_specs`'
+    layouts), so every forward reads each weight in place. Params in the stacked checkpoint
+    layout also work: the forward then runs its layers through `lax.scan` (on the CPU `run`
+    splits them once per call instead); `jdllm.model.stack_layers` converts back.
+    """
 
     config: ModelConfig
     params: Params
@@ -51,8 +58,10 @@ class Model:
     @classmethod
     def random(cls, config: ModelConfig, seed: int = 0, dtype=jnp.float32, std: float = 0.02,
                **kw) -> "Model":
-        """Random weights (normal(0, std)), for tests and smoke runs."""
-        return cls(config=config, params=init_params(config, jax.random.key(seed), dtype, std=std), **kw)
+        """Random weights (normal(0, std)), for tests and smoke runs, in the layout `jdllm.load` returns."""
+        params = to_layout(init_params(config, jax.random.key(seed), dtype, std=std), config, default_layout(),
+                           consume=True)
+        return cls(config=config, params=params, **kw)
 
     @property
     def dtype(self):

@@ -1,10 +1,12 @@
 """The one decoder-only transformer every jdllm family runs on.
 
-Parameters are a plain nested dict (layers stacked on a leading axis and run
-with `lax.scan`, or split per layer by `unstack_layers` and run as straight-line
-code) that jit-compiled functions take as an argument. Each weight
-is described once in `param_specs` (shape, logical axes, initialiser); random
-initialisation, sharding and checkpoint layout all derive from that table.
+Parameters are a plain nested dict that jit-compiled functions take as an argument. Each weight
+is described once in `param_specs` (shape, logical axes, initialiser); random initialisation,
+sharding and checkpoint layout all derive from that table. Two layouts of the layer weights:
+stacked on a leading `layers` axis (checkpoints, `init_params`; `forward` runs them through
+`lax.scan`) and per layer (what `jdllm.load` returns: `layers` a tuple of per-layer dicts, q/k/v
+and gate/up fused; `forward` runs them as straight-line code reading each weight in place, as a
+GPU decode step at the weight-read floor needs). `to_layout` converts between them.
 
 `forward` knows nothing about decoding paradigms: it takes a window of tokens
 at absolute slots, an optional static-shape KV cache, and the attention kind
@@ -37,8 +39,18 @@ class ParamSpec:
     init: str = "normal"  # "normal" | "ones" | "zeros"
 
 
-def param_specs(cfg: ModelConfig) -> Params:
-    """Every weight of the model, described once. Layer weights lead with `layers`."""
+LAYOUTS = ("stacked", "per_layer", "per_layer_fused")
+
+
+def param_specs(cfg: ModelConfig, layout: str = "stacked") -> Params:
+    """Every weight of the model, described once.
+
+    layout "stacked" (what checkpoints store): layer weights lead with a `layers` axis.
+    "per_layer" (what `jdllm.load` returns): `layers` is a tuple of per-layer dicts, the same
+    weights without the `layers` axis. "per_layer_fused": per layer with q / k / v as one `qkv`
+    [D, H + 2 KV, Dh] and gate / up as one `gate_up` [D, 2 F] (`fuse_projections`)."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout {layout!r} is not one of {LAYOUTS}")
     L, D, F = cfg.num_layers, cfg.hidden_size, cfg.intermediate_size
     H, KV, Dh, V = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.vocab_size
     layer = {
@@ -66,6 +78,14 @@ def param_specs(cfg: ModelConfig) -> Params:
     }
     if not cfg.tie_word_embeddings:
         specs["lm_head"] = ParamSpec((D, V), ("embed", "vocab"))
+    if layout != "stacked":
+        one = {k: ParamSpec(s.shape[1:], s.axes[1:], s.init) for k, s in layer.items()}
+        if layout == "per_layer_fused":  # fused axes have no sharding rule: only unsplit heads are fused
+            for k in ("q", "k", "v", "gate", "up"):
+                del one[k]
+            one["qkv"] = ParamSpec((D, H + 2 * KV, Dh), ("embed", "qkv_heads", "head_dim"))
+            one["gate_up"] = ParamSpec((D, 2 * F), ("embed", "gate_up"))
+        specs["layers"] = tuple(dict(one) for _ in range(L))
     return specs
 
 
@@ -75,13 +95,14 @@ def is_param_spec(x) -> bool:
 
 
 def flat_param_specs(cfg: ModelConfig) -> dict[tuple[str, ...], ParamSpec]:
-    """`param_specs` keyed by path, e.g. ('layers', 'q') -> its ParamSpec."""
+    """`param_specs` (stacked) keyed by path, e.g. ('layers', 'q') -> its ParamSpec."""
     flat = jax.tree_util.tree_flatten_with_path(param_specs(cfg), is_leaf=is_param_spec)[0]
     return {tuple(k.key for k in path): spec for path, spec in flat}
 
 
 def init_params(cfg: ModelConfig, key: jax.Array, dtype=jnp.float32, std: float = 0.02) -> Params:
-    """Random parameters following `param_specs` (normal(0, std) weights, unit norms)."""
+    """Random parameters following `param_specs` (stacked; normal(0, std) weights, unit norms).
+    `unstack_layers` gives the per-layer layout of the same values."""
     specs = param_specs(cfg)
     leaves, treedef = jax.tree.flatten(specs, is_leaf=is_param_spec)
     keys = jax.random.split(key, len(leaves))
@@ -96,16 +117,25 @@ def init_params(cfg: ModelConfig, key: jax.Array, dtype=jnp.float32, std: float 
     return jax.tree.unflatten(treedef, [make(s, k) for s, k in zip(leaves, keys)])
 
 
-def param_shapes(cfg: ModelConfig) -> Params:
-    return jax.tree.map(lambda s: s.shape, param_specs(cfg), is_leaf=is_param_spec)
+def param_shapes(cfg: ModelConfig, layout: str = "stacked") -> Params:
+    return jax.tree.map(lambda s: s.shape, param_specs(cfg, layout), is_leaf=is_param_spec)
+
+
+def param_bytes(cfg: ModelConfig, dtype) -> int:
+    """Bytes of the model's weights in `dtype` (any layout holds the same)."""
+    n = sum(math.prod(s.shape) for s in jax.tree.leaves(param_specs(cfg), is_leaf=is_param_spec))
+    return n * jnp.dtype(dtype).itemsize
 
 
 def shape_mismatch(tree, cfg: ModelConfig):
-    """The first disagreement between a weight pytree (leaves with `.shape`: arrays, Orbax
-    metadata, ShapeDtypeStructs) and the config's shapes, as (weight name, got, want) with got
-    None for a missing weight and want None for an extra one; None when they agree."""
-    flat_w = {jax.tree_util.keystr(k): tuple(v) for k, v in
-              jax.tree_util.tree_flatten_with_path(param_shapes(cfg), is_leaf=lambda x: isinstance(x, tuple))[0]}
+    """The first disagreement between a weight pytree in any layout (leaves with `.shape`: arrays,
+    Orbax metadata, ShapeDtypeStructs) and the config's shapes for that layout, as (weight name,
+    got, want) with got None for a missing weight and want None for an extra one; None when they
+    agree."""
+    layers = tree.get("layers") if isinstance(tree, dict) else None
+    layout = layer_layout(tree) if layers is not None else "stacked"
+    flat_w = {jax.tree_util.keystr(k): tuple(s.shape) for k, s in
+              jax.tree_util.tree_flatten_with_path(param_specs(cfg, layout), is_leaf=is_param_spec)[0]}
     flat_t = {jax.tree_util.keystr(k): tuple(v.shape) for k, v in jax.tree_util.tree_flatten_with_path(tree)[0]}
     for name, want in flat_w.items():
         if flat_t.get(name) != want:
@@ -439,6 +469,88 @@ def layer_layout(params: Params) -> str:
     if not isinstance(layers, (tuple, list)):
         return "stacked"
     return "per_layer_fused" if layers and "qkv" in layers[0] else "per_layer"
+
+
+def to_layout(params: Params, cfg: ModelConfig, layout: str, *, shardings=None, consume: bool = False) -> Params:
+    """params (any layout) in `layout`, converted eagerly (outside jit), one weight at a time.
+
+    shardings: the target layout's shardings (`Placement.param_shardings(cfg, layout)`), else each
+    new array stays where its source lives. consume: delete each source array once it is
+    converted (the caller owns them), so converting a loaded model peaks at the model plus one
+    stacked weight, never two copies of it. Arrays the conversion creates and then fuses are
+    always freed."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout {layout!r} is not one of {LAYOUTS}")
+    have = layer_layout(params)
+    if have == layout and shardings is None:
+        return params
+
+    def place(x, path):
+        if shardings is None:
+            return x
+        s = shardings
+        for k in path:
+            s = s[k]
+        return x if getattr(x, "sharding", None) == s else jax.device_put(x, s)
+
+    def drop(x):
+        if consume and isinstance(x, jax.Array) and not x.is_deleted():
+            x.delete()
+
+    out = {k: place(v, (k,)) for k, v in params.items() if k != "layers"}
+    if consume:
+        for k, v in params.items():
+            if k != "layers" and out[k] is not v:
+                drop(v)
+    if layout == "stacked":
+        stacked = stack_layers(params, cfg)["layers"]
+        out["layers"] = {k: place(v, ("layers", k)) for k, v in stacked.items()}
+        return out
+    if have == "stacked":
+        L = cfg.num_layers
+        layers: list[dict] = [{} for _ in range(L)]
+        for name in list(params["layers"]):
+            x = params["layers"][name]
+            for i in range(L):
+                layers[i][name] = x[i]
+            drop(x)
+    else:
+        layers = [split_projections(lp, cfg) if layout == "per_layer" else dict(lp) for lp in params["layers"]]
+    for i, lp in enumerate(layers):
+        if layout == "per_layer_fused" and "qkv" not in lp:
+            lp = fuse_projections(lp)  # the unfused slices are freed with their last reference
+        layers[i] = {k: place(v, ("layers", i, k)) for k, v in lp.items()}
+    if consume and have != "stacked":
+        kept = {id(y) for y in jax.tree.leaves(layers)}
+        for x in jax.tree.leaves(params["layers"]):
+            if id(x) not in kept:
+                drop(x)
+    out["layers"] = tuple(layers)
+    return out
+
+
+def weight(params: Params, path: tuple[str, ...], layer: int | None, cfg: ModelConfig):
+    """One weight from params in any layout: `path` as in the stacked layout (("embed",),
+    ("layers", "q"), ...) and the layer index for layer weights (a fused `qkv` / `gate_up` is sliced)."""
+    x = params
+    if path[0] != "layers":
+        for k in path:
+            x = x[k]
+        return x
+    name, layers = path[1], params["layers"]
+    if not isinstance(layers, (tuple, list)):
+        return layers[name][layer]
+    lp = layers[layer]
+    return lp[name] if name in lp else split_projections(lp, cfg)[name]
+
+
+def default_layout(placement=None) -> str:
+    """The layout jdllm runs: per layer and fused, unless the placement splits attention heads or
+    MLP columns over devices (a fused array split by rows would mix q, k and v heads): then per
+    layer, unfused."""
+    if placement is not None and not placement.fuses_projections():
+        return "per_layer"
+    return "per_layer_fused"
 
 
 def fuse_projections(lp: Params) -> Params:

@@ -163,17 +163,34 @@ class Placement:
         return NamedSharding(self.mesh, P())
 
     # ------------------------------------------------------------------ params
-    def param_shardings(self, cfg) -> Any:
-        """NamedSharding per parameter (the params pytree's structure), checked for divisibility."""
+    def param_shardings(self, cfg, layout: str = "stacked") -> Any:
+        """NamedSharding per parameter of `layout` (the params pytree's structure, see
+        `jdllm.model.param_specs`), checked for divisibility."""
         from jdllm.model import is_param_spec, param_specs  # noqa: PLC0415
 
-        flat, treedef = jax.tree_util.tree_flatten_with_path(param_specs(cfg), is_leaf=is_param_spec)
+        flat, treedef = jax.tree_util.tree_flatten_with_path(param_specs(cfg, layout), is_leaf=is_param_spec)
         return jax.tree.unflatten(treedef, [
             self.sharding(s.axes, s.shape, f"parameter {jax.tree_util.keystr(k)} {s.shape}") for k, s in flat])
 
+    def fuses_projections(self) -> bool:
+        """Whether the per-layer fused layout fits this placement: attention heads and MLP columns
+        are not split over devices (a fused `qkv` split by rows would mix q, k and v heads)."""
+        return all(self.size(self.axis(a)) == 1 for a in ("q_heads", "kv_heads", "mlp"))
+
     def place_params(self, params, cfg):
-        """Params (host NumPy or jax Arrays) on the mesh, one leaf at a time."""
-        return jax.tree.map(put, params, self.param_shardings(cfg))
+        """Params (host NumPy or jax Arrays, any layout) on the mesh in the layout jdllm runs under
+        this placement (`jdllm.model.default_layout`), one weight at a time."""
+        from jdllm.model import default_layout, layer_layout, to_layout  # noqa: PLC0415
+
+        layout, owned = default_layout(self), False
+        if layer_layout(params) == "stacked":  # host arrays: each device receives only its slices
+            placed = jax.tree.map(put, params, self.param_shardings(cfg))
+            # free the placed stacked arrays as they are split only when they came from the host:
+            # a jax Array's placed copy may share its buffers (device_put can alias a shard)
+            owned = not any(isinstance(a, jax.Array) for a in jax.tree.leaves(params))
+            params = placed
+        # the stacked copies made here are freed as they are split: never two copies of the model
+        return to_layout(params, cfg, layout, shardings=self.param_shardings(cfg, layout), consume=owned)
 
     # ------------------------------------------------------------------ decode state
     def batch_multiple(self) -> int:

@@ -73,10 +73,10 @@ def run_one(model, decoding, prompt, sampling):
 
 
 def split_ok(model) -> bool:
-    """The q projection is split over `model` and no device holds it whole (when model > 1)."""
-    q = model.params["layers"]["q"]
+    """Every layer's q projection is split over `model` and no device holds it whole (when model > 1)."""
     n = model.placement.mesh.shape["model"]
-    return all(s.data.shape[2] == q.shape[2] // n for s in q.addressable_shards)
+    qs = [lp["q"] if "q" in lp else lp["qkv"] for lp in model.params["layers"]]
+    return all(s.data.shape[1] == q.shape[1] // n for q in qs for s in q.addressable_shards)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "impl"), compiler_options=dict(FAST))

@@ -23,7 +23,7 @@ from jdllm import checkpoint as ckpt
 from jdllm import errors, hf_layout
 from jdllm.cli import main as jdllm_main
 from jdllm.config import ModelConfig
-from jdllm.model import init_params
+from jdllm.model import init_params, layer_layout, stack_layers
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -111,7 +111,8 @@ def test_save_hf_dir_round_trip(family, tmp_path):
         assert names == {fx._llada_name(k) for k in fx._state_numpy(ref)}
         assert "d_model" in json.load(open(os.path.join(d, "config.json")))
     m = jdllm.load(d, dtype=None)
-    _assert_bit_equal(jax.tree.map(np.asarray, m.params), params)
+    assert layer_layout(m.params) == "per_layer_fused"  # what load returns; stacked again, bit for bit
+    _assert_bit_equal(jax.tree.map(np.asarray, stack_layers(m.params, cfg)), params)
 
 
 def test_sharded_input(tmp_path):

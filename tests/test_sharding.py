@@ -131,7 +131,7 @@ def test_one_device_mesh_is_a_no_op():
     path = os.path.join(ROOT, "models", "tiny-ar")
     plain = jdllm.load(path, dtype="float32")
     meshed = jdllm.load(path, dtype="float32", mesh=sharding.make_mesh("data=1,model=1"))
-    assert meshed.placement is not None and meshed.params["layers"]["q"].sharding.mesh.shape["model"] == 1
+    assert meshed.placement is not None and meshed.params["layers"][0]["qkv"].sharding.mesh.shape["model"] == 1
     np.testing.assert_array_equal(np.asarray(jdllm.logits(plain, [[1, 2, 3]])),
                                   np.asarray(jdllm.logits(meshed, [[1, 2, 3]])))
 

@@ -245,23 +245,28 @@ def run(params, state: DecodeState, *, paradigm, ctx: DecodeCtx) -> DecodeState:
     return finalize(state)
 
 
-UNROLL_LAYERS_ON = ("cpu",)  # backends whose one-jit decode runs the layers unrolled
+UNROLL_LAYERS_ON = ("cpu",)  # backends where `run` splits *stacked* params per layer inside the jit
 
 
 def unroll_layers(ctx: DecodeCtx) -> bool:
-    """Whether `run` splits the stacked layer weights apart before its loop (see
-    `jdllm.model.unstack_layers`): on the CPU without a mesh, where a scanned layer's weights are
-    copied out of the stack on every step (~20% of an AR step at hidden 512), at the price of a
-    longer compile (2-3x for 8 layers, +6% for 2)."""
+    """Whether `run` splits stacked layer weights apart before its loop (`jdllm.model.unstack_layers`).
+
+    The params `jdllm.load` returns are already per layer: every backend then runs the layers as
+    straight-line code reading each weight in place, and this matters only for params a caller
+    keeps stacked (`init_params`, `stack_layers`, a training loop's own). On the CPU without a mesh
+    those are split inside the jit once per call (a scanned layer's weights are copied out of the
+    stack on every step: ~20% of an AR step at hidden 512). Elsewhere they run through `lax.scan`:
+    splitting them inside the jit would hold the weights twice (on a GPU, load per-layer params
+    instead: a scan copies every layer's weights on every step, 2.5-3x slower at batch 1)."""
     return jax.default_backend() in UNROLL_LAYERS_ON and ctx.placement is None
 
 
 def layers_for(params, ctx: DecodeCtx):
     """params as this context runs them: where `unroll_layers`, each stack of layer weights (the
-    model's and a draft model's riding along) split per layer; a no-op on split params. Every entry
-    point that runs a forward (`run`, `prefill`, `forward`, `step_n`; the serving engine's rounds and
-    the host-driven steps through them) calls it, so they all compute the same graph as `generate`
-    (in bfloat16 the scanned and the unrolled layers round differently)."""
+    model's and a draft model's riding along) split per layer; a no-op on per-layer params. Every
+    entry point that runs a forward (`run`, `prefill`, `forward`, `step_n`; the serving engine's
+    rounds and the host-driven steps through them) calls it, so they all compute the same graph as
+    `generate` (in bfloat16 the scanned and the unrolled layers round differently)."""
     if not unroll_layers(ctx):
         return params
     return {k: unstack_layers(v) if isinstance(v, dict) and "layers" in v else v
