@@ -210,13 +210,15 @@ class BlockDiffusion:
         tokens and visible keys (the values already there, up to rounding).
         """
         W, c = self.block_length, plan.offset
-
-        def run(lo, width):
-            return lambda st: common.forward_window(params, ctx, st, lo, width, at=plan.slots, commit=c)
-
         shift = int(ctx.model.logit_shift)  # a shifted model predicts slot c from c - 1: keep it in the window
+
+        def run(width):  # the wide window starts at the previous block, the narrow one at this block
+            lo = c - W if width == 2 * W else c - shift
+            return lambda st: common.forward_window(params, ctx, st, lo, width, at=plan.slots, commit=c)[::-1]
+
         commits = jnp.any((state.cache.length < c) & ~state.done)
-        logits, state = jax.lax.cond(commits, run(c - W, 2 * W), run(c - shift, W + shift), state)
+        # on a GPU at small batch both shapes cost one read of the weights: only the wide one compiles
+        state, logits = common.switch_width(ctx, state, (W + shift, 2 * W), jnp.where(commits, 2 * W, W + shift), run)
         return common.count_forward(state, ~state.done), logits
 
 

@@ -44,6 +44,9 @@ class DecodeCtx:
     attn_impl: Any = "auto"  # an impl name, or pallas_kernels.ShardedAttention under a mesh
     prefill_len: int = 0
     placement: Any = None  # jdllm.sharding.Placement: the state and cache stay on its mesh
+    # forwards over at most this many tokens (batch x window) compile as one window shape (see
+    # `switch_width`); None: `weight_bound_tokens()` for the backend
+    merge_tokens: int | None = None
 
 
 def constrain(ctx: DecodeCtx, state: DecodeState) -> DecodeState:
@@ -259,6 +262,40 @@ def forward_window(params, ctx: DecodeCtx, state: DecodeState, offset, width: in
     if commit is not None:
         cache = cache.commit(commit)
     return logits, state.replace(cache=cache, forwards=state.forwards + 1)
+
+
+GPU_WEIGHT_BOUND_TOKENS = 256  # an H100 reads bf16 weights at ~2.5 TB/s and multiplies at ~750 TFLOP/s
+
+
+def weight_bound_tokens(ctx: DecodeCtx) -> int:
+    """How many tokens (batch x window) a forward may hold and still cost what reading the weights
+    costs. On a GPU that is a few hundred (arithmetic intensity ~ tokens FLOP per weight byte against
+    the ~300 FLOP/byte ridge of an H100), so a paradigm's narrower window shapes gain nothing and
+    each costs another whole-model compile; on the CPU every token costs time: 0."""
+    if ctx.merge_tokens is not None:
+        return int(ctx.merge_tokens)
+    return GPU_WEIGHT_BOUND_TOKENS if jax.default_backend() == "gpu" else 0
+
+
+def compiled_widths(ctx: DecodeCtx, batch: int, widths) -> list[int]:
+    """The window widths a step compiles out of the ascending static `widths`: all of them, except
+    that those whose forward is weight-bound (batch x width <= `weight_bound_tokens`) collapse into
+    the widest of them, which covers every need they cover."""
+    widths = sorted(set(int(w) for w in widths))
+    small = [w for w in widths if batch * w <= weight_bound_tokens(ctx)]
+    return ([small[-1]] if small else []) + [w for w in widths if batch * w > weight_bound_tokens(ctx)]
+
+
+def switch_width(ctx: DecodeCtx, state: DecodeState, widths, need, run):
+    """`run(width)(state)` for the narrowest compiled width (`compiled_widths`) >= need (a traced
+    scalar; the widest when none is): one forward per window shape the paradigm distinguishes,
+    under a `lax.switch`, or a plain call when one shape remains. A wider window than needed gives
+    the same logits (it recomputes slots whose K/V the cache already holds, from the same tokens)."""
+    keep = compiled_widths(ctx, state.batch, widths)
+    if len(keep) == 1:
+        return run(keep[0])(state)
+    branch = jnp.sum(need > jnp.asarray(keep[:-1], jnp.int32)).astype(jnp.int32)
+    return jax.lax.switch(branch, [run(w) for w in keep], state)
 
 
 def count_forward(state: DecodeState, rows: jax.Array) -> DecodeState:

@@ -448,11 +448,9 @@ class MultiBlock:
         while ctx.prefill_len + w < S:
             widths.append(ctx.prefill_len + w)
             w *= 2
-        widths.append(S)
         need = jnp.max(jnp.where(~state.done, active_end, 0))
-        branch = jnp.sum(need > jnp.asarray(widths[:-1], jnp.int32)).astype(jnp.int32)
-        fns = [lambda st, w=w: self._prefix_logits(params, ctx, st, w, at) for w in widths]
-        return jax.lax.switch(branch, fns, state)
+        return common.switch_width(ctx, state, widths + [S], need,
+                                   lambda w: lambda st: self._prefix_logits(params, ctx, st, w, at))
 
     # ----------------------------------------------------------------- the step
     def prefill(self, params, ctx, state: DecodeState, bitmask=None) -> DecodeState:
@@ -654,8 +652,7 @@ class MultiBlock:
             widths.append(n * Bs)
             n *= 2
         need = jnp.max(jnp.where(running, active_end - L, 0))  # slots the window must cover
-        branch = jnp.sum(need > jnp.asarray(widths, jnp.int32)).astype(jnp.int32)  # first width that fits
-        return jax.lax.switch(branch, [windowed(w) for w in widths] + [full], state)
+        return common.switch_width(ctx, state, widths + [S], need, lambda w: windowed(w) if w < S else full)
 
     def _approx_forward(self, params, ctx, state, at):
         """d3LLM's delayed prefix cache (`generate_multi_block_kv_cache`), per row; see the module
@@ -722,9 +719,7 @@ class MultiBlock:
                 return s_, logits
             return f
 
-        need = S - jnp.min(floor)
-        branch = jnp.sum(need > jnp.asarray(widths[:-1], jnp.int32)).astype(jnp.int32)
-        return jax.lax.switch(branch, [run(w) for w in widths], state)
+        return common.switch_width(ctx, state, widths, S - jnp.min(floor), run)
 
     def _window_forward(self, params, ctx, state, at, active_end):
         """jdllm's windowed approximation (cache="window"; see the module docstring)."""

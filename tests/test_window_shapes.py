@@ -1,0 +1,73 @@
+"""The window shapes a decode program compiles (`common.switch_width`).
+
+On a GPU at small batch a forward costs one read of the weights whatever its window, so the
+paradigms' narrower window shapes (block diffusion's commit / no-commit windows, multi_block's
+power-of-two widths) are merged into one: fewer whole-model forwards in the program (each one
+more compile), the same tokens. `DecodeCtx.merge_tokens` forces the GPU rule on the CPU here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+
+import jdllm
+from jdllm.api import outputs, prepare
+from jdllm.decode import common, loop
+from tests.decode_fixtures import FAST_COMPILE, block_model
+from tests.test_decode_multi_block import bidir_model
+
+PROMPTS = [[5, 17, 3, 44, 9, 12], [70, 2, 31]]
+DECODE = loop.compiled(FAST_COMPILE)
+
+
+def _norms_in_program(model, prep) -> int:
+    """RMS norms in the traced decode program, every branch counted: each whole-model forward
+    holds 2 per layer (+ q/k norms) and a final one, so fewer forwards mean fewer norms."""
+    jaxpr = jax.make_jaxpr(lambda p, s: loop.run(p, s, paradigm=prep.paradigm, ctx=prep.ctx))(
+        model.params, prep.state)
+    return str(jaxpr).count("rsqrt")
+
+
+def _run(model, decoding, merge):
+    prep = prepare(model, PROMPTS, decoding, jdllm.Sampling(max_new_tokens=11))
+    prep = dataclasses.replace(prep, ctx=dataclasses.replace(prep.ctx, merge_tokens=merge))
+    outs = outputs(prep, DECODE(model.params, prep.state, paradigm=prep.paradigm, ctx=prep.ctx))
+    return prep, [(o.token_ids, o.step_map, o.nfe, o.finish_reason) for o in outs]
+
+
+CASES = {
+    "block_diffusion": (lambda: block_model(), jdllm.BlockDiffusion(block_length=4, denoising_steps=2)),
+    "multi_block_exact": (lambda: block_model(), jdllm.MultiBlock(block_size=4, entropy_threshold=0.3,
+                                                                  block_add_threshold=0.25, max_blocks=2)),
+    "multi_block_approx": (lambda: bidir_model(), jdllm.MultiBlock(block_size=4, entropy_threshold=0.3,
+                                                                   block_add_threshold=0.25, cache="approx")),
+    "multi_block_nocache": (lambda: block_model(), jdllm.MultiBlock(block_size=4, cache="none")),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_merged_window_shapes_give_the_same_tokens_with_fewer_forwards(case):
+    make, decoding = CASES[case]
+    model = make()
+    every, out_every = _run(model, decoding, merge=0)  # the CPU rule: every width compiles
+    merged, out_merged = _run(model, decoding, merge=10_000)  # everything weight-bound: one shape
+    assert out_merged == out_every
+    n_every, n_merged = _norms_in_program(model, every), _norms_in_program(model, merged)
+    assert n_merged < n_every, (n_merged, n_every)
+
+
+def test_compiled_widths_keep_what_is_not_weight_bound():
+    ctx = common.DecodeCtx(model=block_model().config, merge_tokens=64)
+    assert common.compiled_widths(ctx, 1, [8, 16, 32, 64, 128, 96]) == [64, 96, 128]
+    assert common.compiled_widths(ctx, 4, [8, 16, 32, 64]) == [16, 32, 64]
+    assert common.compiled_widths(ctx, 128, [8, 16]) == [8, 16]
+    assert common.compiled_widths(dataclasses.replace(ctx, merge_tokens=0), 1, [8, 16]) == [8, 16]
+    cpu = common.DecodeCtx(model=block_model().config)
+    assert common.weight_bound_tokens(cpu) == (0 if jax.default_backend() != "gpu" else
+                                               common.GPU_WEIGHT_BOUND_TOKENS)
+    np.testing.assert_equal(common.compiled_widths(cpu, 1, [4, 8]), [4, 8] if jax.default_backend() != "gpu"
+                            else [8])
