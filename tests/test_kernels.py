@@ -405,6 +405,84 @@ def test_triton_path_lowers_for_cuda(variant, kind, bs, T, S, H, KV, D, dtype):
         assert f'name = "{name}"' in hlo
 
 
+# ----------------------------------------------------------------------------- float32 precision
+def _dot_precisions(closed):
+    """(operand dtype, precision) of every dot_general in a jaxpr and in every jaxpr inside it:
+    the Pallas kernels' bodies, their loops, the custom_vjp backward, the XLA glue around them."""
+    from jax.extend.core import jaxprs_in_params
+
+    found = []
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive is jax.lax.dot_general_p:
+                found.append((eqn.invars[0].aval.dtype, eqn.params["precision"]))
+            for sub in jaxprs_in_params(eqn.params):
+                walk(sub)
+
+    walk(closed.jaxpr)
+    return found
+
+
+def _triton_dots(lowered):
+    """The `tt.dot` lines of every Triton kernel in a CUDA lowering (the kernels' Triton IR is
+    MLIR bytecode in each custom call's backend config; parsed back with the Triton dialect)."""
+    from jax._src.lib.mlir import ir
+    from jax._src.lib.triton import dialect as tt
+
+    calls = []
+
+    def walk(op):
+        for region in op.regions:
+            for block in region.blocks:
+                for o in block.operations:
+                    if o.operation.name == "stablehlo.custom_call" and \
+                            "xla.gpu.triton" in str(o.attributes["call_target_name"]):
+                        calls.append(o)
+                    walk(o.operation)
+
+    walk(lowered.compiler_ir("stablehlo").operation)
+    lines = []
+    for call in calls:
+        raw = ir.StringAttr(ir.DictAttr(call.attributes["mhlo.backend_config"])["ir"]).value_bytes
+        ctx = ir.Context()
+        tt.register_dialect(ctx)
+        with ctx:
+            lines += [ln.strip() for ln in str(ir.Module.parse(raw)).splitlines() if "tt.dot " in ln]
+    return len(calls), lines
+
+
+@pytest.mark.parametrize("global_precision", [None, "bfloat16", "tensorfloat32"])
+@pytest.mark.parametrize("variant,T,S", [("prefill", 40, 40), ("window", 4, 100)])
+def test_float32_kernel_dots_are_exact_whatever_the_global_precision(global_precision, variant, T, S):
+    """float32 kernels (forward and backward) ask for HIGHEST, which the Triton lowering runs as IEEE
+    float32, by default and under `jax.default_matmul_precision("bfloat16" | "tensorfloat32")`, where
+    a dot that asked for nothing runs in TF32 on a GPU; so do the XLA dots around them (the window's
+    split merge, the backward's delta). bfloat16 kernels ask for nothing more than before."""
+    def loss(q, k, v):
+        out = flash.attention(q, k, v, start=jnp.array([0, 3]), q_offset=S - T, kind="block_causal",
+                              block_size=4, backend="triton", variant=variant)
+        return jnp.sum(out.astype(jnp.float32))
+
+    for dtype in (jnp.float32, jnp.bfloat16):
+        q, k, v = (jnp.zeros((2, T, 4, 32), dtype), jnp.zeros((2, S, 2, 32), dtype),
+                   jnp.zeros((2, S, 2, 32), dtype))
+        with jax.default_matmul_precision(global_precision):
+            fn = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
+            dots = _dot_precisions(jax.make_jaxpr(fn)(q, k, v))
+            n_kernels, tt_dots = _triton_dots(fn.trace(q, k, v).lower(lowering_platforms=("cuda",)))
+        assert n_kernels == 3 and tt_dots  # forward, backward dq, backward dk/dv
+        if dtype == jnp.float32:  # Triton prints no inputPrecision for its default, IEEE (not tf32)
+            assert all("xf32>" in ln and "inputPrecision" not in ln for ln in tt_dots), tt_dots
+        else:  # the kernels' own dots: bf16 x bf16 under the global setting, as before
+            assert all("xbf16>" in ln for ln in tt_dots), tt_dots
+        highest = (jax.lax.Precision.HIGHEST, jax.lax.Precision.HIGHEST)
+        f32 = [p for dt, p in dots if dt == jnp.float32]
+        low = [p for dt, p in dots if dt != jnp.float32]
+        assert f32 and all(p == highest for p in f32), f32
+        assert (not low) if dtype == jnp.float32 else (low and all(p != highest for p in low)), low
+
+
 # ----------------------------------------------------------------------------- Mosaic GPU kernel
 # Run in Pallas's GPU interpret mode, whose uninitialised output memory is NaN (the poisoning).
 # (kind, block_size, B, T, S, q_offset, kv_len, H, KV, D, start, dtype)
