@@ -12,7 +12,9 @@ The Mosaic GPU (Hopper) kernel: Pallas's GPU interpret mode (NaN-initialised
 outputs) against the reference, its knobs, vmap, gradients with the Pallas
 backward, the model on that backend, and its Mosaic GPU lowering for CUDA.
 GPU tests (marked `gpu`) compile and run the Triton and Mosaic kernels and are
-skipped when no GPU (or, for Mosaic, no Hopper GPU) is present.
+skipped when no GPU (or, for Mosaic, no Hopper GPU) is present (`tests.accel.needs_gpu`;
+tests/test_gpu.py holds the rest of the GPU tier). The float32 kernels' dots
+are checked to lower to IEEE float32, not TF32, whatever the global precision.
 """
 
 from __future__ import annotations
@@ -31,9 +33,10 @@ from jdllm.config import ModelConfig
 from jdllm.model import KVCache, default_positions, forward, init_params
 from pallas_kernels import common, flash
 from pallas_kernels.reference import attention_reference
+from tests.accel import needs_gpu
 
 TOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
-on_gpu = pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs an NVIDIA GPU")
+EXACT = "highest"  # the references' XLA dots: float32 ones would run in TF32 on a GPU by default
 
 
 def _qkv(seed, B, T, S, H, KV, D, dtype):
@@ -57,7 +60,8 @@ def _check(fn, *, kind, block_size, B, T, S, H, KV, D, start, q_offset, kv_len, 
     kw = dict(q_offset=q_offset, kv_len=kv_len, kind=kind, block_size=block_size)
     run = jax.jit(functools.partial(fn, **kw, tiles=tiles, backend=backend, poison=poison))
     out = run(q, k, v, start=start)
-    ref = jax.jit(functools.partial(attention_reference, **kw))(q, k, v, start=start)
+    with jax.default_matmul_precision(EXACT):
+        ref = jax.jit(functools.partial(attention_reference, **kw))(q, k, v, start=start)
     err = _rel_err(out, ref)
     assert err <= TOL[dtype], f"max abs err {err:.3g} x max|ref| exceeds {TOL[dtype]}"
     return out, ref
@@ -613,7 +617,7 @@ def test_mosaic_path_lowers_for_cuda(kind, bs, T, S, H, KV, D, block_k, stages):
 
 # ----------------------------------------------------------------------------- GPU (compiled)
 @pytest.mark.gpu
-@on_gpu
+@needs_gpu
 @pytest.mark.parametrize("kind,bs,dtype", [("causal", 1, jnp.bfloat16),
                                            ("block_causal", 32, jnp.bfloat16),
                                            ("block_causal", 4, jnp.float32),
@@ -624,7 +628,7 @@ def test_gpu_prefill_compiled(kind, bs, dtype):
 
 
 @pytest.mark.gpu
-@on_gpu
+@needs_gpu
 @pytest.mark.parametrize("kind,bs,T,dtype", [("block_causal", 32, 32, jnp.bfloat16),
                                              ("causal", 1, 1, jnp.bfloat16),
                                              ("bidirectional", 1, 96, jnp.float32)])
@@ -635,19 +639,21 @@ def test_gpu_window_compiled(kind, bs, T, dtype):
 
 
 @pytest.mark.gpu
-@on_gpu
+@needs_gpu
 def test_gpu_grad_and_auto_dispatch():
     q, k, v = _qkv(9, 2, 256, 256, 8, 2, 128, jnp.float32)
     kw = dict(start=jnp.array([0, 31]), kind="block_causal", block_size=32)
     out = pallas_kernels.attention(q, k, v, **kw, impl="auto")
-    assert _rel_err(out, attention_reference(q, k, v, **kw)) <= 1e-5
     g = jax.grad(lambda q: jnp.sum(pallas_kernels.attention(q, k, v, **kw, impl="pallas") ** 2))(q)
-    gr = jax.grad(lambda q: jnp.sum(attention_reference(q, k, v, **kw) ** 2))(q)
+    with jax.default_matmul_precision(EXACT):
+        ref = attention_reference(q, k, v, **kw)
+        gr = jax.grad(lambda q: jnp.sum(attention_reference(q, k, v, **kw) ** 2))(q)
+    assert _rel_err(out, ref) <= 1e-5
     assert _rel_err(g, gr) <= 1e-5
 
 
 @pytest.mark.gpu
-@on_gpu
+@needs_gpu
 @pytest.mark.parametrize("kind,bs,qoff,dtype", [("causal", 1, 0, jnp.bfloat16),
                                                 ("block_causal", 32, 0, jnp.bfloat16),
                                                 ("block_causal", 4, 100, jnp.float16),
