@@ -11,7 +11,7 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" JAX_PLATFORMS=cuda PYTHONUNB
 status=0
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/device.txt"
 python3 -c "import jax; print('jax', jax.__version__, jax.devices())" | tee -a "$out/device.txt"
-python3 -m pytest -q -m gpu tests/test_kernels.py -p no:cacheprovider 2>&1 | tee "$out/gpu_tests.log"
+python3 -m pytest -q -m gpu tests/ -p no:cacheprovider 2>&1 | tee "$out/gpu_tests.log"
 status=$(( status ? status : ${PIPESTATUS[0]} ))
 python3 benchmarks/attention.py --backward --out "$out/attention.json" 2>&1 | tee "$out/attention.log"
 status=$(( status ? status : ${PIPESTATUS[0]} ))

@@ -25,8 +25,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels.common import (LOG2E, Tiles, cdiv, key_end, pad_axis, pad_head_dim, row_scalars, tile_bounds,
-                                   tile_size, triton_params)
+from pallas_kernels.common import (LOG2E, Tiles, cdiv, dot, dot_precision, key_end, pad_axis, pad_head_dim,
+                                   row_scalars, tile_bounds, tile_size, triton_params)
 
 
 def _first_seeing(s, kind: str, block_size: int, qoff):
@@ -40,7 +40,7 @@ def _first_seeing(s, kind: str, block_size: int, qoff):
 
 def _probs(q, k, lse, qk_scale, vis):
     """Recomputed probabilities [R, bk] f32 (zero where `vis` is False, when given)."""
-    s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32) * qk_scale
+    s = dot(q, k, ((1,), (1,))) * qk_scale
     p = jnp.exp2(s - lse[:, None])
     return p if vis is None else jnp.where(vis, p, 0.0)
 
@@ -65,10 +65,9 @@ def _dq_kernel(start_ref, qoff_ref, kvl_ref, q_ref, k_ref, v_ref, do_ref, lse_re
             cols = k0 + lax.broadcasted_iota(jnp.int32, (1, block_k), 1)
             vis = (cols >= start) & (cols < key_end(rows_p, kind, block_size, kvl)[:, None])
         p = _probs(q, k, lse, qk_scale, vis)  # [bq, bk]
-        dp = lax.dot_general(do, v, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+        dp = dot(do, v, ((1,), (1,)))
         ds = p * (dp - delta[:, None])
-        return dq + lax.dot_general(ds.astype(k.dtype), k, (((1,), (0,)), ((), ())),
-                                    preferred_element_type=jnp.float32)
+        return dq + dot(ds.astype(k.dtype), k, ((1,), (0,)))
 
     dq = jnp.zeros(q.shape, jnp.float32)
     dq = lax.fori_loop(a, b, functools.partial(step, masked=True), dq)
@@ -105,12 +104,10 @@ def _dkv_kernel(start_ref, qoff_ref, kvl_ref, q_ref, k_ref, v_ref, do_ref, lse_r
             rows_p = qoff + t0 + lax.broadcasted_iota(jnp.int32, (block_q,), 0)
             vis = (cols >= start) & (cols < key_end(rows_p, kind, block_size, kvl)[:, None])
         p = _probs(q, k, lse, qk_scale, vis)  # [bq, bk]
-        dv = dv + lax.dot_general(p.astype(do.dtype), do, (((0,), (0,)), ((), ())),
-                                  preferred_element_type=jnp.float32)
-        dp = lax.dot_general(do, v, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+        dv = dv + dot(p.astype(do.dtype), do, ((0,), (0,)))
+        dp = dot(do, v, ((1,), (1,)))
         ds = p * (dp - delta[:, None])
-        dk = dk + lax.dot_general(ds.astype(q.dtype), q, (((0,), (0,)), ((), ())),
-                                  preferred_element_type=jnp.float32)
+        dk = dk + dot(ds.astype(q.dtype), q, ((0,), (0,)))
         return dk, dv
 
     def head(g, carry):
@@ -136,7 +133,8 @@ def attention_backward(q, k, v, o, lse, do, *, start, q_offset, kv_len, kind, bl
     bq, bk = tile_size(tiles.block_q_bwd, T, backend), tile_size(tiles.block_k_bwd, S, backend)
     Tp, Sp = pl.cdiv(T, bq) * bq, pl.cdiv(S, bk) * bk
     nq, nk = Tp // bq, Sp // bk
-    delta = jnp.einsum("bthd,bthd->bht", o.astype(jnp.float32), do.astype(jnp.float32))  # [B, H, T]
+    delta = jnp.einsum("bthd,bthd->bht", o.astype(jnp.float32), do.astype(jnp.float32),
+                       precision=dot_precision(jnp.float32))  # [B, H, T]; not TF32 on a GPU
     q, k, v = pad_head_dim(q, k, v, backend)
     do = pad_axis(do.astype(q.dtype), 3, q.shape[-1])
     Dp = q.shape[-1]

@@ -99,6 +99,26 @@ def triton_params(backend: str, tiles: Tiles, head_dim: int):
 
 
 # --------------------------------------------------------------------------- in-kernel pieces
+def dot_precision(*dtypes):
+    """The precision of a dot on operands of these dtypes: HIGHEST when one is float32, else None.
+
+    Pallas's Triton lowering runs a float32 dot of precision DEFAULT or HIGH in TF32 (10-bit
+    mantissa inputs) and one of HIGHEST in IEEE float32, and a dot given no precision takes
+    `jax_default_matmul_precision`'s; so float32 kernels ask for HIGHEST outright and stay exact
+    whatever the global setting. bfloat16 / float16 operands keep None (the global default), as
+    before: the tensor cores take them as they are.
+    """
+    return lax.Precision.HIGHEST if any(jnp.dtype(d) == jnp.float32 for d in dtypes) else None
+
+
+def dot(a, b, contract):
+    """a . b over dims `contract` = ((a_dim,), (b_dim,)), accumulated in float32: every matrix
+    product of the Pallas kernels (their interpret-mode stand-ins for wgmma too), at
+    `dot_precision(a.dtype, b.dtype)`."""
+    return lax.dot_general(a, b, (contract, ((), ())), preferred_element_type=jnp.float32,
+                           precision=dot_precision(a.dtype, b.dtype))
+
+
 def cdiv(x, d: int):
     return lax.div(x + (d - 1), d)
 

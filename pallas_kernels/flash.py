@@ -14,7 +14,11 @@ Two kernels share one inner loop (`_attend`):
   step combines the per-split partial softmaxes.
 
 Both run the online softmax in float32 (base 2: scores are pre-multiplied by
-log2(e)). A query that sees no key returns zeros, like the reference.
+log2(e)). A query that sees no key returns zeros, like the reference. Every dot
+on float32 inputs, in these kernels, the backward ones and the XLA glue around
+them, runs at full float32 precision (`common.dot` / `common.dot_precision`:
+HIGHEST, which Triton runs as IEEE, not TF32) whatever
+`jax_default_matmul_precision` says; bfloat16 / float16 dots are unchanged.
 
 Backends (`backend=`): "interpret" (Pallas interpret mode, the CPU default and
 what the tests run), "triton" (the Pallas Triton lowering, the default on
@@ -54,9 +58,9 @@ from jax.experimental import pallas as pl
 from pallas_kernels import mosaic
 from pallas_kernels.backward import attention_backward
 from pallas_kernels.common import (BACKEND_ENV, BACKENDS, LOG2E, MIN_TILE, NEG, Tiles,  # noqa: F401 (re-exported)
-                                   cdiv, default_backend, key_end, normalise, online_softmax_step,
-                                   pad_axis, pad_head_dim, plain_backend, row_lse, row_scalars, tile_bounds,
-                                   tile_size, triton_params)
+                                   cdiv, default_backend, dot, dot_precision, key_end, normalise,
+                                   online_softmax_step, pad_axis, pad_head_dim, plain_backend, row_lse,
+                                   row_scalars, tile_bounds, tile_size, triton_params)
 from pallas_kernels.reference import KINDS, attention_reference
 
 WINDOW_MAX_T = 128  # queries above this use the prefill kernel
@@ -76,16 +80,13 @@ def _attend(q, rows_p, k_ref, v_ref, bounds, *, start, kvl, block_k, kind, block
         k0 = t * block_k
         k = k_ref[pl.ds(k0, block_k), :]  # [bk, D]
         v = v_ref[pl.ds(k0, block_k), :]  # [bk, D]
-        s = lax.dot_general(q, k, (((1,), (1,)), ((), ())),
-                            preferred_element_type=jnp.float32) * qk_scale  # [R, bk]
+        s = dot(q, k, ((1,), (1,))) * qk_scale  # [R, bk]
         vis = None
         if masked:
             cols = k0 + lax.broadcasted_iota(jnp.int32, (1, block_k), 1)  # [1, bk]
             end = key_end(rows_p, kind, block_size, kvl)[:, None]  # [R, 1]
             vis = (cols >= start) & (cols < end)  # [R, bk]
-        return online_softmax_step(
-            carry, s, vis, lambda p: lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
-                                                     preferred_element_type=jnp.float32))
+        return online_softmax_step(carry, s, vis, lambda p: dot(p.astype(v.dtype), v, ((1,), (0,))))
 
     carry = (jnp.zeros((R, D), jnp.float32), jnp.full((R,), NEG, jnp.float32),
              jnp.zeros((R,), jnp.float32))
@@ -289,8 +290,9 @@ def combine_splits(acc, m, l):
     """
     m_all = jnp.max(m, axis=2)  # [B, KV, R]
     w = jnp.exp2(m - m_all[:, :, None])  # [B, KV, n, R]
-    num = jnp.einsum("bkns,bknsd->bksd", w, acc)
-    den = jnp.einsum("bkns,bkns->bks", w, l)
+    exact = dot_precision(jnp.float32)  # XLA dots too: on a GPU the default would be TF32
+    num = jnp.einsum("bkns,bknsd->bksd", w, acc, precision=exact)
+    den = jnp.einsum("bkns,bkns->bks", w, l, precision=exact)
     return num / jnp.where(den == 0.0, 1.0, den)[..., None], row_lse(m_all, den)
 
 

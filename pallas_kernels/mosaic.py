@@ -20,7 +20,7 @@ Backends: "mosaic" compiles for sm_90a; "mosaic_interpret" runs the same body in
 Pallas's GPU interpret mode on the CPU, which simulates shared memory, TMA and
 mbarriers. That interpreter (jax 0.10) cannot run `wgmma`, layout casts or
 transposed shared-memory refs, so in interpret mode (and only there) the two
-matrix products are plain `jnp.dot`s on values loaded from shared memory and
+matrix products are plain dots (`common.dot`) on values loaded from shared memory and
 the layout hints are dropped; the copies, barriers, tile bounds, masking and
 softmax are the compiled kernel's own code. What checks the compiled path on a
 CPU is lowering it for CUDA (`test_mosaic_path_lowers_for_cuda`): that runs the
@@ -43,7 +43,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels.common import is_hopper  # noqa: F401 (re-exported: mosaic.is_hopper)
-from pallas_kernels.common import (LOG2E, NEG, key_end, normalise, online_softmax_step, pad_axis, row_lse,
+from pallas_kernels.common import (LOG2E, NEG, dot, key_end, normalise, online_softmax_step, pad_axis, row_lse,
                                    row_scalars, tile_bounds)
 
 BLOCK_Q = 64  # one wgmma M tile per warpgroup
@@ -94,8 +94,7 @@ def _kernel(start_g, qoff_g, kvl_g, q_g, k_g, v_g, o_g, lse_g, q_s, k_s, v_s, ls
 
     def qk(slot):  # [bq, bk] f32
         if interpret:
-            return lax.dot_general(q_s[...], k_s[slot], (((1,), (1,)), ((), ())),
-                                   preferred_element_type=jnp.float32)
+            return dot(q_s[...], k_s[slot], ((1,), (1,)))
 
         def mma(acc_ref):
             plgpu.wgmma(acc_ref, q_s, plgpu.transpose_ref(k_s.at[slot], (1, 0)))
@@ -104,8 +103,7 @@ def _kernel(start_g, qoff_g, kvl_g, q_g, k_g, v_g, o_g, lse_g, q_s, k_s, v_s, ls
 
     def pv(p, slot):  # [bq, D] f32
         if interpret:
-            return lax.dot_general(p, v_s[slot], (((1,), (0,)), ((), ())),
-                                   preferred_element_type=jnp.float32)
+            return dot(p, v_s[slot], ((1,), (0,)))
 
         def mma(acc_ref):
             plgpu.wgmma(acc_ref, p, v_s.at[slot])

@@ -12,7 +12,9 @@ The Mosaic GPU (Hopper) kernel: Pallas's GPU interpret mode (NaN-initialised
 outputs) against the reference, its knobs, vmap, gradients with the Pallas
 backward, the model on that backend, and its Mosaic GPU lowering for CUDA.
 GPU tests (marked `gpu`) compile and run the Triton and Mosaic kernels and are
-skipped when no GPU (or, for Mosaic, no Hopper GPU) is present.
+skipped when no GPU (or, for Mosaic, no Hopper GPU) is present (`tests.accel.needs_gpu`;
+tests/test_gpu.py holds the rest of the GPU tier). The float32 kernels' dots
+are checked to lower to IEEE float32, not TF32, whatever the global precision.
 """
 
 from __future__ import annotations
@@ -31,9 +33,10 @@ from jdllm.config import ModelConfig
 from jdllm.model import KVCache, default_positions, forward, init_params
 from pallas_kernels import common, flash
 from pallas_kernels.reference import attention_reference
+from tests.accel import needs_gpu
 
 TOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
-on_gpu = pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs an NVIDIA GPU")
+EXACT = "highest"  # the references' XLA dots: float32 ones would run in TF32 on a GPU by default
 
 
 def _qkv(seed, B, T, S, H, KV, D, dtype):
@@ -57,7 +60,8 @@ def _check(fn, *, kind, block_size, B, T, S, H, KV, D, start, q_offset, kv_len, 
     kw = dict(q_offset=q_offset, kv_len=kv_len, kind=kind, block_size=block_size)
     run = jax.jit(functools.partial(fn, **kw, tiles=tiles, backend=backend, poison=poison))
     out = run(q, k, v, start=start)
-    ref = jax.jit(functools.partial(attention_reference, **kw))(q, k, v, start=start)
+    with jax.default_matmul_precision(EXACT):
+        ref = jax.jit(functools.partial(attention_reference, **kw))(q, k, v, start=start)
     err = _rel_err(out, ref)
     assert err <= TOL[dtype], f"max abs err {err:.3g} x max|ref| exceeds {TOL[dtype]}"
     return out, ref
@@ -405,6 +409,84 @@ def test_triton_path_lowers_for_cuda(variant, kind, bs, T, S, H, KV, D, dtype):
         assert f'name = "{name}"' in hlo
 
 
+# ----------------------------------------------------------------------------- float32 precision
+def _dot_precisions(closed):
+    """(operand dtype, precision) of every dot_general in a jaxpr and in every jaxpr inside it:
+    the Pallas kernels' bodies, their loops, the custom_vjp backward, the XLA glue around them."""
+    from jax.extend.core import jaxprs_in_params
+
+    found = []
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive is jax.lax.dot_general_p:
+                found.append((eqn.invars[0].aval.dtype, eqn.params["precision"]))
+            for sub in jaxprs_in_params(eqn.params):
+                walk(sub)
+
+    walk(closed.jaxpr)
+    return found
+
+
+def _triton_dots(lowered):
+    """The `tt.dot` lines of every Triton kernel in a CUDA lowering (the kernels' Triton IR is
+    MLIR bytecode in each custom call's backend config; parsed back with the Triton dialect)."""
+    from jax._src.lib.mlir import ir
+    from jax._src.lib.triton import dialect as tt
+
+    calls = []
+
+    def walk(op):
+        for region in op.regions:
+            for block in region.blocks:
+                for o in block.operations:
+                    if o.operation.name == "stablehlo.custom_call" and \
+                            "xla.gpu.triton" in str(o.attributes["call_target_name"]):
+                        calls.append(o)
+                    walk(o.operation)
+
+    walk(lowered.compiler_ir("stablehlo").operation)
+    lines = []
+    for call in calls:
+        raw = ir.StringAttr(ir.DictAttr(call.attributes["mhlo.backend_config"])["ir"]).value_bytes
+        ctx = ir.Context()
+        tt.register_dialect(ctx)
+        with ctx:
+            lines += [ln.strip() for ln in str(ir.Module.parse(raw)).splitlines() if "tt.dot " in ln]
+    return len(calls), lines
+
+
+@pytest.mark.parametrize("global_precision", [None, "bfloat16", "tensorfloat32"])
+@pytest.mark.parametrize("variant,T,S", [("prefill", 40, 40), ("window", 4, 100)])
+def test_float32_kernel_dots_are_exact_whatever_the_global_precision(global_precision, variant, T, S):
+    """float32 kernels (forward and backward) ask for HIGHEST, which the Triton lowering runs as IEEE
+    float32, by default and under `jax.default_matmul_precision("bfloat16" | "tensorfloat32")`, where
+    a dot that asked for nothing runs in TF32 on a GPU; so do the XLA dots around them (the window's
+    split merge, the backward's delta). bfloat16 kernels ask for nothing more than before."""
+    def loss(q, k, v):
+        out = flash.attention(q, k, v, start=jnp.array([0, 3]), q_offset=S - T, kind="block_causal",
+                              block_size=4, backend="triton", variant=variant)
+        return jnp.sum(out.astype(jnp.float32))
+
+    for dtype in (jnp.float32, jnp.bfloat16):
+        q, k, v = (jnp.zeros((2, T, 4, 32), dtype), jnp.zeros((2, S, 2, 32), dtype),
+                   jnp.zeros((2, S, 2, 32), dtype))
+        with jax.default_matmul_precision(global_precision):
+            fn = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
+            dots = _dot_precisions(jax.make_jaxpr(fn)(q, k, v))
+            n_kernels, tt_dots = _triton_dots(fn.trace(q, k, v).lower(lowering_platforms=("cuda",)))
+        assert n_kernels == 3 and tt_dots  # forward, backward dq, backward dk/dv
+        if dtype == jnp.float32:  # Triton prints no inputPrecision for its default, IEEE (not tf32)
+            assert all("xf32>" in ln and "inputPrecision" not in ln for ln in tt_dots), tt_dots
+        else:  # the kernels' own dots: bf16 x bf16 under the global setting, as before
+            assert all("xbf16>" in ln for ln in tt_dots), tt_dots
+        highest = (jax.lax.Precision.HIGHEST, jax.lax.Precision.HIGHEST)
+        f32 = [p for dt, p in dots if dt == jnp.float32]
+        low = [p for dt, p in dots if dt != jnp.float32]
+        assert f32 and all(p == highest for p in f32), f32
+        assert (not low) if dtype == jnp.float32 else (low and all(p != highest for p in low)), low
+
+
 # ----------------------------------------------------------------------------- Mosaic GPU kernel
 # Run in Pallas's GPU interpret mode, whose uninitialised output memory is NaN (the poisoning).
 # (kind, block_size, B, T, S, q_offset, kv_len, H, KV, D, start, dtype)
@@ -535,7 +617,7 @@ def test_mosaic_path_lowers_for_cuda(kind, bs, T, S, H, KV, D, block_k, stages):
 
 # ----------------------------------------------------------------------------- GPU (compiled)
 @pytest.mark.gpu
-@on_gpu
+@needs_gpu
 @pytest.mark.parametrize("kind,bs,dtype", [("causal", 1, jnp.bfloat16),
                                            ("block_causal", 32, jnp.bfloat16),
                                            ("block_causal", 4, jnp.float32),
@@ -546,7 +628,7 @@ def test_gpu_prefill_compiled(kind, bs, dtype):
 
 
 @pytest.mark.gpu
-@on_gpu
+@needs_gpu
 @pytest.mark.parametrize("kind,bs,T,dtype", [("block_causal", 32, 32, jnp.bfloat16),
                                              ("causal", 1, 1, jnp.bfloat16),
                                              ("bidirectional", 1, 96, jnp.float32)])
@@ -557,19 +639,21 @@ def test_gpu_window_compiled(kind, bs, T, dtype):
 
 
 @pytest.mark.gpu
-@on_gpu
+@needs_gpu
 def test_gpu_grad_and_auto_dispatch():
     q, k, v = _qkv(9, 2, 256, 256, 8, 2, 128, jnp.float32)
     kw = dict(start=jnp.array([0, 31]), kind="block_causal", block_size=32)
     out = pallas_kernels.attention(q, k, v, **kw, impl="auto")
-    assert _rel_err(out, attention_reference(q, k, v, **kw)) <= 1e-5
     g = jax.grad(lambda q: jnp.sum(pallas_kernels.attention(q, k, v, **kw, impl="pallas") ** 2))(q)
-    gr = jax.grad(lambda q: jnp.sum(attention_reference(q, k, v, **kw) ** 2))(q)
+    with jax.default_matmul_precision(EXACT):
+        ref = attention_reference(q, k, v, **kw)
+        gr = jax.grad(lambda q: jnp.sum(attention_reference(q, k, v, **kw) ** 2))(q)
+    assert _rel_err(out, ref) <= 1e-5
     assert _rel_err(g, gr) <= 1e-5
 
 
 @pytest.mark.gpu
-@on_gpu
+@needs_gpu
 @pytest.mark.parametrize("kind,bs,qoff,dtype", [("causal", 1, 0, jnp.bfloat16),
                                                 ("block_causal", 32, 0, jnp.bfloat16),
                                                 ("block_causal", 4, 100, jnp.float16),
