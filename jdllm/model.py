@@ -27,6 +27,7 @@ from flax import nnx
 from jdllm.config import ModelConfig
 from pallas_kernels import attention as attention_op
 from pallas_kernels import resolve_impl
+from pallas_kernels.common import dot_precision
 
 Params = dict[str, Any]
 
@@ -227,6 +228,13 @@ def kv_buckets(max_len: int) -> tuple[int, ...]:
 
 
 # --------------------------------------------------------------------------- pieces
+def mm(spec: str, x, w, **kw):
+    """`jnp.einsum(spec, x, w)` at full float32 precision when an operand is float32 (XLA:GPU would
+    run it in TF32 by default: a float32 model is exact on every backend), the backend's default
+    (the tensor cores) for bfloat16."""
+    return jnp.einsum(spec, x, w, precision=dot_precision(x.dtype, w.dtype), **kw)
+
+
 def rms_norm(x, w, eps):
     xf = x.astype(jnp.float32)
     xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
@@ -367,12 +375,12 @@ def forward(params: Params, cfg: ModelConfig, tokens, positions, *, start, cache
         lp, i = xs
         x = rms_norm(h, lp["attn_norm"], cfg.rms_norm_eps)
         if "qkv" in lp:  # fused by `unstack_layers`: one matmul, then the heads split apart
-            qkv = jnp.einsum("btd,dhk->bthk", x, lp["qkv"])
+            qkv = mm("btd,dhk->bthk", x, lp["qkv"])
             q, k, v = jnp.split(qkv, (cfg.num_heads, cfg.num_heads + cfg.num_kv_heads), axis=2)
         else:
-            q = jnp.einsum("btd,dhk->bthk", x, lp["q"])
-            k = jnp.einsum("btd,dhk->bthk", x, lp["k"])
-            v = jnp.einsum("btd,dhk->bthk", x, lp["v"])
+            q = mm("btd,dhk->bthk", x, lp["q"])
+            k = mm("btd,dhk->bthk", x, lp["k"])
+            v = mm("btd,dhk->bthk", x, lp["v"])
         if cfg.qkv_bias:
             q, k, v = q + lp["q_bias"], k + lp["k_bias"], v + lp["v_bias"]
         if cfg.qk_norm:
@@ -406,14 +414,14 @@ def forward(params: Params, cfg: ModelConfig, tokens, positions, *, start, cache
                 a = upto(ck.shape[2])(ck, cv)
             else:
                 a = jax.lax.switch(bucket, [upto(n) for n in sizes], ck, cv)
-        h = h + jnp.einsum("bthk,hkd->btd", a, lp["o"])
+        h = h + mm("bthk,hkd->btd", a, lp["o"])
         x = rms_norm(h, lp["mlp_norm"], cfg.rms_norm_eps)
         if "gate_up" in lp:
-            g, u = jnp.split(jnp.einsum("btd,df->btf", x, lp["gate_up"]), 2, axis=-1)
+            g, u = jnp.split(mm("btd,df->btf", x, lp["gate_up"]), 2, axis=-1)
         else:
-            g = jnp.einsum("btd,df->btf", x, lp["gate"])
-            u = jnp.einsum("btd,df->btf", x, lp["up"])
-        h = h + jnp.einsum("btf,fd->btd", jax.nn.silu(g) * u, lp["down"])
+            g = mm("btd,df->btf", x, lp["gate"])
+            u = mm("btd,df->btf", x, lp["up"])
+        h = h + mm("btf,fd->btd", jax.nn.silu(g) * u, lp["down"])
         return (h, ck, cv), None
 
     ck, cv = (None, None) if cache is None else (cache.k, cache.v)
@@ -588,8 +596,8 @@ def split_projections(lp: Params, cfg: ModelConfig | None = None) -> Params:
 def lm_head(params: Params, cfg: ModelConfig, h) -> jax.Array:
     """Final-norm hidden states [..., D] -> float32 logits [..., V]."""
     if cfg.tie_word_embeddings:
-        return jnp.einsum("...d,vd->...v", h, params["embed"], preferred_element_type=jnp.float32)
-    return jnp.einsum("...d,dv->...v", h, params["lm_head"], preferred_element_type=jnp.float32)
+        return mm("...d,vd->...v", h, params["embed"], preferred_element_type=jnp.float32)
+    return mm("...d,dv->...v", h, params["lm_head"], preferred_element_type=jnp.float32)
 
 
 def predicts_next(cfg: ModelConfig) -> int:

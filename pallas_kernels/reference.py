@@ -16,6 +16,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.common import dot_precision
+
 KINDS = ("causal", "block_causal", "bidirectional")
 
 
@@ -66,11 +68,12 @@ def masked_attention_reference(q, k, v, mask, *, scale=None):
     G = H // KV
     scale = D ** -0.5 if scale is None else scale
     qg = q.reshape(B, T, KV, G, D)
-    scores = jnp.einsum("btkgd,bskd->bkgts", qg, k,
+    prec = dot_precision(q.dtype, k.dtype)  # float32: exact on every backend (no TF32)
+    scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, precision=prec,
                         preferred_element_type=jnp.float32) * scale  # [B, KV, G, T, S]
     mask = mask[:, None, None]
     p = _masked_softmax(scores, mask, axis=-1)
-    out = jnp.einsum("bkgts,bskd->btkgd", p.astype(v.dtype), v,
+    out = jnp.einsum("bkgts,bskd->btkgd", p.astype(v.dtype), v, precision=prec,
                      preferred_element_type=jnp.float32)
     return out.reshape(B, T, H, D).astype(q.dtype)
 
@@ -108,10 +111,13 @@ def window_reference(q, k, v, *, start, q_offset=0, kv_len=None, kind="causal", 
                         kind=kind, block_size=block_size)  # [B, T, S]
     eye = jnp.eye(KV, dtype=jnp.float32)
     qg = q.reshape(B, T, KV, G, D).astype(jnp.float32) * scale
-    qbd = jnp.einsum("btkgd,kj->bjdtkg", qg, eye).reshape(B, KV * D, T * H)  # block-diagonal queries
-    scores = jnp.einsum("bsc,bch->bsh", k.reshape(B, S, KV * D).astype(jnp.float32), qbd)  # [B, S, T * H]
+    prec = dot_precision(q.dtype, k.dtype)  # float32 inputs: exact on every backend (no TF32)
+    qbd = jnp.einsum("btkgd,kj->bjdtkg", qg, eye, precision=prec).reshape(B, KV * D, T * H)  # block-diagonal queries
+    scores = jnp.einsum("bsc,bch->bsh", k.reshape(B, S, KV * D).astype(jnp.float32), qbd,
+                        precision=prec)  # [B, S, T * H]
     m = mask.transpose(0, 2, 1)[..., None]  # [B, S, T, 1]
     p = _masked_softmax(scores.reshape(B, S, T, H), m, axis=1).reshape(B, S, T * H)
-    full = jnp.einsum("bsh,bsc->bhc", p, v.reshape(B, S, KV * D).astype(jnp.float32))  # [B, T * H, KV * D]
-    out = jnp.einsum("btkgjd,kj->btkgd", full.reshape(B, T, KV, G, KV, D), eye)  # each head's own kv head
+    full = jnp.einsum("bsh,bsc->bhc", p, v.reshape(B, S, KV * D).astype(jnp.float32),
+                      precision=prec)  # [B, T * H, KV * D]
+    out = jnp.einsum("btkgjd,kj->btkgd", full.reshape(B, T, KV, G, KV, D), eye, precision=prec)  # own kv head
     return out.reshape(B, T, H, D).astype(q.dtype)

@@ -149,3 +149,40 @@ def test_family_defaults_when_config_omits_them(family, key, default):
     d.pop(key)
     cfg = ModelConfig.from_hf(d)
     assert (cfg.block_size if key == "bd_size" else cfg.mask_token_id) == default
+
+
+@pytest.mark.parametrize("dtype,exact", [("float32", True), ("bfloat16", False)])
+def test_float32_model_matmuls_ask_for_full_precision(dtype, exact):
+    """Every matmul of a float32 forward (projections, MLP, LM head, XLA attention) carries
+    precision HIGHEST, so XLA:GPU cannot run it in TF32 whatever `jax_default_matmul_precision`
+    says; a bfloat16 forward leaves it to the backend (the tensor cores)."""
+    import os  # noqa: PLC0415
+
+    import jax  # noqa: PLC0415
+    import jax.numpy as jnp  # noqa: PLC0415
+
+    import jdllm  # noqa: PLC0415
+    from jdllm.model import default_positions, forward  # noqa: PLC0415
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    model = jdllm.load(os.path.join(root, "models", "tiny-ar"), dtype=dtype, attn_impl="xla")
+    tokens = jnp.zeros((1, 4), jnp.int32)
+    start = jnp.zeros((1,), jnp.int32)
+    with jax.default_matmul_precision("tensorfloat32"):
+        closed = jax.make_jaxpr(lambda p: forward(p, model.config, tokens, default_positions(start, 0, 4),
+                                                  start=start, attn_impl="xla")[0])(model.params)
+
+    def dots(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "dot_general":
+                yield eqn.params["precision"]
+            for v in eqn.params.values():
+                for sub in (v if isinstance(v, (tuple, list)) else (v,)):
+                    sub = getattr(sub, "jaxpr", sub)  # a ClosedJaxpr's Jaxpr
+                    if hasattr(sub, "eqns"):
+                        yield from dots(sub)
+
+    found = list(dots(closed.jaxpr))
+    assert len(found) >= 4 * model.config.num_layers + 1
+    highest = [p for p in found if p is not None and jax.lax.Precision.HIGHEST in tuple(p)]
+    assert (len(highest) == len(found)) if exact else not highest
