@@ -940,8 +940,8 @@ def parent_main(args) -> int:
                     copy_gbs=meta.get("copy_gbs"), device=meta.get("device"), cache_dir=cache_dirs[key])
         launch(task, flags, cache_dirs[key])
 
-    def first_call_child(flags, layout):
-        todo = [c for c in args.cold_cases if c in ids]
+    def first_call_child(flags, layout, group):
+        todo = [c for c in args.cold_cases if c in group]
         if not todo:
             return
         base = dict(common, kind="cases", mode="first_call", cases=todo, layout=layout, flags=flags,
@@ -972,17 +972,16 @@ def parent_main(args) -> int:
         if want_hf:
             launch(dict(common, kind="hf", hf_batches=args.hf_batches, hf_repeats=args.hf_repeats,
                         hf_forwards=[block, args.prompt + args.gen]), "")
-        if not args.cold_separate:
-            for flags in args.xla_flags_variants:
-                for layout in args.layouts:
-                    first_call_child(flags, layout)
+        # cached first calls: after the process that filled the cache (or, --cold-separate, cold + cached)
+        for flags in args.xla_flags_variants:
+            for layout in args.layouts:
+                first_call_child(flags, layout, first_group)
         for flags in args.xla_flags_variants:
             for layout in args.layouts:
                 cases_child(rest, flags, layout)
-        if args.cold_separate:
-            for flags in args.xla_flags_variants:
-                for layout in args.layouts:
-                    first_call_child(flags, layout)
+        for flags in args.xla_flags_variants:
+            for layout in args.layouts:
+                first_call_child(flags, layout, rest)
     except (KeyboardInterrupt, Interrupted):
         state["interrupted"] = True
         last = getattr(run_child, "last", None)
