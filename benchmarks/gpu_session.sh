@@ -11,8 +11,8 @@
 # gpu.json starts as a copy of benchmarks/results/gpu.json, so the one that comes back holds the earlier
 # sessions' rows too: copy it over benchmarks/results/gpu.json, then
 #   python benchmarks/gpu.py --markdown --write-results-md
-# Budgets (seconds, environment): GPU_TESTS_S (150), GPU_BENCH_S (285, the hard limit) and
-# GPU_BENCH_BUDGET_S (165, after which gpu.py starts no new case: a case started just before it may
+# Budgets (seconds, environment): GPU_TESTS_S (140), GPU_BENCH_S (300, the hard limit) and
+# GPU_BENCH_BUDGET_S (180, after which gpu.py starts no new case: a case started just before it may
 # compile for 2 minutes on the 8B shape), ATTN_S (75); GPU_BENCH_ARGS adds arguments to gpu.py
 # (e.g. "--only mb_approx_b1 hf" or "--layouts per_layer stacked").
 set -uo pipefail
@@ -20,7 +20,7 @@ out=${OUT:-benchmarks/out}
 mkdir -p "$out"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" JAX_PLATFORMS=cuda PYTHONUNBUFFERED=1
 export XLA_PYTHON_CLIENT_PREALLOCATE=false
-T_TESTS=${GPU_TESTS_S:-150} T_BENCH=${GPU_BENCH_S:-285} BUDGET=${GPU_BENCH_BUDGET_S:-165} T_ATTN=${ATTN_S:-75}
+T_TESTS=${GPU_TESTS_S:-140} T_BENCH=${GPU_BENCH_S:-300} BUDGET=${GPU_BENCH_BUDGET_S:-180} T_ATTN=${ATTN_S:-75}
 status=0
 t0=$(date +%s)
 note() { echo "# $(date -u +%H:%M:%S) (+$(( $(date +%s) - t0 ))s) $*"; }
