@@ -255,11 +255,14 @@ def build_params(cfg, layout: str, seed: int, std: float, head_std: float):
         top[name] = jax.jit(functools.partial(draw, spec, spec.shape, s=s))(jax.random.fold_in(root, j))
 
     if layout == "per_layer":
+        # small stand-ins for the top-level weights, so unstack_layers sees a whole params dict
+        stubs = {n: jnp.zeros((1,) * len(specs[n].shape), dtype) for n in specs if n != "layers"}
+
         @jax.jit
         def one_layer(i):
             lp = {n: draw(specs["layers"][n], specs["layers"][n].shape[1:], layer_key(j, i), std)[None]
                   for j, n in enumerate(names)}
-            return unstack_layers({"layers": lp})["layers"][0]
+            return unstack_layers(dict(stubs, layers=lp))["layers"][0]
 
         layers = []
         for i in range(L):
@@ -513,10 +516,13 @@ def configure_cache(task) -> None:
     import jax  # noqa: PLC0415
 
     d = task.get("cache_dir")
-    if d:
-        jax.config.update("jax_compilation_cache_dir", d)
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-        jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+    if d:  # the environment (JAX_COMPILATION_CACHE_DIR, ...) says the same; an option a jax lacks is skipped
+        for name, v in (("jax_compilation_cache_dir", d), ("jax_persistent_cache_min_compile_time_secs", 0.0),
+                        ("jax_persistent_cache_min_entry_size_bytes", -1)):
+            try:
+                jax.config.update(name, v)
+            except Exception as e:  # noqa: BLE001
+                print(f"# jax.config.update({name!r}) failed: {e}", flush=True)
 
 
 def write_json(path: str, obj) -> None:
