@@ -1,18 +1,55 @@
 #!/usr/bin/env bash
-# Everything a GPU session owes issue 4, in one command (run from the repo root on the GPU machine):
-#   1. the compiled-kernel tests (`pytest -m gpu`: Triton and, on Hopper, Mosaic GPU vs the reference),
-#   2. benchmarks/attention.py with --backward (full sizes: S = 1k..32k, head_dim 128, bf16).
-# Logs and JSON go to $OUT (the device tool's folder) or benchmarks/out. Steps run on after a failure;
-# the exit status is the first failing step's.
+# One command for a GPU session (issues 4 and 27), run from the repo root on the GPU machine:
+#   GIT_COMMIT=<sha of the tree sent> bash benchmarks/gpu_session.sh
+#   0. the device, nvidia-smi, jax / jaxlib / CUDA versions            -> device.txt
+#   1. the GPU test tier (`pytest -m gpu`)                              -> gpu_tests.log
+#   2. benchmarks/gpu.py --quick (8B shape, priority cases, HF baseline) -> gpu.log, gpu.json, gpu_table.md
+#   3. benchmarks/attention.py at two sizes (Pallas, cuDNN, XLA)       -> attention.log, attention.json
+# Everything goes to $OUT (the device tool's folder: at most 8 files come back; these are 7) or
+# benchmarks/out. Each step runs under `timeout`, so the whole script ends within ~9 minutes by default;
+# steps run on after a failure; the exit status is the first failing step's (124: a step timed out).
+# gpu.json starts as a copy of benchmarks/results/gpu.json, so the one that comes back holds the earlier
+# sessions' rows too: copy it over benchmarks/results/gpu.json, then
+#   python benchmarks/gpu.py --markdown --write-results-md
+# Budgets (seconds, environment): GPU_TESTS_S (140), GPU_BENCH_S (300, the hard limit) and
+# GPU_BENCH_BUDGET_S (180, after which gpu.py starts no new case: a case started just before it may
+# compile for 2 minutes on the 8B shape), ATTN_S (75); GPU_BENCH_ARGS adds arguments to gpu.py
+# (e.g. "--only mb_approx_b1 hf" or "--layouts per_layer stacked").
 set -uo pipefail
 out=${OUT:-benchmarks/out}
 mkdir -p "$out"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" JAX_PLATFORMS=cuda PYTHONUNBUFFERED=1
+export XLA_PYTHON_CLIENT_PREALLOCATE=false
+T_TESTS=${GPU_TESTS_S:-140} T_BENCH=${GPU_BENCH_S:-300} BUDGET=${GPU_BENCH_BUDGET_S:-180} T_ATTN=${ATTN_S:-75}
 status=0
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/device.txt"
-python3 -c "import jax; print('jax', jax.__version__, jax.devices())" | tee -a "$out/device.txt"
-python3 -m pytest -q -m gpu tests/ -p no:cacheprovider 2>&1 | tee "$out/gpu_tests.log"
+t0=$(date +%s)
+note() { echo "# $(date -u +%H:%M:%S) (+$(( $(date +%s) - t0 ))s) $*"; }
+
+{
+  note "device"
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+  nvidia-smi | grep -m1 "CUDA Version" || true
+  timeout 60 python3 -c "import importlib.metadata as m, jax; print('jax', jax.__version__, 'jaxlib', m.version('jaxlib'), jax.devices()); print('platform', jax.devices()[0].client.platform_version)"
+  python3 -m pip list 2>/dev/null | grep -iE "^(jax|jaxlib|jax-cuda|torch |transformers|triton)" || true
+  echo "git ${GIT_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}"
+} 2>&1 | tee "$out/device.txt"
+
+note "1. GPU test tier (timeout ${T_TESTS}s)"
+timeout -k 10 "$T_TESTS" python3 -m pytest -q -m gpu tests/ 2>&1 | tee "$out/gpu_tests.log"
 status=$(( status ? status : ${PIPESTATUS[0]} ))
-python3 benchmarks/attention.py --backward --out "$out/attention.json" 2>&1 | tee "$out/attention.log"
+
+note "2. benchmarks/gpu.py --quick (budget ${BUDGET}s, timeout ${T_BENCH}s)"
+[ -f benchmarks/results/gpu.json ] && cp benchmarks/results/gpu.json "$out/gpu.json"
+# shellcheck disable=SC2086
+timeout -k 15 "$T_BENCH" python3 benchmarks/gpu.py --quick --budget "$BUDGET" --out "$out/gpu.json" \
+  ${GPU_BENCH_ARGS:-} 2>&1 | tee "$out/gpu.log"
 status=$(( status ? status : ${PIPESTATUS[0]} ))
+[ -f "$out/gpu.json" ] && python3 benchmarks/gpu.py --markdown --out "$out/gpu.json" > "$out/gpu_table.md" 2>&1
+
+note "3. benchmarks/attention.py (timeout ${T_ATTN}s)"
+timeout -k 10 "$T_ATTN" python3 benchmarks/attention.py --seq 4096 16384 --impls pallas,cudnn,xla --iters 5 \
+  --out "$out/attention.json" 2>&1 | tee "$out/attention.log"
+status=$(( status ? status : ${PIPESTATUS[0]} ))
+
+note "done, exit status $status"
 exit "$status"
