@@ -68,7 +68,7 @@ def worker(args) -> dict:
     prep = prepare(model, prompts, decoding, sampling)
     kw = dict(paradigm=prep.paradigm, ctx=prep.ctx)
     fresh = lambda: prepare(model, prompts, decoding, sampling).state  # noqa: E731 (old trees donate it)
-    compiled = loop.decode.lower(model.params, fresh(), **kw).compile()
+    compiled = loop.compiled().lower(model.params, fresh(), **kw).compile()
     mem = compiled.memory_analysis()
     peak = None
     if mem is not None:
@@ -78,7 +78,7 @@ def worker(args) -> dict:
     for _ in range(args.repeats):
         st = fresh()
         t = time.perf_counter()
-        final = loop.decode(model.params, st, **kw)
+        final = loop.compiled()(model.params, st, **kw)
         jax.block_until_ready(final.tokens)
         times.append(time.perf_counter() - t)
     outs = outputs(prep, final)

@@ -43,7 +43,7 @@ an empty and then a filled persistent compilation cache:
 
 Timing: the first call is a full `jdllm.generate` (prepare, trace,
 compile, run, outputs) and is the warm-up; then `--repeats` runs of the compiled decode on a
-prepared state (`loop.decode`, `jax.block_until_ready`), median kept; the tokens of every
+prepared state (`loop.compiled()`, `jax.block_until_ready`), median kept; the tokens of every
 repeat must equal the first call's (greedy).
 
 Columns. tok/s: generated tokens of the whole batch / median seconds. NFE: model forwards per
@@ -416,7 +416,7 @@ def run_decode_case(case: Case, model, task, base_row: dict) -> dict:
         final = None
         gc.collect()
         t0 = time.perf_counter()
-        final = jax.block_until_ready(loop.decode(params, prep.state, paradigm=prep.paradigm, ctx=prep.ctx))
+        final = jax.block_until_ready(loop.compiled()(params, prep.state, paradigm=prep.paradigm, ctx=prep.ctx))
         times.append(time.perf_counter() - t0)
         same &= [o.token_ids for o in outputs(prep, final)] == ref
     sec = statistics.median(times)

@@ -63,7 +63,7 @@ def rollout_bench(args) -> list[dict]:
 
     def run_generate():
         prep = prepare(model, rows, dec, samp)
-        outs = outputs(prep, loop.decode(model.params, prep.state, paradigm=prep.paradigm, ctx=prep.ctx))
+        outs = outputs(prep, loop.compiled()(model.params, prep.state, paradigm=prep.paradigm, ctx=prep.ctx))
         counts["generate"] = sum(len(o.token_ids) for o in outs)
 
     fns = {"jdllm.rl.compiled_rollout": run_rl, "jdllm.generate": run_generate}

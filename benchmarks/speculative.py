@@ -50,7 +50,7 @@ def run_once(model, decoding, preps):
     params = params_for(model, decoding)
     finals, t0 = [], time.perf_counter()
     for prep in preps:
-        finals.append(jax.block_until_ready(loop.decode(params, prep.state, paradigm=prep.paradigm, ctx=prep.ctx)))
+        finals.append(jax.block_until_ready(loop.compiled()(params, prep.state, paradigm=prep.paradigm, ctx=prep.ctx)))
     dt = time.perf_counter() - t0
     return [o for prep, f in zip(preps, finals) for o in outputs(prep, f)], dt
 

@@ -22,6 +22,7 @@ _EXPORTS = {
     "Sampling": "jdllm.sampling",
     "prepare": "jdllm.api",  # inputs -> initial DecodeState + static context (no compile)
     "DecodeState": "jdllm.state",
+    "compiler_options": "jdllm.decode.loop",  # XLA options for jdllm's own compiles in a `with` block
     # paradigm configs: each lives beside its paradigm
     "AR": "jdllm.decode.ar",
     "BlockDiffusion": "jdllm.decode.block_diffusion",

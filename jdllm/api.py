@@ -6,10 +6,10 @@ Three layers, each usable on its own:
   `jdllm.errors.*` before anything compiles), tokenizes, rounds the batch,
   prompt and generation lengths up to buckets and builds the initial
   `DecodeState` plus the static `DecodeCtx`;
-- `decode(params, state, paradigm=..., ctx=...)` is the pure function (state in,
-  state out: prefill + `lax.while_loop`) for use inside a user's own jit / vmap;
-  `jdllm.decode.loop.decode` is the same, compiled; the prepared state holds no
-  KV cache and is not consumed, so it can be decoded again. A host that drives
+- `jdllm.decode.loop.run(params, state, paradigm=..., ctx=...)` is the pure function
+  (state in, state out: prefill + `lax.while_loop`) for use inside a user's own jit /
+  vmap; `loop.compiled()` is the same, compiled; the prepared state holds no KV cache
+  and is not consumed, so it can be decoded again. A host that drives
   the steps itself uses `jdllm.decode.loop`'s `prefill` / `plan` / `forward` /
   `reveal` / `step_n` (`loop.compiled_steps()`);
 - `outputs(prepared, state)` turns the final state into `Output`s.
@@ -26,11 +26,10 @@ import numpy as np
 
 from jdllm import errors, inputs
 from jdllm.decode import common, loop
+from jdllm.decode.protocol import Paradigm
 from jdllm.loading import Model, check_token_ids
 from jdllm.sampling import Sampling
 from jdllm.state import FINISH_REASONS, DecodeState
-
-decode = loop.run  # the pure lower-level function
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,18 +144,17 @@ def prepare(model: Model, prompts, decoding=None, sampling: Sampling | list[Samp
     if isinstance(decoding, type):
         raise errors.DecodingConfigError(
             f"decoding={decoding.__name__} is a class; pass an instance such as {decoding.__name__}()")
-    if not hasattr(decoding, "layout") or not hasattr(decoding, "plan"):
+    if not isinstance(decoding, Paradigm):
         raise errors.DecodingConfigError(
             f"decoding={decoding!r} is not a paradigm config; use one of jdllm.AR, jdllm.Speculative, jdllm.BlockDiffusion, "
-            "jdllm.MultiBlock, jdllm.MaskedDiffusion")
+            "jdllm.MultiBlock, jdllm.MaskedDiffusion (or a jdllm.decode.protocol.Paradigm of your own)")
     inputs.validate_paradigm(decoding, cfg)
-    if hasattr(decoding, "validate_model"):  # checks that need the whole model (e.g. a draft's tokenizer)
-        decoding.validate_model(model)
+    decoding.validate_model(model)  # checks that need the whole model (e.g. a draft's tokenizer)
     ids = tokenize(model, prompts, apply_chat_template)
     per_row = isinstance(sampling, (list, tuple))
     settings = inputs.check_prompts(ids, cfg, row_settings(sampling, len(ids)))
     max_new = [s.max_new_tokens for s in settings]
-    if len(set(max_new)) > 1 and not getattr(decoding, "ragged_lengths", False):
+    if len(set(max_new)) > 1 and not decoding.ragged_lengths:
         raise errors.DecodingConfigError(
             f"paradigm {decoding.name!r} decodes every row to one length; the prompts ask for "
             f"max_new_tokens {sorted(set(max_new))}: give them one value")
@@ -189,7 +187,7 @@ def prepare(model: Model, prompts, decoding=None, sampling: Sampling | list[Samp
     state = common.new_state(cfg, [np.asarray(r, np.int32) for r in rows], layout, max_new, settings=settings,
                              stop_ids=stops, seed=seeds, stream=np.zeros(len(rows)) if per_row else None,
                              active=active)
-    fwd_cfg = decoding.attention_config(cfg) if hasattr(decoding, "attention_config") else cfg
+    fwd_cfg = decoding.attention_config(cfg)
     if placement is not None:
         state = placement.place_state(state)
     ctx = common.DecodeCtx(model=fwd_cfg, attn_impl=model.forward_impl, prefill_len=int(layout.prefill_len),
@@ -223,12 +221,11 @@ def to_host(tree):
 
 
 def trace_arrays(paradigm, extra):
-    """The part of a state's `extra` that `paradigm.output_trace` reads (its `trace_keys`, else all
-    of it), to fetch to the host; None for a paradigm that keeps no trace."""
-    if getattr(paradigm, "output_trace", None) is None:
+    """The part of a state's `extra` that `paradigm.output_trace` reads (its `trace_keys`), to fetch
+    to the host; None for a paradigm that keeps no trace."""
+    if not paradigm.trace_keys:
         return None
-    keys = getattr(paradigm, "trace_keys", None)
-    return extra if keys is None else {k: extra[k] for k in keys}
+    return {k: extra[k] for k in paradigm.trace_keys}
 
 
 def outputs(prep: Prepared, state: DecodeState) -> list[Output]:
@@ -275,18 +272,15 @@ def generate(model: Model, prompts, decoding=None, sampling: Sampling | list[Sam
             return constraints.backend_module(rows).generate(model, prompts, decoding, sampling, rows,
                                                              apply_chat_template=apply_chat_template)
     prep = prepare(model, prompts, decoding, sampling, apply_chat_template=apply_chat_template)
-    final = loop.decode(params_for(model, prep.paradigm), prep.state, paradigm=prep.paradigm, ctx=prep.ctx)
+    final = loop.compiled()(params_for(model, prep.paradigm), prep.state, paradigm=prep.paradigm, ctx=prep.ctx)
     return outputs(prep, final)
 
 
 def params_for(model: Model, decoding):
-    """The parameters `loop.decode` takes for this paradigm: the model's, plus what the paradigm
+    """The parameters the decode loop takes for this paradigm: the model's, plus what the paradigm
     binds to them (ar_spec's draft model: `decoding.bind_params`)."""
-    bind = getattr(decoding, "bind_params", None)
-    if bind is None:
-        return model.params
-    params = bind(model.params)
-    if model.placement is not None:  # what the paradigm binds (a draft model) joins the mesh, replicated
+    params = decoding.bind_params(model.params)
+    if params is not model.params and model.placement is not None:  # what the paradigm binds (a draft model) joins the mesh, replicated
         from jdllm.sharding import put  # noqa: PLC0415
 
         rep = model.placement.replicated()
@@ -296,5 +290,5 @@ def params_for(model: Model, decoding):
     return params
 
 
-__all__ = ["generate", "Output", "prepare", "decode", "outputs", "row_output", "trace_arrays", "Prepared",
+__all__ = ["generate", "Output", "prepare", "outputs", "row_output", "trace_arrays", "Prepared",
            "params_for"]

@@ -80,11 +80,11 @@ def run(args) -> int:
     high = min(specials) if specials and min(specials) > 1 else cfg.vocab_size
     rng = np.random.default_rng(args.seed)
     rows = []
-    spec = type(decoding).name == "ar_spec"  # speculative: also plain AR on the same target and prompts
-    print(f"{type(decoding).name}: {decoding}", file=sys.stderr)
+    base = decoding.baseline()  # e.g. ar_spec: also plain AR on the same target and prompts
+    print(f"{decoding.name}: {decoding}", file=sys.stderr)
     head = "| batch | tokens/s | NFE / row | TPF | first call (s) |"
-    if spec:
-        head += " acceptance | AR tokens/s | speedup | same tokens as AR |"
+    if base is not None:
+        head += f" acceptance | {base.name} tokens/s | speedup | same tokens as {base.name} |"
     print(head + "\n|" + "---:|" * head.count(" |"))
 
     def timed(dec, prompts):
@@ -106,19 +106,19 @@ def run(args) -> int:
         row = dict(batch=batch, tokens=toks, seconds=best, tokens_per_s=toks / best, nfe=nfe, tpf=tpf,
                    first_call_s=first)
         line = f"| {batch} | {toks / best:.1f} | {nfe:.1f} | {tpf:.2f} | {first:.1f} |"
-        if spec:
-            ar_outs, ar_best, _ = timed(jdllm.AR(), prompts)
-            proposed = sum(o.trace["drafts_proposed"] for o in outs)
-            rate = sum(o.trace["drafts_accepted"] for o in outs) / max(proposed, 1)
+        if base is not None:
+            ar_outs, ar_best, _ = timed(base, prompts)
+            proposed = sum(o.trace.get("drafts_proposed", 0) for o in outs)
+            rate = sum(o.trace.get("drafts_accepted", 0) for o in outs) / max(proposed, 1)
             same = [o.token_ids for o in outs] == [o.token_ids for o in ar_outs]
             ar_tps = sum(len(o.token_ids) for o in ar_outs) / ar_best
-            row.update(acceptance_rate=rate, ar_tokens_per_s=ar_tps, speedup=toks / best / ar_tps,
-                       same_tokens_as_ar=same)
+            row.update(acceptance_rate=rate, baseline=base.name, baseline_tokens_per_s=ar_tps,
+                       speedup=toks / best / ar_tps, same_tokens_as_baseline=same)
             line += f" {rate:.2f} | {ar_tps:.1f} | {toks / best / ar_tps:.2f}x | {'yes' if same else 'no'} |"
         rows.append(row)
         print(line, flush=True)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(dict(model=args.model, paradigm=type(decoding).name, decoding=repr(decoding),
+            json.dump(dict(model=args.model, paradigm=decoding.name, decoding=repr(decoding),
                            prompt_len=args.prompt_len, max_new_tokens=args.max_new_tokens, rows=rows), f, indent=2)
     return 0

@@ -24,11 +24,12 @@ FAST_COMPILE = (("xla_backend_optimization_level", 0),)
 
 
 @pytest.fixture
-def fast_compile(monkeypatch):
-    """Route jdllm.generate through a decode jit compiled with FAST_COMPILE (this test only)."""
-    from jdllm.decode import loop
+def fast_compile():
+    """jdllm's compiles in this test with FAST_COMPILE (`jdllm.compiler_options`)."""
+    import jdllm  # noqa: PLC0415
 
-    monkeypatch.setattr(loop, "decode", loop.compiled(FAST_COMPILE))
+    with jdllm.compiler_options(**dict(FAST_COMPILE)):
+        yield
 
 MASK = VOCAB - 1
 

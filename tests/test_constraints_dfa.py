@@ -20,6 +20,7 @@ import jdllm
 from jdllm import constraints
 from jdllm.constraints import dfa, dfa_compile, dfa_device
 from jdllm.errors import ConstraintError
+from compiles import traces
 from decode_fixtures import FAST_COMPILE, fast_compile  # noqa: F401  (fixture)
 from reference_decoders import _distribution, full_logits
 
@@ -249,10 +250,10 @@ def test_sampled_outputs_always_match(path, decoding, fast_compile):
         rows = [constraints.regex(REGEXES[(i + round_) % 3], backend="dfa") for i in range(len(prompts))]
         samp = [jdllm.Sampling(temperature=1.0, max_new_tokens=max_new, seed=100 * round_ + i)
                 for i in range(len(prompts))]
-        n = loop.TRACES[decoding.name]
-        outs = jdllm.generate(model, prompts, decoding=decoding, sampling=samp, constraint=rows)
+        with traces() as seen:
+            outs = jdllm.generate(model, prompts, decoding=decoding, sampling=samp, constraint=rows)
         if round_:
-            assert loop.TRACES[decoding.name] == n
+            assert seen["run"] == 0
         _check_outputs(model, outs, rows, max_new)
 
 
@@ -343,16 +344,14 @@ def test_constrained_rollout_is_pure_under_jit_vmap():
 
 def test_generate_refuses_before_compiling():
     """Bad constraints raise ConstraintError naming the problem, before any decode compiles."""
-    from jdllm.decode import loop
-
     model = jdllm.load("models/tiny-sdar", dtype="float32")
-    n = sum(loop.TRACES.values())
     s = jdllm.Sampling(max_new_tokens=4)
-    rec = {"$defs": {"n": {"type": "object", "properties": {"c": {"$ref": "#/$defs/n"}}}}, "$ref": "#/$defs/n"}
-    with pytest.raises(ConstraintError, match="recursive.*llguidance"):
-        jdllm.generate(model, ["rev:ab="], sampling=s, constraint=constraints.json_schema(rec, backend="dfa"))
-    with pytest.raises(ConstraintError, match="shortest match takes 5 tokens but max_new_tokens=4"):
-        jdllm.generate(model, ["rev:ab="], sampling=s, constraint=constraints.regex(r"\d{5}", backend="dfa"))
-    with pytest.raises(ConstraintError, match="matches no string"):
-        jdllm.generate(model, ["rev:ab="], sampling=s, constraint=constraints.regex(r"[A-Z]+", backend="dfa"))
-    assert sum(loop.TRACES.values()) == n
+    with traces() as seen:
+        rec = {"$defs": {"n": {"type": "object", "properties": {"c": {"$ref": "#/$defs/n"}}}}, "$ref": "#/$defs/n"}
+        with pytest.raises(ConstraintError, match="recursive.*llguidance"):
+            jdllm.generate(model, ["rev:ab="], sampling=s, constraint=constraints.json_schema(rec, backend="dfa"))
+        with pytest.raises(ConstraintError, match="shortest match takes 5 tokens but max_new_tokens=4"):
+            jdllm.generate(model, ["rev:ab="], sampling=s, constraint=constraints.regex(r"\d{5}", backend="dfa"))
+        with pytest.raises(ConstraintError, match="matches no string"):
+            jdllm.generate(model, ["rev:ab="], sampling=s, constraint=constraints.regex(r"[A-Z]+", backend="dfa"))
+    assert seen["run"] == 0

@@ -21,14 +21,13 @@ from jdllm.decode import loop
 from jdllm.errors import ConstraintError
 from jdllm.loading import Model
 from jdllm.model import init_params
+from tests.compiles import traces
 from tests.decode_fixtures import FAST_COMPILE, fast_compile  # noqa: F401
 
 lark = pytest.importorskip("lark")  # in the [test] extra: never skipped in CI
 
 
-@pytest.fixture(autouse=True)
-def _fast(monkeypatch):
-    monkeypatch.setattr(G, "COMPILER_OPTIONS", FAST_COMPILE)
+pytestmark = pytest.mark.usefixtures("fast_compile")
 
 
 @functools.lru_cache(maxsize=None)
@@ -273,17 +272,16 @@ def test_length_exhausted_row_ends_length_not_ok():
 def test_free_rows_equal_unconstrained_and_no_retrace(fast_compile):
     model = shipped("tiny-ar")
     free = jdllm.generate(model, PROMPTS, sampling=S16)
-    traces = sum(loop.TRACES.values())
-    mixed = jdllm.generate(model, PROMPTS, sampling=S16, constraint=[None, C.regex("[0-9]"), None])
+    with traces() as seen:
+        mixed = jdllm.generate(model, PROMPTS, sampling=S16, constraint=[None, C.regex("[0-9]"), None])
     for b in (0, 2):
         assert (mixed[b].token_ids, mixed[b].step_map, mixed[b].nfe) == (free[b].token_ids, free[b].step_map,
                                                                          free[b].nfe)
     assert re.fullmatch("[0-9]", mixed[1].text) and mixed[1].finish_reason == "stop"
-    steps = loop.compiled_steps(FAST_COMPILE)
-    sizes = {k: f._cache_size() for k, f in steps.items()}
-    jdllm.generate(model, PROMPTS, sampling=S16, constraint=[C.regex("[a-c]+"), C.regex("[0-9]"), None])
-    assert {k: f._cache_size() for k, f in steps.items()} == sizes  # the same shapes do not retrace
-    assert sum(loop.TRACES.values()) == traces  # constrained calls never build the one-jit loop
+    with traces() as again:
+        jdllm.generate(model, PROMPTS, sampling=S16, constraint=[C.regex("[a-c]+"), C.regex("[0-9]"), None])
+    assert sum(again.values()) == 0  # the same shapes do not retrace
+    assert seen["run"] == 0  # constrained calls never build the one-jit loop
 
 
 @pytest.mark.parametrize("make, match", [

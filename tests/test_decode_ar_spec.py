@@ -18,6 +18,7 @@ from jdllm.decode import ar_spec, loop
 from jdllm.loading import Model
 from jdllm.model import init_params
 from jdllm.sampling import filter_logits
+from tests.compiles import traces
 from tests.decode_fixtures import FAST_COMPILE, block_model, causal_model, fast_compile  # noqa: F401
 from tests.reference_decoders import full_logits
 
@@ -69,7 +70,7 @@ def test_greedy_equals_ar_and_rows_advance_independently(proposer):
 
     alone = [jdllm.generate(m, [p], spec, s)[0] for p, s in zip(PROMPTS, settings)]
     prep = prepare(m, PROMPTS, spec, settings)
-    final = loop.decode(params_for(m, spec), prep.state, paradigm=prep.paradigm, ctx=prep.ctx)
+    final = loop.compiled()(params_for(m, spec), prep.state, paradigm=prep.paradigm, ctx=prep.ctx)
     batch = outputs(prep, final)
     assert [_fields(o) for o in batch] == [_fields(o) for o in alone]
     for got, want in zip(batch, ar):
@@ -152,7 +153,7 @@ def test_sampled_output_follows_the_target_distribution(proposer, monkeypatch):
         np.add.at(c, (toks[:, 0], toks[:, 1]), 1)
         return c, final
 
-    c, final = counts(loop.decode)
+    c, final = counts(loop.compiled())
     stat, dof = _chi2(c, joint)
     threshold = dof + 4.0 * np.sqrt(2.0 * dof)
     assert stat < threshold, (stat, threshold)
@@ -173,7 +174,6 @@ def test_sampled_output_follows_the_target_distribution(proposer, monkeypatch):
 # --------------------------------------------------------------------------- errors, retrace
 def test_bad_input_raises_before_compiling():
     m = causal_model()
-    before = sum(loop.TRACES.values())
     E = jdllm.errors.DecodingConfigError
     for kw, word in ((dict(num_draft_tokens=0), "num_draft_tokens=0"), (dict(num_draft_tokens=1000), "1000"),
                      (dict(min_ngram=4, max_ngram=2), "min_ngram=4"), (dict(proposer="magic"), "magic"),
@@ -182,10 +182,12 @@ def test_bad_input_raises_before_compiling():
         with pytest.raises(E, match=word):
             jdllm.Speculative(**kw)
     other_vocab = tiny_vocab_model(0)
-    for target, draft, word in ((m, other_vocab, "vocab_size"), (m, block_model(), "attention"),
-                                (block_model(), m, "causal target")):
-        with pytest.raises(E, match=word):
-            jdllm.generate(target, [[1, 2, 3]], jdllm.Speculative(draft=draft))
+    with traces() as seen:
+        for target, draft, word in ((m, other_vocab, "vocab_size"), (m, block_model(), "attention"),
+                                    (block_model(), m, "causal target")):
+            with pytest.raises(E, match=word):
+                jdllm.generate(target, [[1, 2, 3]], jdllm.Speculative(draft=draft))
+    assert seen["run"] == 0
 
     class Tok:
         def __init__(self, vocab):
@@ -198,7 +200,7 @@ def test_bad_input_raises_before_compiling():
     b = Model(m.config, m.params, tokenizer=Tok({"a": 0, "c": 1}), attn_impl="xla")
     with pytest.raises(E, match="tokenizer"):
         jdllm.generate(a, [[1, 2, 3]], jdllm.Speculative(draft=b))
-    assert sum(loop.TRACES.values()) == before
+    assert seen["run"] == 0
 
 
 def test_second_call_does_not_retrace_even_with_another_draft_of_the_same_shape():
@@ -206,9 +208,9 @@ def test_second_call_does_not_retrace_even_with_another_draft_of_the_same_shape(
     run = lambda draft: jdllm.generate(m, PROMPTS, jdllm.Speculative(draft=draft, num_draft_tokens=3),  # noqa: E731
                                        _settings())
     first = run(draft_for(m))
-    before = (sum(loop.TRACES.values()), loop.decode._cache_size())
-    again, other = run(draft_for(m)), run(draft_for(m, seed=8))
-    assert (sum(loop.TRACES.values()), loop.decode._cache_size()) == before
+    with traces() as seen:
+        again, other = run(draft_for(m)), run(draft_for(m, seed=8))
+    assert seen["run"] == 0
     assert [o.token_ids for o in first] == [o.token_ids for o in again] == [o.token_ids for o in other]
 
 
@@ -235,4 +237,5 @@ def test_cli_generate_and_bench_with_the_shipped_draft(tmp_path, capsys):
                    "--repeats", "1", "--paradigm", "ar_spec", "--proposer", "prompt_lookup", "--json", report])
     assert rc == 0 and "acceptance" in capsys.readouterr().out
     (row,) = json.load(open(report))["rows"]
-    assert row["same_tokens_as_ar"] and 0 <= row["acceptance_rate"] <= 1 and row["ar_tokens_per_s"] > 0
+    assert row["same_tokens_as_baseline"] and row["baseline"] == "ar"
+    assert 0 <= row["acceptance_rate"] <= 1 and row["baseline_tokens_per_s"] > 0

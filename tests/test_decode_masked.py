@@ -17,6 +17,7 @@ from jdllm.decode.masked_diffusion import (dream_ratios, exponential_from_bits, 
 from jdllm.loading import Model
 from jdllm.model import init_params
 from jdllm.sampling import row_keys
+from tests.compiles import traces
 from tests.decode_fixtures import assert_matches_reference, fast_compile  # noqa: F401 (fixture)
 from tests.reference_masked_diffusion import llada_gumbel_argmax, masked_diffusion_reference, num_transfer_tokens
 
@@ -206,10 +207,10 @@ def test_no_retrace_with_same_buckets():
     m = bidir_model()
     dec = jdllm.MaskedDiffusion(steps=8, block_length=8)
     jdllm.generate(m, PROMPTS, dec, _sampling())
-    n = loop.TRACES["masked_diffusion"]
     other = [[1, 2, 3, 4, 5], [9, 9], [7, 6, 5, 4, 3, 2, 1, 8, 9, 10, 11]]  # same batch / prompt buckets
-    outs = jdllm.generate(m, other, dec, _sampling())
-    assert loop.TRACES["masked_diffusion"] == n
+    with traces() as seen:
+        outs = jdllm.generate(m, other, dec, _sampling())
+    assert seen["run"] == 0
     ref = masked_diffusion_reference(m.params, m.config, other[2], gen_length=G, steps=8, block_length=8)
     assert_matches_reference(outs[2], ref)
 
@@ -237,7 +238,12 @@ def test_bad_config_raises(kw, match):
 
 
 def test_bad_model_or_lengths_raise_before_compiling():
-    n = loop.TRACES["masked_diffusion"]
+    with traces() as seen:
+        _bad_model_or_lengths()
+    assert seen["run"] == 0
+
+
+def _bad_model_or_lengths():
     causal = ModelConfig(model_type="qwen3", vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_layers=1,
                          num_heads=2, num_kv_heads=1, head_dim=16)
     with pytest.raises(errors.DecodingConfigError, match="mask token"):
@@ -254,4 +260,3 @@ def test_bad_model_or_lengths_raise_before_compiling():
         jdllm.generate(m, [[1, 2]], jdllm.MaskedDiffusion(steps=6, block_length=4), _sampling())
     with pytest.raises(errors.TokenOutOfRangeError):
         jdllm.generate(m, [[1, VOCAB + 3]], jdllm.MaskedDiffusion(), _sampling())
-    assert loop.TRACES["masked_diffusion"] == n

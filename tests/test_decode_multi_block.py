@@ -16,6 +16,7 @@ from jdllm.decode import loop
 from jdllm.decode.multi_block import BLOCK_STATES
 from jdllm.loading import Model
 from jdllm.model import init_params
+from tests.compiles import traces
 from tests.decode_fixtures import MASK, VOCAB, assert_matches_reference, block_model
 from tests.decode_fixtures import fast_compile  # noqa: F401 (fixture)
 from tests.reference_multi_block import STATE_CODE, multi_block_reference, states_during
@@ -154,7 +155,7 @@ def test_options_match_reference(family, forced, selection):
 
 def _final_state(m, prompts, decoding, sampling):
     prep = prepare(m, prompts, decoding, sampling)
-    return prep, loop.decode(m.params, prep.state, paradigm=prep.paradigm, ctx=prep.ctx)
+    return prep, loop.compiled()(m.params, prep.state, paradigm=prep.paradigm, ctx=prep.ctx)
 
 
 def test_exact_cache_equals_no_cache_and_commits_blocks():
@@ -326,9 +327,9 @@ def test_no_retrace_on_second_call_with_same_buckets():
     m = block_model()
     d = _mb("pipelined", cache="exact")
     jdllm.generate(m, PROMPTS, d, _sampling())
-    n = loop.TRACES["multi_block"]
-    outs = jdllm.generate(m, [[1, 2, 3, 4, 5], [9, 8], [7, 7, 7, 7, 7, 7, 7, 7, 7, 7]], d, _sampling(11))
-    assert loop.TRACES["multi_block"] == n
+    with traces() as seen:
+        outs = jdllm.generate(m, [[1, 2, 3, 4, 5], [9, 8], [7, 7, 7, 7, 7, 7, 7, 7, 7, 7]], d, _sampling(11))
+    assert seen["run"] == 0
     assert all(len(o.token_ids) == 11 for o in outs)
 
 

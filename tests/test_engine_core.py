@@ -17,6 +17,7 @@ from jdllm.decode import loop
 from jdllm.model import KVCache, default_positions, forward
 from pallas_kernels import attention_reference, visible_mask
 from pallas_kernels.flash import attention as flash_attention
+from tests.compiles import traces
 from tests.decode_fixtures import FAST_COMPILE, block_model, causal_model, fast_compile  # noqa: F401
 from tests.test_decode_masked import bidir_model
 
@@ -111,7 +112,7 @@ def test_rows_at_different_positions_decode_as_alone(which):
     m, par = _paradigms()[which]
     settings = [jdllm.Sampling(max_new_tokens=n, stop_token_ids=()) for n in (9, 14, 5)]
     prep = prepare(m, PROMPTS, par, settings)
-    final = loop.decode(m.params, prep.state, paradigm=prep.paradigm, ctx=prep.ctx)
+    final = loop.compiled()(m.params, prep.state, paradigm=prep.paradigm, ctx=prep.ctx)
     batch = outputs(prep, final)
     alone = [jdllm.generate(m, [p], par, s)[0] for p, s in zip(PROMPTS, settings)]
     assert _fields(batch) == _fields(alone)
@@ -132,7 +133,7 @@ def test_step_n_and_host_steps_equal_run(case):
     sampling = jdllm.Sampling(max_new_tokens=8, stop_token_ids=(7,))
     prep = prepare(m, PROMPTS, par, sampling)
     kw = dict(paradigm=prep.paradigm, ctx=prep.ctx)
-    want = _fields(outputs(prep, loop.decode(m.params, prep.state, **kw)))
+    want = _fields(outputs(prep, loop.compiled()(m.params, prep.state, **kw)))
 
     fns = _steps()
     st = fns["prefill"](m.params, prep.state, **kw)
@@ -179,11 +180,11 @@ def test_new_temperature_does_not_recompile_and_rows_may_differ():
     m = causal_model()
     greedy = jdllm.Sampling(max_new_tokens=10, stop_token_ids=())
     base = jdllm.generate(m, PROMPTS, jdllm.AR(), greedy)
-    before = (sum(loop.TRACES.values()), loop.decode._cache_size())
     hot = jdllm.Sampling(temperature=0.9, top_k=20, top_p=0.9, max_new_tokens=10, stop_token_ids=(), seed=4)
-    sampled = jdllm.generate(m, PROMPTS, jdllm.AR(), hot)
-    mixed = jdllm.generate(m, PROMPTS, jdllm.AR(), [greedy, hot, greedy])
-    assert (sum(loop.TRACES.values()), loop.decode._cache_size()) == before
+    with traces() as seen:
+        sampled = jdllm.generate(m, PROMPTS, jdllm.AR(), hot)
+        mixed = jdllm.generate(m, PROMPTS, jdllm.AR(), [greedy, hot, greedy])
+    assert seen["run"] == 0
     assert [o.token_ids for o in sampled] != [o.token_ids for o in base]
     assert mixed[0].token_ids == base[0].token_ids and mixed[2].token_ids == base[2].token_ids
     # a per-request Sampling list: a row's sample does not depend on its place in the batch
@@ -262,8 +263,8 @@ def test_prepared_state_can_be_decoded_twice():
     prep = prepare(m, PROMPTS, par, jdllm.Sampling(max_new_tokens=8))
     assert prep.state.cache is None  # the KV cache is made inside the decode
     kw = dict(paradigm=prep.paradigm, ctx=prep.ctx)
-    first = _fields(outputs(prep, loop.decode(m.params, prep.state, **kw)))
-    again = _fields(outputs(prep, loop.decode(m.params, prep.state, **kw)))
+    first = _fields(outputs(prep, loop.compiled()(m.params, prep.state, **kw)))
+    again = _fields(outputs(prep, loop.compiled()(m.params, prep.state, **kw)))
     assert first == again
 
 

@@ -9,8 +9,9 @@ import pytest
 
 import jdllm
 from jdllm import cli, errors
-from jdllm.api import decode, outputs, prepare
-from jdllm.decode import loop
+from jdllm.api import outputs, prepare
+from jdllm.decode.loop import run as decode
+from tests.compiles import traces
 from tests.decode_fixtures import block_model, causal_model, fast_compile  # noqa: F401 (fixture)
 
 pytestmark = pytest.mark.usefixtures("fast_compile")
@@ -18,26 +19,23 @@ pytestmark = pytest.mark.usefixtures("fast_compile")
 BD = jdllm.BlockDiffusion(block_length=4, denoising_steps=2, confidence_threshold=0.7)
 
 
-def _traces():
-    return sum(loop.TRACES.values()), loop.decode._cache_size()
-
-
 def test_second_call_with_same_buckets_does_not_retrace():
     m = causal_model()
     jdllm.generate(m, [[1, 2, 3], [4, 5, 6, 7, 8]], jdllm.AR(), jdllm.Sampling(max_new_tokens=10))
-    before = _traces()
     # other prompt lengths and max_new_tokens, same buckets (prompt <= 16, new <= 16, batch 2)
-    outs = jdllm.generate(m, [[9] * 7, [3] * 12], jdllm.AR(), jdllm.Sampling(max_new_tokens=14, seed=5))
+    with traces() as seen:
+        outs = jdllm.generate(m, [[9] * 7, [3] * 12], jdllm.AR(), jdllm.Sampling(max_new_tokens=14, seed=5))
     assert [len(o.token_ids) for o in outs] == [14, 14]
-    assert _traces() == before
-    jdllm.generate(m, [[9] * 20, [3]], jdllm.AR(), jdllm.Sampling(max_new_tokens=10))  # prompt bucket 32
-    assert _traces()[0] == before[0] + 1 and _traces()[1] == before[1] + 1
+    assert seen["run"] == 0
+    with traces() as seen:
+        jdllm.generate(m, [[9] * 20, [3]], jdllm.AR(), jdllm.Sampling(max_new_tokens=10))  # prompt bucket 32
+    assert seen["run"] == 1
 
     b = block_model()
     jdllm.generate(b, [[1, 2, 3, 4, 5, 6], [7, 8, 9]], BD, jdllm.Sampling(max_new_tokens=13))
-    before = _traces()
-    jdllm.generate(b, [[1, 2, 3, 4, 5, 6, 7], [8, 9]], BD, jdllm.Sampling(max_new_tokens=11))
-    assert _traces() == before
+    with traces() as seen:
+        jdllm.generate(b, [[1, 2, 3, 4, 5, 6, 7], [8, 9]], BD, jdllm.Sampling(max_new_tokens=11))
+    assert seen["run"] == 0
 
 
 def test_pure_decode_inside_a_user_jit_and_vmap_equals_generate():
@@ -132,10 +130,9 @@ def test_show_steps_formatting():
 
 
 def _no_compile(fn, exc, match):
-    before = _traces()
-    with pytest.raises(exc, match=match):
+    with traces() as seen, pytest.raises(exc, match=match):
         fn()
-    assert _traces() == before
+    assert seen["run"] == 0
 
 
 def test_bad_input_raises_before_compiling():

@@ -15,6 +15,7 @@ import pytest
 
 import jdllm
 from jdllm import errors, rl
+from tests.compiles import traces
 from tests.decode_fixtures import FAST_COMPILE, block_model, causal_model
 from tests.test_decode_masked import bidir_model
 
@@ -173,11 +174,11 @@ def test_rollout_is_pure_and_does_not_recompile():
                                      group=3)
     f = _jit_rollout()
     a = f(model.params, state, jax.random.key(1), spec=spec)
-    n, size = rl.TRACES["ar"], f._cache_size()
     params2 = jax.tree.map(lambda x: x * 1.01, model.params)
-    b = f(params2, state, jax.random.key(2), spec=spec)
-    c = f(model.params, state, jax.random.key(1), spec=spec)
-    assert (rl.TRACES["ar"], f._cache_size()) == (n, size)
+    with traces() as seen:
+        b = f(params2, state, jax.random.key(2), spec=spec)
+        c = f(model.params, state, jax.random.key(1), spec=spec)
+    assert seen["rollout"] == 0 and seen["run"] == 0
     np.testing.assert_array_equal(np.asarray(a.tokens), np.asarray(c.tokens))
     assert not np.array_equal(np.asarray(a.tokens), np.asarray(b.tokens))
     assert state.batch == 8 and spec.rows == 6

@@ -25,7 +25,7 @@ the host either way (an io_callback blocks the device stream just the same); fas
 and backtrack move a row by a data-dependent number of slots, which the host does with
 one small jitted edit instead of a second code path inside the loop body; and the
 unconstrained call keeps compiling exactly the one-jit loop it compiled before (no
-callback, no extra operand): constrained calls never touch `loop.decode`. The cost is
+callback, no extra operand): constrained calls never build the one-jit loop (`loop.compiled()`). The cost is
 one dispatch of plan / forward / reveal plus one device->host read of the canvas per
 step (`benchmarks/constrained.py` measures it against the on-device step).
 
@@ -105,9 +105,6 @@ from jdllm.decode import common, loop
 from jdllm.errors import ConstraintError
 from jdllm.state import LENGTH, RUNNING, STOP, slot_index
 
-SUPPORTED = ("ar", "ar_spec", "block_diffusion", "multi_block", "masked_diffusion")
-FIRST_STEP_IN_PREFILL = ("ar", "block_diffusion")  # their prefill also takes the first step (with a mask)
-COMPILER_OPTIONS: tuple = ()  # XLA options for the host-driven pieces (tests lower the opt level)
 
 
 def _llg():
@@ -492,8 +489,7 @@ def apply_edits(state, slots, tokens, kind, reopen, close, close_end, *, fill: i
     )
     if state.cache is not None:
         state = state.replace(cache=state.cache.commit(jnp.minimum(state.cache.length, first)))
-    if getattr(paradigm, "rewind", None) is not None:
-        state = paradigm.rewind(ctx, state, before, rm, wr)
+    state = paradigm.rewind(ctx, state, before, rm, wr)
     state = common.close_rows(state, (close == CLOSE_STOP) & ~state.done, STOP, close_end)
     dead = close == CLOSE_LENGTH  # overrides the INVALID an all-zero frontier mask may have left
     state = state.replace(done=state.done | dead, finish=jnp.where(dead, LENGTH, state.finish),
@@ -501,21 +497,16 @@ def apply_edits(state, slots, tokens, kind, reopen, close, close_end, *, fill: i
     return common.finish_rows(state)
 
 
-def catch_up(params, state, plan, *, width: int, ctx):
-    """AR's step forward over [cache length, sampled slot): forced tokens enter the cache in the
-    same forward that predicts the next slot (one forward for any number of forced tokens)."""
-    off = jnp.minimum(state.cache.length, state.slots - width)
-    logits, state = common.forward_window(params, ctx, state, off, width, at=plan.slots, commit=plan.offset)
-    return common.count_forward(state, ~state.done), logits
-
-
 @functools.lru_cache(maxsize=None)
 def _compiled(options: tuple) -> dict:
     opts = dict(options) or None
+    def catch_up(params, state, plan, *, width, paradigm, ctx):
+        return paradigm.catch_up_forward(params, ctx, state, plan, width)
+
     return dict(apply_edits=jax.jit(apply_edits, static_argnames=("fill", "paradigm", "ctx"),
                                     donate_argnames=("state",),
                                     compiler_options=opts),
-                catch_up=jax.jit(catch_up, static_argnames=("width", "ctx"), donate_argnames=("state",),
+                catch_up=jax.jit(catch_up, static_argnames=("width", "paradigm", "ctx"), donate_argnames=("state",),
                                  compiler_options=opts))
 
 
@@ -525,8 +516,8 @@ def _edit(state, ctl: Controller, fill: int, paradigm, ctx):
                            "finish": state.finish})
     e = ctl.advance(host["tokens"], host["revealed"], host["done"], host["finish"])
     if e is not None:
-        hook = dict(paradigm=paradigm, ctx=ctx) if getattr(paradigm, "rewind", None) is not None else {}
-        state = _compiled(COMPILER_OPTIONS)["apply_edits"](state, *(jnp.asarray(a) for a in e), fill=fill, **hook)
+        state = _compiled(loop.current_options())["apply_edits"](state, *(jnp.asarray(a) for a in e), fill=fill,
+                                                           paradigm=paradigm, ctx=ctx)
         host["done"] = np.asarray(jax.device_get(state.done))
     return state, host["done"]
 
@@ -541,10 +532,6 @@ def generate(model, prompts, decoding, sampling, constraints, *, apply_chat_temp
     from jdllm import api  # noqa: PLC0415
 
     cfg = model.config
-    paradigm = api.default_paradigm(cfg) if decoding is None else decoding
-    name = getattr(paradigm, "name", None)
-    if name not in SUPPORTED:
-        raise ConstraintError(f"the 'llguidance' backend drives paradigms {SUPPORTED}, not {name!r}")
     lltok = ll_tokenizer(model)
     matchers = [None if c is None else matcher(c, lltok) for c in constraints]
     prep = api.prepare(model, prompts, decoding, sampling, apply_chat_template=apply_chat_template)
@@ -552,47 +539,37 @@ def generate(model, prompts, decoding, sampling, constraints, *, apply_chat_temp
     B = state.batch
     matchers += [None] * (B - len(matchers))
     host0 = jax.device_get({"gen_start": state.gen_start, "limit": state.limit, "stop_ids": state.stop_ids})
-    # ar_spec: no fast-forward (its cache must hold every slot before the frontier; drafts already
-    # cover several tokens per forward). masked_diffusion: forced tokens may fill any later slot.
+    paradigm = prep.paradigm
     ctl = Controller(lltok, matchers, cfg.vocab_size, host0["gen_start"], host0["limit"], host0["stop_ids"],
-                     fast_forward=fast_forward and name != "ar_spec",
-                     block=prep.paradigm.block_length if name == "block_diffusion" else None)
+                     fast_forward=fast_forward and paradigm.fast_forward, block=paradigm.constraint_block())
     if stats is not None:
         ctl.stats = stats
     fill = common.fill_token(cfg)
-    steps = loop.compiled_steps(COMPILER_OPTIONS)
+    steps = loop.compiled_steps()
     kw = dict(paradigm=prep.paradigm, ctx=prep.ctx)
     params = api.params_for(model, prep.paradigm)
     t_start = time.perf_counter()
 
-    if name in FIRST_STEP_IN_PREFILL:  # the prefill also samples the first slots: mask them
+    if paradigm.first_step_in_prefill:  # the prefill also samples the first slots: mask them
         state, p = steps["plan"](state, **kw)
         done = np.asarray(jax.device_get(state.done))
-        mask = ctl.sample_mask(np.asarray(jax.device_get(p.offset)), p.width, done)
+        mask = paradigm.constraint_masks(ctl, state, p, done)
         state = steps["prefill"](params, state, jnp.asarray(mask), **kw)
         state, done = _edit(state, ctl, fill, prep.paradigm, prep.ctx)
     else:
         state = steps["prefill"](params, state, None, **kw)
         done = np.asarray(jax.device_get(state.done))
-    bound = 4 * loop.max_iterations(prep.paradigm, state)
+    bound = 4 * prep.paradigm.max_iterations(state)
     it = 0
     while not done.all() and it < bound:
         state, p = steps["plan"](state, **kw)
-        off = np.asarray(jax.device_get(p.offset))
-        width = 1
-        if name == "ar":
-            pending = off - np.asarray(jax.device_get(state.cache.length))
-            width = int(np.max(np.where(done, 1, pending), initial=1))
-        if width > 1:
-            state, logits = _compiled(COMPILER_OPTIONS)["catch_up"](params, state, p, width=common.bucket(width, 8),
-                                                                   ctx=prep.ctx)
+        width = paradigm.pending_width(state, np.asarray(jax.device_get(p.offset)), done)
+        if width > 1:  # forced tokens enter the cache in the forward that predicts the next slot
+            state, logits = _compiled(loop.current_options())["catch_up"](params, state, p, width=common.bucket(width, 8),
+                                                                   **kw)
         else:
             state, logits = steps["forward"](params, state, p, **kw)
-        if name == "ar_spec":  # the drafts are known once the forward has run: masks for all k + 1 slots
-            d = jax.device_get({"drafts": state.extra["drafts"], "n": state.extra["n_draft"]})
-            mask = ctl.verify_masks(np.asarray(d["drafts"]), np.asarray(d["n"]), done)
-        else:
-            mask = ctl.sample_mask(off, p.width, done)  # on the host while the forward runs
+        mask = paradigm.constraint_masks(ctl, state, p, done)  # on the host while the forward runs
         state = steps["reveal"](state, p, logits, jnp.asarray(mask), **kw)
         state, done = _edit(state, ctl, fill, prep.paradigm, prep.ctx)
         ctl.stats.steps += 1
@@ -604,5 +581,4 @@ def generate(model, prompts, decoding, sampling, constraints, *, apply_chat_temp
     return [dataclasses.replace(o, constraint_ok=ok[b]) for b, o in enumerate(api.outputs(prep, state))]
 
 
-__all__ = ["generate", "Controller", "Edits", "Stats", "ll_tokenizer", "matcher", "grammar", "apply_edits",
-           "catch_up", "SUPPORTED"]
+__all__ = ["generate", "Controller", "Edits", "Stats", "ll_tokenizer", "matcher", "grammar", "apply_edits"]

@@ -16,11 +16,13 @@ from __future__ import annotations
 import dataclasses
 from typing import ClassVar
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jdllm import errors
 from jdllm.decode import common
+from jdllm.decode.protocol import Paradigm
 from jdllm.state import DecodeState, generated_mask, slot_index
 
 
@@ -31,11 +33,14 @@ def first_hole(state: DecodeState) -> jnp.ndarray:
 
 
 @dataclasses.dataclass(frozen=True)
-class AR:
+class AR(Paradigm):
     """Autoregressive decoding (causal models). No options: sampling lives in `jdllm.Sampling`."""
 
     name: ClassVar[str] = "ar"
     ragged_lengths: ClassVar[bool] = True
+    is_autoregressive: ClassVar[bool] = True
+    first_step_in_prefill: ClassVar[bool] = True
+    replay_method: ClassVar[str] = "teacher_forcing"
 
     def validate(self, cfg) -> None:
         if cfg.attention != "causal":
@@ -71,6 +76,27 @@ class AR:
 
     def max_iterations(self, state: DecodeState) -> int:
         return state.slots + 2
+
+    # ----------------------------------------------------------------- constrained decoding
+    def pending_width(self, state: DecodeState, offsets: np.ndarray, done: np.ndarray) -> int:
+        """Forced tokens a grammar wrote sit between the cache end and the sampled slot: the next
+        forward covers them all (one forward for any number of forced tokens)."""
+        cached = np.asarray(jax.device_get(state.cache.length))
+        return int(np.max(np.where(done, 1, offsets - cached), initial=1))
+
+    def catch_up_forward(self, params, ctx, state: DecodeState, plan: common.Plan, width: int):
+        """The step's forward over [cache length, sampled slot), `width` slots (static)."""
+        off = jnp.minimum(state.cache.length, state.slots - width)
+        logits, state = common.forward_window(params, ctx, state, off, width, at=plan.slots, commit=plan.offset)
+        return common.count_forward(state, ~state.done), logits
+
+    # ----------------------------------------------------------------- RL
+    def check_step_map(self, steps: np.ndarray, cfg) -> str | None:
+        nz = steps[steps > 0]
+        if not np.array_equal(nz, np.arange(1, nz.size + 1)):
+            return (f"an AR step_map reveals one token per step left to right (1, 2, 3, ...), got "
+                    f"{nz[:8].tolist()}...; is it from another paradigm?")
+        return None
 
 
 __all__ = ["AR"]

@@ -36,7 +36,7 @@ target's, NFE counts target forwards (prefill included; draft forwards are repor
 
 The draft model's parameters travel with the target's: `bind_params(params)` returns
 `{**params, "draft": draft_params}`, which `jdllm.generate` passes to the loop (a caller of
-`jdllm.decode.loop.decode` does the same).
+`jdllm.decode.loop.compiled()` does the same).
 """
 
 from __future__ import annotations
@@ -51,7 +51,8 @@ import numpy as np
 
 from jdllm import errors
 from jdllm.decode import common
-from jdllm.decode.ar import first_hole
+from jdllm.decode.ar import AR, first_hole
+from jdllm.decode.protocol import Paradigm
 from jdllm.model import KVCache
 from jdllm.sampling import NEG_INF, distribution_stats, filter_logits, per_row, sample_rows
 from jdllm.state import DecodeState
@@ -62,7 +63,7 @@ MAX_NGRAM = 16
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class Speculative:
+class Speculative(Paradigm):
     """Speculative AR decoding: a proposer drafts `num_draft_tokens` tokens per row, the target
     verifies them in one forward (exact: greedy output equals `jdllm.AR`, sampled output follows
     the target's distribution).
@@ -80,6 +81,10 @@ class Speculative:
 
     name: ClassVar[str] = "ar_spec"
     ragged_lengths: ClassVar[bool] = True
+    is_autoregressive: ClassVar[bool] = True  # speculative sampling draws from the target: its AR likelihood
+    replay_method: ClassVar[str] = "teacher_forcing"
+    fast_forward: ClassVar[bool] = False  # its cache must hold every slot before the frontier; drafts
+    # already cover several tokens per forward
     PROPOSERS: ClassVar[tuple[str, ...]] = PROPOSERS
     trace_keys: ClassVar[tuple[str, ...]] = ("proposed", "accepted", "draft_forwards")
 
@@ -173,6 +178,16 @@ class Speculative:
         return dict(drafts_proposed=proposed, drafts_accepted=accepted,
                     acceptance_rate=accepted / proposed if proposed else 0.0,
                     draft_forwards=int(extra["draft_forwards"][row]))
+
+    def baseline(self) -> Paradigm:
+        """`jdllm bench` also times plain AR on the same target and prompts."""
+        return AR()
+
+    def constraint_masks(self, controller, state: DecodeState, plan: common.Plan, done: np.ndarray) -> np.ndarray:
+        """The drafts are known once the forward has run: masks for all k + 1 verification slots,
+        mask i as the grammar stands after drafts[:i] (one parallel call)."""
+        d = jax.device_get({"drafts": state.extra["drafts"], "n": state.extra["n_draft"]})
+        return controller.verify_masks(np.asarray(d["drafts"]), np.asarray(d["n"]), done)
 
     # ------------------------------------------------------------------ the step
     def _draft_ctx(self, ctx):

@@ -37,6 +37,7 @@ import numpy as np
 
 from jdllm import errors
 from jdllm.decode import common
+from jdllm.decode.protocol import Paradigm
 from jdllm.state import DecodeState, generated_mask, slot_index
 
 STRATEGIES = ("low_confidence_static", "low_confidence_dynamic", "sequential", "entropy_bounded")
@@ -44,7 +45,7 @@ DYNAMIC_MINIMUMS = ("lmdeploy", "sdar")
 
 
 @dataclasses.dataclass(frozen=True)
-class BlockDiffusion:
+class BlockDiffusion(Paradigm):
     """Block diffusion decoding.
 
     block_length: slots per block (the model's trained block_size, normally).
@@ -73,6 +74,8 @@ class BlockDiffusion:
 
     name: ClassVar[str] = "block_diffusion"
     ragged_lengths: ClassVar[bool] = True
+    first_step_in_prefill: ClassVar[bool] = True
+    replay_method: ClassVar[str] = "packed"
     STRATEGIES: ClassVar[tuple[str, ...]] = STRATEGIES
     DYNAMIC_MINIMUMS: ClassVar[tuple[str, ...]] = DYNAMIC_MINIMUMS
 
@@ -137,6 +140,21 @@ class BlockDiffusion:
 
     def max_iterations(self, state: DecodeState) -> int:
         return state.batch * state.slots + state.slots // self.block_length + 8
+
+    def constraint_block(self) -> int:
+        """Tokens a grammar forces fill at most the current block (the next one is not planned yet)."""
+        return self.block_length
+
+    def check_step_map(self, steps: np.ndarray, cfg) -> str | None:
+        """Blocks fill one after another: no block's first step before the previous one's last."""
+        blocks = steps.reshape(-1, cfg.block_size)
+        lo = np.where(blocks > 0, blocks, np.iinfo(np.int32).max).min(axis=1)
+        hi = blocks.max(axis=1)
+        used = hi > 0
+        if np.any(lo[used][1:] <= hi[used][:-1]):
+            return ("step_map interleaves blocks (a block starts before the one before it is full); block "
+                    "diffusion fills blocks one by one: is it from another paradigm (multi_block)?")
+        return None
 
     # ----------------------------------------------------------------- device side
     def _current_block(self, state: DecodeState) -> jnp.ndarray:

@@ -72,6 +72,7 @@ import numpy as np
 
 from jdllm import errors
 from jdllm.decode import common
+from jdllm.decode.protocol import Paradigm
 from jdllm.model import default_positions, forward
 from jdllm.sampling import apply_token_bitmask, distribution_stats, exclude_token, filter_logits, per_row, split_rows
 from jdllm.state import DecodeState, slot_index
@@ -127,7 +128,7 @@ def dream_ratios(steps: int, eps: float) -> np.ndarray:
 
 # --------------------------------------------------------------------------- config
 @dataclasses.dataclass(frozen=True)
-class MaskedDiffusion:
+class MaskedDiffusion(Paradigm):
     """Masked-diffusion decoding over bidirectional models (LLaDA, Dream, Fast-dLLM).
 
     gen_length: canvas of generated slots (None = Sampling.max_new_tokens; when set,
@@ -143,6 +144,7 @@ class MaskedDiffusion:
     """
 
     name: ClassVar[str] = "masked_diffusion"
+    joins_running_batch: ClassVar[bool] = False  # rows share the lockstep window over one prefill length
     REMASKINGS: ClassVar[tuple[str, ...]] = REMASKING  # choices, for the CLI
     ALGS: ClassVar[tuple[str, ...]] = ALGS
     CACHES: ClassVar[tuple[str, ...]] = CACHES
@@ -231,6 +233,18 @@ class MaskedDiffusion:
     def max_iterations(self, state: DecodeState) -> int:
         # per block at most max(steps_per_block, block_length) forwards (+1 slack): a guard
         return (self.steps or 0) + 2 * state.slots + 8
+
+    def replay_approximation(self) -> str | None:
+        if self.cfg_scale > 0:
+            return f"MaskedDiffusion(cfg_scale={self.cfg_scale}) samples from a classifier-free-guidance mix of two forwards"
+        if self.cache in ("prefix", "dual"):
+            return f"MaskedDiffusion(cache={self.cache!r}) is Fast-dLLM's approximate cache"
+        return None
+
+    def replay_refusal(self) -> str | None:
+        if self.cfg_scale > 0:
+            return "the replay does not run CFG: decode RL rollouts with cfg_scale=0"
+        return None
 
     # ----------------------------------------------------------------- device side
     def prefill(self, params, ctx, state: DecodeState, bitmask=None) -> DecodeState:

@@ -165,6 +165,7 @@ import numpy as np
 
 from jdllm import errors
 from jdllm.decode import common
+from jdllm.decode.protocol import Paradigm
 from jdllm.model import default_positions, forward
 from jdllm.sampling import Sample
 from jdllm.state import DecodeState, generated_mask, slot_index
@@ -178,7 +179,7 @@ WINDOW_BLOCKS = 4  # cache="window" recomputes this many blocks (+ 1) when max_b
 
 
 @dataclasses.dataclass(frozen=True)
-class MultiBlock:
+class MultiBlock(Paradigm):
     """d3LLM multi-block decoding (see the module docstring for the exact step).
 
     block_size: slots per block (block-causal: the attention block grid too).
@@ -207,6 +208,7 @@ class MultiBlock:
     """
 
     name: ClassVar[str] = "multi_block"
+    joins_running_batch: ClassVar[bool] = False  # rows share one block grid and prefill length
     trace_keys: ClassVar[tuple[str, ...]] = ("num_blocks", "block_state", "block_steps")  # what output_trace reads
 
     block_size: int = 32
@@ -313,6 +315,13 @@ class MultiBlock:
     def max_iterations(self, state: DecodeState) -> int:
         bound = state.slots + 8
         return bound if self.max_forwards is None else min(bound, self.max_forwards + 1)
+
+    def replay_approximation(self) -> str | None:
+        if self.cache == "approx":
+            return "MultiBlock(cache='approx') is d3LLM's approximate delayed prefix cache"
+        if self.cache == "window" and self.refresh_interval != 1:
+            return f"MultiBlock(cache='window', refresh_interval={self.refresh_interval}) is an approximate cache"
+        return None
 
     def output_trace(self, extra: dict, row: int) -> dict:
         """Per-row analysis arrays for `Output.trace` (host numpy `extra`)."""

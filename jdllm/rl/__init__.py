@@ -14,10 +14,10 @@ from jdllm.rl.losses import AGGREGATES, group_advantages, grpo_loss, pg_loss
 from jdllm.rl.replay import (METHODS, approximate_decode, check_params, check_rollout, default_method,
                              packed_attention_mask, replay_copies, replay_cost, token_logprobs,
                              trajectory_logprobs)
-from jdllm.rl.rollouts import (TRACES, Rollout, RolloutSpec, compiled_rollout, prepare_rollout, rollout,
+from jdllm.rl.rollouts import (Rollout, RolloutSpec, compiled_rollout, prepare_rollout, rollout,
                               select_groups, texts)
 
-__all__ = ["prepare_rollout", "rollout", "compiled_rollout", "Rollout", "RolloutSpec", "select_groups", "texts", "TRACES",
+__all__ = ["prepare_rollout", "rollout", "compiled_rollout", "Rollout", "RolloutSpec", "select_groups", "texts",
            "trajectory_logprobs", "replay_copies", "token_logprobs", "check_rollout", "check_params", "replay_cost",
            "packed_attention_mask", "default_method", "approximate_decode", "METHODS", "group_advantages",
            "grpo_loss", "pg_loss", "AGGREGATES"]

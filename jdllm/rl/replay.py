@@ -114,7 +114,6 @@ def check_rollout(ro: Rollout, spec: RolloutSpec, shrink: int = 1) -> None:
     if not (_concrete(ro.step_map) and _concrete(ro.gen_start)):
         return
     smap, g0 = np.asarray(ro.step_map), np.asarray(ro.gen_start)
-    W = spec.ctx.model.block_size
     for b in range(B):
         st = smap[b]
         if np.any(st[:g0[b]] != 0) or np.any(st < 0):
@@ -128,19 +127,9 @@ def check_rollout(ro: Rollout, spec: RolloutSpec, shrink: int = 1) -> None:
                                     "a step_map must number the steps 1, 2, 3, ...")
         if used[-1] > spec.max_steps:
             raise errors.InputError(f"row {b}: {int(used[-1])} steps > spec.max_steps={spec.max_steps}")
-        nz = st[st > 0]
-        if spec.paradigm.name == "ar" and not np.array_equal(nz, np.arange(1, nz.size + 1)):
-            raise errors.InputError(f"row {b}: an AR step_map reveals one token per step left to right "
-                                    f"(1, 2, 3, ...), got {nz[:8].tolist()}...; is it from another paradigm?")
-        if spec.paradigm.name == "block_diffusion":
-            blocks = st.reshape(-1, W)
-            lo = np.where(blocks > 0, blocks, np.iinfo(np.int32).max).min(axis=1)
-            hi = blocks.max(axis=1)
-            used_b = hi > 0
-            if np.any(lo[used_b][1:] <= hi[used_b][:-1]):
-                raise errors.InputError(f"row {b}: step_map interleaves blocks (a block starts before the one "
-                                        "before it is full); block diffusion fills blocks one by one: is it "
-                                        "from another paradigm (multi_block)?")
+        why = spec.paradigm.check_step_map(st, spec.ctx.model)
+        if why is not None:
+            raise errors.InputError(f"row {b}: {why}")
 
 
 # --------------------------------------------------------------------------- log-probs
@@ -161,29 +150,12 @@ def _gather_rows(h, rows_idx, slot_idx):
 
 def approximate_decode(spec: RolloutSpec) -> str | None:
     """Why the decode's logits are not the exact forward's (an approximate cache, CFG), or None if they are."""
-    p = spec.paradigm
-    name = p.name
-    cache = getattr(p, "cache", None)
-    if name == "masked_diffusion":
-        if getattr(p, "cfg_scale", 0.0) > 0:
-            return f"MaskedDiffusion(cfg_scale={p.cfg_scale}) samples from a classifier-free-guidance mix of two forwards"
-        if cache in ("prefix", "dual"):
-            return f"MaskedDiffusion(cache={cache!r}) is Fast-dLLM's approximate cache"
-    if name == "multi_block":
-        if cache == "approx":
-            return "MultiBlock(cache='approx') is d3LLM's approximate delayed prefix cache"
-        if cache == "window" and getattr(p, "refresh_interval", 1) != 1:
-            return f"MultiBlock(cache='window', refresh_interval={p.refresh_interval}) is an approximate cache"
-    return None
+    return spec.paradigm.replay_approximation()
 
 
 def default_method(spec: RolloutSpec) -> str:
-    name = spec.paradigm.name
-    if name in ("ar", "ar_spec"):  # speculative sampling draws from the target: its AR likelihood
-        return "teacher_forcing"
-    if name == "block_diffusion":
-        return "packed"
-    return "per_step"
+    """The paradigm's own replay method (`Paradigm.replay_method`)."""
+    return spec.paradigm.replay_method
 
 
 def replay_cost(spec: RolloutSpec, slots: int, method: str = "auto", shrink: int = 1) -> dict:
@@ -231,9 +203,9 @@ def trajectory_logprobs(params, ro: Rollout, *, spec: RolloutSpec, shrink: int =
     if method not in METHODS:
         raise errors.InputError(f"method={method!r} is not one of {METHODS}")
     why = approximate_decode(spec)
-    cfg_mix = getattr(spec.paradigm, "cfg_scale", 0.0) > 0  # never replayable: the replay runs no guidance
-    if why is not None and (not cached_as_exact or cfg_mix):
-        hint = ("; the replay does not run CFG: decode RL rollouts with cfg_scale=0" if cfg_mix else
+    refusal = spec.paradigm.replay_refusal()  # never replayable (e.g. CFG: the replay runs no guidance)
+    if why is not None and (not cached_as_exact or refusal is not None):
+        hint = (f"; {refusal}" if refusal is not None else
                 "; its log-probs are not the exact forward's. Pass cached_as_exact=True to replay the exact "
                 "(no-cache) forward anyway (log-probs then differ by the cache's error), or decode with "
                 "cache='none'/'exact'")
@@ -244,9 +216,9 @@ def trajectory_logprobs(params, ro: Rollout, *, spec: RolloutSpec, shrink: int =
     method = default_method(spec) if method == "auto" else method
     if method == "teacher_forcing" and cfg.attention != "causal":
         raise errors.InputError(f"method='teacher_forcing' needs a causal model, this one is {cfg.attention!r}")
-    if method == "packed" and (cfg.attention != "block_causal" or spec.paradigm.name != "block_diffusion"):
+    if method == "packed" and (cfg.attention != "block_causal" or spec.paradigm.replay_method != "packed"):
         raise errors.InputError("method='packed' replays block_diffusion on block-causal models; use 'per_step'")
-    if method == "per_step" and spec.paradigm.name in ("ar", "ar_spec"):
+    if method == "per_step" and spec.paradigm.is_autoregressive:
         method = "teacher_forcing"
     if method != "teacher_forcing" and cfg.mask_token_id is None:
         raise errors.ConfigError("a diffusion replay needs the model's mask_token_id")

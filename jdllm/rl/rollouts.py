@@ -6,12 +6,11 @@ times and builds the initial `DecodeState` and a static `RolloutSpec` through
 the user's `jax.jit`) gives every row its own PRNG stream fold_in(key, row),
 runs `jdllm.decode.loop.run` and returns a `Rollout` of arrays. New params or a
 new key are data: a training step that calls it again does not recompile
-(`TRACES` counts traces).
+(count traces with jax.monitoring's "/jax/core/compile/jaxpr_trace_duration" events).
 """
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 from typing import Any
 
@@ -24,7 +23,6 @@ from jdllm.decode import common, loop
 from jdllm.sampling import RowSampling
 from jdllm.state import DecodeState, slot_index
 
-TRACES: collections.Counter = collections.Counter()  # traces of `rollout` per paradigm name
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,7 +117,6 @@ def rollout(params, state: DecodeState, key, *, spec: RolloutSpec) -> Rollout:
     Pure: jit it with `spec` static (or call it inside a jitted training step);
     params and key are data, so new values never recompile.
     """
-    TRACES[spec.paradigm.name] += 1
     if state.batch < spec.rows:
         raise errors.InputError(f"state has {state.batch} rows but spec wants {spec.rows} "
                                 f"({spec.prompts} prompts x group {spec.group})")
@@ -170,4 +167,4 @@ def texts(ro: Rollout, spec: RolloutSpec, tokenizer=None, decode=None) -> list[s
 
 
 __all__ = ["RolloutSpec", "Rollout", "prepare_rollout", "rollout", "compiled_rollout", "row_stream_keys",
-           "select_groups", "texts", "TRACES"]
+           "select_groups", "texts"]

@@ -42,6 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jdllm import errors
+from jdllm.decode.protocol import Paradigm
 from jdllm.model import lm_head
 from jdllm.rl import rollouts
 from jdllm.rl.replay import check_params, teacher_forced_hidden
@@ -52,7 +53,6 @@ except ImportError:  # the adapter stands alone; the class keeps tunix's interfa
     _tunix_base = None
 
 HAVE_TUNIX = _tunix_base is not None
-AR_PARADIGMS = ("ar", "ar_spec")
 
 
 @dataclasses.dataclass
@@ -103,7 +103,7 @@ class JdllmRollout(_Base):
                                            "(functools.partial(JdllmRollout, model=...))")
         decoding = jdllm.AR() if decoding is None else decoding
         name = getattr(decoding, "name", type(decoding).__name__)
-        if model.config.attention != "causal" or name not in AR_PARADIGMS:
+        if model.config.attention != "causal" or not (isinstance(decoding, Paradigm) and decoding.is_autoregressive):
             raise errors.InputError(
                 f"JdllmRollout serves autoregressive policies only (this model's attention is "
                 f"{model.config.attention!r}, decoding {name!r}): a tunix learner scores completions left to "

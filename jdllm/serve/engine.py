@@ -176,7 +176,7 @@ class Engine:
 
     def __init__(self, model, decoding=None, *, max_batch: int = 8, max_prompt_tokens: int | None = None,
                  max_new_tokens: int | None = None, max_queue: int = 256, steps_per_round: int = 4,
-                 compiler_options: tuple = (), constraint_states: int = 0, constraint_classes: int = 64,
+                 compiler_options: tuple | None = None, constraint_states: int = 0, constraint_classes: int = 64,
                  mesh=None, rules=None):
         if mesh is not None:
             model = model.shard(mesh, rules)
@@ -213,7 +213,8 @@ class Engine:
         self._ctx = self.ctx  # the context rounds run with (a drained batch brings its own)
         self.drain = isinstance(self.lifecycle, DrainJoin)
         self.slots = self.lifecycle.pool_slots(decoding, cfg, self.max_prompt_tokens, self.max_new_tokens)
-        self._fns = _compiled(tuple(compiler_options))
+        # None: those of an enclosing `jdllm.compiler_options` block
+        self._fns = _compiled(loop.current_options() if compiler_options is None else tuple(compiler_options))
         R = max_batch
         lay = common.Layout(start=np.zeros(R, np.int32), gen_start=np.ones(R, np.int32), slots=self.slots,
                             prefill_len=0)
