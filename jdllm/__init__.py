@@ -17,7 +17,7 @@ _EXPORTS = {
     "logits": "jdllm.loading",
     "ModelConfig": "jdllm.config",
     # generation
-    "generate": "jdllm.api",
+    "generate": "jdllm.generation",
     "Output": "jdllm.api",
     "Sampling": "jdllm.sampling",
     "prepare": "jdllm.api",  # inputs -> initial DecodeState + static context (no compile)

@@ -1,4 +1,4 @@
-"""`generate()`: prompts in, one `Output` per prompt out.
+"""The building blocks of `jdllm.generate` (`jdllm.generation`): prompts in, one `Output` per prompt out.
 
 Three layers, each usable on its own:
 
@@ -247,35 +247,6 @@ def outputs(prep: Prepared, state: DecodeState) -> list[Output]:
     return outs
 
 
-def generate(model: Model, prompts, decoding=None, sampling: Sampling | list[Sampling] | None = None, *,
-             apply_chat_template: bool = False, constraint=None) -> list[Output]:
-    """Generate for each prompt (text or token ids; rows of different lengths are fine).
-
-    sampling: one `jdllm.Sampling` for all prompts or a list with one per
-    prompt (rows may differ in temperature, top-k/p, stop ids, seed and, for
-    AR / block diffusion, max_new_tokens).
-
-    decoding: a paradigm config (jdllm.AR(), jdllm.BlockDiffusion(...), ...);
-    default AR for causal models and BlockDiffusion(block_length=block_size)
-    for block-causal ones. Runs prefill and every decoding step in one
-    compiled call; a second call whose batch / prompt / generation lengths fall
-    in the same buckets reuses the compile.
-
-    constraint: a `jdllm.constraints` constraint for every prompt, or a list with one
-    per prompt (None = free); constrained calls go to the constraint's backend.
-    """
-    if constraint is not None:  # one Constraint | None per prompt; all None = the free path below
-        from jdllm import constraints  # noqa: PLC0415
-
-        rows = constraints.per_row(constraint, len(tokenize(model, prompts, apply_chat_template)))
-        if any(c is not None for c in rows):
-            return constraints.backend_module(rows).generate(model, prompts, decoding, sampling, rows,
-                                                             apply_chat_template=apply_chat_template)
-    prep = prepare(model, prompts, decoding, sampling, apply_chat_template=apply_chat_template)
-    final = loop.compiled()(params_for(model, prep.paradigm), prep.state, paradigm=prep.paradigm, ctx=prep.ctx)
-    return outputs(prep, final)
-
-
 def params_for(model: Model, decoding):
     """The parameters the decode loop takes for this paradigm: the model's, plus what the paradigm
     binds to them (ar_spec's draft model: `decoding.bind_params`)."""
@@ -290,5 +261,5 @@ def params_for(model: Model, decoding):
     return params
 
 
-__all__ = ["generate", "Output", "prepare", "outputs", "row_output", "trace_arrays", "Prepared",
+__all__ = ["Output", "prepare", "outputs", "row_output", "trace_arrays", "Prepared",
            "params_for"]
