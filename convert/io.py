@@ -62,10 +62,8 @@ class OrbaxStreamWriter:
     """
 
     def __init__(self, params_dir: str, cfg: ModelConfig):
-        import tensorstore as ts  # noqa: PLC0415
-
-        from jdllm.model import flat_param_specs  # noqa: PLC0415
-
+        import tensorstore as ts  # noqa: PLC0415 (startup: `jdllm convert --help` stays free of JAX / tensorstore)
+        from jdllm.model import flat_param_specs  # noqa: PLC0415 (startup: `jdllm convert --help` stays free of JAX / tensorstore)
         self.ts = ts
         self.dir = os.path.abspath(params_dir)
         os.makedirs(self.dir)
@@ -144,8 +142,7 @@ def convert_checkpoint(hf_dir: str, out_dir: str, dtype="bfloat16", overwrite: b
     dtype: 'bfloat16' | 'float16' | 'float32', or None to keep the source dtypes.
     Returns the absolute out_dir.
     """
-    from tqdm.auto import tqdm  # noqa: PLC0415
-
+    from tqdm.auto import tqdm  # noqa: PLC0415 (startup: `jdllm convert --help` stays free of JAX / tensorstore)
     hf_dir, out_dir = os.fspath(hf_dir), os.path.abspath(os.fspath(out_dir))
     if os.path.lexists(out_dir) and not overwrite:
         raise errors.OutputExistsError(

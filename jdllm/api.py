@@ -22,6 +22,7 @@ import warnings
 from typing import Any
 
 import jax
+from jax.experimental import multihost_utils
 import numpy as np
 
 from jdllm import errors, inputs
@@ -29,6 +30,7 @@ from jdllm.decode import common, loop
 from jdllm.decode.protocol import Paradigm
 from jdllm.loading import Model, check_token_ids
 from jdllm.sampling import Sampling
+from jdllm.sharding import put
 from jdllm.state import FINISH_REASONS, DecodeState
 
 
@@ -212,7 +214,6 @@ def to_host(tree):
     meshes) are gathered from all of them first."""
     def one(x):
         if isinstance(x, jax.Array) and not x.is_fully_addressable:
-            from jax.experimental import multihost_utils  # noqa: PLC0415
 
             return np.asarray(multihost_utils.process_allgather(x, tiled=True))
         return jax.device_get(x)
@@ -252,7 +253,6 @@ def params_for(model: Model, decoding):
     binds to them (ar_spec's draft model: `decoding.bind_params`)."""
     params = decoding.bind_params(model.params)
     if params is not model.params and model.placement is not None:  # what the paradigm binds (a draft model) joins the mesh, replicated
-        from jdllm.sharding import put  # noqa: PLC0415
 
         rep = model.placement.replicated()
         mesh_devices = set(model.placement.mesh.devices.flat)

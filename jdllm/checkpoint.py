@@ -46,8 +46,7 @@ def np_dtype(dtype) -> np.dtype | None:
     """'bfloat16' | 'float16' | 'float32' | a NumPy/JAX dtype | None -> NumPy dtype (None keeps)."""
     if dtype is None:
         return None
-    import ml_dtypes  # noqa: PLC0415
-
+    import ml_dtypes  # noqa: PLC0415 (startup: `jdllm convert --help` and config reads stay free of JAX)
     names = {"bfloat16": np.dtype(ml_dtypes.bfloat16), "float16": np.dtype(np.float16),
              "float32": np.dtype(np.float32)}
     if isinstance(dtype, str):
@@ -87,8 +86,7 @@ class SafetensorsDir(Mapping):
     """
 
     def __init__(self, hf_dir: str):
-        from safetensors import safe_open  # noqa: PLC0415
-
+        from safetensors import safe_open  # noqa: PLC0415 (startup: `jdllm convert --help` and config reads stay free of JAX)
         self.dir = os.fspath(hf_dir)
         index = os.path.join(self.dir, INDEX_FILE)
         single = os.path.join(self.dir, SINGLE_FILE)
@@ -156,8 +154,7 @@ def load_tokenizer(path: str):
     """The directory's tokenizer (local files only, no hub access), or None without tokenizer.json."""
     if not os.path.isfile(os.path.join(path, "tokenizer.json")):
         return None
-    import transformers  # noqa: PLC0415
-
+    import transformers  # noqa: PLC0415 (startup: `jdllm convert --help` and config reads stay free of JAX)
     verbosity = transformers.logging.get_verbosity()
     transformers.logging.set_verbosity_error()  # a custom model_type in config.json is expected here
     with warnings.catch_warnings():
@@ -209,11 +206,9 @@ def restore_params(path: str, dtype=None, shardings=None):
     shardings: optional pytree of `jax.sharding.Sharding` matching the params,
     so each device reads only its own shards; default: the first device.
     """
-    import jax  # noqa: PLC0415
-    import orbax.checkpoint as ocp  # noqa: PLC0415
-
-    from jdllm.model import shape_mismatch  # noqa: PLC0415
-
+    import jax  # noqa: PLC0415 (startup: `jdllm convert --help` and config reads stay free of JAX)
+    import orbax.checkpoint as ocp  # noqa: PLC0415 (startup: `jdllm convert --help` and config reads stay free of JAX)
+    from jdllm.model import shape_mismatch  # noqa: PLC0415 (startup: `jdllm convert --help` and config reads stay free of JAX)
     meta = read_jdllm_meta(path)
     cfg = meta["config"]
     params_dir = os.path.abspath(os.path.join(path, PARAMS_DIR))
@@ -248,8 +243,7 @@ def check_attn_impl(attn_impl: str) -> None:
     if not isinstance(attn_impl, str) or attn_impl not in ATTN_IMPLS:
         raise errors.ConfigError(f"attn_impl={attn_impl!r} is not one of {ATTN_IMPLS}; 'auto' picks for you")
     if attn_impl == "cudnn":
-        import jax  # noqa: PLC0415
-
+        import jax  # noqa: PLC0415 (startup: `jdllm convert --help` and config reads stay free of JAX)
         if jax.default_backend() != "gpu":
             raise errors.ConfigError(
                 f"attn_impl='cudnn' needs an NVIDIA GPU, but JAX runs on {jax.default_backend()!r}; "
@@ -273,11 +267,9 @@ def check_special_ids(cfg: ModelConfig, source: str) -> None:
 def check_params_finite(params, cfg: ModelConfig, source: str) -> None:
     """Raise NonFiniteWeightsError naming the first tensor (by its Hugging Face name) holding NaN/inf.
     `params` in any layout; parameters absent from it (a partial tree) are skipped."""
-    import jax  # noqa: PLC0415
-    import jax.numpy as jnp  # noqa: PLC0415
-
-    from jdllm.model import weight  # noqa: PLC0415
-
+    import jax  # noqa: PLC0415 (startup: `jdllm convert --help` and config reads stay free of JAX)
+    import jax.numpy as jnp  # noqa: PLC0415 (startup: `jdllm convert --help` and config reads stay free of JAX)
+    from jdllm.model import weight  # noqa: PLC0415 (startup: `jdllm convert --help` and config reads stay free of JAX)
     for slot_name, slot in hf_layout.hf_tensor_names(cfg).items():
         try:
             x = weight(params, slot.path, slot.layer, cfg)
@@ -301,11 +293,9 @@ def _load_hf_params(path: str, cfg: ModelConfig, dtype, placement, check_finite:
     (`jdllm.model.default_layout`), one parameter at a time: the host holds at most one stacked
     parameter, and each layer's slice goes to the device on its own, so the device never holds a
     stacked copy beside the per-layer one."""
-    import jax.numpy as jnp  # noqa: PLC0415
-
-    from jdllm.model import default_layout, to_layout  # noqa: PLC0415
-    from jdllm.sharding import put  # noqa: PLC0415
-
+    import jax.numpy as jnp  # noqa: PLC0415 (startup: `jdllm convert --help` and config reads stay free of JAX)
+    from jdllm.model import default_layout, to_layout  # noqa: PLC0415 (startup: `jdllm convert --help` and config reads stay free of JAX)
+    from jdllm.sharding import put  # noqa: PLC0415 (startup: `jdllm convert --help` and config reads stay free of JAX)
     layout = default_layout(placement)
     # placed per layer, unfused; fused (if the layout is) once every part of a layer is there
     shardings = None if placement is None else placement.param_shardings(cfg, "per_layer")
@@ -337,11 +327,9 @@ def load_model(path: str, dtype="bfloat16", attn_impl: str = "auto", shardings=N
     """A `jdllm.loading.Model` from a Hugging Face directory or a jdllm checkpoint directory
     (with `mesh`: params placed on it under `rules`, each device reading only its slices)."""
     import jax  # noqa: PLC0415 (jax and the model stay unimported until a model is read)
-    import jax.numpy as jnp  # noqa: PLC0415
-
-    from jdllm.loading import Model  # noqa: PLC0415
-    from jdllm.model import default_layout, to_layout  # noqa: PLC0415
-
+    import jax.numpy as jnp  # noqa: PLC0415 (startup: `jdllm convert --help` and config reads stay free of JAX)
+    from jdllm.loading import Model  # noqa: PLC0415 (startup: `jdllm convert --help` and config reads stay free of JAX)
+    from jdllm.model import default_layout, to_layout  # noqa: PLC0415 (startup: `jdllm convert --help` and config reads stay free of JAX)
     if not isinstance(path, (str, os.PathLike)):
         raise errors.ArgumentTypeError(
             f"load(path={path!r}): expected a directory path (str or os.PathLike), got {type(path).__name__}")
@@ -353,8 +341,7 @@ def load_model(path: str, dtype="bfloat16", attn_impl: str = "auto", shardings=N
             "safetensors) or a jdllm checkpoint made by `jdllm convert`")
     placement = None
     if mesh is not None:
-        from jdllm.sharding import Placement  # noqa: PLC0415
-
+        from jdllm.sharding import Placement  # noqa: PLC0415 (startup: `jdllm convert --help` and config reads stay free of JAX)
         placement = Placement.of(mesh, rules)
     elif rules is not None:
         raise errors.ShardingError("rules= needs a mesh=: pass jdllm.load(path, mesh=mesh, rules=rules)")

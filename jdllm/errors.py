@@ -1,5 +1,9 @@
 """Exceptions jdllm raises on bad input. Each message names the value and the fix."""
 
+import os
+import sys
+import warnings
+
 
 class JdllmError(Exception):
     """Base class of every error jdllm raises on purpose."""
@@ -81,8 +85,6 @@ class ShardingError(JdllmError, ValueError):
 
 def user_stacklevel() -> int:
     """The `stacklevel` that makes a warning issued here point at the first caller outside jdllm."""
-    import os  # noqa: PLC0415
-    import sys  # noqa: PLC0415
 
     here = os.path.dirname(os.path.abspath(__file__))
     frame, level = sys._getframe(1), 1
@@ -93,7 +95,6 @@ def user_stacklevel() -> int:
 
 def warn(message: str, category: type[Warning] = UserWarning) -> None:
     """`warnings.warn` attributed to the user's code that called into jdllm, not to jdllm itself."""
-    import warnings  # noqa: PLC0415
 
     warnings.warn(message, category, stacklevel=user_stacklevel())
 

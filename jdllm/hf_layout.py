@@ -237,8 +237,7 @@ def iter_hf_slices(tensors: Mapping[str, Any], cfg: ModelConfig, dtype=None,
     tensor at a time, in jdllm's layout and `dtype`, ordered parameter by parameter and, within a
     stacked parameter, layer by layer. A caller that writes each slice where it belongs and drops
     it (the streaming `jdllm convert`) holds one tensor on the host, never a stacked parameter."""
-    from jdllm.model import param_shapes  # noqa: PLC0415
-
+    from jdllm.model import param_shapes  # noqa: PLC0415 (startup: reading configs and tensor names stays free of JAX)
     table = hf_tensor_names(cfg)
     check_tensor_names(tensors.keys(), cfg, source)
     shapes = param_shapes(cfg)
@@ -286,8 +285,7 @@ def iter_params_from_hf_tensors(tensors: Mapping[str, Any], cfg: ModelConfig, dt
 def params_to_hf_tensors(params, cfg: ModelConfig) -> dict[str, np.ndarray]:
     """jdllm params (any layout: `jdllm.model.param_specs`) -> {HF name: NumPy array} in the
     family's published layout (exact inverse)."""
-    from jdllm.model import weight  # noqa: PLC0415
-
+    from jdllm.model import weight  # noqa: PLC0415 (startup: reading configs and tensor names stays free of JAX)
     out = {}
     for name, slot in hf_tensor_names(cfg).items():
         x = np.asarray(weight(params, slot.path, slot.layer, cfg))

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 import numbers
+import os
+import tempfile
 import warnings
 
 import numpy as np
@@ -124,7 +126,7 @@ def _alphabet(tokenizer, limit: int = 256) -> str:
 # --------------------------------------------------------------------------- generate()
 def check_sampling(sampling):
     """`sampling` is a jdllm.Sampling (not a dict of its fields)."""
-    from jdllm.sampling import Sampling  # noqa: PLC0415
+    from jdllm.sampling import Sampling  # noqa: PLC0415 (startup: inputs checks CLI arguments before JAX loads)
 
     if not isinstance(sampling, Sampling):
         hint = f"jdllm.Sampling(**{sampling!r})" if isinstance(sampling, dict) else "jdllm.Sampling(...)"
@@ -171,8 +173,6 @@ def check_prompts(ids: list[list[int]], cfg, settings: list):
 def check_output_path(path: str, what: str, create_parents: bool) -> None:
     """Fail before any work if `path` cannot be written: its directory missing (when not
     `create_parents`), a regular file where a directory must be, or a read-only location."""
-    import os  # noqa: PLC0415
-    import tempfile  # noqa: PLC0415
 
     path = os.path.abspath(os.fspath(path))
     parent = os.path.dirname(path)

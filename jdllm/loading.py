@@ -17,6 +17,7 @@ import numpy as np
 
 from jdllm import errors, inputs
 from jdllm.config import ModelConfig
+from jdllm.sharding import Placement
 from jdllm.model import Params, default_layout, default_positions, forward, init_params, to_layout
 
 
@@ -44,7 +45,6 @@ class Model:
 
     def shard(self, mesh, rules=None) -> "Model":
         """This model with its params placed on `mesh` under `rules` (see `jdllm.sharding`)."""
-        from jdllm.sharding import Placement  # noqa: PLC0415
 
         placement = Placement.of(mesh, rules)
         return dataclasses.replace(self, params=placement.place_params(self.params, self.config),

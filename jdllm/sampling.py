@@ -16,6 +16,7 @@ never propose it) and, optionally, tokens a packed int32 bitmask disallows
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from typing import NamedTuple
 
 import jax
@@ -46,7 +47,6 @@ class Sampling:
     stop_token_ids: tuple[int, ...] | None = None
 
     def __post_init__(self):
-        import numbers  # noqa: PLC0415 (numbers.Integral / Real also admit NumPy scalars)
 
         for name in ("temperature", "top_k", "top_p", "max_new_tokens", "seed"):
             v = getattr(self, name)

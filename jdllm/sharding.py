@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from typing import Any, Mapping
 
 import jax
@@ -39,6 +40,8 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jdllm import errors
+from jdllm.model import default_layout, is_param_spec, layer_layout, param_specs, to_layout
+from pallas_kernels import ShardedAttention, resolve_impl
 
 MESH_AXES = ("data", "model")
 # every logical axis name jdllm uses (weights: model.param_specs; cache and state: below)
@@ -69,7 +72,6 @@ def parse_mesh_spec(spec: str) -> dict[str, int]:
 def initialize_distributed(**kw) -> None:
     """`jax.distributed.initialize(**kw)` (once per process, before any other JAX call), with CPU
     collectives over gloo when the platform is the CPU (the multi-process tests, a CPU cluster)."""
-    import os  # noqa: PLC0415
 
     if os.environ.get("JAX_PLATFORMS", "").startswith("cpu"):
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
@@ -166,7 +168,6 @@ class Placement:
     def param_shardings(self, cfg, layout: str = "stacked") -> Any:
         """NamedSharding per parameter of `layout` (the params pytree's structure, see
         `jdllm.model.param_specs`), checked for divisibility."""
-        from jdllm.model import is_param_spec, param_specs  # noqa: PLC0415
 
         flat, treedef = jax.tree_util.tree_flatten_with_path(param_specs(cfg, layout), is_leaf=is_param_spec)
         return jax.tree.unflatten(treedef, [
@@ -180,7 +181,6 @@ class Placement:
     def place_params(self, params, cfg):
         """Params (host NumPy or jax Arrays, any layout) on the mesh in the layout jdllm runs under
         this placement (`jdllm.model.default_layout`), one weight at a time."""
-        from jdllm.model import default_layout, layer_layout, to_layout  # noqa: PLC0415
 
         layout, owned = default_layout(self), False
         if layer_layout(params) == "stacked":  # host arrays: each device receives only its slices
@@ -226,7 +226,6 @@ class Placement:
     def attention_impl(self, impl: str):
         """The attention implementation to run under this mesh: the XLA path partitions itself;
         the Pallas / cuDNN kernels run per shard (`pallas_kernels.ShardedAttention`)."""
-        from pallas_kernels import ShardedAttention, resolve_impl  # noqa: PLC0415
 
         if resolve_impl(impl) == "xla":
             return impl

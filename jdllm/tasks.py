@@ -268,8 +268,7 @@ def _char_vocab(chars: Sequence[str] = CHARS) -> dict[str, int]:
 
 def build_tokenizer(chars: Sequence[str] = CHARS):
     """A `tokenizers.Tokenizer`: one token per character, specials <pad>, <eos>, <mask>."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers  # noqa: PLC0415
-
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers  # noqa: PLC0415 (startup: the task generators need no tokenizer library)
     tok = Tokenizer(models.WordLevel(vocab=_char_vocab(chars), unk_token=None))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     tok.decoder = decoders.Fuse()
@@ -299,8 +298,7 @@ def save_tokenizer(out_dir: str | os.PathLike, chars: Sequence[str] = CHARS) -> 
 
 def load_tokenizer(path: str | os.PathLike | None = None):
     """A `transformers.PreTrainedTokenizerFast` from `path` (a dir or tokenizer.json), or built fresh."""
-    from transformers import PreTrainedTokenizerFast  # noqa: PLC0415
-
+    from transformers import PreTrainedTokenizerFast  # noqa: PLC0415 (startup: the task generators need no tokenizer library)
     if path is None:
         return PreTrainedTokenizerFast(tokenizer_object=build_tokenizer(), pad_token=PAD,
                                        eos_token=EOS, mask_token=MASK)

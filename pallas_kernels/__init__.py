@@ -21,10 +21,12 @@ impl=...)` is the single entry point the model calls. `impl`:
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from pallas_kernels.reference import (KINDS, SMALL_WINDOW, attention_reference, horizon,
                                       masked_attention_reference, visible_mask, window_reference)
@@ -49,7 +51,6 @@ class ShardedAttention:
     kv_heads: Any = None
 
     def __call__(self, q, k, v, *, start, q_offset, kv_len, kind, block_size, scale):
-        from jax.sharding import PartitionSpec as P  # noqa: PLC0415
 
         B, H, KV = q.shape[0], q.shape[2], k.shape[2]
         q_offset, kv_len = jnp.asarray(q_offset, jnp.int32), jnp.asarray(kv_len, jnp.int32)
@@ -82,7 +83,6 @@ class ShardedAttention:
 
 
 def _axis_size(mesh, axis) -> int:
-    import math  # noqa: PLC0415
 
     if axis is None:
         return 1

@@ -18,10 +18,14 @@ constrained rollout is as pure as the free one (jit / vmap / while_loop).
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
+from jdllm import api
 from jdllm.constraints.dfa_compile import TokenDFA, compile_pattern, regex_of, token_strings
 from jdllm.constraints.dfa_device import DFATables, stack
+from jdllm.decode import loop
 from jdllm.errors import ConstraintError
 
 
@@ -82,10 +86,7 @@ def tables(model, constraints, state, budgets=None) -> DFATables:
 
 def generate(model, prompts, decoding, sampling, constraints, *, apply_chat_template=False):
     """Constrained generate(): same outputs as `jdllm.generate`, plus `constraint_ok` on constrained rows."""
-    import dataclasses  # noqa: PLC0415
 
-    from jdllm import api  # noqa: PLC0415
-    from jdllm.decode import loop  # noqa: PLC0415
 
     constraints = list(constraints)
     settings = api.row_settings(sampling, len(constraints))

@@ -24,6 +24,8 @@ equivalence classes of states, DEAD included.
 
 from __future__ import annotations
 
+import re
+
 import dataclasses
 import functools
 import json
@@ -116,7 +118,6 @@ def _refs_cycle(schema) -> str | None:
 
 def regex_of(kind: str, source: str) -> str:
     """The regex a constraint stands for (regex: itself; json_schema via outlines-core; choice: an alternation)."""
-    import re  # noqa: PLC0415
 
     if kind == "regex":
         return source
@@ -130,7 +131,7 @@ def regex_of(kind: str, source: str) -> str:
                 f"JSON schema is recursive ($ref {cyc!r} reaches itself): not a regular language the 'dfa' "
                 "backend can compile exactly; use backend='llguidance'")
         try:
-            from outlines_core.json_schema import build_regex_from_schema  # noqa: PLC0415
+            from outlines_core.json_schema import build_regex_from_schema  # noqa: PLC0415 (optional: the constraints extra)
         except ImportError:
             raise ConstraintError("the 'dfa' backend needs outlines-core for JSON schemas: "
                                   "pip install 'jdllm[constraints]'") from None
@@ -161,7 +162,7 @@ def token_strings(tokenizer, vocab_size: int) -> list[str | None]:
 # --------------------------------------------------------------------------- compile
 def _char_dfa(pattern: str):
     try:
-        import interegular  # noqa: PLC0415
+        import interegular  # noqa: PLC0415 (optional: the constraints extra)
     except ImportError:
         raise ConstraintError("the 'dfa' backend needs interegular: pip install 'jdllm[constraints]'") from None
     try:

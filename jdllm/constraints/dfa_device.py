@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jdllm.decode.common import bucket, rank, window
 from jdllm.state import generated_mask
 
 
@@ -85,7 +86,6 @@ def stack(dfas: list, vocab: int, q_bucket: int | None = None, c_bucket: int | N
     """One DFATables from per-row TokenDFAs (None: free row), padded to power-of-two Q and C (>= 8:
     small regexes share one compile). slots: the canvas size, to keep each step's F / G for its
     reveal (one DP per step instead of two)."""
-    from jdllm.decode.common import bucket  # noqa: PLC0415
 
     Q = bucket(max([d.num_states for d in dfas if d is not None] + [2]), 8)
     C = bucket(max([d.num_classes for d in dfas if d is not None] + [1]), 8)
@@ -171,7 +171,6 @@ def reachable(tab: DFATables, state) -> tuple[jax.Array, jax.Array]:
 
 
 def _rows_window(x: jax.Array, offset, width: int) -> jax.Array:
-    from jdllm.decode.common import window  # noqa: PLC0415
 
     return window(x, offset, width)
 
@@ -222,7 +221,6 @@ def joint_select(tab: DFATables, state, offset, sel: jax.Array, token: jax.Array
     """Keep the selected reveals [B, W] (tokens [B, W]) in descending `score` order while the window
     still completes with them; the best one is always individually allowed, so a row with a selection
     keeps at least one."""
-    from jdllm.decode.common import rank  # noqa: PLC0415
 
     W = sel.shape[1]
     F, G = reachable(tab, state) if FG is None else FG

@@ -100,6 +100,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jdllm import api
 from jdllm.constraints import Constraint
 from jdllm.decode import common, loop
 from jdllm.errors import ConstraintError
@@ -109,7 +110,7 @@ from jdllm.state import LENGTH, RUNNING, STOP, slot_index
 
 def _llg():
     try:
-        import llguidance  # noqa: PLC0415
+        import llguidance  # noqa: PLC0415 (optional: the constraints extra)
         import llguidance.numpy  # noqa: F401, PLC0415
     except ImportError:  # pragma: no cover - the extra is part of [test]
         raise ConstraintError("the 'llguidance' backend needs the llguidance package: "
@@ -162,7 +163,7 @@ def ll_tokenizer(model):
     if len(tok) > V:
         raise ConstraintError(f"the tokenizer has {len(tok)} tokens but the model's vocab_size is {V}")
     try:
-        import llguidance.hf  # noqa: PLC0415
+        import llguidance.hf  # noqa: PLC0415 (optional: the constraints extra)
 
         lt = llguidance.hf.from_tokenizer(tok, n_vocab=V, eos_token=eos)
     except (ValueError, TypeError, AttributeError):
@@ -529,7 +530,6 @@ def generate(model, prompts, decoding, sampling, constraints, *, apply_chat_temp
     fast_forward=False samples forced tokens one step each (same tokens under greedy
     decoding, more forwards). stats: a `Stats` to fill with host timings.
     """
-    from jdllm import api  # noqa: PLC0415
 
     cfg = model.config
     lltok = ll_tokenizer(model)

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jdllm import errors
+from jdllm.api import prepare, tokenize
 from jdllm.decode import common, loop
 from jdllm.sampling import RowSampling
 from jdllm.state import DecodeState, slot_index
@@ -87,7 +88,6 @@ def prepare_rollout(model, prompts, decoding=None, sampling=None, *, group: int 
     its seed is irrelevant: `rollout` draws every row's stream from its key.
     Nothing compiles here.
     """
-    from jdllm.api import prepare, tokenize  # noqa: PLC0415
 
     if isinstance(group, bool) or not isinstance(group, (int, np.integer)) or group < 1:
         raise errors.InputError(f"group={group!r} must be an integer >= 1 (samples per prompt)")

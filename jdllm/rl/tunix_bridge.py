@@ -42,10 +42,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from jdllm import errors
+from jdllm.api import tokenize
+from jdllm.decode.ar import AR
 from jdllm.decode.protocol import Paradigm
 from jdllm.model import lm_head
 from jdllm.rl import rollouts
 from jdllm.rl.replay import check_params, teacher_forced_hidden
+from jdllm.sampling import Sampling
 
 try:  # optional: google-tunix (pip install jdllm[tunix])
     from tunix.rl.rollout import base_rollout as _tunix_base
@@ -96,12 +99,11 @@ class JdllmRollout(_Base):
     def __init__(self, rollout_actor=None, tokenizer=None, mesh=None, rollout_config=None, *, model=None,
                  decoding=None, param_map: Callable[[Any], Any] | None = None, seed: int = 0, **kwargs):
         del mesh, rollout_config, kwargs  # jdllm places params itself (jdllm.load(..., mesh=))
-        import jdllm  # noqa: PLC0415
 
         if model is None or not hasattr(model, "config") or not hasattr(model, "params"):
             raise errors.ArgumentTypeError("JdllmRollout needs model=<a jdllm.load()ed model> "
                                            "(functools.partial(JdllmRollout, model=...))")
-        decoding = jdllm.AR() if decoding is None else decoding
+        decoding = AR() if decoding is None else decoding
         name = getattr(decoding, "name", type(decoding).__name__)
         if model.config.attention != "causal" or not (isinstance(decoding, Paradigm) and decoding.is_autoregressive):
             raise errors.InputError(
@@ -125,8 +127,6 @@ class JdllmRollout(_Base):
     # ------------------------------------------------------------------ tunix interface
     def generate(self, prompts, rollout_config, **kwargs) -> RolloutOutput:
         """Sample a completion of every prompt (one `jdllm.rl.rollout` call, each row its own PRNG stream)."""
-        import jdllm  # noqa: PLC0415
-        from jdllm.api import tokenize  # noqa: PLC0415
 
         del kwargs
         if isinstance(prompts, str):
@@ -136,7 +136,7 @@ class JdllmRollout(_Base):
         ids = [p[-P:] for p in tokenize(self._jdllm_model, list(prompts), False)]  # tunix keeps the suffix
         top_k = cfg.top_k if cfg.top_k is not None and cfg.top_k > 0 else 0
         stops = tuple(int(t) for t in cfg.eos_tokens) if cfg.eos_tokens else None
-        sampling = jdllm.Sampling(temperature=float(cfg.temperature), top_k=int(top_k),
+        sampling = Sampling(temperature=float(cfg.temperature), top_k=int(top_k),
                                   top_p=float(cfg.top_p if cfg.top_p is not None else 1.0),
                                   max_new_tokens=int(cfg.max_tokens_to_generate), stop_token_ids=stops)
         model = dataclasses.replace(self._jdllm_model, params=self._params)
