@@ -40,7 +40,8 @@ every compile is cold. Columns / JSON fields of a row:
   cached: rows of group (a) then `jax.clear_caches()` and trace, lower and compile again, the compile
       now a load from the persistent cache (hit or not is recorded): what a second process pays;
   fwd: whole-model forwards in the program (rsqrt ops in the program's jaxpr over those of one
-      `jdllm.model.forward` of the same weights; prefill + each window width of the step);
+      `jdllm.model.forward` of the same weights; prefill + each window width of the step); the JSON
+      also counts `pallas_call` sites (each a Triton / Mosaic GPU kernel for XLA to compile);
   HLO: the optimized HLO (`compiled.as_text()`): lines, fusions (by kind), custom calls (by target),
       while loops, conditionals;
   temp / args: `compiled.memory_analysis()` bytes; temp close to the weights' bytes = a copy of them;
@@ -366,7 +367,7 @@ def child_row(task: dict) -> int:
     case = case_of(spec.paradigm)
     cfg = G.model_config(base, case.attention, task["block"])
     layout = {"per_layer": default_layout(), "per_layer_unfused": "per_layer", "stacked": "stacked"}[spec.layout]
-    if spec.layout == "stacked" and loop.UNROLL_LAYERS_ON:  # profile the scan a GPU runs, not the CPU's split
+    if spec.layout == "stacked" and row["backend"] in loop.UNROLL_LAYERS_ON:  # the scan a GPU runs, not the CPU's split
         loop.UNROLL_LAYERS_ON = ()
         row["note"] = "stacked weights through lax.scan (loop.UNROLL_LAYERS_ON cleared for this row)"
     dtype = jnp.bfloat16
@@ -426,9 +427,9 @@ def child_row(task: dict) -> int:
     # what the program holds
     names = ("rsqrt", "pallas_call", "while", "cond", "scan")
     prog = count_eqns(traced.jaxpr, names)
-    tok = jnp.zeros((1, 8), jnp.int32)
+    tok = jnp.zeros((1, 8), jnp.int32)  # one forward's norms (the XLA attention: no kernel shape limits)
     one = jax.make_jaxpr(lambda p: forward(p, ctx.model, tok, default_positions(jnp.zeros((1,), jnp.int32), 0, 8),
-                                           start=jnp.zeros((1,), jnp.int32), attn_impl=ctx.attn_impl)[0])(run_params)
+                                           start=jnp.zeros((1,), jnp.int32), attn_impl="xla")[0])(run_params)
     per = count_eqns(one, names)
     row.update(jaxpr_counts=dict(prog), forward_counts=dict(per),
                forwards_in_program=round(prog["rsqrt"] / per["rsqrt"], 2) if per["rsqrt"] else None,
@@ -592,7 +593,7 @@ def progress_line(r: dict, elapsed: float) -> str:
         hit = r.get("cached_events", {}).get("cache_hits", 0)
         s += f" | cached {fmt_s(r['cached_total_s'])} s ({'hit' if hit else 'MISS'})"
     h, m = r.get("hlo", {}), r.get("memory", {})
-    s += (f" | {r.get('forwards_in_program')} fwd | HLO {h.get('lines', '-')} lines {h.get('fusions', '-')} fusions "
+    s += (f" | {r.get('forwards_in_program')} fwd, {r.get('jaxpr_counts', {}).get('pallas_call', 0)} pallas_call | HLO {h.get('lines', '-')} lines {h.get('fusions', '-')} fusions "
           f"{h.get('custom_calls', '-')} cc | temp {fmt_gib(m.get('temp_bytes'))} GiB")
     if r.get("xla_hlo_passes_s") is not None or r.get("xla_backend_s") is not None:
         s += f" | xla passes {fmt_s(r.get('xla_hlo_passes_s'))} backend {fmt_s(r.get('xla_backend_s'))}"
