@@ -105,7 +105,6 @@ OPTIONS = {
     "backend_O0": {"xla_backend_optimization_level": 0},
     "autotune0_no_triton": {"xla_gpu_autotune_level": 0, "xla_gpu_enable_triton_gemm": False},
 }
-LAYOUTS = ("per_layer", "per_layer_unfused", "stacked")  # per_layer: jdllm's default (`default_layout()`)
 GROUPS = ("layers", "options", "layout", "merge", "attn", "paradigms")
 DEFAULT_VMODULE = "gpu_compiler=1,nvptx_compiler=1,cpu_compiler=1"
 TIMER_RE = re.compile(r"\] (.+?) time: ([\d.]+) (us|ms|s|min|h)\b")
@@ -124,7 +123,7 @@ class Spec:
     group: str
     paradigm: str  # a PARADIGMS key
     layers: int
-    layout: str = "per_layer"
+    layout: str = "per_layer"  # jdllm's default (`default_layout()`: fused) | "per_layer_unfused" | "stacked"
     attn: str = "auto"
     merge: str = "default"  # "default" | "flip" | a token count
     options: str = "none"
@@ -359,7 +358,8 @@ def child_row(task: dict) -> int:
     import jdllm  # noqa: PLC0415
     from jdllm.api import params_for, prepare  # noqa: PLC0415
     from jdllm.decode import common, loop  # noqa: PLC0415
-    from jdllm.model import default_layout, default_positions, forward, is_param_spec, param_bytes, param_specs  # noqa: PLC0415
+    from jdllm.model import (default_layout, default_positions, forward, is_param_spec,  # noqa: PLC0415
+                             param_bytes, param_specs)
     from pallas_kernels import resolve_impl  # noqa: PLC0415
 
     ev = Events()
@@ -367,7 +367,7 @@ def child_row(task: dict) -> int:
     case = case_of(spec.paradigm)
     cfg = G.model_config(base, case.attention, task["block"])
     layout = {"per_layer": default_layout(), "per_layer_unfused": "per_layer", "stacked": "stacked"}[spec.layout]
-    if spec.layout == "stacked" and row["backend"] in loop.UNROLL_LAYERS_ON:  # the scan a GPU runs, not the CPU's split
+    if spec.layout == "stacked" and row["backend"] in loop.UNROLL_LAYERS_ON:  # the scan a GPU runs, not a split
         loop.UNROLL_LAYERS_ON = ()
         row["note"] = "stacked weights through lax.scan (loop.UNROLL_LAYERS_ON cleared for this row)"
     dtype = jnp.bfloat16
@@ -438,7 +438,7 @@ def child_row(task: dict) -> int:
     write_json(out, row)
     if spec.time_run and task["time_run"]:
         try:
-            row["run"] = time_run(compiled, params, prep, row["weight_bytes"])
+            row["run"] = time_run(compiled, run_params, prep, row["weight_bytes"])
         except Exception as e:  # noqa: BLE001 (out of memory, ...: the compile figures stand)
             row["run"] = dict(error="".join(traceback.format_exception_only(type(e), e)).strip()[-800:])
         write_json(out, row)
@@ -576,8 +576,8 @@ def timer_split(timers: dict) -> tuple:
 
 
 def progress_line(r: dict, elapsed: float) -> str:
-    head = f"[{elapsed:5.0f}s] {r['shape']} {r['paradigm']:<4} L{r['layers']:<2} {r['layout']:<9} attn={r['attn']:<4} " \
-           f"merge={r.get('merge_tokens', r['merge'])!s:<7} {r['options']:<14}"
+    head = (f"[{elapsed:5.0f}s] {r['shape']} {r['paradigm']:<4} L{r['layers']:<2} {r['layout']:<9} "
+            f"attn={r['attn']:<4} merge={r.get('merge_tokens', r['merge'])!s:<7} {r['options']:<14}")
     if r.get("skipped"):
         return f"{head} | skipped: {r['skipped']}"
     if r.get("error") and "compile_s" not in r:
@@ -593,13 +593,16 @@ def progress_line(r: dict, elapsed: float) -> str:
         hit = r.get("cached_events", {}).get("cache_hits", 0)
         s += f" | cached {fmt_s(r['cached_total_s'])} s ({'hit' if hit else 'MISS'})"
     h, m = r.get("hlo", {}), r.get("memory", {})
-    s += (f" | {r.get('forwards_in_program')} fwd, {r.get('jaxpr_counts', {}).get('pallas_call', 0)} pallas_call | HLO {h.get('lines', '-')} lines {h.get('fusions', '-')} fusions "
-          f"{h.get('custom_calls', '-')} cc | temp {fmt_gib(m.get('temp_bytes'))} GiB")
+    kernels = r.get("jaxpr_counts", {}).get("pallas_call", 0)
+    s += (f" | {r.get('forwards_in_program')} fwd, {kernels} pallas_call | HLO {h.get('lines', '-')} lines "
+          f"{h.get('fusions', '-')} fusions {h.get('custom_calls', '-')} cc | temp {fmt_gib(m.get('temp_bytes'))} GiB")
     if r.get("xla_hlo_passes_s") is not None or r.get("xla_backend_s") is not None:
         s += f" | xla passes {fmt_s(r.get('xla_hlo_passes_s'))} backend {fmt_s(r.get('xla_backend_s'))}"
     run = r.get("run")
-    if run:
-        s += f" | run {run['ms_per_forward']:.2f} ms/fwd" if "ms_per_forward" in run else f" | run failed: {run.get('error', '')[-120:]}"
+    if run and "ms_per_forward" in run:
+        s += f" | run {run['ms_per_forward']:.2f} ms/fwd"
+    elif run:
+        s += f" | run failed: {run.get('error', '')[-120:]}"
     return s
 
 
