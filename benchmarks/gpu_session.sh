@@ -2,25 +2,34 @@
 # One command for a GPU session (issues 4 and 27), run from the repo root on the GPU machine:
 #   GIT_COMMIT=<sha of the tree sent> bash benchmarks/gpu_session.sh
 #   0. the device, nvidia-smi, jax / jaxlib / CUDA versions            -> device.txt
-#   1. the GPU test tier (`pytest -m gpu`)                              -> gpu_tests.log
-#   2. benchmarks/gpu.py --quick (8B shape, priority cases, HF baseline) -> gpu.log, gpu.json, gpu_table.md
-#   3. benchmarks/attention.py at two sizes (Pallas, cuDNN, XLA)       -> attention.log, attention.json
-# Everything goes to $OUT (the device tool's folder: at most 8 files come back; these are 7) or
-# benchmarks/out. Each step runs under `timeout`, so the whole script ends within ~9 minutes by default;
-# steps run on after a failure; the exit status is the first failing step's (124: a step timed out).
-# gpu.json starts as a copy of benchmarks/results/gpu.json, so the one that comes back holds the earlier
-# sessions' rows too: copy it over benchmarks/results/gpu.json, then
+#   1. benchmarks/compile_profile.py (8B decode programs compiled ahead of time with abstract weights:
+#      trace / lower / XLA compile seconds per depth, option, layout; issue 27 item 2)
+#                                                                       -> compile_profile.log, compile_profile.json
+#   2. the GPU test tier (`pytest -m gpu`)                              -> gpu_tests.log
+#   3. benchmarks/gpu.py --quick (8B shape, priority cases, HF baseline) -> gpu.log, gpu.json, gpu_table.md
+#   4. benchmarks/attention.py at two sizes (Pallas, cuDNN, XLA), only with ATTN_S > 0 -> attention.log
+# Everything goes to $OUT (the device tool's folder: at most 8 files come back; these are 7, 8 with the
+# attention step, whose JSON stays out of $OUT) or benchmarks/out. Each step runs under `timeout`, so the
+# whole script ends within ~9 minutes by default; steps run on after a failure; the exit status is the
+# first failing step's (124: a step timed out).
+# gpu.json and compile_profile.json start as copies of benchmarks/results/{gpu,compile_profile}.json, so
+# the ones that come back hold the earlier sessions' rows too: copy them over benchmarks/results/, then
 #   python benchmarks/gpu.py --markdown --write-results-md
-# Budgets (seconds, environment): GPU_TESTS_S (140), GPU_BENCH_S (300, the hard limit) and
-# GPU_BENCH_BUDGET_S (180, after which gpu.py starts no new case: a case started just before it may
-# compile for 2 minutes on the 8B shape), ATTN_S (75); GPU_BENCH_ARGS adds arguments to gpu.py
-# (e.g. "--only mb_approx_b1 hf" or "--layouts per_layer stacked").
+#   python benchmarks/compile_profile.py --markdown
+# Budgets (seconds, environment): CP_BUDGET_S (150: compile_profile.py starts no row after it; a row
+# still compiling at budget + CP_GRACE_S (30) is stopped, its finished phases kept) and CP_S (195, the
+# hard limit); CP_ARGS adds arguments to compile_profile.py (e.g. "--with-run" or "--shape 4b");
+# GPU_TESTS_S (130); GPU_BENCH_S (200, the hard limit) and GPU_BENCH_BUDGET_S (110, after which gpu.py
+# starts no new case: a case started just before it may compile for 2 minutes on the 8B shape);
+# GPU_BENCH_ARGS adds arguments to gpu.py (e.g. "--only mb_approx_b1 hf" or "--layouts per_layer
+# stacked"); ATTN_S (0: the attention step is skipped; 75 runs it, ~10.5 minutes in all).
 set -uo pipefail
 out=${OUT:-benchmarks/out}
 mkdir -p "$out"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" JAX_PLATFORMS=cuda PYTHONUNBUFFERED=1
 export XLA_PYTHON_CLIENT_PREALLOCATE=false
-T_TESTS=${GPU_TESTS_S:-140} T_BENCH=${GPU_BENCH_S:-300} BUDGET=${GPU_BENCH_BUDGET_S:-180} T_ATTN=${ATTN_S:-75}
+T_CP=${CP_S:-195} CP_BUDGET=${CP_BUDGET_S:-150} CP_GRACE=${CP_GRACE_S:-30}
+T_TESTS=${GPU_TESTS_S:-130} T_BENCH=${GPU_BENCH_S:-200} BUDGET=${GPU_BENCH_BUDGET_S:-110} T_ATTN=${ATTN_S:-0}
 status=0
 t0=$(date +%s)
 note() { echo "# $(date -u +%H:%M:%S) (+$(( $(date +%s) - t0 ))s) $*"; }
@@ -34,11 +43,18 @@ note() { echo "# $(date -u +%H:%M:%S) (+$(( $(date +%s) - t0 ))s) $*"; }
   echo "git ${GIT_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}"
 } 2>&1 | tee "$out/device.txt"
 
-note "1. GPU test tier (timeout ${T_TESTS}s)"
+note "1. benchmarks/compile_profile.py (budget ${CP_BUDGET}s + ${CP_GRACE}s grace, timeout ${T_CP}s)"
+[ -f benchmarks/results/compile_profile.json ] && cp benchmarks/results/compile_profile.json "$out/compile_profile.json"
+# shellcheck disable=SC2086
+timeout -k 10 "$T_CP" python3 benchmarks/compile_profile.py --shape 8b --budget "$CP_BUDGET" --grace "$CP_GRACE" \
+  --out "$out/compile_profile.json" ${CP_ARGS:-} 2>&1 | tee "$out/compile_profile.log"
+status=$(( status ? status : ${PIPESTATUS[0]} ))
+
+note "2. GPU test tier (timeout ${T_TESTS}s)"
 timeout -k 10 "$T_TESTS" python3 -m pytest -q -m gpu tests/ 2>&1 | tee "$out/gpu_tests.log"
 status=$(( status ? status : ${PIPESTATUS[0]} ))
 
-note "2. benchmarks/gpu.py --quick (budget ${BUDGET}s, timeout ${T_BENCH}s)"
+note "3. benchmarks/gpu.py --quick (budget ${BUDGET}s, timeout ${T_BENCH}s)"
 [ -f benchmarks/results/gpu.json ] && cp benchmarks/results/gpu.json "$out/gpu.json"
 # shellcheck disable=SC2086
 timeout -k 15 "$T_BENCH" python3 benchmarks/gpu.py --quick --budget "$BUDGET" --out "$out/gpu.json" \
@@ -46,10 +62,14 @@ timeout -k 15 "$T_BENCH" python3 benchmarks/gpu.py --quick --budget "$BUDGET" --
 status=$(( status ? status : ${PIPESTATUS[0]} ))
 [ -f "$out/gpu.json" ] && python3 benchmarks/gpu.py --markdown --out "$out/gpu.json" > "$out/gpu_table.md" 2>&1
 
-note "3. benchmarks/attention.py (timeout ${T_ATTN}s)"
-timeout -k 10 "$T_ATTN" python3 benchmarks/attention.py --seq 4096 16384 --impls pallas,cudnn,xla --iters 5 \
-  --out "$out/attention.json" 2>&1 | tee "$out/attention.log"
-status=$(( status ? status : ${PIPESTATUS[0]} ))
+if [ "$T_ATTN" -gt 0 ]; then
+  note "4. benchmarks/attention.py (timeout ${T_ATTN}s)"
+  timeout -k 10 "$T_ATTN" python3 benchmarks/attention.py --seq 4096 16384 --impls pallas,cudnn,xla --iters 5 \
+    --out "${TMPDIR:-/tmp}/attention.json" 2>&1 | tee "$out/attention.log"
+  status=$(( status ? status : ${PIPESTATUS[0]} ))
+else
+  note "4. benchmarks/attention.py skipped (ATTN_S=0)"
+fi
 
 note "done, exit status $status"
 exit "$status"
