@@ -24,7 +24,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jdllm import errors, inputs
+from jdllm import compile_cache, compile_progress, errors, inputs
 from jdllm.decode import common, loop
 from jdllm.loading import Model, check_token_ids
 from jdllm.sampling import Sampling
@@ -140,6 +140,7 @@ def prepare(model: Model, prompts, decoding=None, sampling: Sampling | list[Samp
     fold_in(seed, 0): its sample does not depend on its neighbours). Settings,
     stop ids and seeds are per-row data: changing them does not recompile.
     """
+    compile_cache.enable()  # once per process: JAX's persistent compilation cache (jdllm.compile_cache)
     cfg = model.config
     decoding = default_paradigm(cfg) if decoding is None else decoding
     if isinstance(decoding, type):
@@ -275,7 +276,8 @@ def generate(model: Model, prompts, decoding=None, sampling: Sampling | list[Sam
             return constraints.backend_module(rows).generate(model, prompts, decoding, sampling, rows,
                                                              apply_chat_template=apply_chat_template)
     prep = prepare(model, prompts, decoding, sampling, apply_chat_template=apply_chat_template)
-    final = loop.decode(params_for(model, prep.paradigm), prep.state, paradigm=prep.paradigm, ctx=prep.ctx)
+    with compile_progress.watch(loop.decode, prep.paradigm.name, prep.state, (prep.paradigm, prep.ctx)):
+        final = loop.decode(params_for(model, prep.paradigm), prep.state, paradigm=prep.paradigm, ctx=prep.ctx)
     return outputs(prep, final)
 
 

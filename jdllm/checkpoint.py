@@ -324,6 +324,7 @@ def load_model(path: str, dtype="bfloat16", attn_impl: str = "auto", shardings=N
     import jax  # noqa: PLC0415 (jax and the model stay unimported until a model is read)
     import jax.numpy as jnp  # noqa: PLC0415
 
+    from jdllm.device_memory import check_params_fit  # noqa: PLC0415
     from jdllm.loading import Model  # noqa: PLC0415
 
     if not isinstance(path, (str, os.PathLike)):
@@ -347,12 +348,14 @@ def load_model(path: str, dtype="bfloat16", attn_impl: str = "auto", shardings=N
         check_special_ids(cfg, path)
         if placement is not None:
             shardings = placement.param_shardings(cfg)
+        check_params_fit(cfg, dtype, shardings, source=path)  # before any weight is placed
         params = restore_params(path, dtype=dtype, shardings=shardings)
     elif is_hf_dir(path):
         cfg = ModelConfig.from_hf(path)
         check_special_ids(cfg, os.path.join(path, CONFIG_FILE))
         if placement is not None:
             shardings = placement.param_shardings(cfg)
+        check_params_fit(cfg, dtype, shardings, source=path)
         want = np_dtype(dtype)
         params = _load_hf_params(path, cfg, want, shardings, check_finite)
         check_finite = False  # checked on the host, before the copy to the device
@@ -381,4 +384,7 @@ def load(path: str, dtype: str | Any = "bfloat16", attn_impl: str = "auto", chec
     `errors.NonFiniteWeightsError` naming the tensor (one pass over the weights;
     the `jdllm` command line does it by default).
     """
+    from jdllm import compile_cache  # noqa: PLC0415
+
+    compile_cache.enable()  # JAX's persistent compilation cache (a bad JDLLM_CACHE_DIR fails here, early)
     return load_model(path, dtype=dtype, attn_impl=attn_impl, check_finite=check_finite, mesh=mesh, rules=rules)

@@ -172,8 +172,13 @@ class Placement:
             self.sharding(s.axes, s.shape, f"parameter {jax.tree_util.keystr(k)} {s.shape}") for k, s in flat])
 
     def place_params(self, params, cfg):
-        """Params (host NumPy or jax Arrays) on the mesh, one leaf at a time."""
-        return jax.tree.map(put, params, self.param_shardings(cfg))
+        """Params (host NumPy or jax Arrays) on the mesh, one leaf at a time (after checking that each
+        device's shards fit in its free memory: `jdllm.device_memory`)."""
+        from jdllm.device_memory import check_placement_fits  # noqa: PLC0415
+
+        shardings = self.param_shardings(cfg)
+        check_placement_fits(params, shardings)
+        return jax.tree.map(put, params, shardings)
 
     # ------------------------------------------------------------------ decode state
     def batch_multiple(self) -> int:
