@@ -192,3 +192,13 @@ def test_unwritable_dir_one_warning_and_the_right_outputs(runs, reference):
     assert out["source"] == "unusable" and len(out["warnings"]) == 1, out["warnings"]
     assert "cannot be written" in out["warnings"][0]
     same(out, reference)
+
+
+def test_cli_names_a_file_cache_dir_and_exits_2(tmp_path):
+    f = tmp_path / "cache-file"
+    f.write_text("x")
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": ROOT, "JDLLM_CACHE_DIR": str(f)}
+    res = subprocess.run([sys.executable, "-m", "jdllm.cli", "generate", TINY_AR, "--prompt-ids", "5,6"],
+                         capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
+    assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr
+    assert f"jdllm generate: error: CacheDirError: JDLLM_CACHE_DIR={f} is a file" in res.stderr, res.stderr

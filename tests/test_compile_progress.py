@@ -39,19 +39,14 @@ def test_cli_prints_the_compile_then_the_cache_hit(tmp_path):
     assert first.stdout == second.stdout
 
 
-def small_model(seed: int):
-    """A random model whose config no other test uses (its programs are not compiled yet)."""
-    cfg = ModelConfig.from_hf(TINY_SDAR)
-    cfg = ModelConfig.from_dict({**cfg.to_dict(), "max_position_embeddings": 48 + 8 * seed})
-    return jdllm.Model.random(cfg, seed=seed)
-
-
 def test_library_quiet_watch_prints_once_per_program(capfd):
-    model = small_model(1)
-    sampling = jdllm.Sampling(max_new_tokens=8)
-    jdllm.generate(model, [[5, 6, 7]], sampling=sampling)  # show() off: the library prints nothing
-    assert capfd.readouterr().err == ""
-    model = small_model(2)
+    cfg = ModelConfig.from_hf(TINY_SDAR)  # a config no other test uses: its programs are not compiled yet
+    model = jdllm.Model.random(ModelConfig.from_dict({**cfg.to_dict(), "max_position_embeddings": 56}))
+    jdllm.generate(model, [[5, 6, 7]], sampling=jdllm.Sampling(max_new_tokens=8))  # show() off: the library
+    assert capfd.readouterr().err == ""                                              # prints nothing
+    sampling = jdllm.Sampling(max_new_tokens=12)  # another shape: another program
+    slots = jdllm.prepare(model, [[5, 6, 7]], sampling=sampling).state.tokens.shape[1]
+    label = f"block_diffusion for batch 1 × {slots} slots"
     buf = io.StringIO()
     with compile_progress.show("test", stream=buf, every=0.2):
         jdllm.generate(model, [[5, 6, 7]], sampling=sampling)
@@ -59,11 +54,9 @@ def test_library_quiet_watch_prints_once_per_program(capfd):
         jdllm.generate(model, [[8, 9, 10]], sampling=sampling)  # same shapes: no compile, no line
     assert buf.getvalue() == first
     lines = first.splitlines()
-    assert lines[0] == "test: compiling block_diffusion for batch 1 × 16 slots …", first
-    assert re.fullmatch(r"test: block_diffusion for batch 1 × 16 slots: (compiled|loaded from the compilation "
-                        r"cache) in \d+\.\d s", lines[-1]), first
-    assert all(re.fullmatch(r"test: compiling block_diffusion for batch 1 × 16 slots … \d+ s", x)
-               for x in lines[1:-1]), first  # elapsed-time lines while it compiles
+    assert lines[0] == f"test: compiling {label} …", first
+    assert re.fullmatch(rf"test: {label}: (compiled|loaded from the compilation cache) in \d+\.\d s", lines[-1]), first
+    assert all(re.fullmatch(rf"test: compiling {label} … \d+ s", x) for x in lines[1:-1]), first  # elapsed time
     assert capfd.readouterr().err == ""
 
 
