@@ -27,6 +27,11 @@ from jdllm import errors
 GIB = 1024 ** 3
 
 
+def gib(n: int) -> str:
+    """Bytes as the message shows them: '14.96 GiB (16,060,522,496 bytes)'."""
+    return f"{n / GIB:.2f} GiB ({n:,} bytes)"
+
+
 def device_stats(device) -> dict | None:
     """`device.memory_stats()`, or None where the backend keeps none (the CPU) or raises."""
     try:
@@ -65,9 +70,8 @@ def check_fits(need: dict, what: str, memory_stats: Callable | None = None) -> N
         free = limit - used
         if n > free:
             raise errors.DeviceMemoryError(
-                f"{what} take {n / GIB:.2f} GiB{' per device' if sharded else ''}, more than the "
-                f"{free / GIB:.2f} GiB free on {device} ({limit / GIB:.2f} GiB usable, {used / GIB:.2f} GiB in "
-                "use): load in a smaller dtype (dtype='bfloat16' halves float32), or on a mesh whose `model` "
+                f"{what} take {gib(n)}{' per device' if sharded else ''}, more than the {gib(free)} free on "
+                f"{device} ({limit / GIB:.2f} GiB usable, {used / GIB:.2f} GiB in use): load in a smaller dtype (dtype='bfloat16' halves float32), or on a mesh whose `model` "
                 "axis splits the weights over several devices (jdllm.load(path, mesh="
                 "jdllm.sharding.make_mesh('data=1,model=N'))), or free the device's memory")
 
@@ -109,11 +113,17 @@ def check_params_fit(cfg, dtype, shardings=None, *, source: str | None = None, d
             return
         if dt is None:
             return
-    shapes = jax.tree.leaves(param_shapes(cfg), is_leaf=lambda x: isinstance(x, tuple))
-    placed = [None] * len(shapes) if shardings is None else jax.tree.leaves(shardings)
+    shapes = param_shapes(cfg)
+    leaves = []  # (shape, dtype, sharding) per parameter, paired by position in the tree
+    jax.tree.map(lambda s, p: leaves.append((s, dt, p)), shapes,
+                 jax.tree.map(lambda _: None, shapes, is_leaf=_is_shape) if shardings is None else shardings,
+                 is_leaf=_is_shape)
     default = (devices or jax.devices())[0] if shardings is None else None
-    need = bytes_per_device([(s, dt, p) for s, p in zip(shapes, placed)], default)
-    check_fits(need, f"the model's parameters in {dt.name}", memory_stats)
+    check_fits(bytes_per_device(leaves, default), f"the model's parameters in {dt.name}", memory_stats)
+
+
+def _is_shape(x) -> bool:
+    return isinstance(x, tuple) and all(isinstance(d, int) for d in x)
 
 
 def check_placement_fits(params, shardings, memory_stats: Callable | None = None) -> None:
@@ -121,8 +131,9 @@ def check_placement_fits(params, shardings, memory_stats: Callable | None = None
     for the leaves that move (one already placed with its target sharding costs nothing)."""
     import jax  # noqa: PLC0415
 
-    moving = [(np.shape(x), x.dtype, s) for x, s in zip(jax.tree.leaves(params), jax.tree.leaves(shardings))
-              if getattr(x, "sharding", None) != s]
+    pairs = []
+    jax.tree.map(lambda x, s: pairs.append((x, s)), params, shardings)
+    moving = [(np.shape(x), x.dtype, s) for x, s in pairs if getattr(x, "sharding", None) != s]
     if moving:
         dt = {np.dtype(d).name for _, d, _ in moving}
         check_fits(bytes_per_device(moving), f"the model's parameters in {'/'.join(sorted(dt))}", memory_stats)

@@ -52,7 +52,8 @@ def test_too_big_raises_naming_bytes_device_and_free_memory():
         device_memory.check_params_fit(cfg, "float32", memory_stats=stats(need - 1, limit=GIB))
     msg = str(info.value)
     dev = str(jax.devices()[0])
-    assert f"{need / GIB:.2f} GiB" in msg and f"{(need - 1) / GIB:.2f} GiB free on {dev}" in msg, msg
+    assert f"take {need / GIB:.2f} GiB ({need:,} bytes), more than the {(need - 1) / GIB:.2f} GiB ({need - 1:,} " \
+           f"bytes) free on {dev} (1.00 GiB usable" in msg, msg
     assert "float32" in msg and "dtype='bfloat16'" in msg and "model" in msg and "mesh" in msg, msg
     assert isinstance(info.value, MemoryError) and isinstance(info.value, errors.JdllmError)
     device_memory.check_params_fit(cfg, "bfloat16", memory_stats=stats(need - 1))  # half the bytes: fits
