@@ -4,8 +4,8 @@ Where the directory goes and the bad-input cases are checked in-process through 
 (it prepares the directory and warns or raises, but changes no JAX setting); what JAX then
 does with it (entries written by a generate, none when off, JAX's own setting winning, a run
 that goes on after a warning) in subprocesses, where JAX's global config starts fresh. Every
-subprocess generates on tiny-ar and must give the same tokens and log-probs as a run without
-the cache.
+subprocess generates on tiny-ar's weights (without its tokenizer, which costs each process
+~2 s of CPU to import) and must give the same tokens and log-probs as a run without the cache.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import shutil
 import subprocess
 import sys
 import warnings
@@ -46,14 +47,14 @@ class Child:
     once; `result()` waits for its outputs, cache warnings and `compile_cache.status()`. HOME and
     XDG_CACHE_HOME point into `tmp`, so nothing reaches the user's cache."""
 
-    def __init__(self, tmp, **env):
+    def __init__(self, tmp, model_dir, **env):
         full = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": ROOT, "HOME": str(tmp / "home"),
                 "XDG_CACHE_HOME": str(tmp / "xdg")}
         for k in ("JDLLM_CACHE_DIR", "JAX_COMPILATION_CACHE_DIR"):
             full.pop(k, None)
         full.update({k: str(v) for k, v in env.items() if v is not None})
         self.tmp = tmp
-        self.proc = subprocess.Popen([sys.executable, "-c", CHILD, TINY_AR], stdout=subprocess.PIPE,
+        self.proc = subprocess.Popen([sys.executable, "-c", CHILD, str(model_dir)], stdout=subprocess.PIPE,
                                      stderr=subprocess.PIPE, text=True, env=full, cwd=ROOT)
         self.out = None
 
@@ -75,17 +76,21 @@ def runs(tmp_path_factory):
     def tmp(name):
         return tmp_path_factory.mktemp(name)
 
+    model = tmp("tiny-ar-weights")
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(os.path.join(TINY_AR, name), model / name)
     jax_tmp, bad_tmp = tmp("theirs"), tmp("unwritable")
     (bad_tmp / "file").write_text("x")
     started = dict(
-        off=Child(tmp("off"), JDLLM_CACHE_DIR="off"),
-        moved=Child(tmp("moved"), JDLLM_CACHE_DIR=tmp("moved-cache") / "c"),
-        default=Child(tmp("default")),
-        jax=Child(jax_tmp, JAX_COMPILATION_CACHE_DIR=jax_tmp / "theirs", JDLLM_CACHE_DIR=jax_tmp / "ours"),
-        unwritable=Child(bad_tmp, JDLLM_CACHE_DIR=bad_tmp / "file" / "cache"))
+        off=Child(tmp("off"), model, JDLLM_CACHE_DIR="off"),
+        moved=Child(tmp("moved"), model, JDLLM_CACHE_DIR=tmp("moved-cache") / "c"),
+        default=Child(tmp("default"), model),
+        jax=Child(jax_tmp, model, JAX_COMPILATION_CACHE_DIR=jax_tmp / "theirs", JDLLM_CACHE_DIR=jax_tmp / "ours"),
+        unwritable=Child(bad_tmp, model, JDLLM_CACHE_DIR=bad_tmp / "file" / "cache"))
+    started["model"] = model
     yield started
     for c in started.values():
-        if c.proc.poll() is None:
+        if isinstance(c, Child) and c.proc.poll() is None:
             c.proc.kill()
             c.proc.wait()
 
@@ -165,7 +170,7 @@ def test_generate_fills_the_dir_and_a_warm_process_gives_the_same_outputs(runs, 
     same(cold, reference)
     for n in names:  # corrupt every entry: the next process removes them, warns once, compiles again
         (d / n).write_bytes(b"\0garbage")
-    warm = Child(runs["moved"].tmp, JDLLM_CACHE_DIR=d).result()
+    warm = Child(runs["moved"].tmp, runs["model"], JDLLM_CACHE_DIR=d).result()
     assert len(warm["warnings"]) == 1 and "unreadable entries" in warm["warnings"][0], warm["warnings"]
     same(warm, reference)
     assert entries(d) == names  # written again
