@@ -71,9 +71,10 @@ def check_fits(need: dict, what: str, memory_stats: Callable | None = None) -> N
         if n > free:
             raise errors.DeviceMemoryError(
                 f"{what} take {gib(n)}{' per device' if sharded else ''}, more than the {gib(free)} free on "
-                f"{device} ({limit / GIB:.2f} GiB usable, {used / GIB:.2f} GiB in use): load in a smaller dtype (dtype='bfloat16' halves float32), or on a mesh whose `model` "
-                "axis splits the weights over several devices (jdllm.load(path, mesh="
-                "jdllm.sharding.make_mesh('data=1,model=N'))), or free the device's memory")
+                f"{device} ({limit / GIB:.2f} GiB usable, {used / GIB:.2f} GiB in use): load in a smaller dtype "
+                "(dtype='bfloat16' halves float32), or on a mesh whose `model` axis splits the weights over "
+                "several devices (jdllm.load(path, mesh=jdllm.sharding.make_mesh('data=1,model=N'))), or free "
+                "the device's memory")
 
 
 def stored_dtype(source: str | None) -> str | None:

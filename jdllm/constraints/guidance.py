@@ -539,6 +539,7 @@ def generate(model, prompts, decoding, sampling, constraints, *, apply_chat_temp
     decoding, more forwards). stats: a `Stats` to fill with host timings.
     """
     from jdllm import api  # noqa: PLC0415
+    from jdllm.compile_progress import watch  # noqa: PLC0415 (lines for the CLI; silent otherwise)
 
     cfg = model.config
     paradigm = api.default_paradigm(cfg) if decoding is None else decoding
@@ -569,10 +570,12 @@ def generate(model, prompts, decoding, sampling, constraints, *, apply_chat_temp
         state, p = steps["plan"](state, **kw)
         done = np.asarray(jax.device_get(state.done))
         mask = ctl.sample_mask(np.asarray(jax.device_get(p.offset)), p.width, done)
-        state = steps["prefill"](params, state, jnp.asarray(mask), **kw)
+        with watch(steps["prefill"], f"{name} prefill", state, (prep.paradigm, prep.ctx)):
+            state = steps["prefill"](params, state, jnp.asarray(mask), **kw)
         state, done = _edit(state, ctl, fill, prep.paradigm, prep.ctx)
     else:
-        state = steps["prefill"](params, state, None, **kw)
+        with watch(steps["prefill"], f"{name} prefill", state, (prep.paradigm, prep.ctx)):
+            state = steps["prefill"](params, state, None, **kw)
         done = np.asarray(jax.device_get(state.done))
     bound = 4 * loop.max_iterations(prep.paradigm, state)
     it = 0
@@ -587,7 +590,8 @@ def generate(model, prompts, decoding, sampling, constraints, *, apply_chat_temp
             state, logits = _compiled(COMPILER_OPTIONS)["catch_up"](params, state, p, width=common.bucket(width, 8),
                                                                    ctx=prep.ctx)
         else:
-            state, logits = steps["forward"](params, state, p, **kw)
+            with watch(steps["forward"], f"{name} forward", state, (prep.paradigm, prep.ctx)):
+                state, logits = steps["forward"](params, state, p, **kw)
         if name == "ar_spec":  # the drafts are known once the forward has run: masks for all k + 1 slots
             d = jax.device_get({"drafts": state.extra["drafts"], "n": state.extra["n_draft"]})
             mask = ctl.verify_masks(np.asarray(d["drafts"]), np.asarray(d["n"]), done)
