@@ -81,6 +81,7 @@ class _Watch:
         self.stream, self.prefix, self.every = stream, prefix, every
         self.announced = self.done = self.hit = False
         self.stop = threading.Event()
+        self.lock = threading.Lock()  # the ticker never prints after the last line
 
     def __enter__(self):
         self.t0 = time.perf_counter()
@@ -116,15 +117,17 @@ class _Watch:
     def tick(self) -> None:
         n = 1
         while not self.stop.wait(self.t0 + n * self.every - time.perf_counter()):
-            if self.done:
-                return
-            self.say(f"compiling {self.label} … {time.perf_counter() - self.t0:.0f} s")
+            with self.lock:
+                if self.done:
+                    return
+                self.say(f"compiling {self.label} … {time.perf_counter() - self.t0:.0f} s")
             n += 1
 
     def finish(self, how: str) -> None:
-        self.done = True
-        self.stop.set()
-        self.say(f"{self.label}: {how}")
+        with self.lock:
+            self.done = True
+            self.stop.set()
+            self.say(f"{self.label}: {how}")
 
     def ours(self, fun_name) -> bool:
         """Whether an event's fun_name ("run", "jit(run)") is the watched function's (an event
