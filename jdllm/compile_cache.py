@@ -18,7 +18,10 @@ JAX's cache is process-wide: once on, the user's own jitted functions are cached
 Bad input: a directory that cannot be created or written, or one holding entries that are
 not compiled programs, gives one warning (unreadable entries are removed and compiled again;
 if they cannot be removed, or the directory cannot be written, the run goes on without the
-cache); `JDLLM_CACHE_DIR` naming an existing file raises `errors.CacheDirError`.
+cache); `JDLLM_CACHE_DIR` naming an existing file raises `errors.CacheDirError`. The entry
+check reads 4 bytes (the compression header), so an entry cut short mid-write passes it: JAX
+itself then warns when it reads that entry and compiles the program again (never a failure);
+deleting the directory clears it.
 
 The thresholds (measured on models/tiny-sdar and tiny-ar, benchmarks/RESULTS.md "Persistent
 compilation cache"): every program that took at least `MIN_COMPILE_TIME_SECS` to compile is
