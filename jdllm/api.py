@@ -25,7 +25,7 @@ import jax
 from jax.experimental import multihost_utils
 import numpy as np
 
-from jdllm import errors, inputs
+from jdllm import compile_cache, compile_progress, errors, inputs
 from jdllm.decode import common, loop
 from jdllm.decode.protocol import Paradigm
 from jdllm.loading import Model, check_token_ids
@@ -141,6 +141,7 @@ def prepare(model: Model, prompts, decoding=None, sampling: Sampling | list[Samp
     fold_in(seed, 0): its sample does not depend on its neighbours). Settings,
     stop ids and seeds are per-row data: changing them does not recompile.
     """
+    compile_cache.enable()  # once per process: JAX's persistent compilation cache (jdllm.compile_cache)
     cfg = model.config
     decoding = default_paradigm(cfg) if decoding is None else decoding
     if isinstance(decoding, type):

@@ -328,6 +328,7 @@ def load_model(path: str, dtype="bfloat16", attn_impl: str = "auto", shardings=N
     (with `mesh`: params placed on it under `rules`, each device reading only its slices)."""
     import jax  # noqa: PLC0415 (jax and the model stay unimported until a model is read)
     import jax.numpy as jnp  # noqa: PLC0415 (startup: `jdllm convert --help` and config reads stay free of JAX)
+    from jdllm.device_memory import check_params_fit  # noqa: PLC0415 (startup: `jdllm convert --help` and config reads stay free of JAX)
     from jdllm.loading import Model  # noqa: PLC0415 (startup: `jdllm convert --help` and config reads stay free of JAX)
     from jdllm.model import default_layout, to_layout  # noqa: PLC0415 (startup: `jdllm convert --help` and config reads stay free of JAX)
     if not isinstance(path, (str, os.PathLike)):
@@ -350,6 +351,7 @@ def load_model(path: str, dtype="bfloat16", attn_impl: str = "auto", shardings=N
         check_special_ids(cfg, path)
         if placement is not None:
             shardings = placement.param_shardings(cfg)
+        check_params_fit(cfg, dtype, shardings, source=path)  # before any weight is placed
         params = restore_params(path, dtype=dtype, shardings=shardings)
         layout = default_layout(placement)  # split per layer, each stacked array freed once split
         params = to_layout(params, cfg, layout, consume=True,
@@ -357,6 +359,8 @@ def load_model(path: str, dtype="bfloat16", attn_impl: str = "auto", shardings=N
     elif is_hf_dir(path):
         cfg = ModelConfig.from_hf(path)
         check_special_ids(cfg, os.path.join(path, CONFIG_FILE))
+        stacked = placement.param_shardings(cfg) if placement is not None else shardings
+        check_params_fit(cfg, dtype, stacked, source=path)
         params = _load_hf_params(path, cfg, np_dtype(dtype), placement, check_finite,
                                  stacked_shardings=shardings if placement is None else None)
         check_finite = False  # checked on the host, before the copy to the device
@@ -385,4 +389,7 @@ def load(path: str, dtype: str | Any = "bfloat16", attn_impl: str = "auto", chec
     `errors.NonFiniteWeightsError` naming the tensor (one pass over the weights;
     the `jdllm` command line does it by default).
     """
+    from jdllm import compile_cache  # noqa: PLC0415
+
+    compile_cache.enable()  # JAX's persistent compilation cache (a bad JDLLM_CACHE_DIR fails here, early)
     return load_model(path, dtype=dtype, attn_impl=attn_impl, check_finite=check_finite, mesh=mesh, rules=rules)

@@ -63,6 +63,21 @@ def notes(command: str):
         yield
 
 
+@contextlib.contextmanager
+def progress(command: str):
+    """Turn on JAX's persistent compilation cache (`jdllm.compile_cache`, before anything compiles;
+    a bad JDLLM_CACHE_DIR fails here) and, while the command runs, progress lines on stderr for its
+    long compiles (`jdllm.compile_progress`). Commands that never compile (convert) skip both."""
+    if command == "jdllm convert":
+        yield
+        return
+    from jdllm import compile_cache, compile_progress  # noqa: PLC0415 (imports JAX)
+
+    compile_cache.enable()
+    with compile_progress.show(command):
+        yield
+
+
 def exit_on_interrupt(command: str) -> None:
     """Make Ctrl-C end the process at once with code 130. A KeyboardInterrupt raised while JAX
     runs can be swallowed (in one of its gc callbacks) or crash the interpreter's teardown, so
@@ -110,7 +125,7 @@ def main(argv: list[str] | None = None, *, own_process: bool = False) -> int:
         command = f"jdllm {args.command}"
         if own_process:
             interrupt_outside_gc() if args.command == "convert" else exit_on_interrupt(command)
-        with notes(command):
+        with notes(command), progress(command):
             return int(importlib.import_module(args._module).run(args) or 0)
     except JdllmError as e:
         print(f"{command}: error: {type(e).__name__}: {e}", file=sys.stderr)

@@ -78,6 +78,14 @@ class OutputPathError(JdllmError, OSError):
     """An output path that cannot be written (missing or read-only directory, a file in the way)."""
 
 
+class CacheDirError(OutputPathError):
+    """`JDLLM_CACHE_DIR` names a path jdllm cannot use as its compilation cache (a file in the way)."""
+
+
+class DeviceMemoryError(JdllmError, MemoryError):
+    """The model's parameters do not fit in a device's free memory (raised before any weight is placed)."""
+
+
 class ShardingError(JdllmError, ValueError):
     """A mesh or rules table jdllm cannot use: an unknown logical or mesh axis, a mesh axis that
     does not divide the dimension it splits (the message names the parameter and the axis)."""

@@ -7,7 +7,7 @@ llguidance on the host or the on-device DFA), which are built from the same `api
 
 from __future__ import annotations
 
-from jdllm import constraints
+from jdllm import compile_progress, constraints
 from jdllm.api import Output, outputs, params_for, prepare, tokenize
 from jdllm.decode import loop
 from jdllm.loading import Model
@@ -37,7 +37,9 @@ def generate(model: Model, prompts, decoding=None, sampling: Sampling | list[Sam
             return constraints.backend_module(rows).generate(model, prompts, decoding, sampling, rows,
                                                              apply_chat_template=apply_chat_template)
     prep = prepare(model, prompts, decoding, sampling, apply_chat_template=apply_chat_template)
-    final = loop.compiled()(params_for(model, prep.paradigm), prep.state, paradigm=prep.paradigm, ctx=prep.ctx)
+    run = loop.compiled()
+    with compile_progress.watch(run, prep.paradigm.name, prep.state, (prep.paradigm, prep.ctx)):
+        final = run(params_for(model, prep.paradigm), prep.state, paradigm=prep.paradigm, ctx=prep.ctx)
     return outputs(prep, final)
 
 

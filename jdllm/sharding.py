@@ -40,6 +40,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jdllm import errors
+from jdllm.device_memory import check_placement_fits
 from jdllm.model import default_layout, is_param_spec, layer_layout, param_specs, to_layout
 from pallas_kernels import ShardedAttention, resolve_impl
 
@@ -180,8 +181,10 @@ class Placement:
 
     def place_params(self, params, cfg):
         """Params (host NumPy or jax Arrays, any layout) on the mesh in the layout jdllm runs under
-        this placement (`jdllm.model.default_layout`), one weight at a time."""
+        this placement (`jdllm.model.default_layout`), one weight at a time, after checking that each
+        device's shards fit in its free memory (`jdllm.device_memory`)."""
 
+        check_placement_fits(params, self.param_shardings(cfg, layer_layout(params)))
         layout, owned = default_layout(self), False
         if layer_layout(params) == "stacked":  # host arrays: each device receives only its slices
             placed = jax.tree.map(put, params, self.param_shardings(cfg))

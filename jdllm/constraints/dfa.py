@@ -98,7 +98,8 @@ def generate(model, prompts, decoding, sampling, constraints, *, apply_chat_temp
     prep = api.prepare(model, prompts, decoding, sampling, apply_chat_template=apply_chat_template)
     tab = tables(model, constraints, prep.state, budgets)
     state = prep.state.replace(constraint=tab)
-    final = loop.compiled()(api.params_for(model, prep.paradigm), state, paradigm=prep.paradigm, ctx=prep.ctx)
+    with api.compile_progress.watch(loop.compiled(), prep.paradigm.name, state, (prep.paradigm, prep.ctx)):
+        final = loop.compiled()(api.params_for(model, prep.paradigm), state, paradigm=prep.paradigm, ctx=prep.ctx)
     outs = api.outputs(prep, final)
     res = []
     stop_rows = np.asarray(prep.state.stop_ids)

@@ -530,6 +530,7 @@ def generate(model, prompts, decoding, sampling, constraints, *, apply_chat_temp
     fast_forward=False samples forced tokens one step each (same tokens under greedy
     decoding, more forwards). stats: a `Stats` to fill with host timings.
     """
+    from jdllm.compile_progress import watch  # noqa: PLC0415 (lines for the CLI; silent otherwise)
 
     cfg = model.config
     lltok = ll_tokenizer(model)
@@ -554,10 +555,12 @@ def generate(model, prompts, decoding, sampling, constraints, *, apply_chat_temp
         state, p = steps["plan"](state, **kw)
         done = np.asarray(jax.device_get(state.done))
         mask = paradigm.constraint_masks(ctl, state, p, done)
-        state = steps["prefill"](params, state, jnp.asarray(mask), **kw)
+        with watch(steps["prefill"], f"{paradigm.name} prefill", state, (prep.paradigm, prep.ctx)):
+            state = steps["prefill"](params, state, jnp.asarray(mask), **kw)
         state, done = _edit(state, ctl, fill, prep.paradigm, prep.ctx)
     else:
-        state = steps["prefill"](params, state, None, **kw)
+        with watch(steps["prefill"], f"{paradigm.name} prefill", state, (prep.paradigm, prep.ctx)):
+            state = steps["prefill"](params, state, None, **kw)
         done = np.asarray(jax.device_get(state.done))
     bound = 4 * prep.paradigm.max_iterations(state)
     it = 0
@@ -568,7 +571,8 @@ def generate(model, prompts, decoding, sampling, constraints, *, apply_chat_temp
             state, logits = _compiled(loop.current_options())["catch_up"](params, state, p, width=common.bucket(width, 8),
                                                                    **kw)
         else:
-            state, logits = steps["forward"](params, state, p, **kw)
+            with watch(steps["forward"], f"{paradigm.name} forward", state, (prep.paradigm, prep.ctx)):
+                state, logits = steps["forward"](params, state, p, **kw)
         mask = paradigm.constraint_masks(ctl, state, p, done)  # on the host while the forward runs
         state = steps["reveal"](state, p, logits, jnp.asarray(mask), **kw)
         state, done = _edit(state, ctl, fill, prep.paradigm, prep.ctx)

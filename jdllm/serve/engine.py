@@ -42,7 +42,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jdllm import errors, inputs
+from jdllm import compile_cache, compile_progress, errors, inputs
 from jdllm.api import Output, default_paradigm, params_for, row_output, trace_arrays
 from jdllm.decode import common, loop
 from jdllm.loading import check_token_ids
@@ -178,6 +178,7 @@ class Engine:
                  max_new_tokens: int | None = None, max_queue: int = 256, steps_per_round: int = 4,
                  compiler_options: tuple | None = None, constraint_states: int = 0, constraint_classes: int = 64,
                  mesh=None, rules=None):
+        compile_cache.enable()
         if mesh is not None:
             model = model.shard(mesh, rules)
         elif rules is not None:
@@ -447,13 +448,17 @@ class Engine:
             if self.constraint_states:
                 dfas = [r.dfa for r in admit] + [None] * (state.batch - len(admit))
                 state = state.replace(constraint=self._tables(dfas, state.slots))
-            self._pool = self._fns["prefill"](self.params, state, paradigm=self.paradigm, ctx=self._ctx)
+            with compile_progress.watch(self._fns["prefill"], f"{self.paradigm.name} prefill", state,
+                                        (self.paradigm, self._ctx)):
+                self._pool = self._fns["prefill"](self.params, state, paradigm=self.paradigm, ctx=self._ctx)
         for req in admit if not self.drain else ():
             self._admit_one(req)
         if not self._rows:
             return
-        self._pool = self._fns["round"](self.params, self._pool, jnp.int32(self.steps_per_round),
-                                        paradigm=self.paradigm, ctx=self._ctx)
+        with compile_progress.watch(self._fns["round"], f"{self.paradigm.name} step", self._pool,
+                                    (self.paradigm, self._ctx)):
+            self._pool = self._fns["round"](self.params, self._pool, jnp.int32(self.steps_per_round),
+                                            paradigm=self.paradigm, ctx=self._ctx)
         self.rounds += 1
         self._stream()
 
@@ -466,8 +471,10 @@ class Engine:
         if self.constraint_states:
             fresh = fresh.replace(constraint=self._tables([req.dfa], self.slots))
         ctx = dataclasses.replace(self.ctx, prefill_len=int(lay.prefill_len))
-        self._pool = self._fns["admit"](self.params, self._pool, fresh, jnp.int32(req.row),
-                                        paradigm=self.paradigm, ctx=ctx)
+        key = (self.paradigm, ctx, self._pool.tokens.shape)
+        with compile_progress.watch(self._fns["admit"], f"{self.paradigm.name} prefill", fresh, key):
+            self._pool = self._fns["admit"](self.params, self._pool, fresh, jnp.int32(req.row),
+                                            paradigm=self.paradigm, ctx=ctx)
 
     def _stream(self) -> None:
         """Send every running request what became final this round; finish and free done rows."""

@@ -519,7 +519,10 @@ def serve(engine: Engine, model_name: str, host: str = "127.0.0.1", port: int = 
     """Run the server until interrupted (blocking)."""
     import uvicorn  # noqa: PLC0415
 
-    uvicorn.run(create_app(engine, model_name), host=host, port=port, log_level=log_level)
+    from jdllm import compile_progress  # noqa: PLC0415
+
+    with compile_progress.show("jdllm serve"):  # a request's first compile prints progress lines to stderr
+        uvicorn.run(create_app(engine, model_name), host=host, port=port, log_level=log_level)
 
 
 __all__ = ["create_app", "serve", "Server", "ApiError"]
