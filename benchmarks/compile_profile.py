@@ -255,6 +255,7 @@ class Events:
 
         self.counts: collections.Counter = collections.Counter()
         self.durations: dict[str, list[float]] = collections.defaultdict(list)
+        self.traced: set = set()
         self.on = False
         jax.monitoring.register_event_listener(self._event)
         jax.monitoring.register_event_duration_secs_listener(self._duration)
@@ -266,10 +267,13 @@ class Events:
     def _duration(self, event, duration, **kw):
         if self.on:
             self.durations[event.rsplit("/", 1)[-1]].append(float(duration))
+            if event.endswith("jaxpr_trace_duration"):
+                self.traced.add(kw.get("fun_name"))  # the decode loop traces as "run"
 
     def start(self):
         self.counts.clear()
         self.durations.clear()
+        self.traced: set = set()
         self.on = True
 
     def stop(self) -> dict:
