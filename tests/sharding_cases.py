@@ -29,6 +29,7 @@ from jdllm.config import ModelConfig  # noqa: E402
 from jdllm.decode import loop  # noqa: E402
 from jdllm.loading import Model  # noqa: E402
 from jdllm.model import default_positions, forward, init_params  # noqa: E402
+from compiles import traces  # noqa: E402
 
 V, MASK = 96, 95
 FAST = (("xla_backend_optimization_level", 0),)  # tiny models: compile time dominates

@@ -99,6 +99,8 @@ def test_placement_counts_only_moving_leaves():
     on_device = jax.tree.map(lambda x: x.sharding, model.params)
     device_memory.check_placement_fits(model.params, on_device, memory_stats=stats(0))  # nothing moves
     mesh = jdllm.sharding.make_mesh("data=1,model=1")
-    target = jdllm.sharding.Placement.of(mesh).param_shardings(model.config)
+    from jdllm.model import layer_layout  # noqa: PLC0415
+
+    target = jdllm.sharding.Placement.of(mesh).param_shardings(model.config, layer_layout(model.params))
     with pytest.raises(errors.DeviceMemoryError):
         device_memory.check_placement_fits(model.params, target, memory_stats=stats(1000))
