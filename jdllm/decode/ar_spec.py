@@ -226,7 +226,7 @@ class Speculative(Paradigm):
         c = plan.offset  # [B] the first slot to choose; the cache holds [0, c - 1)
         running = ~state.done
         if self.uses_draft:
-            state, drafts, q = self._propose_draft(params["draft"], ctx, state, c)
+            state, drafts, q = propose_draft(params["draft"], self._draft_ctx(ctx), state, c, self.num_draft_tokens)
             n_draft = jnp.full((state.batch,), self.num_draft_tokens, jnp.int32)
         else:
             drafts, n_draft = prompt_lookup(state, c, self.num_draft_tokens, self.min_ngram, self.max_ngram)
@@ -239,42 +239,6 @@ class Speculative(Paradigm):
         W = self.num_draft_tokens + 1
         logits, state = common.forward_window(params, ctx, state, c - 1, W, at=plan.slots)
         return common.count_forward(state, running), logits
-
-    def _propose_draft(self, dparams, ctx, state: DecodeState, c):
-        """k AR steps of the draft model from slot c - 1: (state, drafts [B, k], q [B, k, V])."""
-        k, dctx = self.num_draft_tokens, self._draft_ctx(ctx)
-        running = ~state.done
-        state, sk = common.advance_keys(state)
-        sp = state.sampling
-        settings = dict(temperature=sp.temperature, top_k=sp.top_k, top_p=sp.top_p)
-        greedy = sp.temperature == 0
-
-        def draw(logits, i):  # logits [B, 1, V] predicting slot c + i
-            z = common.allowed_logits(dctx, logits)
-            s = sample_rows(z, sk, **settings, slots=(c + i)[:, None])
-            tok = s.token[:, 0]
-            zf = filter_logits(z[:, 0], **settings)
-            q = jnp.where(greedy[:, None], jax.nn.one_hot(tok, z.shape[-1], dtype=jnp.float32),
-                          _softmax(zf))
-            return tok, q
-
-        def body(carry, i):  # forward slots [c + i - 2, c + i) (d_{i-1} written at c + i - 1): d_i
-            tokens, cache, prev = carry
-            tokens = common.set_window(tokens, c + i - 1, jnp.where(
-                common.window(state.revealed, c + i - 1, 1) | (i == 0), common.window(tokens, c + i - 1, 1),
-                prev[:, None]))
-            o = jnp.maximum(c + i - 2, 0)
-            ds = state.replace(tokens=tokens, cache=cache)
-            logits, ds = common.forward_window(dparams, dctx, ds, o, 2, at=(c + i)[:, None])
-            tok, q = draw(logits, i)
-            return (tokens, ds.cache, tok), (tok, q)
-
-        (_, cache, _), (toks, qs) = jax.lax.scan(
-            body, (state.tokens, state.extra["draft_cache"], jnp.zeros_like(c)), jnp.arange(k, dtype=jnp.int32))
-        drafts, q = jnp.moveaxis(toks, 0, 1), jnp.moveaxis(qs, 0, 1)  # [B, k], [B, k, V]
-        extra = dict(state.extra, draft_cache=cache,
-                     draft_forwards=state.extra["draft_forwards"] + k * running.astype(jnp.int32))
-        return state.replace(extra=extra), drafts, q
 
     def reveal(self, ctx, state: DecodeState, plan: common.Plan, logits, bitmask=None) -> DecodeState:
         c, k = plan.offset, self.num_draft_tokens
@@ -300,19 +264,7 @@ class Speculative(Paradigm):
         ok = accept_drafts(pd, qd, u, is_max, greedy[:, None]) & (j[None] < n_draft[:, None]) & drawable[:, :k]
         n_acc = jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=-1), axis=-1)  # [B]
 
-        # the correction (first rejection) or bonus (all accepted) token at window position n_acc
-        z_n = jnp.take_along_axis(z, n_acc[:, None, None], axis=1)[:, 0]  # [B, V]
-        p_n = _softmax(z_n)
-        d_n = jnp.take_along_axis(drafts, jnp.minimum(n_acc, k - 1)[:, None], axis=1)[:, 0]
-        if self.uses_draft:
-            q_n = jnp.take_along_axis(state.extra["q"], jnp.minimum(n_acc, k - 1)[:, None, None], axis=1)[:, 0]
-        else:
-            q_n = jax.nn.one_hot(d_n, z.shape[-1], dtype=jnp.float32)
-        q_n = jnp.where((n_acc < n_draft)[:, None], q_n, 0.0)
-        r = jnp.maximum(p_n - q_n, 0.0)
-        r = jnp.where(jnp.sum(r, axis=-1, keepdims=True) > 0, r, p_n)
-        drawn = jax.vmap(lambda key, rr: jax.random.categorical(jax.random.fold_in(key, 1), jnp.log(rr)))(sk, r)
-        corr = jnp.where(greedy, jnp.argmax(z_n, axis=-1), drawn).astype(jnp.int32)
+        corr = correction(z, drafts, state.extra["q"] if self.uses_draft else None, n_acc, n_draft, sk, greedy)
 
         W = k + 1
         jw = jnp.arange(W, dtype=jnp.int32)[None]
@@ -356,6 +308,63 @@ def accept_drafts(pd, qd, u, is_max, greedy):
     """[B, k] bool: draft j passes on its own. Greedy rows: it is the target's argmax. Sampled rows:
     u < p(d) / q(d), i.e. accepted with probability min(1, p(d) / q(d))."""
     return jnp.where(greedy, is_max, u * qd < pd)
+
+
+def propose_draft(dparams, dctx, state: DecodeState, c, k: int):
+    """k AR steps of the draft model (`dctx`: the draft's context) from slot c - 1:
+    (state, drafts [B, k], q [B, k, V])."""
+    running = ~state.done
+    state, sk = common.advance_keys(state)
+    sp = state.sampling
+    settings = dict(temperature=sp.temperature, top_k=sp.top_k, top_p=sp.top_p)
+    greedy = sp.temperature == 0
+
+    def draw(logits, i):  # logits [B, 1, V] predicting slot c + i
+        z = common.allowed_logits(dctx, logits)
+        s = sample_rows(z, sk, **settings, slots=(c + i)[:, None])
+        tok = s.token[:, 0]
+        zf = filter_logits(z[:, 0], **settings)
+        q = jnp.where(greedy[:, None], jax.nn.one_hot(tok, z.shape[-1], dtype=jnp.float32),
+                      _softmax(zf))
+        return tok, q
+
+    def body(carry, i):  # forward slots [c + i - 2, c + i) (d_{i-1} written at c + i - 1): d_i
+        tokens, cache, prev = carry
+        tokens = common.set_window(tokens, c + i - 1, jnp.where(
+            common.window(state.revealed, c + i - 1, 1) | (i == 0), common.window(tokens, c + i - 1, 1),
+            prev[:, None]))
+        o = jnp.maximum(c + i - 2, 0)
+        ds = state.replace(tokens=tokens, cache=cache)
+        logits, ds = common.forward_window(dparams, dctx, ds, o, 2, at=(c + i)[:, None])
+        tok, q = draw(logits, i)
+        return (tokens, ds.cache, tok), (tok, q)
+
+    (_, cache, _), (toks, qs) = jax.lax.scan(
+        body, (state.tokens, state.extra["draft_cache"], jnp.zeros_like(c)), jnp.arange(k, dtype=jnp.int32))
+    drafts, q = jnp.moveaxis(toks, 0, 1), jnp.moveaxis(qs, 0, 1)  # [B, k], [B, k, V]
+    extra = dict(state.extra, draft_cache=cache,
+                 draft_forwards=state.extra["draft_forwards"] + k * running.astype(jnp.int32))
+    return state.replace(extra=extra), drafts, q
+
+
+def correction(z, drafts, q, n_acc, n_draft, sk, greedy):
+    """[B] the token at window position n_acc: after the first rejection a draw from
+    norm(max(0, p - q)), after a fully accepted run (the bonus) a draw from p; greedy rows take p's
+    argmax. z [B, k+1, V] the target's filtered logits, q [B, k, V] the draft's distributions (None:
+    prompt lookup, a point mass at each draft), sk [B] the step's keys."""
+    k = drafts.shape[1]
+    z_n = jnp.take_along_axis(z, n_acc[:, None, None], axis=1)[:, 0]  # [B, V]
+    p_n = _softmax(z_n)
+    d_n = jnp.take_along_axis(drafts, jnp.minimum(n_acc, k - 1)[:, None], axis=1)[:, 0]
+    if q is not None:
+        q_n = jnp.take_along_axis(q, jnp.minimum(n_acc, k - 1)[:, None, None], axis=1)[:, 0]
+    else:
+        q_n = jax.nn.one_hot(d_n, z.shape[-1], dtype=jnp.float32)
+    q_n = jnp.where((n_acc < n_draft)[:, None], q_n, 0.0)
+    r = jnp.maximum(p_n - q_n, 0.0)
+    r = jnp.where(jnp.sum(r, axis=-1, keepdims=True) > 0, r, p_n)
+    drawn = jax.vmap(lambda key, rr: jax.random.categorical(jax.random.fold_in(key, 1), jnp.log(rr)))(sk, r)
+    return jnp.where(greedy, jnp.argmax(z_n, axis=-1), drawn).astype(jnp.int32)
 
 
 def _softmax(z):
@@ -402,4 +411,4 @@ def prompt_lookup(state: DecodeState, c, k: int, min_ngram: int, max_ngram: int)
     return drafts, count
 
 
-__all__ = ["Speculative", "PROPOSERS", "prompt_lookup", "accept_drafts"]
+__all__ = ["Speculative", "PROPOSERS", "prompt_lookup", "accept_drafts", "propose_draft", "correction"]

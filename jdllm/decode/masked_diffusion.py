@@ -126,6 +126,42 @@ def dream_ratios(steps: int, eps: float) -> np.ndarray:
     return r.astype(np.float32)
 
 
+# --------------------------------------------------------------------------- sampling a block
+def block_noise(state: DecodeState, work, Bl: int, V: int):
+    """(state, Exp(1) noise [B, Bl, V] (ones when no row samples), uniforms [B, Bl]) for one step;
+    a row's PRNG stream advances only where `work` [B]."""
+    nxt, sub = split_rows(state.key)
+    keep = jax.random.key_data(state.key)
+    key = jax.random.wrap_key_data(jnp.where(work[:, None], jax.random.key_data(nxt), keep),
+                                   impl=jax.random.key_impl(state.key))
+    state = state.replace(key=key)
+    hot = state.sampling.temperature > 0  # [B]
+    exp_noise = jax.lax.cond(
+        jnp.any(hot), lambda: jax.vmap(lambda k: exponential_noise(jax.random.fold_in(k, 0), (Bl, V)))(sub),
+        lambda: jnp.ones((state.batch, Bl, V), jnp.float32))
+    uniform = jax.vmap(lambda k: jax.random.uniform(jax.random.fold_in(k, 1), (Bl,)))(sub)  # [B, Bl]
+    return state, exp_noise, uniform
+
+
+def sample_block(state: DecodeState, ctx, logits: jax.Array, exp_noise):
+    """Tokens and statistics from aligned logits [B, W, V] (mask token excluded), per-row settings.
+
+    Returns (Sample under the distribution sampled from, conf1 = temperature-1
+    probability of the token (LLaDA's confidence), the sampled distribution's
+    filtered logits zt)."""
+    sp = state.sampling
+    settings = per_row(sp.temperature, sp.top_k, sp.top_p)
+    T = settings["temperature"]  # [B, 1]
+    z = exclude_token(logits, ctx.model.mask_token_id)
+    zt = filter_logits(z, **settings)  # [B, W, V]
+    greedy = jnp.argmax(zt, axis=-1).astype(jnp.int32)
+    drawn = gumbel_argmax(jnp.where(jnp.isfinite(zt), z, -jnp.inf), exp_noise, T[..., None])
+    tok = jnp.where(T > 0, drawn, greedy)
+    s = distribution_stats(zt, tok)
+    conf1 = jnp.exp(jnp.take_along_axis(jax.nn.log_softmax(z, axis=-1), tok[..., None], axis=-1)[..., 0])
+    return s, conf1, zt
+
+
 # --------------------------------------------------------------------------- config
 @dataclasses.dataclass(frozen=True)
 class MaskedDiffusion(Paradigm):
@@ -307,24 +343,6 @@ class MaskedDiffusion(Paradigm):
 
         return jax.lax.cond(i == 0, full, win, state)
 
-    def _sample(self, state: DecodeState, ctx, logits: jax.Array, exp_noise):
-        """Tokens and statistics from aligned logits [B, W, V] (mask token excluded), per-row settings.
-
-        Returns (Sample under the distribution sampled from, conf1 = temperature-1
-        probability of the token (LLaDA's confidence), the sampled distribution's
-        filtered logits zt)."""
-        sp = state.sampling
-        settings = per_row(sp.temperature, sp.top_k, sp.top_p)
-        T = settings["temperature"]  # [B, 1]
-        z = exclude_token(logits, ctx.model.mask_token_id)
-        zt = filter_logits(z, **settings)  # [B, W, V]
-        greedy = jnp.argmax(zt, axis=-1).astype(jnp.int32)
-        drawn = gumbel_argmax(jnp.where(jnp.isfinite(zt), z, -jnp.inf), exp_noise, T[..., None])
-        tok = jnp.where(T > 0, drawn, greedy)
-        s = distribution_stats(zt, tok)
-        conf1 = jnp.exp(jnp.take_along_axis(jax.nn.log_softmax(z, axis=-1), tok[..., None], axis=-1)[..., 0])
-        return s, conf1, zt
-
     def plan(self, ctx, state: DecodeState):
         """The current block; the batch moves on once no running row has a masked slot left in it."""
         P, S = ctx.prefill_len, state.slots
@@ -353,23 +371,12 @@ class MaskedDiffusion(Paradigm):
         b0, cand = plan.offset, plan.valid  # [B], [B, Bl]
         work = jnp.any(cand, axis=-1)  # [B]
 
-        # per-row noise; a row's stream advances only when it has work
-        nxt, sub = split_rows(state.key)
-        keep = jax.random.key_data(state.key)
-        key = jax.random.wrap_key_data(jnp.where(work[:, None], jax.random.key_data(nxt), keep),
-                                       impl=jax.random.key_impl(state.key))
-        state = state.replace(key=key)
-        V = logits.shape[-1]
-        hot = state.sampling.temperature > 0  # [B]
-        exp_noise = jax.lax.cond(
-            jnp.any(hot), lambda: jax.vmap(lambda k: exponential_noise(jax.random.fold_in(k, 0), (Bl, V)))(sub),
-            lambda: jnp.ones((state.batch, Bl, V), jnp.float32))
-        uniform = jax.vmap(lambda k: jax.random.uniform(jax.random.fold_in(k, 1), (Bl,)))(sub)  # [B, Bl]
+        state, exp_noise, uniform = block_noise(state, work, Bl, logits.shape[-1])
         if bitmask is not None:  # [B, Bl, ceil(V/32)] over the block
             logits = apply_token_bitmask(logits, bitmask)
         state, logits = common.constrain_logits(state, logits, b0)
 
-        s, conf1, zt = self._sample(state, ctx, logits, exp_noise)
+        s, conf1, zt = sample_block(state, ctx, logits, exp_noise)
         last = i >= spb - 1
         if self.alg is None:
             conf = uniform if self.remasking == "random" else conf1
@@ -402,4 +409,4 @@ class MaskedDiffusion(Paradigm):
 
 
 __all__ = ["MaskedDiffusion", "REMASKING", "CACHES", "ALGS", "transfer_schedule", "dream_ratios",
-           "exponential_from_bits", "exponential_noise", "gumbel_argmax"]
+           "exponential_from_bits", "exponential_noise", "gumbel_argmax", "block_noise", "sample_block"]

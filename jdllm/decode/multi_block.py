@@ -62,10 +62,16 @@ Completed by step t's reveals records t; Completed by the EOS fill at the
 start of step t records t - 1 (the reveal that caused it). So during step t's
 forward a block is Completed iff 0 <= C < t, else Fully-Activated iff 0 <= F
 <= t, else Activated iff 0 <= A <= t, else Inactive. `Output.trace` carries
-both arrays per row (`block_state`, `block_steps`).
+both arrays per row (`block_state`, `block_steps`). The grid and the state
+machine (phases 1-3, phase 7's completion, `rewind`'s reopening) are functions
+in `jdllm.decode.multi_block_states`.
 
 KV cache
 --------
+Each mode is one strategy object in `jdllm.decode.multi_block_cache`
+(`CACHE_STRATEGIES`, chosen by `MultiBlock.cache_mode`), whose forward is
+phase 4.
+
 `cache="none"`: every step runs the model without a cache, over the whole
 canvas for bidirectional models and over the prefix [0, active_end) for
 block-causal ones (rounded up to prefill_len + 1, 2, 4, ... blocks: a few
@@ -159,23 +165,22 @@ import dataclasses
 import warnings
 from typing import ClassVar
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jdllm import errors
 from jdllm.decode import common
+from jdllm.decode.multi_block_cache import CACHE_STRATEGIES, WINDOW_BLOCKS
+from jdllm.decode.multi_block_states import (ACTIVATED, BLOCK_STATES, COMPLETED, FULLY_ACTIVATED, INACTIVE,
+                                             activate_and_add, block_stats, block_view, complete_filled, early_stop,
+                                             first_open, frontier, init_blocks, num_blocks, reopen_blocks)
 from jdllm.decode.protocol import Paradigm
-from jdllm.model import default_positions, forward
 from jdllm.sampling import Sample
 from jdllm.state import DecodeState, generated_mask, slot_index
 
-INACTIVE, ACTIVATED, FULLY_ACTIVATED, COMPLETED = 0, 1, 2, 3
-BLOCK_STATES = ("inactive", "activated", "fully_activated", "completed")
 CACHE_MODES = ("auto", "none", "exact", "approx", "window")
 FORCED_PROGRESS = ("first", "every")
 SELECTIONS = ("auto", "llada", "dream")
-WINDOW_BLOCKS = 4  # cache="window" recomputes this many blocks (+ 1) when max_blocks is None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -270,7 +275,7 @@ class MultiBlock(Paradigm):
                           f"block_size={cfg.block_size}; quality may suffer", stacklevel=3)
 
     def cache_mode(self, cfg) -> str:
-        """The cache actually used: "none", "exact" or "approx"."""
+        """The cache mode actually used, a key of `CACHE_STRATEGIES`: "none", "exact", "approx" or "window"."""
         if self.cache == "auto":
             return "exact" if cfg.attention == "block_causal" else "none"
         return self.cache
@@ -280,12 +285,6 @@ class MultiBlock(Paradigm):
         if self.selection != "auto":
             return self.selection
         return "dream" if cfg.attention == "bidirectional" and cfg.logit_shift else "llada"
-
-    def _flight_width(self, ctx, S: int) -> int:
-        """Static width of the slots in flight: max_blocks blocks, or the generation region."""
-        if self.max_blocks is None:
-            return S - ctx.prefill_len
-        return min(self.max_blocks * self.block_size, S)
 
     def attention_config(self, cfg):
         """Block-causal models attend on the block_size grid."""
@@ -330,136 +329,17 @@ class MultiBlock(Paradigm):
                 "block_steps": [[int(y) for y in x] for x in extra["block_steps"][row, :nb]]}
 
     # ----------------------------------------------------------------- geometry
-    def _num_blocks(self, ctx, state: DecodeState) -> int:
-        """Static number of block columns NB (covers every row's generation)."""
-        Bs, S = self.block_size, state.slots
-        if ctx.model.attention == "block_causal":
-            return (S - ctx.prefill_len) // Bs
-        return -(-S // Bs)
+    def _flight_width(self, ctx, S: int) -> int:
+        """Static width of the slots in flight: max_blocks blocks, or the generation region."""
+        if self.max_blocks is None:
+            return S - ctx.prefill_len
+        return min(self.max_blocks * self.block_size, S)
 
-    def _view(self, state: DecodeState, base, NB: int):
-        """Slot index [NB*Bs] (clipped into the canvas) and validity [B, NB, Bs] of the block grid."""
-        Bs, S = self.block_size, state.slots
-        raw = base + jnp.arange(NB * Bs, dtype=jnp.int32)  # [NB*Bs]
-        ok = (raw[None] < state.limit[:, None]) & (raw[None] < S)  # [B, NB*Bs]
-        return jnp.minimum(raw, S - 1), ok.reshape(-1, NB, Bs)
-
-    def _stats(self, state: DecodeState, idx, ok):
-        """(size, decoded) per block [B, NB]: slots below the limit, and those holding a token."""
-        rev = jnp.take(state.revealed, idx, axis=1).reshape(ok.shape) & ok  # [B, NB, Bs]
-        return jnp.sum(ok, -1).astype(jnp.int32), jnp.sum(rev, -1).astype(jnp.int32)
-
-    @staticmethod
-    def _reached(decoded, size, threshold: float):
-        """progress = decoded / size >= threshold, per block [B, NB]."""
-        return decoded.astype(jnp.float32) >= jnp.float32(threshold) * size.astype(jnp.float32)
-
-    @staticmethod
-    def _stamp(steps_arr, old, new, step_no):
-        """Record step_no [B] for blocks entering states 1..3 (first entry only)."""
-        cols = []
-        for s in (ACTIVATED, FULLY_ACTIVATED, COMPLETED):
-            col = steps_arr[..., s - 1]
-            hit = (new == s) & (old != s) & (col < 0)
-            cols.append(jnp.where(hit, step_no[:, None], col))
-        return jnp.stack(cols, axis=-1)
-
-    @staticmethod
-    def _first_open(st):
-        """First block that is not Completed [B] (NB when all are)."""
-        NB = st.shape[-1]
-        k = jnp.arange(NB, dtype=jnp.int32)
-        return jnp.min(jnp.where(st != COMPLETED, k, NB), axis=-1).astype(jnp.int32)
-
-    # ----------------------------------------------------------------- phases 1-3
-    def _early_stop(self, ctx, state: DecodeState, idx, ok, base) -> DecodeState:
-        if not self.early_stop:
-            return state
-        s = slot_index(state)
-        S = state.slots
-        gen = generated_mask(state)
-        is_eos = gen & state.revealed & common.is_stop_token(state)
-        first = jnp.min(jnp.where(is_eos, s, S), axis=-1)  # [B]
-        eos = jnp.take_along_axis(state.tokens, jnp.minimum(first, S - 1)[:, None], axis=-1)  # [B, 1]
-        fill = gen & (s > first[:, None]) & ~state.done[:, None]
-        state = state.replace(tokens=jnp.where(fill, eos, state.tokens), revealed=state.revealed | fill,
-                              step_map=jnp.where(fill, 0, state.step_map),
-                              logprobs=jnp.where(fill, 0.0, state.logprobs))
-        st = state.extra["block_state"]
-        NB, Bs = st.shape[-1], self.block_size
-        block_start = base + Bs * jnp.arange(NB, dtype=jnp.int32)  # [NB]
-        exists = jnp.any(ok, -1)
-        after = (block_start[None] > first[:, None]) & exists & ~state.done[:, None]
-        new = jnp.where(after, COMPLETED, st)
-        size, dec = self._stats(state, idx, ok)
-        new = jnp.where(((new == ACTIVATED) | (new == FULLY_ACTIVATED)) & (dec >= size), COMPLETED, new)
-        bsteps = self._stamp(state.extra["block_steps"], st, new, state.steps)
-        state = state.replace(extra={**state.extra, "block_state": new, "block_steps": bsteps})
-        return common.finish_rows(state)
-
-    def _activate_and_add(self, state: DecodeState, idx, ok) -> DecodeState:
-        st = state.extra["block_state"]
-        NB = st.shape[-1]
-        k = jnp.arange(NB, dtype=jnp.int32)
-        size, dec = self._stats(state, idx, ok)
-        exists = size > 0
-        passed = self._reached(dec, size, self.decoded_token_threshold)  # [B, NB]
-        pred_passed = jnp.concatenate([jnp.ones_like(passed[:, :1]), passed[:, :-1]], axis=-1)
-        running = ~state.done[:, None]
-        new = jnp.where((st == ACTIVATED) & pred_passed & running, FULLY_ACTIVATED, st)
-        # adding: the newest added block decides
-        last = jnp.max(jnp.where((new != INACTIVE) & exists, k, -1), axis=-1)  # [B]
-        li = jnp.maximum(last, 0)[:, None]
-        at = lambda x: jnp.take_along_axis(x, li, axis=-1)[:, 0]  # noqa: E731
-        last_size, last_dec = at(size), at(dec)
-        trigger = self._reached(last_dec, last_size, self.block_add_threshold) | (last_dec >= last_size)
-        nxt = last + 1
-        nxt_ok = (nxt < NB) & jnp.take_along_axis(
-            jnp.concatenate([exists, jnp.zeros_like(exists[:, :1])], -1), jnp.minimum(nxt, NB)[:, None], -1)[:, 0]
-        cap = True if self.max_blocks is None else nxt < self._first_open(new) + self.max_blocks
-        add = trigger & nxt_ok & cap & (last >= 0) & ~state.done
-        kind = jnp.where(self._reached(last_dec, last_size, self.decoded_token_threshold),
-                         FULLY_ACTIVATED, ACTIVATED)
-        new = jnp.where(add[:, None] & (k[None] == nxt[:, None]) & (new == INACTIVE), kind[:, None], new)
-        bsteps = self._stamp(state.extra["block_steps"], st, new, state.steps + 1)
-        return state.replace(extra={**state.extra, "block_state": new, "block_steps": bsteps})
-
-    # ----------------------------------------------------------------- the canvas view of a window
-    @staticmethod
-    def _to_canvas(s: Sample, offset, S: int) -> Sample:
-        """Place a window's Sample [B, W] (offset scalar or [B]) on the whole canvas [B, S]
-        (entropy +inf elsewhere)."""
-        B = s.token.shape[0]
-
-        def put(x, fill):
-            return common.set_window(jnp.full((B, S), fill, x.dtype), offset, x)
-
-        return Sample(token=put(s.token, 0), prob=put(s.prob, 0.0), entropy=put(s.entropy, jnp.inf),
-                      logprob=put(s.logprob, 0.0))
-
-    # ----------------------------------------------------------------- forwards
-    def _prefix_logits(self, params, ctx, state: DecodeState, width: int, at):
-        """No cache: the model over slots [0, width) alone -> (state, logits predicting `at` [B, N, V])."""
-        tokens = state.tokens[:, :width]  # [B, W]
-        positions = default_positions(state.start, 0, width)
-        idx = jnp.clip(common.head_index(ctx, at, 0), 0, width - 1)
-        logits, _ = forward(params, ctx.model, tokens, positions, start=state.start, attn_impl=ctx.attn_impl,
-                            logits_at=idx)
-        return state.replace(forwards=state.forwards + 1), logits
-
-    def _nocache_forward(self, params, ctx, state: DecodeState, at, active_end):
-        """Bidirectional: the whole canvas. Block-causal: the prefix up to active_end, rounded up to
-        base + 2^i blocks (a few static widths; later slots cannot change these logits)."""
-        S, Bs = state.slots, self.block_size
-        if ctx.model.attention != "block_causal":
-            return self._prefix_logits(params, ctx, state, S, at)
-        widths, w = [], Bs
-        while ctx.prefill_len + w < S:
-            widths.append(ctx.prefill_len + w)
-            w *= 2
-        need = jnp.max(jnp.where(~state.done, active_end, 0))
-        return common.switch_width(ctx, state, widths + [S], need,
-                                   lambda w: lambda st: self._prefix_logits(params, ctx, st, w, at))
+    def _grid(self, ctx, state: DecodeState):
+        """(base, slot index [NB*Bs], validity [B, NB, Bs]) of the block grid (`block_view`)."""
+        base = state.extra["base"]
+        idx, ok = block_view(state, base, num_blocks(ctx, state, self.block_size), self.block_size)
+        return base, idx, ok
 
     # ----------------------------------------------------------------- the step
     def prefill(self, params, ctx, state: DecodeState, bitmask=None) -> DecodeState:
@@ -469,102 +349,43 @@ class MultiBlock(Paradigm):
         prompt, so it takes the full forward, which also fills the cache with
         the prompt's blocks (committed right after it).
         """
-        B = state.batch
-        if ctx.model.attention == "block_causal":
-            base = jnp.asarray(ctx.prefill_len, jnp.int32)
-        else:
-            base = jnp.min(state.gen_start).astype(jnp.int32)
-        NB = self._num_blocks(ctx, state)
-        _, ok = self._view(state, base, NB)
-        num = jnp.sum(jnp.any(ok, -1), -1).astype(jnp.int32)
-        st = jnp.zeros((B, NB), jnp.int32).at[:, 0].set(FULLY_ACTIVATED)
-        bsteps = jnp.full((B, NB, 3), -1, jnp.int32).at[:, 0, FULLY_ACTIVATED - 1].set(0)
-        extra = dict(block_state=st, block_steps=bsteps, base=base, num_blocks=num,
-                     completed_at=jnp.full((B, NB), -1, jnp.int32), scanned_at=jnp.full((B, NB), -1, jnp.int32))
-        return state.replace(extra=extra)
-
-    def _frontier(self, state: DecodeState):
-        """(active_end [B], candidate slots [B, S]): masked generation slots of running rows before
-        the end of their rightmost Activated / Fully-Activated block."""
-        st = state.extra["block_state"]
-        k = jnp.arange(st.shape[-1], dtype=jnp.int32)
-        in_flight = (st == ACTIVATED) | (st == FULLY_ACTIVATED)
-        newest = jnp.max(jnp.where(in_flight, k, -1), axis=-1)  # [B]
-        active_end = state.extra["base"] + (newest + 1) * self.block_size  # [B]; = base when nothing is in flight
-        cand = (generated_mask(state) & ~state.revealed & ~state.done[:, None]
-                & (slot_index(state) < active_end[:, None]))
-        return active_end, cand
+        return state.replace(extra=init_blocks(ctx, state, self.block_size))
 
     def plan(self, ctx, state: DecodeState):
         """Phases 1-3, then the slots in flight: row b's [first open block, + max_blocks blocks)."""
-        base = state.extra["base"]
-        NB = self._num_blocks(ctx, state)
-        idx, ok = self._view(state, base, NB)
-        state = self._early_stop(ctx, state, idx, ok, base)
-        state = self._activate_and_add(state, idx, ok)
-        _, cand = self._frontier(state)
+        base, idx, ok = self._grid(ctx, state)
+        if self.early_stop:
+            state = early_stop(state, idx, ok, base, self.block_size)
+        state = activate_and_add(state, idx, ok, decoded_token_threshold=self.decoded_token_threshold,
+                                 block_add_threshold=self.block_add_threshold, max_blocks=self.max_blocks)
+        _, cand = frontier(state, self.block_size)
         width = self._flight_width(ctx, state.slots)
-        p = common.make_plan(state, base + self._first_open(state.extra["block_state"]) * self.block_size, width)
+        p = common.make_plan(state, base + first_open(state.extra["block_state"]) * self.block_size, width)
         return state, dataclasses.replace(p, valid=common.window(cand, p.offset, width))
 
     def forward(self, params, ctx, state: DecodeState, plan: common.Plan):
-        """Phase 4: one forward, per the cache mode; logits predicting the planned slots."""
-        mode = self.cache_mode(ctx.model)
-        active_end, _ = self._frontier(state)
+        """Phase 4: one forward by the cache mode's strategy (`multi_block_cache`); logits predicting
+        the planned slots."""
+        active_end, _ = frontier(state, self.block_size)
         rows = jnp.any(plan.valid, axis=-1)  # [B] rows with work in this forward
-        at = plan.slots
-        if mode == "none":
-            state, logits = self._nocache_forward(params, ctx, state, at, active_end)
-        elif mode == "exact":
-            state, logits = self._exact_forward(params, ctx, state, at, active_end)
-        elif mode == "approx":
-            state, logits = self._approx_forward(params, ctx, state, at)
-        else:
-            state, logits = self._window_forward(params, ctx, state, at, active_end)
+        strategy = CACHE_STRATEGIES[self.cache_mode(ctx.model)]
+        state, logits = strategy.forward(self, params, ctx, state, plan.slots, active_end)
         return common.count_forward(state, rows), logits
 
     def reveal(self, ctx, state: DecodeState, plan: common.Plan, logits, bitmask=None) -> DecodeState:
         """Phases 5-7 (module docstring). bitmask: optional packed [B, N, ceil(V/32)] over the plan."""
-        Bs = self.block_size
-        base = state.extra["base"]
-        NB = self._num_blocks(ctx, state)
-        idx, ok = self._view(state, base, NB)
-        st = state.extra["block_state"]
-        _, cand = self._frontier(state)
+        _, idx, ok = self._grid(ctx, state)
+        _, cand = frontier(state, self.block_size)
         running = ~state.done
         state, s = common.sample_window(ctx, state, logits, plan.offset, bitmask, rows=jnp.any(plan.valid, -1))
-        s = self._to_canvas(s, plan.offset, state.slots)
-
-        # phase 5: the family's rule (module docstring)
+        s = to_canvas(s, plan.offset, state.slots)
         s_idx = slot_index(state)
         ent = jnp.where(cand, s.entropy, jnp.inf)  # [B, S]
-        if self.selection_rule(ctx.model) == "dream":
-            sel = cand & (s.entropy < self.entropy_threshold)
-        else:
-            lowest = jnp.argmin(ent, axis=-1)  # [B], leftmost among ties
-            sel = cand & ((s.entropy <= self.entropy_threshold) | (s_idx == lowest[:, None]))
-        # phase 6: forced progress for the first (or every) Fully-Activated block with masks that got nothing
-        size, dec = self._stats(state, idx, ok)
-        view = lambda x: jnp.take(x, idx, axis=1).reshape(ok.shape)  # noqa: E731  [B, NB, Bs]
-        masked_v = ~view(state.revealed) & ok
-        got = jnp.any(view(sel) & ok, axis=-1)  # [B, NB]
-        eligible = (st == FULLY_ACTIVATED) & (dec < size)  # [B, NB]
-        if self.forced_progress == "first":
-            k = jnp.arange(eligible.shape[-1], dtype=jnp.int32)
-            eligible = eligible & (k[None] == jnp.argmax(eligible, axis=-1)[:, None])
-        need = eligible & ~got & running[:, None]
-        pick = jnp.argmin(jnp.where(masked_v, view(ent), jnp.inf), axis=-1)  # [B, NB]
-        forced_v = need[..., None] & masked_v & (jnp.arange(Bs)[None, None] == pick[..., None])
-        forced = jnp.zeros_like(sel).at[:, idx].max(forced_v.reshape(state.batch, -1))
+        sel = select_candidates(cand, s.entropy, ent, s_idx, self.selection_rule(ctx.model), self.entropy_threshold)
+        forced = force_progress(state, sel, ent, idx, ok, running, first_only=self.forced_progress == "first")
         # phase 7
         state = common.reveal(state, 0, sel | (forced & cand), s)
-        size, dec = self._stats(state, idx, ok)
-        new = jnp.where(((st == ACTIVATED) | (st == FULLY_ACTIVATED)) & (dec >= size), COMPLETED, st)
-        bsteps = self._stamp(state.extra["block_steps"], st, new, state.steps)
-        done_at = state.extra["completed_at"]
-        done_at = jnp.where((new == COMPLETED) & (done_at < 0), state.forwards, done_at)
-        state = state.replace(extra={**state.extra, "block_state": new, "block_steps": bsteps,
-                                     "completed_at": done_at})
+        state = complete_filled(state, idx, ok)
         state = common.finish_rows(state)
         if self.max_forwards is not None:
             state = common.close_rows(state, ~state.done & (state.nfe >= self.max_forwards), common.ABORT)
@@ -579,10 +400,10 @@ class MultiBlock(Paradigm):
 
         1. EOS fill: a re-masked slot that held a stop token takes back the early-stop fill it
            caused (every generation slot after it that the fill wrote, step_map 0, is masked again).
-        2. Block states: a Completed block that has masks again reopens in the state it reached
-           before (Fully-Activated or Activated; Inactive when only the EOS fill completed it); its
-           Completed stamp and cache counters are cleared. An Activated / Fully-Activated block the
-           writes filled becomes Completed (as phase 7).
+        2. Block states (`reopen_blocks`): a Completed block that has masks again reopens in the
+           state it reached before (Fully-Activated or Activated; Inactive when only the EOS fill
+           completed it); its Completed stamp and cache counters are cleared. An Activated /
+           Fully-Activated block the writes filled becomes Completed (as phase 7).
         3. KV cache: no row keeps committed K/V at or after the start of its first edited block
            (block-causal attention: a block's K/V depend on all of its slots).
         """
@@ -597,22 +418,8 @@ class MultiBlock(Paradigm):
                                   revealed=state.revealed & ~unfill,
                                   logprobs=jnp.where(unfill, 0.0, state.logprobs))
             remasked = remasked | unfill
-        base = state.extra["base"]
-        NB = self._num_blocks(ctx, state)
-        idx, ok = self._view(state, base, NB)
-        size, dec = self._stats(state, idx, ok)
-        st, bst = state.extra["block_state"], state.extra["block_steps"]
-        reopen = (st == COMPLETED) & (dec < size)  # [B, NB]
-        was = jnp.where(bst[..., FULLY_ACTIVATED - 1] >= 0, FULLY_ACTIVATED,
-                        jnp.where(bst[..., ACTIVATED - 1] >= 0, ACTIVATED, INACTIVE))
-        new = jnp.where(reopen, was, st)
-        new = jnp.where(((new == ACTIVATED) | (new == FULLY_ACTIVATED)) & (dec >= size) & (size > 0), COMPLETED, new)
-        bst = bst.at[..., COMPLETED - 1].set(jnp.where(reopen, -1, bst[..., COMPLETED - 1]))
-        bst = self._stamp(bst, st, new, state.steps)
-        extra = {**state.extra, "block_state": new, "block_steps": bst,
-                 "completed_at": jnp.where(reopen, -1, state.extra["completed_at"]),
-                 "scanned_at": jnp.where(reopen, -1, state.extra["scanned_at"])}
-        state = state.replace(extra=extra)
+        base, idx, ok = self._grid(ctx, state)
+        state = reopen_blocks(state, idx, ok)
         if state.cache is not None:
             edited = remasked | written
             first = jnp.min(jnp.where(edited, s_idx, S), axis=-1)  # [B]
@@ -620,145 +427,47 @@ class MultiBlock(Paradigm):
             state = state.replace(cache=state.cache.commit(jnp.minimum(state.cache.length, jnp.maximum(floor, 0))))
         return state
 
-    # ----------------------------------------------------------------- cached forwards
-    def _exact_forward(self, params, ctx, state, at, active_end):
-        """Window from cache.length; commit the blocks that were Completed before this forward.
 
-        Window widths: 1, 2, 4, ... blocks up to 2 * max_blocks (without a cap: up to the canvas; the
-        narrowest that reaches every running row's active end), else the whole canvas. A window that would run off the canvas
-        starts earlier instead: it then recomputes some committed slots from their final tokens,
-        which rewrites the same K/V. The batch shares one cache length (the slowest row's frontier).
-        """
-        Bs, S = self.block_size, state.slots
-        K = S if self.max_blocks is None else self.max_blocks
-        base = state.extra["base"]
-        running = ~state.done
-        first_open = self._first_open(state.extra["block_state"])  # [B] at forward time
-        F = jnp.min(jnp.where(running, first_open, jnp.iinfo(jnp.int32).max))
-        L = jnp.max(state.cache.length)
-        new_len = jnp.where(jnp.any(running), jnp.maximum(base + F * Bs, L), L).astype(jnp.int32)
-        also = jnp.broadcast_to(new_len - 1, (state.batch, 1))  # the last committed slot's raw logits
+# --------------------------------------------------------------------------- phases 5-6
+def to_canvas(s: Sample, offset, S: int) -> Sample:
+    """Place a window's Sample [B, W] (offset scalar or [B]) on the whole canvas [B, S]
+    (entropy +inf elsewhere)."""
+    B = s.token.shape[0]
 
-        def commit(st, logits):
-            N = at.shape[1]
-            prev = jnp.where(new_len > L, logits[:, N], st.prev_logits)
-            return st.replace(cache=st.cache.commit(new_len), prev_logits=prev), logits[:, :N]
+    def put(x, fill):
+        return common.set_window(jnp.full((B, S), fill, x.dtype), offset, x)
 
-        def windowed(width):
-            def run(st):
-                offset = jnp.minimum(L, S - width)
-                logits, st = common.forward_window(params, ctx, st, offset, width, at=at, also=also,
-                                                   use_prev=True)
-                return commit(st, logits)
-            return run
-
-        def full(st):
-            logits, st = common.forward_window(params, ctx, st, 0, S, at=at, also=also)
-            return commit(st, logits)
-
-        widths, n = [], 1
-        while n <= 2 * K and n * Bs < S:
-            widths.append(n * Bs)
-            n *= 2
-        need = jnp.max(jnp.where(running, active_end - L, 0))  # slots the window must cover
-        return common.switch_width(ctx, state, widths + [S], need, lambda w: windowed(w) if w < S else full)
-
-    def _approx_forward(self, params, ctx, state, at):
-        """d3LLM's delayed prefix cache (`generate_multi_block_kv_cache`), per row; see the module
-        docstring. One forward for the batch: the window ends at S and starts at or before every
-        running row's own start (its cache edge, or 0 for a full forward); `keep_below` keeps each
-        row's cached prefix K/V as they are, stale included, so a row computes what it computes alone.
-        """
-        Bs, S = self.block_size, state.slots
-        base = state.extra["base"]
-        NB = self._num_blocks(ctx, state)
-        idx, ok = self._view(state, base, NB)
-        size, dec = self._stats(state, idx, ok)
-        st = state.extra["block_state"]
-        running = ~state.done
-        n = state.nfe + 1  # [B] the row's forward number (d3LLM's nfe)
-        edge = state.cache.length  # [B]
-        ends = jnp.minimum(base + Bs * (jnp.arange(NB, dtype=jnp.int32) + 1), S)  # [NB]
-        # the caching scan: the prompt (complete at nfe 0), then the added blocks, in order
-        complete = (st != INACTIVE) & (size > 0) & (dec >= size)  # [B, NB]
-        seen = state.extra["scanned_at"]  # [B, NB] d3LLM's completed_at_nfe (-1: None)
-        # blocks the EOS early stop completed without their being added: d3LLM creates them
-        # complete at that forward and marks them cached; the scan passes them after the delay,
-        # caching nothing, and they never count as stabilising
-        bst = state.extra["block_steps"]
-        eos = (st == COMPLETED) & (bst[..., ACTIVATED - 1] < 0) & (bst[..., FULLY_ACTIVATED - 1] < 0)
-        seen = jnp.where(running[:, None] & eos & (seen < 0), n[:, None], seen)
-        since = jnp.where(seen >= 0, n[:, None] - seen, 0)
-        ripe = jnp.concatenate([(n >= self.cache_delay_iter)[:, None],
-                                complete & (since >= self.cache_delay_iter)], axis=-1)  # [B, 1 + NB]
-        col_end = jnp.concatenate([jnp.broadcast_to(base, (state.batch, 1)),
-                                   jnp.broadcast_to(ends, st.shape)], axis=-1)
-        below = col_end <= edge[:, None]
-        eos_col = jnp.concatenate([jnp.zeros_like(eos[:, :1]), eos], axis=-1)
-        prefix = lambda go: jnp.cumprod(go.astype(jnp.int32), axis=-1) > 0  # noqa: E731
-        if ctx.model.logit_shift:
-            # d3LLM's Dream scan goes on past complete blocks still inside their delay (and past the
-            # blocks after an EOS, marked cached there) and stops only at masks; it caches the ripe ones
-            # (ripeness cannot skip a block: a block is first scanned no earlier than the one before it)
-            clear = prefix(below | jnp.concatenate([jnp.ones_like(eos[:, :1]), complete | eos], axis=-1))
-            reached = jnp.concatenate([jnp.ones_like(clear[:, :1]), clear[:, :-1]], axis=-1)[:, 1:]
-            caches = clear & ripe & ~eos_col
-        else:  # LLaDA's scan stops at the first block that is not ripe
-            passed = prefix(below | ripe)
-            reached = jnp.concatenate([jnp.ones_like(passed[:, :1]), passed[:, :-1]], axis=-1)[:, 1:]
-            caches = passed & ~eos_col
-        new_edge = jnp.maximum(edge, jnp.max(jnp.where(caches, col_end, 0), axis=-1))
-        seen = jnp.where(running[:, None] & reached & complete & (ends[None] > edge[:, None]) & (seen < 0),
-                         n[:, None], seen)
-        stabilising = jnp.any((seen >= 0) & ~eos & (ends[None] > new_edge[:, None]), axis=-1) | (base > new_edge)
-        suffix = (new_edge > edge) | ((edge > 0) & ~stabilising & (n % self.refresh_interval != 0))
-        floor = jnp.where(running, jnp.where(suffix, edge, 0), S).astype(jnp.int32)  # [B] first slot recomputed
-        commit = jnp.where(running, new_edge, edge)
-        state = state.replace(extra={**state.extra, "scanned_at": seen})
-        if ctx.model.logit_shift:  # Dream shifts within the forward: a suffix's first slot predicts itself
-            own = (running & suffix)[:, None] & (at == floor[:, None])
-            at = jnp.where(own, at + 1, at)  # the head then reads slot `floor`'s own output
-        # window widths: blocks 1, 2, 4, ... and the whole canvas; the narrowest that reaches every floor
-        widths = sorted({S} | {Bs * 2 ** i for i in range(S.bit_length()) if Bs * 2 ** i < S})
-
-        def run(width):
-            def f(s_):
-                logits, s_ = common.forward_window(params, ctx, s_, S - width, width, at=at, kv_len=S,
-                                                   keep_below=floor, commit=commit)
-                return s_, logits
-            return f
-
-        return common.switch_width(ctx, state, widths, S - jnp.min(floor), run)
-
-    def _window_forward(self, params, ctx, state, at, active_end):
-        """jdllm's windowed approximation (cache="window"; see the module docstring)."""
-        Bs, S = self.block_size, state.slots
-        K = WINDOW_BLOCKS if self.max_blocks is None else self.max_blocks
-        base = state.extra["base"]
-        lead = int(ctx.model.logit_shift)  # shifted logits: the slot before the window predicts its first
-        W = min((K + 1) * Bs + lead, S)
-        running = ~state.done
-        st = state.extra["block_state"]
-        NB = st.shape[-1]
-        k = jnp.arange(NB, dtype=jnp.int32)
-        done_at = state.extra["completed_at"]
-        frozen = (st == COMPLETED) & (done_at >= 0) & (state.forwards - done_at >= self.cache_delay_iter)
-        first_live = jnp.min(jnp.where(frozen, NB, k), axis=-1)  # [B] first block not frozen
-        first_live = jnp.min(jnp.where(running, first_live, NB))
-        offset = jnp.clip(base + first_live * Bs - lead, 0, S - W).astype(jnp.int32)
-
-        def windowed(s_):
-            logits, s_ = common.forward_window(params, ctx, s_, offset, W, at=at, kv_len=S)
-            return s_, logits
-
-        def full(s_):
-            logits, s_ = common.forward_window(params, ctx, s_, 0, S, at=at)
-            return s_, logits
-
-        fits = jnp.all(~running | (active_end <= offset + W))
-        refresh = state.forwards % self.refresh_interval == 0  # the first forward always refreshes
-        return jax.lax.cond(fits & ~refresh, windowed, full, state)
+    return Sample(token=put(s.token, 0), prob=put(s.prob, 0.0), entropy=put(s.entropy, jnp.inf),
+                  logprob=put(s.logprob, 0.0))
 
 
-__all__ = ["MultiBlock", "BLOCK_STATES", "CACHE_MODES", "FORCED_PROGRESS", "SELECTIONS", "INACTIVE", "ACTIVATED", "FULLY_ACTIVATED",
-           "COMPLETED"]
+def select_candidates(cand, entropy, ent, s_idx, rule: str, threshold: float):
+    """Phase 5, [B, S]: "dream": candidates with entropy < threshold; "llada": the lowest-entropy
+    candidate (`ent`: entropy at candidates, +inf elsewhere; leftmost among ties) plus every one
+    with entropy <= threshold (`s_idx`: slot indices)."""
+    if rule == "dream":
+        return cand & (entropy < threshold)
+    lowest = jnp.argmin(ent, axis=-1)  # [B], leftmost among ties
+    return cand & ((entropy <= threshold) | (s_idx == lowest[:, None]))
+
+
+def force_progress(state: DecodeState, sel, ent, idx, ok, running, *, first_only: bool):
+    """Phase 6, [B, S]: the lowest-entropy masked slot of the first (`first_only`) or every
+    Fully-Activated block with masks that `sel` gave nothing, in running rows."""
+    st = state.extra["block_state"]
+    size, dec = block_stats(state, idx, ok)
+    view = lambda x: jnp.take(x, idx, axis=1).reshape(ok.shape)  # noqa: E731  [B, NB, Bs]
+    masked_v = ~view(state.revealed) & ok
+    got = jnp.any(view(sel) & ok, axis=-1)  # [B, NB]
+    eligible = (st == FULLY_ACTIVATED) & (dec < size)  # [B, NB]
+    if first_only:
+        k = jnp.arange(eligible.shape[-1], dtype=jnp.int32)
+        eligible = eligible & (k[None] == jnp.argmax(eligible, axis=-1)[:, None])
+    need = eligible & ~got & running[:, None]
+    pick = jnp.argmin(jnp.where(masked_v, view(ent), jnp.inf), axis=-1)  # [B, NB]
+    forced_v = need[..., None] & masked_v & (jnp.arange(ok.shape[-1])[None, None] == pick[..., None])
+    return jnp.zeros_like(sel).at[:, idx].max(forced_v.reshape(state.batch, -1))
+
+
+__all__ = ["MultiBlock", "BLOCK_STATES", "CACHE_MODES", "FORCED_PROGRESS", "SELECTIONS", "INACTIVE", "ACTIVATED",
+           "FULLY_ACTIVATED", "COMPLETED", "CACHE_STRATEGIES", "WINDOW_BLOCKS"]

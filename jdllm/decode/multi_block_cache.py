@@ -1,0 +1,229 @@
+"""`multi_block`'s cache modes, one small strategy per mode (what each computes: the "KV cache"
+section of `jdllm.decode.multi_block`'s docstring).
+
+`CACHE_STRATEGIES[MultiBlock.cache_mode(cfg)]` is chosen once; its
+`forward(mb, params, ctx, state, at, active_end) -> (state, logits)` is phase 4 of a step:
+`mb` the `MultiBlock` config, `at` [B, N] the planned slots the logits [B, N, V] predict,
+`active_end` [B] the end of each row's rightmost block in flight. Forwards are counted in
+`state.forwards` here and in the NFE by `MultiBlock.forward`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar
+
+import jax
+import jax.numpy as jnp
+
+from jdllm.decode import common
+from jdllm.decode.multi_block_states import (ACTIVATED, COMPLETED, FULLY_ACTIVATED, INACTIVE, block_stats,
+                                             block_view, first_open, num_blocks)
+from jdllm.model import default_positions, forward
+from jdllm.state import DecodeState
+
+WINDOW_BLOCKS = 4  # cache="window" recomputes this many blocks (+ 1) when max_blocks is None
+
+
+class CacheStrategy:
+    """One cache mode: how phase 4's forward reads and writes the KV cache."""
+
+    mode: ClassVar[str] = ""
+
+    def forward(self, mb, params, ctx, state: DecodeState, at, active_end):
+        raise NotImplementedError(f"{type(self).__name__}.forward")
+
+
+def prefix_logits(params, ctx, state: DecodeState, width: int, at):
+    """No cache: the model over slots [0, width) alone -> (state, logits predicting `at` [B, N, V])."""
+    tokens = state.tokens[:, :width]  # [B, W]
+    positions = default_positions(state.start, 0, width)
+    idx = jnp.clip(common.head_index(ctx, at, 0), 0, width - 1)
+    logits, _ = forward(params, ctx.model, tokens, positions, start=state.start, attn_impl=ctx.attn_impl,
+                        logits_at=idx)
+    return state.replace(forwards=state.forwards + 1), logits
+
+
+@dataclasses.dataclass(frozen=True)
+class NoCache(CacheStrategy):
+    """cache="none". Bidirectional: the whole canvas. Block-causal: the prefix up to active_end,
+    rounded up to base + 2^i blocks (a few static widths; later slots cannot change these logits)."""
+
+    mode: ClassVar[str] = "none"
+
+    def forward(self, mb, params, ctx, state: DecodeState, at, active_end):
+        S, Bs = state.slots, mb.block_size
+        if ctx.model.attention != "block_causal":
+            return prefix_logits(params, ctx, state, S, at)
+        widths, w = [], Bs
+        while ctx.prefill_len + w < S:
+            widths.append(ctx.prefill_len + w)
+            w *= 2
+        need = jnp.max(jnp.where(~state.done, active_end, 0))
+        return common.switch_width(ctx, state, widths + [S], need,
+                                   lambda w: lambda st: prefix_logits(params, ctx, st, w, at))
+
+
+@dataclasses.dataclass(frozen=True)
+class ExactCache(CacheStrategy):
+    """cache="exact": a window from cache.length; commit the blocks that were Completed before this forward.
+
+    Window widths: 1, 2, 4, ... blocks up to 2 * max_blocks (without a cap: up to the canvas; the
+    narrowest that reaches every running row's active end), else the whole canvas. A window that
+    would run off the canvas starts earlier instead: it then recomputes some committed slots from
+    their final tokens, which rewrites the same K/V. The batch shares one cache length (the slowest
+    row's frontier).
+    """
+
+    mode: ClassVar[str] = "exact"
+
+    def forward(self, mb, params, ctx, state: DecodeState, at, active_end):
+        Bs, S = mb.block_size, state.slots
+        K = S if mb.max_blocks is None else mb.max_blocks
+        base = state.extra["base"]
+        running = ~state.done
+        first = first_open(state.extra["block_state"])  # [B] at forward time
+        F = jnp.min(jnp.where(running, first, jnp.iinfo(jnp.int32).max))
+        L = jnp.max(state.cache.length)
+        new_len = jnp.where(jnp.any(running), jnp.maximum(base + F * Bs, L), L).astype(jnp.int32)
+        also = jnp.broadcast_to(new_len - 1, (state.batch, 1))  # the last committed slot's raw logits
+
+        def commit(st, logits):
+            N = at.shape[1]
+            prev = jnp.where(new_len > L, logits[:, N], st.prev_logits)
+            return st.replace(cache=st.cache.commit(new_len), prev_logits=prev), logits[:, :N]
+
+        def windowed(width):
+            def run(st):
+                offset = jnp.minimum(L, S - width)
+                logits, st = common.forward_window(params, ctx, st, offset, width, at=at, also=also,
+                                                   use_prev=True)
+                return commit(st, logits)
+            return run
+
+        def full(st):
+            logits, st = common.forward_window(params, ctx, st, 0, S, at=at, also=also)
+            return commit(st, logits)
+
+        widths, n = [], 1
+        while n <= 2 * K and n * Bs < S:
+            widths.append(n * Bs)
+            n *= 2
+        need = jnp.max(jnp.where(running, active_end - L, 0))  # slots the window must cover
+        return common.switch_width(ctx, state, widths + [S], need, lambda w: windowed(w) if w < S else full)
+
+
+@dataclasses.dataclass(frozen=True)
+class ApproxCache(CacheStrategy):
+    """cache="approx": d3LLM's delayed prefix cache (`generate_multi_block_kv_cache`), per row. One
+    forward for the batch: the window ends at S and starts at or before every running row's own
+    start (its cache edge, or 0 for a full forward); `keep_below` keeps each row's cached prefix K/V
+    as they are, stale included, so a row computes what it computes alone."""
+
+    mode: ClassVar[str] = "approx"
+
+    def forward(self, mb, params, ctx, state: DecodeState, at, active_end):
+        Bs, S = mb.block_size, state.slots
+        base = state.extra["base"]
+        NB = num_blocks(ctx, state, Bs)
+        idx, ok = block_view(state, base, NB, Bs)
+        size, dec = block_stats(state, idx, ok)
+        st = state.extra["block_state"]
+        running = ~state.done
+        n = state.nfe + 1  # [B] the row's forward number (d3LLM's nfe)
+        edge = state.cache.length  # [B]
+        ends = jnp.minimum(base + Bs * (jnp.arange(NB, dtype=jnp.int32) + 1), S)  # [NB]
+        # the caching scan: the prompt (complete at nfe 0), then the added blocks, in order
+        complete = (st != INACTIVE) & (size > 0) & (dec >= size)  # [B, NB]
+        seen = state.extra["scanned_at"]  # [B, NB] d3LLM's completed_at_nfe (-1: None)
+        # blocks the EOS early stop completed without their being added: d3LLM creates them
+        # complete at that forward and marks them cached; the scan passes them after the delay,
+        # caching nothing, and they never count as stabilising
+        bst = state.extra["block_steps"]
+        eos = (st == COMPLETED) & (bst[..., ACTIVATED - 1] < 0) & (bst[..., FULLY_ACTIVATED - 1] < 0)
+        seen = jnp.where(running[:, None] & eos & (seen < 0), n[:, None], seen)
+        since = jnp.where(seen >= 0, n[:, None] - seen, 0)
+        ripe = jnp.concatenate([(n >= mb.cache_delay_iter)[:, None],
+                                complete & (since >= mb.cache_delay_iter)], axis=-1)  # [B, 1 + NB]
+        col_end = jnp.concatenate([jnp.broadcast_to(base, (state.batch, 1)),
+                                   jnp.broadcast_to(ends, st.shape)], axis=-1)
+        below = col_end <= edge[:, None]
+        eos_col = jnp.concatenate([jnp.zeros_like(eos[:, :1]), eos], axis=-1)
+        prefix = lambda go: jnp.cumprod(go.astype(jnp.int32), axis=-1) > 0  # noqa: E731
+        if ctx.model.logit_shift:
+            # d3LLM's Dream scan goes on past complete blocks still inside their delay (and past the
+            # blocks after an EOS, marked cached there) and stops only at masks; it caches the ripe ones
+            # (ripeness cannot skip a block: a block is first scanned no earlier than the one before it)
+            clear = prefix(below | jnp.concatenate([jnp.ones_like(eos[:, :1]), complete | eos], axis=-1))
+            reached = jnp.concatenate([jnp.ones_like(clear[:, :1]), clear[:, :-1]], axis=-1)[:, 1:]
+            caches = clear & ripe & ~eos_col
+        else:  # LLaDA's scan stops at the first block that is not ripe
+            passed = prefix(below | ripe)
+            reached = jnp.concatenate([jnp.ones_like(passed[:, :1]), passed[:, :-1]], axis=-1)[:, 1:]
+            caches = passed & ~eos_col
+        new_edge = jnp.maximum(edge, jnp.max(jnp.where(caches, col_end, 0), axis=-1))
+        seen = jnp.where(running[:, None] & reached & complete & (ends[None] > edge[:, None]) & (seen < 0),
+                         n[:, None], seen)
+        stabilising = jnp.any((seen >= 0) & ~eos & (ends[None] > new_edge[:, None]), axis=-1) | (base > new_edge)
+        suffix = (new_edge > edge) | ((edge > 0) & ~stabilising & (n % mb.refresh_interval != 0))
+        floor = jnp.where(running, jnp.where(suffix, edge, 0), S).astype(jnp.int32)  # [B] first slot recomputed
+        commit = jnp.where(running, new_edge, edge)
+        state = state.replace(extra={**state.extra, "scanned_at": seen})
+        if ctx.model.logit_shift:  # Dream shifts within the forward: a suffix's first slot predicts itself
+            own = (running & suffix)[:, None] & (at == floor[:, None])
+            at = jnp.where(own, at + 1, at)  # the head then reads slot `floor`'s own output
+        # window widths: blocks 1, 2, 4, ... and the whole canvas; the narrowest that reaches every floor
+        widths = sorted({S} | {Bs * 2 ** i for i in range(S.bit_length()) if Bs * 2 ** i < S})
+
+        def run(width):
+            def f(s_):
+                logits, s_ = common.forward_window(params, ctx, s_, S - width, width, at=at, kv_len=S,
+                                                   keep_below=floor, commit=commit)
+                return s_, logits
+            return f
+
+        return common.switch_width(ctx, state, widths, S - jnp.min(floor), run)
+
+
+@dataclasses.dataclass(frozen=True)
+class WindowCache(CacheStrategy):
+    """cache="window": jdllm's windowed approximation (stale K/V outside a window of max_blocks + 1
+    blocks from the first block not yet frozen; a full forward every refresh_interval forwards or
+    when the active blocks do not fit)."""
+
+    mode: ClassVar[str] = "window"
+
+    def forward(self, mb, params, ctx, state: DecodeState, at, active_end):
+        Bs, S = mb.block_size, state.slots
+        K = WINDOW_BLOCKS if mb.max_blocks is None else mb.max_blocks
+        base = state.extra["base"]
+        lead = int(ctx.model.logit_shift)  # shifted logits: the slot before the window predicts its first
+        W = min((K + 1) * Bs + lead, S)
+        running = ~state.done
+        st = state.extra["block_state"]
+        NB = st.shape[-1]
+        k = jnp.arange(NB, dtype=jnp.int32)
+        done_at = state.extra["completed_at"]
+        frozen = (st == COMPLETED) & (done_at >= 0) & (state.forwards - done_at >= mb.cache_delay_iter)
+        first_live = jnp.min(jnp.where(frozen, NB, k), axis=-1)  # [B] first block not frozen
+        first_live = jnp.min(jnp.where(running, first_live, NB))
+        offset = jnp.clip(base + first_live * Bs - lead, 0, S - W).astype(jnp.int32)
+
+        def windowed(s_):
+            logits, s_ = common.forward_window(params, ctx, s_, offset, W, at=at, kv_len=S)
+            return s_, logits
+
+        def full(s_):
+            logits, s_ = common.forward_window(params, ctx, s_, 0, S, at=at)
+            return s_, logits
+
+        fits = jnp.all(~running | (active_end <= offset + W))
+        refresh = state.forwards % mb.refresh_interval == 0  # the first forward always refreshes
+        return jax.lax.cond(fits & ~refresh, windowed, full, state)
+
+
+CACHE_STRATEGIES: dict[str, CacheStrategy] = {c.mode: c() for c in (NoCache, ExactCache, ApproxCache, WindowCache)}
+"""mode -> its strategy (`MultiBlock.cache_mode(cfg)` picks one)."""
+
+__all__ = ["CacheStrategy", "NoCache", "ExactCache", "ApproxCache", "WindowCache", "CACHE_STRATEGIES",
+           "WINDOW_BLOCKS", "prefix_logits"]
