@@ -8,7 +8,7 @@ into a token-level DFA over the model's vocabulary (`dfa_compile`), stacked
 per row into device tables (`dfa_device.DFATables`) and carried in the decode
 state; every paradigm's sampling masks the tokens that leave no completion
 and its reveal keeps a step's tokens jointly completable
-(`common.constrain_logits`, `common.reveal`). No host callback: the
+(`common.constrain_logits`, `common.write_tokens`). No host callback: the
 constrained rollout is as pure as the free one (jit / vmap / while_loop).
 
     tables(model, constraints, state)   -> DFATables for a prepared state

@@ -60,18 +60,18 @@ class AR(Paradigm):
     def prefill(self, params, ctx, state: DecodeState, bitmask=None) -> DecodeState:
         P = ctx.prefill_len
         p = common.make_plan(state, state.gen_start, 1)
-        logits, state = common.forward_window(params, ctx, state, 0, P, at=p.slots, commit=state.gen_start)
+        state, logits = common.forward_window(params, ctx, state, 0, P, at=p.slots, commit=state.gen_start)
         state = common.count_forward(state, ~state.done)
         return self.reveal(ctx, state, p, logits, bitmask)
 
     def forward(self, params, ctx, state: DecodeState, plan: common.Plan):
         c = plan.offset  # [B] the slot to sample; its predecessor is the newest token
-        logits, state = common.forward_window(params, ctx, state, c - 1, 1, at=plan.slots, commit=c)
+        state, logits = common.forward_window(params, ctx, state, c - 1, 1, at=plan.slots, commit=c)
         return common.count_forward(state, ~state.done), logits
 
     def reveal(self, ctx, state: DecodeState, plan: common.Plan, logits, bitmask=None) -> DecodeState:
         state, s = common.sample_window(ctx, state, logits, plan.offset, bitmask)
-        state = common.reveal(state, plan.offset, common.candidates(state, plan.offset, 1), s)
+        state = common.write_tokens(state, plan.offset, common.candidates(state, plan.offset, 1), s)
         return common.finish_rows(state)
 
     def max_iterations(self, state: DecodeState) -> int:
@@ -87,7 +87,7 @@ class AR(Paradigm):
     def catch_up_forward(self, params, ctx, state: DecodeState, plan: common.Plan, width: int):
         """The step's forward over [cache length, sampled slot), `width` slots (static)."""
         off = jnp.minimum(state.cache.length, state.slots - width)
-        logits, state = common.forward_window(params, ctx, state, off, width, at=plan.slots, commit=plan.offset)
+        state, logits = common.forward_window(params, ctx, state, off, width, at=plan.slots, commit=plan.offset)
         return common.count_forward(state, ~state.done), logits
 
     # ----------------------------------------------------------------- RL

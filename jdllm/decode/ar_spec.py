@@ -200,7 +200,7 @@ class Speculative(Paradigm):
                                              "tokens are chosen by the first step)")
         P, B, k = ctx.prefill_len, state.batch, self.num_draft_tokens
         at = state.gen_start[:, None]
-        _, state = common.forward_window(params, ctx, state, 0, P, at=at, commit=state.gen_start - 1)
+        state, _ = common.forward_window(params, ctx, state, 0, P, at=at, commit=state.gen_start - 1)
         state = common.count_forward(state, ~state.done)
         extra = dict(proposed=jnp.zeros((B,), jnp.int32), accepted=jnp.zeros((B,), jnp.int32),
                      draft_forwards=jnp.zeros((B,), jnp.int32), drafts=jnp.zeros((B, k), jnp.int32),
@@ -213,7 +213,7 @@ class Speculative(Paradigm):
             dcfg = self.draft.config
             dp = params["draft"]
             dstate = state.replace(cache=KVCache.empty(dcfg, B, state.slots, dp["embed"].dtype))
-            _, dstate = common.forward_window(dp, self._draft_ctx(ctx), dstate, 0, P, at=at,
+            dstate, _ = common.forward_window(dp, self._draft_ctx(ctx), dstate, 0, P, at=at,
                                               commit=state.gen_start - 1)
             extra.update(draft_cache=dstate.cache, q=jnp.zeros((B, k, ctx.model.vocab_size), jnp.float32),
                          draft_forwards=(~state.done).astype(jnp.int32))
@@ -237,7 +237,7 @@ class Speculative(Paradigm):
             extra["q"] = q
         state = state.replace(tokens=_write_unrevealed(state, c, drafts), extra=extra)
         W = self.num_draft_tokens + 1
-        logits, state = common.forward_window(params, ctx, state, c - 1, W, at=plan.slots)
+        state, logits = common.forward_window(params, ctx, state, c - 1, W, at=plan.slots)
         return common.count_forward(state, running), logits
 
     def reveal(self, ctx, state: DecodeState, plan: common.Plan, logits, bitmask=None) -> DecodeState:
@@ -276,7 +276,7 @@ class Speculative(Paradigm):
         sel = plan.valid & ((jw < n_acc[:, None]) | ((jw == n_acc[:, None]) & corr_ok[:, None]))
         stop = jnp.any(emit[..., None] == state.stop_ids[:, None, :], axis=-1) & sel
         sel = sel & (jnp.cumsum(stop, axis=-1) - stop == 0)  # nothing after the first stop token
-        state = common.reveal(state, c, sel, distribution_stats(z, emit))
+        state = common.write_tokens(state, c, sel, distribution_stats(z, emit))
         n_sel = jnp.sum(sel, axis=-1).astype(jnp.int32)
 
         # roll the caches back to the accepted prefix; unaccepted draft slots hold the fill again
@@ -335,7 +335,7 @@ def propose_draft(dparams, dctx, state: DecodeState, c, k: int):
             prev[:, None]))
         o = jnp.maximum(c + i - 2, 0)
         ds = state.replace(tokens=tokens, cache=cache)
-        logits, ds = common.forward_window(dparams, dctx, ds, o, 2, at=(c + i)[:, None])
+        ds, logits = common.forward_window(dparams, dctx, ds, o, 2, at=(c + i)[:, None])
         tok, q = draw(logits, i)
         return (tokens, ds.cache, tok), (tok, q)
 

@@ -194,7 +194,7 @@ class BlockDiffusion(Paradigm):
             sel = common.select_first_k(cand, k)
         else:
             sel = common.select_entropy_bounded(cand, s.entropy, self.eb_threshold)
-        state = common.reveal(state, c, sel, s)
+        state = common.write_tokens(state, c, sel, s)
         return common.finish_rows(state)
 
     def prefill(self, params, ctx, state: DecodeState, bitmask=None) -> DecodeState:
@@ -202,11 +202,11 @@ class BlockDiffusion(Paradigm):
         if self.fuse_commit:
             # prompt blocks + first decode block in one forward; commit the prompt blocks
             p = common.make_plan(state, P, W)
-            logits, state = common.forward_window(params, ctx, state, 0, P + W, at=p.slots, commit=P)
+            state, logits = common.forward_window(params, ctx, state, 0, P + W, at=p.slots, commit=P)
             state = common.count_forward(state, ~state.done)
             return self.reveal(ctx, state, p, logits, bitmask)
         p = common.make_plan(state, P - 1, 1)  # no token is chosen: the logits are not used
-        _, state = common.forward_window(params, ctx, state, 0, P, at=p.slots, commit=P)
+        state, _ = common.forward_window(params, ctx, state, 0, P, at=p.slots, commit=P)
         return common.count_forward(state, ~state.done & (state.start < P))
 
     def forward(self, params, ctx, state: DecodeState, plan: common.Plan):
@@ -230,13 +230,14 @@ class BlockDiffusion(Paradigm):
         W, c = self.block_length, plan.offset
         shift = int(ctx.model.logit_shift)  # a shifted model predicts slot c from c - 1: keep it in the window
 
-        def run(width):  # the wide window starts at the previous block, the narrow one at this block
+        def window_forward(width):  # the wide window starts at the previous block, the narrow one at this block
             lo = c - W if width == 2 * W else c - shift
-            return lambda st: common.forward_window(params, ctx, st, lo, width, at=plan.slots, commit=c)[::-1]
+            return lambda st: common.forward_window(params, ctx, st, lo, width, at=plan.slots, commit=c)
 
         commits = jnp.any((state.cache.length < c) & ~state.done)
         # on a GPU at small batch both shapes cost one read of the weights: only the wide one compiles
-        state, logits = common.switch_width(ctx, state, (W + shift, 2 * W), jnp.where(commits, 2 * W, W + shift), run)
+        state, logits = common.switch_width(ctx, state, (W + shift, 2 * W), jnp.where(commits, 2 * W, W + shift),
+                                            window_forward)
         return common.count_forward(state, ~state.done), logits
 
 

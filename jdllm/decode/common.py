@@ -5,12 +5,12 @@ choosing which masked positions to reveal, writing a reveal into the state
 
 A paradigm's step is `plan` (which slots it will choose tokens for) ->
 `forward` (`forward_window`: logits for exactly those slots) -> `reveal`
-(`sample_window` -> one of the `select_*` rules on `candidates` -> `reveal`
+(`sample_window` -> one of the `select_*` rules on `candidates` -> `write_tokens`
 -> `finish_rows`, plus `count_forward` for the rows that took part).
 
 Offsets may be one slot for the batch (lockstep paradigms) or [B] (each row at
 its own position); `window`, `set_window`, `forward_window`, `candidates` and
-`reveal` take either.
+`write_tokens` take either.
 """
 
 from __future__ import annotations
@@ -230,11 +230,11 @@ def head_index(ctx: DecodeCtx, slots: jax.Array, offset) -> jax.Array:
 
 def forward_window(params, ctx: DecodeCtx, state: DecodeState, offset, width: int, *, at: jax.Array,
                    commit=None, also: jax.Array | None = None, kv_len=None,
-                   use_prev: bool = False, keep_below=None) -> tuple[jax.Array, DecodeState]:
+                   use_prev: bool = False, keep_below=None) -> tuple[DecodeState, jax.Array]:
     """One model forward over slots [offset, offset + width) against the cache.
 
-    at [B, N]: the canvas slots whose tokens this step chooses. Returns the
-    logits *predicting* them [B, N, V] (float32; the LM head runs only there:
+    at [B, N]: the canvas slots whose tokens this step chooses. Returns (state,
+    the logits *predicting* them [B, N, V] (float32; the LM head runs only there:
     for next-token models those of the slot before; with `use_prev`, a slot at
     the window start takes the logits of the slot before the window from
     `state.prev_logits`). also [B, M], optional: canvas slots whose
@@ -261,7 +261,7 @@ def forward_window(params, ctx: DecodeCtx, state: DecodeState, offset, width: in
         logits = head if also is None else jnp.concatenate([head, logits[:, N:]], axis=1)
     if commit is not None:
         cache = cache.commit(commit)
-    return logits, state.replace(cache=cache, forwards=state.forwards + 1)
+    return state.replace(cache=cache, forwards=state.forwards + 1), logits
 
 
 GPU_WEIGHT_BOUND_TOKENS = 256  # an H100 reads bf16 weights at ~2.5 TB/s and multiplies at ~750 TFLOP/s
@@ -286,16 +286,16 @@ def compiled_widths(ctx: DecodeCtx, batch: int, widths) -> list[int]:
     return ([small[-1]] if small else []) + [w for w in widths if batch * w > weight_bound_tokens(ctx)]
 
 
-def switch_width(ctx: DecodeCtx, state: DecodeState, widths, need, run):
-    """`run(width)(state)` for the narrowest compiled width (`compiled_widths`) >= need (a traced
+def switch_width(ctx: DecodeCtx, state: DecodeState, widths, need, forward_of):
+    """`forward_of(width)(state)` for the narrowest compiled width (`compiled_widths`) >= need (a traced
     scalar; the widest when none is): one forward per window shape the paradigm distinguishes,
     under a `lax.switch`, or a plain call when one shape remains. A wider window than needed gives
     the same logits (it recomputes slots whose K/V the cache already holds, from the same tokens)."""
     keep = compiled_widths(ctx, state.batch, widths)
     if len(keep) == 1:
-        return run(keep[0])(state)
+        return forward_of(keep[0])(state)
     branch = jnp.sum(need > jnp.asarray(keep[:-1], jnp.int32)).astype(jnp.int32)
-    return jax.lax.switch(branch, [run(w) for w in keep], state)
+    return jax.lax.switch(branch, [forward_of(w) for w in keep], state)
 
 
 def count_forward(state: DecodeState, rows: jax.Array) -> DecodeState:
@@ -408,7 +408,7 @@ def select_entropy_bounded(cand: jax.Array, entropy: jax.Array, bound: float) ->
 
 
 # --------------------------------------------------------------------------- writing a reveal
-def reveal(state: DecodeState, offset, sel: jax.Array, s: Sample) -> DecodeState:
+def write_tokens(state: DecodeState, offset, sel: jax.Array, s: Sample) -> DecodeState:
     """Write the selected sampled tokens [B, W] into the window at `offset` (scalar or [B]).
 
     Rows revealing >= 1 token advance their step counter and stamp the new

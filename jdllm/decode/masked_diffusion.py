@@ -289,7 +289,7 @@ class MaskedDiffusion(Paradigm):
         return state.replace(extra={"block": zero, "i": zero})
 
     def _full_logits(self, params, ctx, state: DecodeState, with_cache: bool, at):
-        """Logits [B, N, V] at canvas slots `at` [B, N] of a forward over the whole canvas
+        """(state, logits [B, N, V] at canvas slots `at` [B, N]) of a forward over the whole canvas
         (and the cache refreshed when with_cache)."""
         S = state.slots
         pos = default_positions(state.start, 0, S)
@@ -300,26 +300,26 @@ class MaskedDiffusion(Paradigm):
                               start=jnp.concatenate([state.start, state.start]), attn_impl=ctx.attn_impl,
                               logits_at=jnp.concatenate([at, at]))
             cond, unc = both[:state.batch], both[state.batch:]
-            return unc + (self.cfg_scale + 1.0) * (cond - unc), state.replace(forwards=state.forwards + 2)
+            return state.replace(forwards=state.forwards + 2), unc + (self.cfg_scale + 1.0) * (cond - unc)
         if not with_cache:
             raw, _ = forward(params, ctx.model, state.tokens, pos, start=state.start, attn_impl=ctx.attn_impl,
                              logits_at=at)
-            return raw, state.replace(forwards=state.forwards + 1)
+            return state.replace(forwards=state.forwards + 1), raw
         raw, cache = forward(params, ctx.model, state.tokens, pos, start=state.start, cache=state.cache, offset=0,
                              attn_impl=ctx.attn_impl, logits_at=at)
-        return raw, state.replace(cache=cache, forwards=state.forwards + 1)
+        return state.replace(cache=cache, forwards=state.forwards + 1), raw
 
     def _window_logits(self, params, ctx, state: DecodeState, lo, width: int, n: int, kv_len=None):
-        """Logits [B, n, V] of the first n slots of a forward over [lo, lo + width) against the cache."""
+        """(state, logits [B, n, V] of the first n slots) of a forward over [lo, lo + width) against the cache."""
         toks = common.window(state.tokens, lo, width)
         pos = default_positions(state.start, lo, width)
         at = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), (state.batch, n))
         raw, cache = forward(params, ctx.model, toks, pos, start=state.start, cache=state.cache, offset=lo,
                              attn_impl=ctx.attn_impl, kv_len=kv_len, logits_at=at)
-        return raw, state.replace(cache=cache, forwards=state.forwards + 1)
+        return state.replace(cache=cache, forwards=state.forwards + 1), raw
 
     def _block_logits(self, params, ctx, state: DecodeState, blk, i, Bl: int, nb: int):
-        """Aligned logits [B, Bl, V] predicting the tokens of block `blk`, per the cache mode."""
+        """(state, aligned logits [B, Bl, V] predicting the tokens of block `blk`), per the cache mode."""
         P, S = ctx.prefill_len, state.slots
         shift = int(ctx.model.logit_shift)
         b0 = P + blk * Bl
@@ -357,7 +357,7 @@ class MaskedDiffusion(Paradigm):
     def forward(self, params, ctx, state: DecodeState, plan: common.Plan):
         P, S = ctx.prefill_len, state.slots
         Bl, nb, _ = self.geometry(S - P)
-        logits, state = self._block_logits(params, ctx, state, state.extra["block"], state.extra["i"], Bl, nb)
+        state, logits = self._block_logits(params, ctx, state, state.extra["block"], state.extra["i"], Bl, nb)
         work = jnp.any(plan.valid, axis=-1)  # [B]
         state = common.count_forward(state, work)
         if self.cfg_scale > 0:
@@ -403,7 +403,7 @@ class MaskedDiffusion(Paradigm):
                     n = jnp.sum(cand, axis=-1).astype(jnp.float32)  # [B]
                     k = jnp.where(last, n, jnp.floor(n * ratio)).astype(jnp.int32)
                     sel = common.select_top_k(cand, conf, k)
-        state = common.reveal(state, b0, sel, s)
+        state = common.write_tokens(state, b0, sel, s)
         state = common.finish_rows(state)
         return state.replace(extra={**state.extra, "i": i + 1})
 

@@ -44,7 +44,7 @@ count) that hold a token. Per step, in this order:
    lowest-entropy masked slot; "every" (jdllm's earlier rule): every such
    block that got nothing does (more tokens per forward, not d3LLM's
    outputs).
-7. One `common.reveal` (one step number), then added blocks without masks
+7. One `common.write_tokens` (one step number), then added blocks without masks
    become Completed.
 
 Known differences from d3LLM's code, kept on purpose: d3LLM takes its mask
@@ -384,7 +384,7 @@ class MultiBlock(Paradigm):
         sel = select_candidates(cand, s.entropy, ent, s_idx, self.selection_rule(ctx.model), self.entropy_threshold)
         forced = force_progress(state, sel, ent, idx, ok, running, first_only=self.forced_progress == "first")
         # phase 7
-        state = common.reveal(state, 0, sel | (forced & cand), s)
+        state = common.write_tokens(state, 0, sel | (forced & cand), s)
         state = complete_filled(state, idx, ok)
         state = common.finish_rows(state)
         if self.max_forwards is not None:

@@ -94,15 +94,15 @@ class ExactCache(CacheStrategy):
             return st.replace(cache=st.cache.commit(new_len), prev_logits=prev), logits[:, :N]
 
         def windowed(width):
-            def run(st):
+            def forward(st):
                 offset = jnp.minimum(L, S - width)
-                logits, st = common.forward_window(params, ctx, st, offset, width, at=at, also=also,
+                st, logits = common.forward_window(params, ctx, st, offset, width, at=at, also=also,
                                                    use_prev=True)
                 return commit(st, logits)
-            return run
+            return forward
 
         def full(st):
-            logits, st = common.forward_window(params, ctx, st, 0, S, at=at, also=also)
+            st, logits = common.forward_window(params, ctx, st, 0, S, at=at, also=also)
             return commit(st, logits)
 
         widths, n = [], 1
@@ -175,14 +175,11 @@ class ApproxCache(CacheStrategy):
         # window widths: blocks 1, 2, 4, ... and the whole canvas; the narrowest that reaches every floor
         widths = sorted({S} | {Bs * 2 ** i for i in range(S.bit_length()) if Bs * 2 ** i < S})
 
-        def run(width):
-            def f(s_):
-                logits, s_ = common.forward_window(params, ctx, s_, S - width, width, at=at, kv_len=S,
-                                                   keep_below=floor, commit=commit)
-                return s_, logits
-            return f
+        def suffix_forward(width):
+            return lambda s_: common.forward_window(params, ctx, s_, S - width, width, at=at, kv_len=S,
+                                                    keep_below=floor, commit=commit)
 
-        return common.switch_width(ctx, state, widths, S - jnp.min(floor), run)
+        return common.switch_width(ctx, state, widths, S - jnp.min(floor), suffix_forward)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -210,11 +207,11 @@ class WindowCache(CacheStrategy):
         offset = jnp.clip(base + first_live * Bs - lead, 0, S - W).astype(jnp.int32)
 
         def windowed(s_):
-            logits, s_ = common.forward_window(params, ctx, s_, offset, W, at=at, kv_len=S)
+            s_, logits = common.forward_window(params, ctx, s_, offset, W, at=at, kv_len=S)
             return s_, logits
 
         def full(s_):
-            logits, s_ = common.forward_window(params, ctx, s_, 0, S, at=at)
+            s_, logits = common.forward_window(params, ctx, s_, 0, S, at=at)
             return s_, logits
 
         fits = jnp.all(~running | (active_end <= offset + W))

@@ -24,7 +24,7 @@ must see it, and the same pieces make both the one-jit `lax.while_loop`
 Every function that takes a `DecodeState` returns it first.
 
 State contract (`jdllm.state`): keep every per-row quantity per row; reveal tokens only
-through `common.reveal` (step_map and log-probs follow one rule); count every forward
+through `common.write_tokens` (step_map and log-probs follow one rule); count every forward
 (`common.forward_window` bumps `state.forwards`, the paradigm calls
 `common.count_forward(state, rows)` for the rows that took part, prefill and commit
 passes included); call `common.finish_rows` after revealing; never touch a done row's
@@ -118,7 +118,7 @@ class Paradigm:
 
     def reveal(self, ctx, state, plan, logits, bitmask=None):
         """Sample the planned slots (optional packed int32 bitmask [B, N, ceil(V/32)]), choose
-        which to reveal, write them (`common.reveal`) and finish rows (`common.finish_rows`)."""
+        which to reveal, write them (`common.write_tokens`) and finish rows (`common.finish_rows`)."""
         raise NotImplementedError(f"{type(self).__name__}.reveal")
 
     def rewind(self, ctx, state, before, remasked, written):
