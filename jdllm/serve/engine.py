@@ -102,7 +102,7 @@ class Engine:
         self.runner = Runner(model, decoding, rows=max_batch, slots=self.slots,
                              constraint_states=self.constraint_states, constraint_classes=self.constraint_classes,
                              compiler_options=options)
-        self.output = OutputProcessor(decoding, model.tokenizer)
+        self.output_processor = OutputProcessor(decoding, model.tokenizer)
         self._ids = itertools.count()
         self._cv = threading.Condition()  # guards the scheduler, _stopping and _thread
         self._thread: threading.Thread | None = None
@@ -279,7 +279,7 @@ class Engine:
         self.rounds += 1
         with self._cv:
             running = list(self.scheduler.running.items())
-        events, finished = self.output.process(host, running)
+        events, finished = self.output_processor.process(host, running)
         for req, ev in events:
             req.emit(ev)
         with self._cv:
