@@ -185,7 +185,7 @@ def main(which: str = "all"):
             reqs.append(eng.submit(prompts[3], samp))
             eng.run_until_idle()
             got = [(r.output.token_ids, r.output.step_map, r.output.nfe, r.output.finish_reason) for r in reqs]
-            cache = eng._pool.cache.k
+            cache = eng.runner.pool.cache.k
             emit(paradigm=f"serve_{name}", mesh="2x4", equal=got == ref, split=split_ok(eng.model)
                  and all(s.data.shape[1] == cache.shape[1] // 2 for s in cache.addressable_shards),
                  tokens=[g[0] for g in got], ref=[r[0] for r in ref])

@@ -1,0 +1,280 @@
+"""/v1/completions and /v1/chat/completions: one request's choices through the engine, answered
+whole or streamed as server-sent events.
+
+A request with `n` choices submits `n` engine requests (choice i samples with `seed + i`); their
+events come back on the engine's thread and are handed to the event loop through a queue.
+`Choice` turns a choice's events into text (detokenized incrementally, cut before a `stop`
+string, whose row is then aborted and freed at the next round); `Completion` runs the request
+and shapes the response; a client that goes away has its choices aborted.
+"""
+
+import asyncio
+import dataclasses
+import json
+import time
+import uuid
+
+from jdllm.sampling import Sampling
+from jdllm.serve.engine import Event
+from jdllm.serve.openai_protocol import (MAX_N, ApiError, Server, number, read_body, stop_strings,
+                                         wants_logprobs)
+
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+class Choice:
+    """One choice's text as it streams: detokenized incrementally, cut before the first stop string
+    (a tail that may begin one is held back until it cannot), with its tokens' log-probs."""
+
+    def __init__(self, index: int, srv: Server, stops: tuple[str, ...]):
+        self.index, self.srv, self.stops = index, srv, stops
+        self.ids: list[int] = []
+        self.step_map: list[int] = []
+        self.logprobs: list[float] = []
+        self.text = ""  # the text sent so far
+        self.sent_ids = 0  # tokens sent so far
+        self.finish: str | None = None
+        self.nfe: int | None = None
+        self.constraint_ok: bool | None = None  # constrained: the whole output matches
+        self.request = None  # the engine Request
+
+    @property
+    def done(self) -> bool:
+        return self.finish is not None
+
+    def _cut(self, text: str) -> int | None:
+        hits = [text.find(x) for x in self.stops if x in text]
+        return min(hits) if hits else None
+
+    def feed(self, ev: Event) -> tuple[str, slice]:
+        """The delta text and the new tokens (a slice of self.ids) this event lets out."""
+        if ev.kind == "done":
+            self.nfe, self.constraint_ok = ev.output.nfe, ev.output.constraint_ok
+            if not self.ids and ev.output.token_ids:  # a "done" with nothing streamed before it
+                self.ids, self.step_map = list(ev.output.token_ids), list(ev.output.step_map)
+                self.logprobs = list(ev.output.logprobs)
+        else:
+            self.nfe = ev.nfe if ev.nfe is not None else self.nfe  # a stop string may end the choice here
+            self.ids += ev.token_ids
+            self.step_map += ev.step_map
+            self.logprobs += ev.logprobs
+        text = self.srv.text_of(self.ids)
+        end_ids = len(self.ids)
+        cut = self._cut(text) if self.stops else None
+        if cut is not None:  # a stop string: the choice ends before it, at the token that completed it
+            final, self.finish = text[:cut], "stop"
+            end_ids = next(k for k in range(1, len(self.ids) + 1)
+                           if self._cut(self.srv.text_of(self.ids[:k])) is not None)
+            del self.ids[end_ids:], self.step_map[end_ids:], self.logprobs[end_ids:]
+        elif ev.kind == "done":
+            final, self.finish = text, ev.output.finish_reason
+        elif text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for the rest
+            final = self.text
+        else:
+            hold = max((k for x in self.stops for k in range(1, len(x)) if text.endswith(x[:k])), default=0)
+            final = text[:len(text) - hold]
+        delta = final[len(self.text):] if final.startswith(self.text) else ""
+        self.text += delta
+        new = slice(self.sent_ids, end_ids)
+        self.sent_ids = end_ids
+        return delta, new
+
+    def logprob_block(self, sl: slice, chat: bool, offset0: int = 0):
+        """The OpenAI `logprobs` object of the tokens `sl` (chat: `content`; completions: `tokens`,
+        `token_logprobs` and `text_offset`, counted from `offset0`)."""
+        toks = [self.srv.text_of([t]) for t in self.ids[sl]]
+        lps = [float(x) for x in self.logprobs[sl]]
+        if chat:
+            return {"content": [{"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
+                                for t, lp in zip(toks, lps)]}
+        offsets, at = [], offset0
+        for t in toks:
+            offsets.append(at)
+            at += len(t)
+        return {"tokens": toks, "token_logprobs": lps, "top_logprobs": None, "text_offset": offsets}
+
+
+class Completion:
+    """One completion or chat request in flight: its choices, each an engine request, and the queue
+    their events arrive on. Parsing errors (n, stop, logprobs, constraint) raise `ApiError` here,
+    before anything is submitted."""
+
+    def __init__(self, srv: Server, request, body: dict, ids: list[int], sampling: Sampling, step_map: bool,
+                 chat: bool):
+        self.srv, self.request, self.ids, self.chat = srv, request, ids, chat
+        self.sampling, self.step_map, self.stream = sampling, step_map, bool(body.get("stream"))
+        self.loop = asyncio.get_running_loop()
+        self.queue: asyncio.Queue = asyncio.Queue()
+        n = number(body, "n", 1, int, 1, MAX_N)
+        stops, self.want_lp, self.constraint = stop_strings(body), wants_logprobs(body, chat), srv.constraint(body)
+        self.choices = [Choice(i, srv, stops) for i in range(n)]
+        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        self.created = 0
+
+    async def submit(self) -> None:
+        """One engine request per choice (choice i samples with seed + i: greedy choices are all the
+        same); on a refusal the ones already submitted are aborted."""
+        try:
+            for c in self.choices:
+                s = self.sampling if c.index == 0 else dataclasses.replace(
+                    self.sampling, seed=(self.sampling.seed + c.index) % 2**32)
+                args = (self.ids, s, self.step_map, self._listener(c.index), self.constraint)
+                if self.constraint:  # compiling a constraint's DFA takes host time: off the event loop
+                    c.request = await asyncio.to_thread(self.srv.submit, *args)
+                else:
+                    c.request = self.srv.submit(*args)
+        except ApiError:
+            for c in self.choices:
+                if c.request is not None:
+                    self.srv.engine.abort(c.request.id)
+            raise
+        self.created = int(time.time())
+
+    def _listener(self, i: int):
+        return lambda ev: self.loop.call_soon_threadsafe(self.queue.put_nowait, (i, ev))
+
+    def abort_rest(self) -> None:
+        for c in self.choices:
+            if not c.done:
+                self.srv.engine.abort(c.request.id)
+
+    async def next_event(self, stream: bool):
+        """(choice, event, delta text, new token slice) for the next event of a running choice; None
+        when the client went away (checked while waiting, unless streaming)."""
+        while True:
+            if stream:
+                i, ev = await self.queue.get()
+            else:
+                try:
+                    i, ev = await asyncio.wait_for(self.queue.get(), timeout=0.5)
+                except asyncio.TimeoutError:
+                    if await self.request.is_disconnected():
+                        return None
+                    continue
+            c = self.choices[i]
+            if c.done:  # events queued before a stop string aborted it
+                continue
+            if ev.kind == "error":
+                raise ApiError(503, ev.message, type_="server_error")
+            if ev.kind == "steps":
+                return c, ev, "", slice(0, 0)
+            delta, new = c.feed(ev)
+            if c.done and ev.kind != "done":  # a stop string: its row is freed at the next round
+                self.srv.engine.abort(c.request.id)
+            return c, ev, delta, new
+
+    # ----------------------------------------------------------------- answered whole
+    async def collect(self) -> dict | None:
+        """The whole response once every choice is done; None when the client went away."""
+        try:
+            while not all(c.done for c in self.choices):
+                if await self.next_event(stream=False) is None:
+                    self.abort_rest()
+                    return None
+        except (asyncio.CancelledError, ApiError):
+            self.abort_rest()
+            raise
+        out = [self._choice_body(c) for c in self.choices]
+        k = sum(len(c.ids) for c in self.choices)
+        n = len(self.ids)
+        return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
+                "created": self.created, "model": self.srv.model_name, "choices": out,
+                "usage": {"prompt_tokens": n, "completion_tokens": k, "total_tokens": n + k}}
+
+    def _choice_body(self, c: Choice) -> dict:
+        d = {"index": c.index, "finish_reason": c.finish,
+             "logprobs": c.logprob_block(slice(0, len(c.ids)), self.chat) if self.want_lp else None,
+             "jdllm": {"token_ids": c.ids, "step_map": c.step_map, "nfe": c.nfe}}
+        if self.constraint is not None:
+            d["jdllm"]["constraint_ok"] = c.constraint_ok
+        if self.chat:
+            d["message"] = {"role": "assistant", "content": c.text}
+        else:
+            d["text"] = c.text
+        return d
+
+    # ----------------------------------------------------------------- streamed
+    async def events(self):
+        """The server-sent events: `data: {chunk}` per choice delta (and per step event on request),
+        then `data: [DONE]`; an engine error becomes one `data: {"error": ...}`."""
+        try:
+            if self.chat:
+                for c in self.choices:
+                    yield self._sse(self._chunk(c, None, None, {}, first=True))
+            while not all(c.done for c in self.choices):
+                try:
+                    c, ev, delta, new = await self.next_event(stream=True)
+                except ApiError as e:
+                    yield "data: " + json.dumps(e.body()) + "\n\n"
+                    break
+                d = self._event_chunk(c, ev, delta, new)
+                if d is not None:
+                    yield self._sse(d)
+            yield "data: [DONE]\n\n"
+        finally:
+            self.abort_rest()
+
+    def _event_chunk(self, c: Choice, ev: Event, delta: str, new: slice) -> dict | None:
+        if ev.kind == "steps":
+            return self._chunk(c, None, None, {"revealed": [
+                {"position": p, "step": st, "token_id": t} for p, st, t in zip(ev.positions, ev.steps, ev.token_ids)]})
+        lp = c.logprob_block(new, self.chat, len(c.text) - len(delta)) if self.want_lp else None
+        extra = {"token_ids": c.ids[new], "step_map": c.step_map[new]}
+        if c.done:
+            extra["nfe"] = c.nfe
+            if self.constraint is not None:
+                extra["constraint_ok"] = c.constraint_ok
+        if delta or new.stop > new.start or c.done:
+            return self._chunk(c, delta, c.finish, extra, lp)
+        return None
+
+    def _chunk(self, c: Choice, text: str | None, finish, extra: dict, lp=None, first: bool = False) -> dict:
+        d = {"index": c.index, "finish_reason": finish, "jdllm": extra}
+        if self.chat:
+            delta = {"role": "assistant"} if first else {}
+            if text:
+                delta["content"] = text
+            d["delta"] = delta
+            d["logprobs"] = lp
+        else:
+            d["text"], d["logprobs"] = text or "", lp
+        return d
+
+    def _sse(self, d: dict) -> str:
+        obj = "chat.completion.chunk" if self.chat else "text_completion"
+        return "data: " + json.dumps({"id": self.id, "object": obj, "created": self.created,
+                                      "model": self.srv.model_name, "choices": [d]}) + "\n\n"
+
+
+async def respond(srv: Server, request, body: dict, ids: list[int], sampling: Sampling, step_map: bool, chat: bool):
+    """Run one request: the whole response (a dict), 499 when the client went away, or a stream."""
+    from fastapi.responses import JSONResponse, StreamingResponse  # noqa: PLC0415 (the serve extra)
+
+    run = Completion(srv, request, body, ids, sampling, step_map, chat)
+    await run.submit()
+    if not run.stream:
+        out = await run.collect()
+        return JSONResponse({}, status_code=499) if out is None else out
+    return StreamingResponse(run.events(), media_type="text/event-stream", headers=SSE_HEADERS)
+
+
+async def completions(srv: Server, request):
+    """POST /v1/completions."""
+    body = await read_body(request)
+    sampling, step_map = srv.sampling(body, min(16, srv.engine.max_new_tokens))
+    if "prompt" not in body:
+        raise ApiError(400, "prompt is required", "prompt")
+    ids = srv.prompt_ids(body["prompt"])
+    return await respond(srv, request, body, ids, srv.fit(body, sampling, ids, ("max_tokens",)), step_map, chat=False)
+
+
+async def chat_completions(srv: Server, request):
+    """POST /v1/chat/completions."""
+    body = await read_body(request)
+    names = ("max_tokens", "max_completion_tokens")
+    sampling, step_map = srv.sampling(body, srv.engine.max_new_tokens, names)
+    ids = srv.chat_ids(body.get("messages"))
+    return await respond(srv, request, body, ids, srv.fit(body, sampling, ids, names), step_map, chat=True)
+
+
+__all__ = ["Choice", "Completion", "completions", "chat_completions", "respond"]

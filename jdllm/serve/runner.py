@@ -1,0 +1,201 @@
+"""The serving runner: the device side of the engine.
+
+It owns the pool (one `DecodeState` of the engine's rows on a fixed canvas), the jitted pieces
+that change it and the constraint tables, and carries out a `SchedulerOutput`
+(`jdllm.serve.scheduler`): close aborted rows, start a drained batch or admit joining rows, run
+the round's steps, and return the host copy of what the output processor reads.
+
+- A joining row (`admit`) is built exactly as `jdllm.generate` builds that prompt alone (the
+  paradigm's `row_layout`, on the pool canvas), prefilled alone and merged into its row
+  (`merge_row`), in one jitted call with the pool donated. The row index is a traced value and
+  the prefill compiles once per prompt-length bucket, so requests come and go without recompiles.
+- A drained batch (`start_batch`) is built by `jdllm.api.prepare(..., max_rows=)`, exactly as
+  `generate` builds that batch, and prefilled: one compile per batch shape bucket.
+- A round is up to n steps of the whole pool (`loop.step_n`). A finished row takes part in the
+  batched forward until an admission reuses it (it reveals nothing).
+
+Constraints: with constraint_states > 0 every row carries an on-device token-DFA table
+(`DecodeState.constraint`) padded to fixed buckets; a free row's table allows everything, so
+constrained and free requests share one compiled step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jdllm import compile_progress
+from jdllm.api import params_for, prepare, trace_arrays
+from jdllm.constraints.dfa_device import stack
+from jdllm.decode import common, loop
+from jdllm.model import KVCache
+from jdllm.state import ABORT, DecodeState
+
+STOP_WIDTH = 8  # stop ids a request may carry (the pool's stop_ids width)
+HOST_FIELDS = ("tokens", "revealed", "step_map", "logprobs", "gen_start", "limit", "end", "done", "finish", "nfe")
+
+
+def merge_row(pool: DecodeState, new: DecodeState, row) -> DecodeState:
+    """`pool` with its row `row` (a traced int: no recompile per row) replaced by `new`'s only row.
+
+    Every per-row field (canvas, positions, sampling, stop ids, PRNG key, counters, the row's KV
+    cache and prev_logits, paradigm `extra` arrays, on-device constraint tables) is copied; a
+    `KVCache` anywhere (the state's, or one a paradigm keeps in `extra`, e.g. ar_spec's draft
+    cache) along its batch axis 1; batch scalars (`forwards`, `iteration`) stay the pool's.
+    """
+    def put(p, n):
+        if isinstance(p, KVCache):
+            return dataclasses.replace(p, k=p.k.at[:, row].set(n.k[:, 0]), v=p.v.at[:, row].set(n.v[:, 0]),
+                                       length=p.length.at[row].set(n.length[0]))
+        return p if p.ndim == 0 else p.at[row].set(n[0])
+
+    rest = {f.name: getattr(pool, f.name) for f in dataclasses.fields(pool)
+            if f.name not in ("forwards", "iteration")}
+    fresh = {k: getattr(new, k) for k in rest}
+    merged = jax.tree.map(put, rest, fresh, is_leaf=lambda x: isinstance(x, KVCache))
+    return pool.replace(**merged)
+
+
+# --------------------------------------------------------------------------- jitted pieces
+def admit_row(params, pool: DecodeState, fresh: DecodeState, row, *, paradigm, ctx):
+    """Prefill `fresh` (one row, the pool's canvas) with the row's own context and merge it into `row`.
+    On a mesh the lone row is left to XLA (one row does not split over `data`); the merged pool is
+    pinned to its shardings."""
+    new = loop.prefill(params, fresh, paradigm=paradigm, ctx=dataclasses.replace(ctx, placement=None))
+    return common.constrain(ctx, merge_row(pool, new, row))
+
+
+def run_round(params, pool: DecodeState, n, *, paradigm, ctx):
+    """Up to n steps for the whole pool (the iteration guard counts per round: the pool lives on)."""
+    pool = pool.replace(iteration=jnp.zeros((), jnp.int32))
+    return loop.step_n(params, pool, n, paradigm=paradigm, ctx=ctx)
+
+
+def abort_rows(pool: DecodeState, rows):
+    """Rows [B] (bool) still running finish as ABORT (client gone)."""
+    return common.close_rows(pool, rows & ~pool.done, ABORT)
+
+
+def _idle_extra(params, pool: DecodeState, paradigm, ctx) -> dict:
+    """Zeros shaped like the `extra` the paradigm's prefill sets (ar_spec: counters, draft cache),
+    so a row's merge finds the same structure in the pool (traced only, nothing runs)."""
+    ctx1 = dataclasses.replace(ctx, prefill_len=1)
+    shapes = jax.eval_shape(lambda p, s: paradigm.prefill(p, ctx1, s).extra, params, pool)
+    return jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shapes)
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled(compiler_options: tuple = ()):
+    opts = dict(compiler_options) or None
+    static = ("paradigm", "ctx")
+    return dict(admit=jax.jit(admit_row, static_argnames=static, donate_argnames=("pool",), compiler_options=opts),
+                round=jax.jit(run_round, static_argnames=static, donate_argnames=("pool",), compiler_options=opts),
+                close=jax.jit(abort_rows, donate_argnames=("pool",), compiler_options=opts),
+                buffers=jax.jit(common.with_buffers, static_argnums=(1,), compiler_options=opts),
+                prefill=loop.compiled_steps(compiler_options)["prefill"])
+
+
+# --------------------------------------------------------------------------- the runner
+class Runner:
+    """The pool of `rows` rows on a `slots`-wide canvas for one model and paradigm, and the calls
+    that change it. constraint_states / constraint_classes: the DFA table buckets (0: none)."""
+
+    def __init__(self, model, paradigm, *, rows: int, slots: int, constraint_states: int = 0,
+                 constraint_classes: int = 64, compiler_options: tuple = ()):
+        self.model, self.paradigm, self.cfg = model, paradigm, model.config
+        self.rows, self.slots = rows, slots
+        self.constraint_states, self.constraint_classes = constraint_states, constraint_classes
+        self.ctx = common.DecodeCtx(model=paradigm.attention_config(self.cfg), attn_impl=model.forward_impl,
+                                    prefill_len=0, placement=model.placement)
+        self.round_ctx = self.ctx  # the context rounds run with (a drained batch brings its own)
+        self.fns = _compiled(compiler_options)
+        self.params = params_for(model, paradigm)  # ar_spec: the draft's parameters ride along
+        self.pool = self._idle_pool()
+
+    def _idle_pool(self) -> DecodeState:
+        R = self.rows
+        lay = common.Layout(start=np.zeros(R, np.int32), gen_start=np.ones(R, np.int32), slots=self.slots,
+                            prefill_len=0)
+        idle = common.new_state(self.cfg, [np.zeros(1, np.int32)] * R, lay, 1, stop_ids=[(-1,) * STOP_WIDTH] * R,
+                                active=np.zeros(R, bool))
+        if self.constraint_states:
+            idle = idle.replace(constraint=self.tables([None] * R, self.slots))
+        pool = self.fns["buffers"](self.params, self.cfg, idle)
+        pool = pool.replace(extra=_idle_extra(self.params, pool, self.paradigm, self.ctx))
+        placement = self.model.placement
+        return pool if placement is None else placement.place_state(pool)
+
+    def tables(self, dfas: list, slots: int):
+        """On-device DFA tables for rows with these DFAs (None: allow everything)."""
+        return stack(dfas, self.cfg.vocab_size, self.constraint_states, self.constraint_classes, slots=slots)
+
+    def execute(self, out, steps: int) -> dict | None:
+        """Carry out one `SchedulerOutput`; the host arrays after the round's `steps` steps, or None
+        when no row is running."""
+        if out.close_rows:
+            mask = np.zeros(self.pool.batch, bool)
+            mask[list(out.close_rows)] = True
+            self.close(mask)
+        if out.start_batch:
+            self.start_batch(out.start_batch)
+        for req, row in out.admit:
+            self.admit(req, row)
+        if not out.run_round:
+            return None
+        self.step(steps)
+        return self.host()
+
+    def close(self, rows: np.ndarray) -> None:
+        """Rows [B] (bool) still running finish as ABORT."""
+        self.pool = self.fns["close"](self.pool, jnp.asarray(rows))
+
+    def close_all(self) -> None:
+        self.close(np.ones(self.pool.batch, bool))
+
+    def start_batch(self, reqs) -> None:
+        """A drained pool's new batch: request i in row i, built as `generate` builds it, prefilled."""
+        settings = [dataclasses.replace(r.sampling, stop_token_ids=r.stop_ids) for r in reqs]
+        prep = prepare(self.model, [r.prompt_ids for r in reqs], self.paradigm, settings, max_rows=self.rows)
+        state, self.round_ctx = prep.state, prep.ctx
+        if self.constraint_states:
+            dfas = [r.dfa for r in reqs] + [None] * (state.batch - len(reqs))
+            state = state.replace(constraint=self.tables(dfas, state.slots))
+        with compile_progress.watch(self.fns["prefill"], f"{self.paradigm.name} prefill", state,
+                                    (self.paradigm, self.round_ctx)):
+            self.pool = self.fns["prefill"](self.params, state, paradigm=self.paradigm, ctx=self.round_ctx)
+
+    def admit(self, req, row: int) -> None:
+        """Prefill `req` alone on the pool canvas and merge it into `row`."""
+        s = req.sampling
+        lay = self.paradigm.row_layout(self.cfg, len(req.prompt_ids), s.max_new_tokens, self.slots)
+        stops = req.stop_ids + (-1,) * (STOP_WIDTH - len(req.stop_ids))
+        fresh = common.new_state(self.cfg, [np.asarray(req.prompt_ids, np.int32)], lay, s.max_new_tokens,
+                                 settings=[s], stop_ids=[stops], seed=s.seed, stream=0)
+        if self.constraint_states:
+            fresh = fresh.replace(constraint=self.tables([req.dfa], self.slots))
+        ctx = dataclasses.replace(self.ctx, prefill_len=int(lay.prefill_len))
+        key = (self.paradigm, ctx, self.pool.tokens.shape)
+        with compile_progress.watch(self.fns["admit"], f"{self.paradigm.name} prefill", fresh, key):
+            self.pool = self.fns["admit"](self.params, self.pool, fresh, jnp.int32(row), paradigm=self.paradigm,
+                                          ctx=ctx)
+
+    def step(self, steps: int) -> None:
+        """Up to `steps` steps of the whole pool."""
+        with compile_progress.watch(self.fns["round"], f"{self.paradigm.name} step", self.pool,
+                                    (self.paradigm, self.round_ctx)):
+            self.pool = self.fns["round"](self.params, self.pool, jnp.int32(steps), paradigm=self.paradigm,
+                                          ctx=self.round_ctx)
+
+    def host(self) -> dict:
+        """NumPy copies of what the output processor reads (`HOST_FIELDS`, and under "extra" the
+        arrays `Paradigm.output_trace` reads, or None)."""
+        fields = {k: getattr(self.pool, k) for k in HOST_FIELDS}
+        fields["extra"] = trace_arrays(self.paradigm, self.pool.extra)
+        return jax.device_get(fields)
+
+
+__all__ = ["Runner", "merge_row", "STOP_WIDTH"]

@@ -1,0 +1,78 @@
+"""The `Paradigm` protocol's claims, checked with paradigms defined here: a paradigm is one class
+plus one registry line, and jdllm drives it through its members, never by its name."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar
+
+import pytest
+
+import jdllm
+from jdllm.decode import protocol
+from jdllm.decode.protocol import Paradigm
+from jdllm.serve.engine import Engine
+from tests.decode_fixtures import FAST_COMPILE, causal_model, fast_compile  # noqa: F401
+
+_AR = jdllm.AR()
+
+
+@dataclasses.dataclass(frozen=True)
+class ToyAR(Paradigm):
+    """A paradigm no jdllm module knows by name: AR's step pieces, but batches that start together
+    once the pool has drained (serving's other join rule) and one length per batch."""
+
+    name: ClassVar[str] = "toy_ar"
+    joins_running_batch: ClassVar[bool] = False
+
+    def validate(self, cfg):
+        _AR.validate(cfg)
+
+    def layout(self, lengths, max_new_tokens, cfg):
+        return _AR.layout(lengths, max_new_tokens, cfg)
+
+    def prefill(self, params, ctx, state, bitmask=None):
+        return _AR.prefill(params, ctx, state, bitmask)
+
+    def plan(self, ctx, state):
+        return _AR.plan(ctx, state)
+
+    def forward(self, params, ctx, state, plan):
+        return _AR.forward(params, ctx, state, plan)
+
+    def reveal(self, ctx, state, plan, logits, bitmask=None):
+        return _AR.reveal(ctx, state, plan, logits, bitmask)
+
+    def max_iterations(self, state):
+        return _AR.max_iterations(state)
+
+
+@pytest.mark.usefixtures("fast_compile")
+def test_a_new_paradigm_is_served(monkeypatch):
+    """ToyAR, registered with one line, is served by the engine under its own join rule: a request
+    arriving while a batch decodes waits for it to drain, though a row is free. Each output equals
+    `jdllm.generate` with ToyAR on that prompt alone (tokens, steps, NFE, finish, log-probs)."""
+    monkeypatch.setattr(protocol, "PARADIGMS", dict(protocol.PARADIGMS))  # the registry line, undone after
+    protocol.register(ToyAR)
+    assert protocol.paradigm_class("toy_ar") is ToyAR
+
+    m, par = causal_model(), ToyAR()
+    prompts = [[5, 17, 3, 44, 9], [70, 2, 8]]
+    settings = [jdllm.Sampling(max_new_tokens=8, stop_token_ids=()),
+                jdllm.Sampling(max_new_tokens=8, stop_token_ids=(), temperature=0.8, seed=3)]
+    eng = Engine(m, par, max_batch=2, max_prompt_tokens=8, max_new_tokens=8, steps_per_round=2,
+                 compiler_options=FAST_COMPILE)
+    first = eng.submit(prompts[0], settings[0])
+    eng.step_round()
+    second = eng.submit(prompts[1], settings[1])
+    eng.step_round()
+    assert (first.status, second.status) == ("running", "waiting")  # a free row, but the batch has not drained
+    eng.run_until_idle()
+    for p, s, r in zip(prompts, settings, (first, second)):
+        want = jdllm.generate(m, [p], par, s)[0]
+        got = r.output
+        assert (got.token_ids, got.step_map, got.nfe, got.finish_reason) == \
+            (want.token_ids, want.step_map, want.nfe, want.finish_reason)
+        assert got.logprobs == pytest.approx(want.logprobs, abs=1e-5)
+        assert [t for ev in r.events if ev.kind == "tokens" for t in ev.token_ids] == got.token_ids
+    assert eng.stats()["rows_free"] == 2 and eng.stats()["tracked"] == 0
