@@ -13,6 +13,6 @@ def _leave(signum, frame):  # Ctrl-C while importing: nothing is written yet, le
 signal.signal(signal.SIGINT, _leave)
 
 from convert.cli import main  # noqa: E402
-from jdllm.cli import exit_with  # noqa: E402
+from jdllm.process import exit_with  # noqa: E402
 
 exit_with(main(own_process=True))

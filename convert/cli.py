@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None, *, own_process: bool = False) -> int:
     Ctrl-C as exit 130 (own_process: as `jdllm.cli.main`)."""
     try:
         from jdllm import __version__  # noqa: PLC0415
-        from jdllm.cli import interrupt_outside_gc, quiet_transformers  # noqa: PLC0415
+        from jdllm.process import interrupt_outside_gc, quiet_transformers  # noqa: PLC0415
         from jdllm.errors import JdllmError  # noqa: PLC0415
 
         quiet_transformers()

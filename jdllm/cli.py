@@ -18,6 +18,7 @@ import warnings
 
 from jdllm import __version__
 from jdllm.errors import JdllmError
+from jdllm.process import INTERRUPTED, exit_on_interrupt, exit_with, interrupt_outside_gc, quiet_transformers
 
 # subcommand -> module exposing add_arguments(parser) and run(args) -> int
 SUBCOMMANDS = {
@@ -26,13 +27,6 @@ SUBCOMMANDS = {
     "bench": ("jdllm.bench_cli", "run the decode benchmark on a model directory"),
     "serve": ("jdllm.serve.cli", "OpenAI-compatible HTTP server with continuous batching"),
 }
-INTERRUPTED = 130
-
-
-def quiet_transformers() -> None:
-    """Silence transformers' import-time advice ("PyTorch was not found ..."): jdllm never needs
-    PyTorch, and the notice reads as an error. Entry points only: they own their process."""
-    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -78,39 +72,6 @@ def progress(command: str):
         yield
 
 
-def exit_on_interrupt(command: str) -> None:
-    """Make Ctrl-C end the process at once with code 130. A KeyboardInterrupt raised while JAX
-    runs can be swallowed (in one of its gc callbacks) or crash the interpreter's teardown, so
-    for commands with nothing to clean up the handler leaves directly."""
-    def handler(signum, frame):
-        print(f"{command}: interrupted", file=sys.stderr)
-        exit_with(INTERRUPTED)
-
-    signal.signal(signal.SIGINT, handler)
-
-
-def interrupt_outside_gc() -> None:
-    """Make Ctrl-C raise KeyboardInterrupt, but never inside a garbage-collector callback (JAX
-    registers one), where Python would print the exception and drop it: there the signal is
-    sent again a moment later, so the command still stops and cleans up."""
-    import gc  # noqa: PLC0415
-    import threading  # noqa: PLC0415
-
-    def handler(signum, frame):
-        callbacks = {getattr(cb, "__code__", None) for cb in gc.callbacks} - {None}
-        f = frame
-        while f is not None:
-            if f.f_code in callbacks:
-                again = threading.Timer(0.05, os.kill, (os.getpid(), signal.SIGINT))
-                again.daemon = True
-                again.start()
-                return
-            f = f.f_back
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGINT, handler)
-
-
 def main(argv: list[str] | None = None, *, own_process: bool = False) -> int:
     """Run one command; returns the exit code (2 on a jdllm error, 130 on Ctrl-C).
 
@@ -133,20 +94,6 @@ def main(argv: list[str] | None = None, *, own_process: bool = False) -> int:
     except KeyboardInterrupt:
         print(f"{command}: interrupted", file=sys.stderr)
         return INTERRUPTED
-
-
-def exit_with(code: int):
-    """Leave the process with `code`. After Ctrl-C, skip the interpreter's teardown: JAX can
-    crash there (a segmentation fault) when interrupted mid-compile. Once the command is done,
-    a Ctrl-C during the teardown is ignored for the same reason."""
-    if code != INTERRUPTED:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-    else:
-        for stream in (sys.stdout, sys.stderr):
-            with contextlib.suppress(Exception):
-                stream.flush()
-        os._exit(code)
-    sys.exit(code)
 
 
 def entry() -> None:
