@@ -25,6 +25,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from jdllm import errors, hf_layout
+from jdllm.inputs import DTYPES, np_dtype  # noqa: F401 (DTYPES: the CLIs read it here)
 from jdllm.config import ModelConfig
 
 CONFIG_FILE = "config.json"
@@ -34,32 +35,11 @@ MARKER_FILE = "jdllm_config.json"
 PARAMS_DIR = "params"
 HF_CONFIG_COPY = "hf_config.json"
 FORMAT_VERSION = 1
-DTYPES = ("bfloat16", "float16", "float32")
 
 
 def one_line(e: BaseException) -> str:
     """An exception's text on one line (library messages may span several)."""
     return " ".join(str(e).split())
-
-
-def np_dtype(dtype) -> np.dtype | None:
-    """'bfloat16' | 'float16' | 'float32' | a NumPy/JAX dtype | None -> NumPy dtype (None keeps)."""
-    if dtype is None:
-        return None
-    import ml_dtypes  # noqa: PLC0415 (startup: `jdllm convert --help` and config reads stay free of JAX)
-    names = {"bfloat16": np.dtype(ml_dtypes.bfloat16), "float16": np.dtype(np.float16),
-             "float32": np.dtype(np.float32)}
-    if isinstance(dtype, str):
-        if dtype not in names:
-            raise errors.ConfigError(f"dtype={dtype!r} is not one of {DTYPES}")
-        return names[dtype]
-    try:
-        d = np.dtype(dtype)
-    except TypeError as e:
-        raise errors.ConfigError(f"dtype={dtype!r} is not one of {DTYPES}") from e
-    if d.name not in names:
-        raise errors.ConfigError(f"dtype={d.name!r} is not one of {DTYPES}")
-    return d
 
 
 def is_jdllm_dir(path: str) -> bool:

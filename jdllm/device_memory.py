@@ -23,6 +23,7 @@ from typing import Any, Callable, Iterable
 import numpy as np
 
 from jdllm import errors
+from jdllm.inputs import np_dtype
 
 GIB = 1024 ** 3
 
@@ -102,7 +103,6 @@ def check_params_fit(cfg, dtype, shardings=None, *, source: str | None = None, d
     `errors.DeviceMemoryError` where they cannot fit (see `check_fits`)."""
     import jax  # noqa: PLC0415
 
-    from jdllm.checkpoint import np_dtype  # noqa: PLC0415
     from jdllm.model import param_shapes  # noqa: PLC0415
 
     if dtype is not None:

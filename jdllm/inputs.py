@@ -17,6 +17,8 @@ import numpy as np
 
 from jdllm import errors
 
+DTYPES = ("bfloat16", "float16", "float32")  # the dtypes a model loads in
+
 INT32_MAX = 2**31 - 1
 
 
@@ -191,3 +193,23 @@ def check_output_path(path: str, what: str, create_parents: bool) -> None:
     except OSError as e:
         raise errors.OutputPathError(
             f"{what} {path}: cannot write in {existing} ({e.strerror or e}); choose a writable location") from None
+
+
+def np_dtype(dtype) -> np.dtype | None:
+    """'bfloat16' | 'float16' | 'float32' | a NumPy/JAX dtype | None -> NumPy dtype (None keeps)."""
+    if dtype is None:
+        return None
+    import ml_dtypes  # noqa: PLC0415 (startup: input checks run before any array library loads)
+    names = {"bfloat16": np.dtype(ml_dtypes.bfloat16), "float16": np.dtype(np.float16),
+             "float32": np.dtype(np.float32)}
+    if isinstance(dtype, str):
+        if dtype not in names:
+            raise errors.ConfigError(f"dtype={dtype!r} is not one of {DTYPES}")
+        return names[dtype]
+    try:
+        d = np.dtype(dtype)
+    except TypeError as e:
+        raise errors.ConfigError(f"dtype={dtype!r} is not one of {DTYPES}") from e
+    if d.name not in names:
+        raise errors.ConfigError(f"dtype={d.name!r} is not one of {DTYPES}")
+    return d
