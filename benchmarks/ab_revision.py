@@ -87,7 +87,7 @@ def decoding(name: str, args, gen: int):
                                     else "low_confidence_dynamic", dynamic_minimum="sdar")
     if name == "fastdllm_prefix":
         return jdllm.MaskedDiffusion(gen_length=gen, block_length=args.block, confidence_threshold=0.9,
-                                     cache="prefix")
+                                     cache_mode="prefix")
     return jdllm.MultiBlock(block_length=args.block)
 
 

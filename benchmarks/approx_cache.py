@@ -1,8 +1,8 @@
 """multi_block's approximate KV caches on the shipped bidirectional model (models/tiny-llada).
 
-cache="approx" (d3LLM's delayed prefix cache) at several cache_delay_iter, and cache="window"
-(jdllm's windowed variant), against cache="none" on the held-out task set: tokens/s (compile
-excluded), forwards per item, the fraction of generated tokens that differ from cache="none"
+cache_mode="approx" (d3LLM's delayed prefix cache) at several cache_delay_iter, and cache_mode="window"
+(jdllm's windowed variant), against cache_mode="none" on the held-out task set: tokens/s (compile
+excluded), forwards per item, the fraction of generated tokens that differ from cache_mode="none"
 (slot by slot; a missing or extra token counts as different) and exact-match accuracy.
 
 Two regimes: the task's own answers (12 tokens, stop at EOS) and a long fill (48 tokens, no stop
@@ -55,7 +55,7 @@ def main(argv=None) -> int:
     for gen, stop in ((12, None), (48, ())):
         base = None
         for cache, kw in CACHES:
-            dec = jdllm.MultiBlock(block_size=4, entropy_threshold=0.5, cache=cache, **kw)
+            dec = jdllm.MultiBlock(block_size=4, entropy_threshold=0.5, cache_mode=cache, **kw)
             sampling = jdllm.Sampling(max_new_tokens=gen, **({} if stop is None else dict(stop_token_ids=stop)))
             run = lambda: [o for i in range(0, len(prompts), args.batch)  # noqa: E731
                            for o in jdllm.generate(model, prompts[i:i + args.batch], dec, sampling,

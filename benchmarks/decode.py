@@ -237,7 +237,7 @@ def masked_diffusion_rows(ar, args, rng) -> list[dict]:
     schedule, so every length finishes in bounded CPU time) and Fast-dLLM's threshold (--threshold;
     one forward per token while the random model is unsure), the latter only up to
     --masked-threshold-max-len. `diff_vs_none` is the fraction of generated tokens that differ from
-    the cache="none" run of the same decoding (the prefix / dual caches are approximations).
+    the cache_mode="none" run of the same decoding (the prefix / dual caches are approximations).
     `first_call_s` includes the compile (the prefix cache compiles one window per block).
     """
     ctx_len = max(ar.config.max_position_embeddings, args.prompt + max(args.masked_gen_lengths))  # RoPE: any length
@@ -254,7 +254,7 @@ def masked_diffusion_rows(ar, args, rng) -> list[dict]:
         for label, kw in decodings.items():
             base = None
             for cache in ("none", "prefix", "dual"):
-                dec = jdllm.MaskedDiffusion(block_length=Bl, cache=cache, **kw)
+                dec = jdllm.MaskedDiffusion(block_length=Bl, cache_mode=cache, **kw)
                 sampling = jdllm.Sampling(max_new_tokens=G, stop_token_ids=())
                 best, outs, first = timed(lambda: jdllm.generate(model, prompts, dec, sampling), repeats,
                                           with_first=True)
@@ -281,8 +281,8 @@ def multi_block_rows(ar, args, rng) -> list[dict]:
     """multi_block per generation length, batch 1, on the same weights run as an SDAR-like block-causal
     model (block grid --mb-block) and as a LLaDA-like bidirectional one (mask token = the last id).
 
-    Block-causal: cache="none" (every step one forward over the whole canvas) vs the exact KV cache
-    (`identical_to_none`: same tokens and step map). Bidirectional: cache="none" vs the approximate
+    Block-causal: cache_mode="none" (every step one forward over the whole canvas) vs the exact KV cache
+    (`identical_to_none`: same tokens and step map). Bidirectional: cache_mode="none" vs the approximate
     caches, d3LLM's delayed prefix cache ("approx") and jdllm's windowed one ("window"), both at
     cache_delay_iter=1, refresh_interval=10000 (`diff_vs_none` is the fraction of generated tokens
     that differ). 1024-token runs are timed once. `first_call_s` includes the compile.
@@ -303,7 +303,7 @@ def multi_block_rows(ar, args, rng) -> list[dict]:
             base = None
             for cache in caches:
                 dec = jdllm.MultiBlock(block_size=args.mb_block, entropy_threshold=args.mb_entropy,
-                                       max_blocks=args.mb_max_blocks, cache=cache)
+                                       max_blocks=args.mb_max_blocks, cache_mode=cache)
                 sampling = jdllm.Sampling(max_new_tokens=G, stop_token_ids=())
                 best, outs, first = timed(lambda: jdllm.generate(models[attention], prompts, dec, sampling),
                                           repeats, with_first=True)

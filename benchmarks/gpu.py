@@ -172,13 +172,13 @@ def decoding_for(case: Case, gen: int, block: int):
     if n == "llada":
         return jdllm.MaskedDiffusion(gen_length=gen, steps=max(gen // 4, gen // block), block_length=block)
     if n == "fastdllm_prefix":
-        return jdllm.MaskedDiffusion(gen_length=gen, block_length=block, confidence_threshold=0.9, cache="prefix")
+        return jdllm.MaskedDiffusion(gen_length=gen, block_length=block, confidence_threshold=0.9, cache_mode="prefix")
     if n == "fastdllm_dual":
-        return jdllm.MaskedDiffusion(gen_length=gen, block_length=block, confidence_threshold=0.9, cache="dual")
+        return jdllm.MaskedDiffusion(gen_length=gen, block_length=block, confidence_threshold=0.9, cache_mode="dual")
     if n == "mb_exact":
-        return jdllm.MultiBlock(block_size=block, cache="exact")
+        return jdllm.MultiBlock(block_size=block, cache_mode="exact")
     if n == "mb_approx":
-        return jdllm.MultiBlock(block_size=block, cache="approx", cache_delay_iter=2)
+        return jdllm.MultiBlock(block_size=block, cache_mode="approx", cache_delay_iter=2)
     raise ValueError(n)
 
 

@@ -138,13 +138,13 @@ def sweep(attention: str, block_size: int, quick: bool, forced: Sequence[str] = 
         out = []
         for cache in ("none",) if quick else ("none", "prefix", "dual"):
             out += [_s("MaskedDiffusion", f"low_confidence/cache={cache}", f"steps={s}", gen_length=G,
-                       block_length=4, steps=s, remasking="low_confidence", cache=cache) for s in (G, G // 2)]
+                       block_length=4, steps=s, remasking="low_confidence", cache_mode=cache) for s in (G, G // 2)]
             out += [_s("MaskedDiffusion", f"threshold/cache={cache}", f"conf>={c}", gen_length=G, block_length=4,
-                       steps=G, remasking="low_confidence", cache=cache, confidence_threshold=c)
+                       steps=G, remasking="low_confidence", cache_mode=cache, confidence_threshold=c)
                     for c in ((0.9,) if quick or cache == "prefix" else (0.9, 0.7, 0.5))]
         if not quick:
             out += [_s("MaskedDiffusion", "random/cache=none", f"steps={G}", gen_length=G, block_length=4,
-                       steps=G, remasking="random", cache="none")]
+                       steps=G, remasking="random", cache_mode="none")]
         for cache in ("none",) if quick else ("none", "approx", "window"):
             out += [_s("MultiBlock", fp(f"entropy/cache={cache}", f), f"H<={e}", block_size=4, entropy_threshold=e,
                        cache=cache, **({} if f == "first" else {"forced_progress": f}))

@@ -408,7 +408,7 @@ def main(argv=None) -> int:
                 if f"fastdllm_{cache}" not in want:
                     continue
                 dec = jdllm.MaskedDiffusion(gen_length=gen, block_length=args.block,
-                                            confidence_threshold=args.threshold, cache=cache)
+                                            confidence_threshold=args.threshold, cache_mode=cache)
                 r = interleaved({"jd": lambda: jd_tokens(llada, [prompt], dec, gen),
                                  "pt": lambda: [torch_llada(llama_hf, prompt, gen=gen, steps=gen, block=args.block,
                                                             mask_id=mask, threshold=args.threshold,
@@ -431,7 +431,7 @@ def main(argv=None) -> int:
                                     r["jd"], r["pt"], args.pairs))
             if "d3llm" in want:
                 dec = jdllm.MultiBlock(block_size=args.block, entropy_threshold=args.entropy_threshold,
-                                       cache="none")
+                                       cache_mode="none")
                 r = interleaved({"jd": lambda: jd_tokens(llada, [prompt], dec, gen),
                                  "pt": lambda: [torch_multi_block(llama_hf, prompt, gen=gen, block=args.block,
                                                                   mask_id=mask,

@@ -64,8 +64,8 @@ def main() -> None:
     configs = {
         "LLaDA low_confidence, 2 tokens/step": jdllm.MaskedDiffusion(steps=G // 2, block_length=Bl),
         "Fast-dLLM threshold 0.9": jdllm.MaskedDiffusion(block_length=Bl, confidence_threshold=0.9),
-        "  + prefix cache": jdllm.MaskedDiffusion(block_length=Bl, confidence_threshold=0.9, cache="prefix"),
-        "  + dual cache": jdllm.MaskedDiffusion(block_length=Bl, confidence_threshold=0.9, cache="dual"),
+        "  + prefix cache": jdllm.MaskedDiffusion(block_length=Bl, confidence_threshold=0.9, cache_mode="prefix"),
+        "  + dual cache": jdllm.MaskedDiffusion(block_length=Bl, confidence_threshold=0.9, cache_mode="dual"),
         "Dream-style maskgit_plus": jdllm.MaskedDiffusion(steps=G // 2, block_length=Bl, alg="maskgit_plus"),
     }
     for label, dec in configs.items():

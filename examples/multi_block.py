@@ -69,7 +69,7 @@ def main() -> None:
     results = {}
     for cache in caches:
         decoding = jdllm.MultiBlock(block_size=block, entropy_threshold=0.9, block_add_threshold=0.5,
-                                    decoded_token_threshold=0.5, cache=cache)  # d3LLM's rules: no cap,
+                                    decoded_token_threshold=0.5, cache_mode=cache)  # d3LLM's rules: no cap,
         # forced progress in the first Fully-Activated block, the family's selection rule
         jdllm.generate(model, prompts, decoding, sampling)  # compile
         t0 = time.perf_counter()

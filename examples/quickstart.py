@@ -76,7 +76,7 @@ def main() -> None:
     run(os.path.join(d, "tiny-sdar"), jdllm.MultiBlock(block_size=4),
         "multi_block", examples)
     run(os.path.join(d, "tiny-llada"),
-        jdllm.MaskedDiffusion(steps=12, block_length=12, confidence_threshold=0.9, cache="dual"),
+        jdllm.MaskedDiffusion(steps=12, block_length=12, confidence_threshold=0.9, cache_mode="dual"),
         "masked_diffusion (Fast-dLLM threshold, dual cache)", examples)
 
 

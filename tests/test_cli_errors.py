@@ -132,7 +132,7 @@ def test_help_lists_per_paradigm_defaults_and_choices():
 
 def test_masked_diffusion_takes_cache_auto():
     res = jdllm("generate", TINY_LLADA, "--prompt", "sort:3 1 2=", "--paradigm", "masked_diffusion",
-                "--cache", "auto", "--max-new-tokens", "8")
+                "--cache-mode", "auto", "--max-new-tokens", "8")
     assert res.returncode == 0 and "Traceback" not in res.stderr, res.stderr
 
 

@@ -170,7 +170,7 @@ def test_caches_exact_on_one_layer_model(shift):
     kw = dict(block_length=8, confidence_threshold=0.7, alg="maskgit_plus" if shift else None)
     base = jdllm.generate(m, PROMPTS, jdllm.MaskedDiffusion(**kw), _sampling())
     for cache in ("prefix", "dual"):
-        got = jdllm.generate(m, PROMPTS, jdllm.MaskedDiffusion(cache=cache, **kw), _sampling())
+        got = jdllm.generate(m, PROMPTS, jdllm.MaskedDiffusion(cache_mode=cache, **kw), _sampling())
         for b, c in zip(base, got):
             assert c.token_ids == b.token_ids and c.step_map == b.step_map and c.nfe == b.nfe
             np.testing.assert_allclose(c.logprobs, b.logprobs, atol=1e-4)
@@ -188,7 +188,7 @@ def test_caches_on_deeper_model_match_cache_reference_and_deviation_is_measured(
     m = bidir_model(shift=shift, layers=2)
     base = jdllm.generate(m, PROMPTS, jdllm.MaskedDiffusion(**kw), _sampling())
     for cache in ("prefix", "dual"):
-        got = jdllm.generate(m, PROMPTS, jdllm.MaskedDiffusion(cache=cache, **kw), _sampling())
+        got = jdllm.generate(m, PROMPTS, jdllm.MaskedDiffusion(cache_mode=cache, **kw), _sampling())
         for p, o in zip(PROMPTS, got):
             assert_matches_reference(o, masked_diffusion_reference(m.params, m.config, p, gen_length=G, cache=cache, **kw))
             assert len(o.token_ids) == G and MASK not in o.token_ids
@@ -221,12 +221,13 @@ def test_no_retrace_with_same_buckets():
     (dict(block_length=2.5), "block_length=2.5"),
     (dict(remasking="high"), "remasking='high'"),
     (dict(alg="greedy"), "alg='greedy'"),
-    (dict(cache="suffix"), "cache='suffix'"),
+    (dict(cache_mode="suffix"), "cache_mode='suffix'"),
+    (dict(cache="suffix"), "cache_mode='suffix'"),  # the older field name is still accepted
     (dict(confidence_threshold=1.5), "confidence_threshold=1.5"),
     (dict(confidence_threshold=0.9, remasking="random"), "confidence_threshold"),
     (dict(confidence_threshold=0.9, alg="origin"), "confidence_threshold"),
     (dict(cfg_scale=-1.0), "cfg_scale=-1.0"),
-    (dict(cfg_scale=1.0, cache="dual"), "cache='none'"),
+    (dict(cfg_scale=1.0, cache_mode="dual"), "cache_mode='none'"),
     (dict(gen_length=16, block_length=5), "block_length=5 must divide gen_length=16"),
     (dict(gen_length=16, block_length=4, steps=6), "steps=6 must be a multiple"),
     (dict(eps=0.0), "eps=0.0"),

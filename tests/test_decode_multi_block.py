@@ -71,12 +71,12 @@ def test_block_causal_matches_reference(config, shifted):
     """SDAR-like (Fast-dLLM-like when shifted) model, exact cache, mixed-length batch and batch 1."""
     m = block_model(seed=2, logit_shift=True) if shifted else block_model()
     refs = [_ref(m, p, config) for p in PROMPTS]
-    outs = jdllm.generate(m, PROMPTS, _mb(config, cache="exact"), _sampling())
+    outs = jdllm.generate(m, PROMPTS, _mb(config, cache_mode="exact"), _sampling())
     for out, ref in zip(outs, refs):
         _check(out, ref)
         assert MASK not in out.token_ids and len(out.token_ids) == MAX_NEW
     if config == "pipelined":
-        (solo,) = jdllm.generate(m, [PROMPTS[2]], _mb(config, cache="exact"), _sampling())
+        (solo,) = jdllm.generate(m, [PROMPTS[2]], _mb(config, cache_mode="exact"), _sampling())
         _check(solo, refs[2])
     if config == "forced":  # one lowest-entropy token, plus forced ones for the other blocks in flight
         assert max(np.bincount(outs[0].step_map)) <= CONFIGS[config]["max_blocks"]
@@ -165,7 +165,7 @@ def test_exact_cache_equals_no_cache_and_commits_blocks():
     for sampling in (_sampling(max_new), _sampling(max_new, temperature=0.8, seed=3)):
         outs = {}
         for cache in ("none", "exact"):
-            prep, final = _final_state(m, PROMPTS, _mb("pipelined", max_blocks=2, cache=cache), sampling)
+            prep, final = _final_state(m, PROMPTS, _mb("pipelined", max_blocks=2, cache_mode=cache), sampling)
             outs[cache] = jdllm.api.outputs(prep, final)
             if cache == "exact":  # committed well past the prompt blocks, never a stale block
                 assert int(final.cache.length.min()) > prep.ctx.prefill_len + 4 * BS
@@ -173,7 +173,7 @@ def test_exact_cache_equals_no_cache_and_commits_blocks():
             assert a.token_ids == b.token_ids and a.step_map == b.step_map and a.nfe == b.nfe
             assert a.trace == b.trace
             np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-4)
-    greedy = jdllm.generate(m, PROMPTS, _mb("pipelined", max_blocks=2, cache="exact"), _sampling(max_new))
+    greedy = jdllm.generate(m, PROMPTS, _mb("pipelined", max_blocks=2, cache_mode="exact"), _sampling(max_new))
     for p, out in zip(PROMPTS, greedy):
         _check(out, _ref(m, p, "pipelined", max_new=max_new, max_blocks=2))
 
@@ -242,13 +242,13 @@ def test_max_forwards_stops_rows():
     (2, 10000, "pipelined", False), (0, 10000, "serial", False), (1, 3, "pipelined", True),
     (3, 10000, "forced", False)])
 def test_approx_cache_follows_d3llm(delay, refresh, config, mixed):
-    """cache="approx" == d3LLM's delayed prefix cache replayed with explicit stale K/V, token for
+    """cache_mode="approx" == d3LLM's delayed prefix cache replayed with explicit stale K/V, token for
     token, step for step, in NFE and block trajectory; mixed-length batch and batch 1."""
     m = bidir_model()
     max_new = 24
     ac = dict(cache_delay_iter=delay, refresh_interval=refresh)
     refs = [_ref(m, p, config, max_new=max_new, approx_cache=ac) for p in PROMPTS]
-    d = _mb(config, cache="approx", **ac)
+    d = _mb(config, cache_mode="approx", **ac)
     outs = jdllm.generate(m, PROMPTS, d, _sampling(max_new))
     for out, ref in zip(outs, refs):
         _check(out, ref)
@@ -268,7 +268,7 @@ def test_approx_cache_follows_d3llm(delay, refresh, config, mixed):
 
 @pytest.mark.parametrize("delay, refresh, setting", [(0, 3, "add0.25/dec0.5"), (1, 10000, "pipelined")])
 def test_approx_cache_follows_d3llm_dream(delay, refresh, setting):
-    """cache="approx" on a Dream-style (shifted-logit) model == d3LLM's _sample_multi_block_kv_cache
+    """cache_mode="approx" on a Dream-style (shifted-logit) model == d3LLM's _sample_multi_block_kv_cache
     replayed: its scan goes on past blocks inside their delay, and a suffix forward predicts the slot
     at its edge from that slot's own output. Defaults otherwise (Dream rule, first-block forced
     progress, no cap); mixed-length batch. (At cache_delay_iter=2, d3LLM's Dream cache often
@@ -279,7 +279,7 @@ def test_approx_cache_follows_d3llm_dream(delay, refresh, setting):
     kw = {k: v for k, v in {**CONFIGS, **D3_SETTINGS}[setting].items() if k != "max_blocks"}
     refs = [multi_block_reference(m.params, m.config, p, max_new_tokens=max_new, block_size=BS,
                                   approx_cache=ac, **kw) for p in PROMPTS]
-    outs = jdllm.generate(m, PROMPTS, jdllm.MultiBlock(block_size=BS, cache="approx", **ac, **kw),
+    outs = jdllm.generate(m, PROMPTS, jdllm.MultiBlock(block_size=BS, cache_mode="approx", **ac, **kw),
                           _sampling(max_new))
     for out, ref in zip(outs, refs):
         _check(out, ref)
@@ -303,7 +303,7 @@ def test_approx_cache_with_eos_early_stop():
     refs = [_ref(m, p, "pipelined", max_new=max_new, approx_cache=ac, stop_ids=(stop,)) for p in PROMPTS]
     assert refs[0]["finish"] == "stop"
     sampling = jdllm.Sampling(max_new_tokens=max_new, stop_token_ids=(stop,))
-    outs = jdllm.generate(m, PROMPTS, _mb("pipelined", cache="approx", **ac), sampling)
+    outs = jdllm.generate(m, PROMPTS, _mb("pipelined", cache_mode="approx", **ac), sampling)
     for out, ref in zip(outs, refs):
         _check(out, ref)
     created = [b for o in outs for b in o.trace["block_steps"] if b[0] < 0 and b[1] < 0 and b[2] >= 0]
@@ -311,13 +311,13 @@ def test_approx_cache_with_eos_early_stop():
 
 
 def test_window_cache_bidirectional():
-    """cache="window" (jdllm's variant): off by default; refresh every step == the no-cache run;
+    """cache_mode="window" (jdllm's variant): off by default; refresh every step == the no-cache run;
     default refresh stays a valid decode."""
     m = bidir_model()
-    assert jdllm.MultiBlock().cache_mode(m.config) == "none"
+    assert jdllm.MultiBlock().resolved_cache_mode(m.config) == "none"
     exact = jdllm.generate(m, PROMPTS, _mb("pipelined"), _sampling())
-    every = jdllm.generate(m, PROMPTS, _mb("pipelined", cache="window", refresh_interval=1), _sampling())
-    approx = jdllm.generate(m, PROMPTS, _mb("pipelined", cache="window"), _sampling())
+    every = jdllm.generate(m, PROMPTS, _mb("pipelined", cache_mode="window", refresh_interval=1), _sampling())
+    approx = jdllm.generate(m, PROMPTS, _mb("pipelined", cache_mode="window"), _sampling())
     for e, r, a in zip(exact, every, approx):
         assert e.token_ids == r.token_ids and e.step_map == r.step_map
         assert MASK not in a.token_ids and len(a.token_ids) == MAX_NEW
@@ -325,7 +325,7 @@ def test_window_cache_bidirectional():
 
 def test_no_retrace_on_second_call_with_same_buckets():
     m = block_model()
-    d = _mb("pipelined", cache="exact")
+    d = _mb("pipelined", cache_mode="exact")
     jdllm.generate(m, PROMPTS, d, _sampling())
     with traces() as seen:
         outs = jdllm.generate(m, [[1, 2, 3, 4, 5], [9, 8], [7, 7, 7, 7, 7, 7, 7, 7, 7, 7]], d, _sampling(11))
@@ -339,7 +339,7 @@ def test_no_retrace_on_second_call_with_same_buckets():
     (dict(block_add_threshold=1.5), "block_add_threshold"),
     (dict(decoded_token_threshold=-0.2), "decoded_token_threshold"),
     (dict(max_forwards=0), "max_forwards"), (dict(max_blocks=0), "max_blocks"),
-    (dict(cache="dual"), "cache"), (dict(early_stop="yes"), "early_stop"),
+    (dict(cache_mode="dual"), "cache"), (dict(early_stop="yes"), "early_stop"),
     (dict(forced_progress="all"), "forced_progress"), (dict(selection="fastdllm"), "selection"),
     (dict(max_blocks=1.5), "max_blocks"),
     (dict(refresh_interval=0), "refresh_interval"), (dict(cache_delay_iter=-1), "cache_delay_iter"),
@@ -355,9 +355,9 @@ def test_bad_model_raises():
     with pytest.raises(errors.DecodingConfigError, match="jdllm.AR"):
         prepare(causal_model(), [[1, 2]], jdllm.MultiBlock(block_size=BS), _sampling())
     with pytest.raises(errors.DecodingConfigError, match="exact"):
-        prepare(bidir_model(), [[1, 2]], jdllm.MultiBlock(block_size=BS, cache="exact"), _sampling())
+        prepare(bidir_model(), [[1, 2]], jdllm.MultiBlock(block_size=BS, cache_mode="exact"), _sampling())
     for cache in ("approx", "window"):
         with pytest.raises(errors.DecodingConfigError, match=cache):
-            prepare(block_model(), [[1, 2]], jdllm.MultiBlock(block_size=BS, cache=cache), _sampling())
+            prepare(block_model(), [[1, 2]], jdllm.MultiBlock(block_size=BS, cache_mode=cache), _sampling())
     with pytest.warns(UserWarning, match="block_size"):
         prepare(block_model(), [[1, 2]], jdllm.MultiBlock(block_size=8), _sampling(2))

@@ -34,8 +34,8 @@ def _paradigms():
         (block_model(), jdllm.BlockDiffusion(block_length=4, denoising_steps=4, strategy="low_confidence_static",
                                              fuse_commit=False)),
         (block_model(logit_shift=True), jdllm.MultiBlock(block_size=4, max_blocks=2)),
-        (bidir_model(), jdllm.MaskedDiffusion(block_length=4, steps=8, cache="dual")),
-        (bidir_model(shift=True), jdllm.MultiBlock(block_size=4, cache="approx", refresh_interval=3)),
+        (bidir_model(), jdllm.MaskedDiffusion(block_length=4, steps=8, cache_mode="dual")),
+        (bidir_model(shift=True), jdllm.MultiBlock(block_size=4, cache_mode="approx", refresh_interval=3)),
     ]
 
 

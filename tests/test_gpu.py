@@ -209,10 +209,10 @@ PARADIGMS = {
     "multi_block-exact": ("tiny-sdar", lambda p: jdllm.MultiBlock(block_size=4)),
     "masked_diffusion": ("tiny-llada", lambda p: jdllm.MaskedDiffusion(steps=12, block_length=4)),
     "masked_diffusion-prefix": ("tiny-llada", lambda p: jdllm.MaskedDiffusion(
-        steps=12, block_length=4, confidence_threshold=0.9, cache="prefix")),
+        steps=12, block_length=4, confidence_threshold=0.9, cache_mode="prefix")),
     "masked_diffusion-dual": ("tiny-llada", lambda p: jdllm.MaskedDiffusion(
-        steps=12, block_length=4, confidence_threshold=0.9, cache="dual")),
-    "multi_block-bidirectional": ("tiny-llada", lambda p: jdllm.MultiBlock(block_size=4, cache="approx")),
+        steps=12, block_length=4, confidence_threshold=0.9, cache_mode="dual")),
+    "multi_block-bidirectional": ("tiny-llada", lambda p: jdllm.MultiBlock(block_size=4, cache_mode="approx")),
 }
 
 
@@ -306,7 +306,7 @@ BF16_CASES = {
     "ar": ("tiny-ar", jdllm.AR()),
     "block_diffusion": ("tiny-sdar", jdllm.BlockDiffusion(block_length=4, strategy="low_confidence_dynamic")),
     "masked_diffusion-dual": ("tiny-llada", jdllm.MaskedDiffusion(steps=12, block_length=4,
-                                                                  confidence_threshold=0.9, cache="dual")),
+                                                                  confidence_threshold=0.9, cache_mode="dual")),
 }
 
 

@@ -146,7 +146,7 @@ def test_approximate_caches_raise_unless_replayed_as_exact():
     exact there) equals the recorded log-probs. CFG always raises (the replay runs no guidance)."""
     sampling = jdllm.Sampling(temperature=1.0, max_new_tokens=8, stop_token_ids=())
     model = bidir_model(layers=1)
-    state, spec = rl.prepare_rollout(model, PROMPTS, jdllm.MaskedDiffusion(block_length=4, steps=4, cache="dual"),
+    state, spec = rl.prepare_rollout(model, PROMPTS, jdllm.MaskedDiffusion(block_length=4, steps=4, cache_mode="dual"),
                                      sampling, group=GROUP)
     assert "approximate cache" in rl.approximate_decode(spec)
     ro = _jit_rollout()(model.params, state, jax.random.key(3), spec=spec)

@@ -45,7 +45,7 @@ def _cuda_text(fn, *args) -> str:
 @pytest.mark.parametrize("name,decoding", [
     ("tiny-ar", jdllm.AR()),
     ("tiny-sdar", jdllm.BlockDiffusion(block_length=4, denoising_steps=2)),
-    ("tiny-llada", jdllm.MultiBlock(block_size=4, cache="approx")),
+    ("tiny-llada", jdllm.MultiBlock(block_size=4, cache_mode="approx")),
 ])
 def test_decode_program_never_slices_a_weight(name, decoding):
     model = jdllm.load(os.path.join(ROOT, "models", name), dtype="bfloat16", attn_impl="xla")

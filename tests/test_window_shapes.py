@@ -44,8 +44,8 @@ CASES = {
     "multi_block_exact": (lambda: block_model(), jdllm.MultiBlock(block_size=4, entropy_threshold=0.3,
                                                                   block_add_threshold=0.25, max_blocks=2)),
     "multi_block_approx": (lambda: bidir_model(), jdllm.MultiBlock(block_size=4, entropy_threshold=0.3,
-                                                                   block_add_threshold=0.25, cache="approx")),
-    "multi_block_nocache": (lambda: block_model(), jdllm.MultiBlock(block_size=4, cache="none")),
+                                                                   block_add_threshold=0.25, cache_mode="approx")),
+    "multi_block_nocache": (lambda: block_model(), jdllm.MultiBlock(block_size=4, cache_mode="none")),
 }
 
 

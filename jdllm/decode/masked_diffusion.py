@@ -78,7 +78,7 @@ from jdllm.sampling import apply_token_bitmask, distribution_stats, exclude_toke
 from jdllm.state import DecodeState, slot_index
 
 REMASKING = ("low_confidence", "random")
-CACHES = ("auto", "none", "prefix", "dual")
+CACHE_MODES = ("auto", "none", "prefix", "dual")
 ALGS = ("origin", "maskgit_plus", "topk_margin", "entropy")
 
 
@@ -174,30 +174,34 @@ class MaskedDiffusion(Paradigm):
       block (unused with confidence_threshold). remasking: LLaDA's `low_confidence` or `random`. alg: Dream's `origin`,
       `maskgit_plus`, `topk_margin` or `entropy` (None = LLaDA schedule); eps: Dream's
       final timestep. confidence_threshold: Fast-dLLM parallel decoding in (0, 1]
-      (None = the step schedule). cache: `none`, `prefix` or `dual` (Fast-dLLM's approximate
-      caches); `auto` = the fastest exact choice, which is `none` here.
-      cfg_scale: classifier-free guidance (0 = off; needs cache="none").
+      (None = the step schedule). cache_mode: `none`, `prefix` or `dual` (Fast-dLLM's approximate
+      caches); `auto` = the fastest exact choice, which is `none` here (`cache=` is the older
+      spelling, still accepted). cfg_scale: classifier-free guidance (0 = off; needs cache_mode="none").
     """
 
     name: ClassVar[str] = "masked_diffusion"
     joins_running_batch: ClassVar[bool] = False  # rows share the lockstep window over one prefill length
     REMASKINGS: ClassVar[tuple[str, ...]] = REMASKING  # choices, for the CLI
     ALGS: ClassVar[tuple[str, ...]] = ALGS
-    CACHES: ClassVar[tuple[str, ...]] = CACHES
+    CACHE_MODES: ClassVar[tuple[str, ...]] = CACHE_MODES
 
     gen_length: int | None = None
     steps: int | None = None
     block_length: int | None = None
     remasking: str = "low_confidence"
     confidence_threshold: float | None = None
-    cache: str = "none"
+    cache_mode: str = "none"
     cfg_scale: float = 0.0
     alg: str | None = None
     eps: float = 1e-3
 
-    def __post_init__(self):
-        if self.cache == "auto":
-            object.__setattr__(self, "cache", "none")
+    cache: dataclasses.InitVar[str | None] = None  # the older name of cache_mode
+
+    def __post_init__(self, cache=None):
+        if cache is not None:
+            object.__setattr__(self, "cache_mode", cache)
+        if self.cache_mode == "auto":
+            object.__setattr__(self, "cache_mode", "none")
         for f in ("gen_length", "steps", "block_length"):
             v = getattr(self, f)
             if v is not None and (int(v) != v or v < 1):
@@ -209,8 +213,8 @@ class MaskedDiffusion(Paradigm):
         if self.alg is not None and self.remasking == "random":
             raise errors.DecodingConfigError(
                 f"remasking='random' is LLaDA's; with alg={self.alg!r} (Dream) leave remasking at its default")
-        if self.cache not in CACHES:
-            raise errors.DecodingConfigError(f"cache={self.cache!r} is not one of {CACHES}")
+        if self.cache_mode not in CACHE_MODES:
+            raise errors.DecodingConfigError(f"cache_mode={self.cache_mode!r} is not one of {CACHE_MODES}")
         t = self.confidence_threshold
         if t is not None:
             if not 0 < t <= 1:
@@ -222,9 +226,9 @@ class MaskedDiffusion(Paradigm):
                     "'topk_margin'")
         if not self.cfg_scale >= 0:
             raise errors.DecodingConfigError(f"cfg_scale={self.cfg_scale} must be >= 0 (0 = off)")
-        if self.cfg_scale > 0 and self.cache != "none":
+        if self.cfg_scale > 0 and self.cache_mode != "none":
             raise errors.DecodingConfigError(
-                f"cfg_scale={self.cfg_scale} needs cache='none' (got cache={self.cache!r}): the "
+                f"cfg_scale={self.cfg_scale} needs cache_mode='none' (got cache_mode={self.cache_mode!r}): the "
                 "unconditional pass has no cache")
         if not 0 < self.eps < 1:
             raise errors.DecodingConfigError(f"eps={self.eps} must be in (0, 1)")
@@ -273,8 +277,8 @@ class MaskedDiffusion(Paradigm):
     def replay_approximation(self) -> str | None:
         if self.cfg_scale > 0:
             return f"MaskedDiffusion(cfg_scale={self.cfg_scale}) samples from a classifier-free-guidance mix of two forwards"
-        if self.cache in ("prefix", "dual"):
-            return f"MaskedDiffusion(cache={self.cache!r}) is Fast-dLLM's approximate cache"
+        if self.cache_mode in ("prefix", "dual"):
+            return f"MaskedDiffusion(cache_mode={self.cache_mode!r}) is Fast-dLLM's approximate cache"
         return None
 
     def replay_refusal(self) -> str | None:
@@ -324,13 +328,13 @@ class MaskedDiffusion(Paradigm):
         shift = int(ctx.model.logit_shift)
         b0 = P + blk * Bl
         at = jnp.broadcast_to(b0 - shift + jnp.arange(Bl, dtype=jnp.int32), (state.batch, Bl))
-        if self.cache == "none":
+        if self.cache_mode == "none":
             return self._full_logits(params, ctx, state, False, at)
 
         def full(st):
             return self._full_logits(params, ctx, st, True, at)
 
-        if self.cache == "dual":
+        if self.cache_mode == "dual":
             def win(st):
                 return self._window_logits(params, ctx, st, b0 - shift, Bl + shift, Bl, kv_len=S)
         else:
@@ -408,5 +412,5 @@ class MaskedDiffusion(Paradigm):
         return state.replace(extra={**state.extra, "i": i + 1})
 
 
-__all__ = ["MaskedDiffusion", "REMASKING", "CACHES", "ALGS", "transfer_schedule", "dream_ratios",
+__all__ = ["MaskedDiffusion", "REMASKING", "CACHE_MODES", "ALGS", "transfer_schedule", "dream_ratios",
            "exponential_from_bits", "exponential_noise", "gumbel_argmax", "block_noise", "sample_block"]

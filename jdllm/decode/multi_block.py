@@ -69,15 +69,15 @@ in `jdllm.decode.multi_block_states`.
 KV cache
 --------
 Each mode is one strategy object in `jdllm.decode.multi_block_cache`
-(`CACHE_STRATEGIES`, chosen by `MultiBlock.cache_mode`), whose forward is
+(`CACHE_STRATEGIES`, chosen by `MultiBlock.resolved_cache_mode`), whose forward is
 phase 4.
 
-`cache="none"`: every step runs the model without a cache, over the whole
+`cache_mode="none"`: every step runs the model without a cache, over the whole
 canvas for bidirectional models and over the prefix [0, active_end) for
 block-causal ones (rounded up to prefill_len + 1, 2, 4, ... blocks: a few
 static shapes).
 
-`cache="exact"` (the default for block-causal models, `"auto"`): slots
+`cache_mode="exact"` (the default for block-causal models, `"auto"`): slots
 [0, cache.length) hold clean K/V; each forward covers a window starting at
 cache.length, the narrowest of 1, 2, 4, ... blocks (up to 2 * max_blocks)
 that reaches the active end. Commits cost no
@@ -94,7 +94,7 @@ first step starts from an empty cache at slot 0 (a window when the prompt's
 whole blocks are short enough, else the full forward); it writes the prompt's
 blocks, which are committed right after it.
 
-`cache="approx"` (bidirectional models, off by default): d3LLM's delayed
+`cache_mode="approx"` (bidirectional models, off by default): d3LLM's delayed
 prefix cache, `generate_multi_block_kv_cache` (d3llm_llada_generate_util.py),
 per row. The cache holds the K/V of slots [0, edge) (cache.length); the
 prompt is complete at forward 0, a generation block counts as complete from
@@ -130,7 +130,7 @@ slots twice (its cache outgrows `manual_cache_length`); jdllm keeps the
 refreshed prefix at the edge, as the LLaDA version (where at most one block
 is ever stabilising) always does.
 
-`cache="window"` (bidirectional models; jdllm's earlier approximation, kept
+`cache_mode="window"` (bidirectional models; jdllm's earlier approximation, kept
 for comparison, see benchmarks/RESULTS.md): the cache holds K/V for the whole
 canvas from the last full forward; a step recomputes only a window of
 `max_blocks + 1` blocks (`WINDOW_BLOCKS + 1` without a cap) starting at the first block that is not yet frozen (a
@@ -138,7 +138,7 @@ block freezes `cache_delay_iter` steps after it is Completed; with 0 it
 freezes with the K/V of its last masked state) and attends to the stale
 cached K/V everywhere else, future masks included (the window sees the
 cached slots after it through `forward(kv_len=S)`); d3LLM instead recomputes
-the whole suffix from its prefix cache's edge (`cache="approx"`). Not
+the whole suffix from its prefix cache's edge (`cache_mode="approx"`). Not
 d3LLM's algorithm, but the fastest of the two on the CPU (fewer slots per
 step). Every
 `refresh_interval` steps, and whenever the active blocks do not fit in the
@@ -204,9 +204,10 @@ class MultiBlock(Paradigm):
       block with masks when it got none) or "every" (in each such block).
     selection: "auto" (d3LLM's rule for the model family), "llada" (lowest
       entropy + all <= entropy_threshold) or "dream" (all < entropy_threshold).
-    cache: "auto" (exact for block-causal models, none for bidirectional ones),
+    cache_mode: "auto" (exact for block-causal models, none for bidirectional ones),
       "none", "exact" (block-causal only), "approx" (d3LLM's delayed prefix
-      cache) or "window" (jdllm's windowed variant), both bidirectional only.
+      cache) or "window" (jdllm's windowed variant), both bidirectional only (`cache=` is the
+      older name, still accepted).
     cache_delay_iter, refresh_interval: the approximate caches' delay (forwards
       after a block completes before it is cached, >= 0) and full-refresh
       period (forwards, >= 1); d3LLM's chat script uses cache_delay_iter=2.
@@ -225,11 +226,14 @@ class MultiBlock(Paradigm):
     max_blocks: int | None = None
     forced_progress: str = "first"
     selection: str = "auto"
-    cache: str = "auto"
+    cache_mode: str = "auto"
     cache_delay_iter: int = 1
     refresh_interval: int = 10000
+    cache: dataclasses.InitVar[str | None] = None  # the older name of cache_mode
 
-    def __post_init__(self):
+    def __post_init__(self, cache=None):
+        if cache is not None:
+            object.__setattr__(self, "cache_mode", cache)
         def integer(name, lo):
             v = getattr(self, name)
             if isinstance(v, bool) or int(v) != v or v < lo:
@@ -256,29 +260,29 @@ class MultiBlock(Paradigm):
                 f"forced_progress={self.forced_progress!r} is not one of {FORCED_PROGRESS}")
         if self.selection not in SELECTIONS:
             raise errors.DecodingConfigError(f"selection={self.selection!r} is not one of {SELECTIONS}")
-        if self.cache not in CACHE_MODES:
-            raise errors.DecodingConfigError(f"cache={self.cache!r} is not one of {CACHE_MODES}")
+        if self.cache_mode not in CACHE_MODES:
+            raise errors.DecodingConfigError(f"cache_mode={self.cache_mode!r} is not one of {CACHE_MODES}")
 
     # ----------------------------------------------------------------- host side
     def validate(self, cfg) -> None:
         common.require_diffusion_model("multi_block", cfg, ("block_causal", "bidirectional"), "jdllm.AR")
-        if self.cache == "exact" and cfg.attention != "block_causal":
+        if self.cache_mode == "exact" and cfg.attention != "block_causal":
             raise errors.DecodingConfigError(
-                "cache='exact' needs a block-causal model; for bidirectional models use cache='none' "
-                "or the approximate cache='approx'")
-        if self.cache in ("approx", "window") and cfg.attention != "bidirectional":
+                "cache_mode='exact' needs a block-causal model; for bidirectional models use cache_mode='none' "
+                "or the approximate cache_mode='approx'")
+        if self.cache_mode in ("approx", "window") and cfg.attention != "bidirectional":
             raise errors.DecodingConfigError(
-                f"cache={self.cache!r} is for bidirectional models; block-causal models get the exact "
-                "cache with cache='exact' (or 'auto')")
+                f"cache_mode={self.cache_mode!r} is for bidirectional models; block-causal models get the exact "
+                "cache with cache_mode='exact' (or 'auto')")
         if cfg.attention == "block_causal" and self.block_size != cfg.block_size:
             warnings.warn(f"block_size={self.block_size} differs from the model's trained "
                           f"block_size={cfg.block_size}; quality may suffer", stacklevel=3)
 
-    def cache_mode(self, cfg) -> str:
+    def resolved_cache_mode(self, cfg) -> str:
         """The cache mode actually used, a key of `CACHE_STRATEGIES`: "none", "exact", "approx" or "window"."""
-        if self.cache == "auto":
+        if self.cache_mode == "auto":
             return "exact" if cfg.attention == "block_causal" else "none"
-        return self.cache
+        return self.cache_mode
 
     def selection_rule(self, cfg) -> str:
         """The reveal rule actually used: "llada" or "dream" (d3LLM's per family under "auto")."""
@@ -316,10 +320,10 @@ class MultiBlock(Paradigm):
         return bound if self.max_forwards is None else min(bound, self.max_forwards + 1)
 
     def replay_approximation(self) -> str | None:
-        if self.cache == "approx":
-            return "MultiBlock(cache='approx') is d3LLM's approximate delayed prefix cache"
-        if self.cache == "window" and self.refresh_interval != 1:
-            return f"MultiBlock(cache='window', refresh_interval={self.refresh_interval}) is an approximate cache"
+        if self.cache_mode == "approx":
+            return "MultiBlock(cache_mode='approx') is d3LLM's approximate delayed prefix cache"
+        if self.cache_mode == "window" and self.refresh_interval != 1:
+            return f"MultiBlock(cache_mode='window', refresh_interval={self.refresh_interval}) is an approximate cache"
         return None
 
     def output_trace(self, extra: dict, row: int) -> dict:
@@ -368,7 +372,7 @@ class MultiBlock(Paradigm):
         the planned slots."""
         active_end, _ = frontier(state, self.block_size)
         rows = jnp.any(plan.valid, axis=-1)  # [B] rows with work in this forward
-        strategy = CACHE_STRATEGIES[self.cache_mode(ctx.model)]
+        strategy = CACHE_STRATEGIES[self.resolved_cache_mode(ctx.model)]
         state, logits = strategy.forward(self, params, ctx, state, plan.slots, active_end)
         return common.count_forward(state, rows), logits
 

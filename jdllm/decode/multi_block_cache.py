@@ -1,7 +1,7 @@
 """`multi_block`'s cache modes, one small strategy per mode (what each computes: the "KV cache"
 section of `jdllm.decode.multi_block`'s docstring).
 
-`CACHE_STRATEGIES[MultiBlock.cache_mode(cfg)]` is chosen once; its
+`CACHE_STRATEGIES[MultiBlock.resolved_cache_mode(cfg)]` is chosen once; its
 `forward(mb, params, ctx, state, at, active_end) -> (state, logits)` is phase 4 of a step:
 `mb` the `MultiBlock` config, `at` [B, N] the planned slots the logits [B, N, V] predict,
 `active_end` [B] the end of each row's rightmost block in flight. Forwards are counted in
@@ -22,7 +22,7 @@ from jdllm.decode.multi_block_states import (ACTIVATED, COMPLETED, FULLY_ACTIVAT
 from jdllm.model import default_positions, forward
 from jdllm.state import DecodeState
 
-WINDOW_BLOCKS = 4  # cache="window" recomputes this many blocks (+ 1) when max_blocks is None
+WINDOW_BLOCKS = 4  # cache_mode="window" recomputes this many blocks (+ 1) when max_blocks is None
 
 
 class CacheStrategy:
@@ -46,7 +46,7 @@ def prefix_logits(params, ctx, state: DecodeState, width: int, at):
 
 @dataclasses.dataclass(frozen=True)
 class NoCache(CacheStrategy):
-    """cache="none". Bidirectional: the whole canvas. Block-causal: the prefix up to active_end,
+    """cache_mode="none". Bidirectional: the whole canvas. Block-causal: the prefix up to active_end,
     rounded up to base + 2^i blocks (a few static widths; later slots cannot change these logits)."""
 
     mode: ClassVar[str] = "none"
@@ -66,7 +66,7 @@ class NoCache(CacheStrategy):
 
 @dataclasses.dataclass(frozen=True)
 class ExactCache(CacheStrategy):
-    """cache="exact": a window from cache.length; commit the blocks that were Completed before this forward.
+    """cache_mode="exact": a window from cache.length; commit the blocks that were Completed before this forward.
 
     Window widths: 1, 2, 4, ... blocks up to 2 * max_blocks (without a cap: up to the canvas; the
     narrowest that reaches every running row's active end), else the whole canvas. A window that
@@ -115,7 +115,7 @@ class ExactCache(CacheStrategy):
 
 @dataclasses.dataclass(frozen=True)
 class ApproxCache(CacheStrategy):
-    """cache="approx": d3LLM's delayed prefix cache (`generate_multi_block_kv_cache`), per row. One
+    """cache_mode="approx": d3LLM's delayed prefix cache (`generate_multi_block_kv_cache`), per row. One
     forward for the batch: the window ends at S and starts at or before every running row's own
     start (its cache edge, or 0 for a full forward); `keep_below` keeps each row's cached prefix K/V
     as they are, stale included, so a row computes what it computes alone."""
@@ -184,7 +184,7 @@ class ApproxCache(CacheStrategy):
 
 @dataclasses.dataclass(frozen=True)
 class WindowCache(CacheStrategy):
-    """cache="window": jdllm's windowed approximation (stale K/V outside a window of max_blocks + 1
+    """cache_mode="window": jdllm's windowed approximation (stale K/V outside a window of max_blocks + 1
     blocks from the first block not yet frozen; a full forward every refresh_interval forwards or
     when the active blocks do not fit)."""
 
@@ -220,7 +220,7 @@ class WindowCache(CacheStrategy):
 
 
 CACHE_STRATEGIES: dict[str, CacheStrategy] = {c.mode: c() for c in (NoCache, ExactCache, ApproxCache, WindowCache)}
-"""mode -> its strategy (`MultiBlock.cache_mode(cfg)` picks one)."""
+"""mode -> its strategy (`MultiBlock.resolved_cache_mode(cfg)` picks one)."""
 
 __all__ = ["CacheStrategy", "NoCache", "ExactCache", "ApproxCache", "WindowCache", "CACHE_STRATEGIES",
            "WINDOW_BLOCKS", "prefix_logits"]

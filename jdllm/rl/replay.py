@@ -28,13 +28,13 @@ k > 1 is the cheaper approximation TraceRL trains with.
 
 The LM head runs once per scored slot (hidden states are gathered first).
 Replay matches decode time exactly for every paradigm with an exact forward:
-AR, block_diffusion, masked_diffusion with cache="none" and multi_block with
+AR, block_diffusion, masked_diffusion with cache_mode="none" and multi_block with
 cache "none"/"exact" (with `early_stop`, slots filled by the EOS fill are
 replayed as visible from the step after the leftmost stop token; a fill that
 overwrote earlier reveals is not recoverable from the final state).
 
-Approximate caches (masked_diffusion cache="prefix"/"dual", multi_block
-cache="approx"/"window" with refresh_interval > 1) sampled from logits the
+Approximate caches (masked_diffusion cache_mode="prefix"/"dual", multi_block
+cache_mode="approx"/"window" with refresh_interval > 1) sampled from logits the
 exact forward does not give, and classifier-free guidance (cfg_scale > 0)
 from a mix of two forwards the replay does not run: `trajectory_logprobs`
 raises `InputError` for them (`approximate_decode(spec)` says why) unless
@@ -208,7 +208,7 @@ def trajectory_logprobs(params, ro: Rollout, *, spec: RolloutSpec, shrink: int =
         hint = (f"; {refusal}" if refusal is not None else
                 "; its log-probs are not the exact forward's. Pass cached_as_exact=True to replay the exact "
                 "(no-cache) forward anyway (log-probs then differ by the cache's error), or decode with "
-                "cache='none'/'exact'")
+                "cache_mode='none'/'exact'")
         raise errors.InputError(f"the rollout cannot be replayed exactly: {why}{hint}")
     check_rollout(ro, spec, shrink)
     cfg = spec.ctx.model
