@@ -19,7 +19,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
-def run(args: argparse.Namespace) -> int:
+def run_command(args: argparse.Namespace) -> int:
     from convert.io import convert_checkpoint  # noqa: PLC0415 (keeps --help free of JAX)
 
     out = convert_checkpoint(args.hf_dir, args.out_dir, dtype=args.dtype, overwrite=args.overwrite,
@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None, *, own_process: bool = False) -> int:
         if own_process:
             interrupt_outside_gc()
         try:
-            return run(args)
+            return run_command(args)
         except JdllmError as e:
             print(f"convert: error: {type(e).__name__}: {e}", file=sys.stderr)
             return 2

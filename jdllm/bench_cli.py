@@ -58,7 +58,7 @@ def lengths(args, context: int) -> tuple[int, int]:
     return prompt, new
 
 
-def run(args) -> int:
+def run_command(args) -> int:
     import numpy as np  # noqa: PLC0415
 
     import jdllm  # noqa: PLC0415

@@ -1,7 +1,7 @@
 """`jdllm` command line: convert, generate, bench, serve.
 
 Each subcommand lives beside the code it drives and registers itself through
-`add_arguments(parser)` / `run(args)`; this file only dispatches, shows
+`add_arguments(parser)` / `run_command(args)`; this file only dispatches, shows
 jdllm's warnings as one-line notes, and turns a `jdllm.errors.JdllmError` into
 one line on stderr and exit code 2 (Ctrl-C: exit code 130).
 """
@@ -20,7 +20,7 @@ from jdllm import __version__
 from jdllm.errors import JdllmError
 from jdllm.process import INTERRUPTED, exit_on_interrupt, exit_with, interrupt_outside_gc, quiet_transformers
 
-# subcommand -> module exposing add_arguments(parser) and run(args) -> int
+# subcommand -> module exposing add_arguments(parser) and run_command(args) -> int
 SUBCOMMANDS = {
     "convert": ("convert.cli", "Hugging Face directory -> jdllm checkpoint"),
     "generate": ("jdllm.generate_cli", "generate text with a model directory"),
@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None, *, own_process: bool = False) -> int:
         if own_process:
             interrupt_outside_gc() if args.command == "convert" else exit_on_interrupt(command)
         with notes(command), progress(command):
-            return int(importlib.import_module(args._module).run(args) or 0)
+            return int(importlib.import_module(args._module).run_command(args) or 0)
     except JdllmError as e:
         print(f"{command}: error: {type(e).__name__}: {e}", file=sys.stderr)
         return 2

@@ -231,7 +231,7 @@ def jax_process_index() -> int:
     return jax.process_index()
 
 
-def run(args) -> int:
+def run_command(args) -> int:
     import jdllm  # noqa: PLC0415
 
     if not args.prompts:

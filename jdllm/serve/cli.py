@@ -39,7 +39,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_paradigm_arguments(p)
 
 
-def run(args) -> int:
+def run_command(args) -> int:
     import jdllm  # noqa: PLC0415
     from jdllm.generate_cli import decoding_from_args  # noqa: PLC0415
 
