@@ -16,6 +16,8 @@ import time
 
 import pytest
 
+from tests.quick import slow, slow_except
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY_AR, TINY_SDAR, TINY_LLADA = (os.path.join(ROOT, "models", n) for n in ("tiny-ar", "tiny-sdar", "tiny-llada"))
 ENV = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": ROOT}
@@ -34,6 +36,7 @@ def refused(res, *fragments):
 
 
 # --------------------------------------------------------------------------- convert data loss
+@slow
 def test_convert_refuses_an_out_dir_that_contains_the_source(tmp_path):
     copy = tmp_path / "copy"
     shutil.copytree(TINY_AR, copy / "tiny-ar")
@@ -47,6 +50,7 @@ def test_convert_refuses_an_out_dir_that_contains_the_source(tmp_path):
     assert not (copy / "tiny-ar" / "inside").exists()
 
 
+@slow
 def test_convert_overwrite_never_deletes_what_is_not_a_checkpoint(tmp_path):
     out = tmp_path / "mine"
     out.mkdir()
@@ -80,11 +84,13 @@ def test_convert_read_only_location_is_an_error_not_a_traceback(tmp_path, monkey
 
 
 # --------------------------------------------------------------------------- generate / bench
+@slow
 def test_text_the_tokenizer_cannot_encode():
     res = jdllm("generate", TINY_AR, "--prompt", "Add:1+2=")
     refused(res, "InputError", "'A'", "position 0", "0123456789")
 
 
+@slow
 def test_cudnn_on_a_cpu_and_version():
     refused(jdllm("generate", TINY_AR, "--prompt", "add:1+2=", "--attn-impl", "cudnn"), "cudnn", "auto")
     res = jdllm("--version")
@@ -98,6 +104,7 @@ def test_bench_json_into_a_missing_directory_fails_before_the_benchmark():
     assert "| batch |" not in res.stdout and time.perf_counter() - t0 < 60
 
 
+@slow
 def test_defaults_fit_the_shipped_models(tmp_path):
     """No --max-new-tokens / --block-size: the shipped 64-token models still answer (with a note)."""
     res = jdllm("generate", TINY_SDAR, "--prompt", "sort:3 1 2=", "--paradigm", "multi_block")
@@ -112,6 +119,7 @@ def test_defaults_fit_the_shipped_models(tmp_path):
     assert rows["prompt_len"] + rows["max_new_tokens"] <= 64 and rows["rows"][0]["tokens"] >= 1
 
 
+@slow
 def test_prompts_keep_their_order():
     rev_abc = "30,17,34,40,13,14,15,42"  # "rev:abc=" in the shipped character tokenizer
     res = jdllm("generate", TINY_AR, "--prompt-ids", rev_abc, "--prompt", "sort:3 1 2=", "--max-new-tokens", "8")
@@ -130,12 +138,14 @@ def test_help_lists_per_paradigm_defaults_and_choices():
     assert "block_diffusion: default 0.9" in text and "masked_diffusion: default None" in text
 
 
+@slow
 def test_masked_diffusion_takes_cache_auto():
     res = jdllm("generate", TINY_LLADA, "--prompt", "sort:3 1 2=", "--paradigm", "masked_diffusion",
                 "--cache-mode", "auto", "--max-new-tokens", "8")
     assert res.returncode == 0 and "Traceback" not in res.stderr, res.stderr
 
 
+@slow
 def test_non_finite_weights_are_refused_at_load(tmp_path):
     from safetensors.numpy import load_file, save_file
 
@@ -150,6 +160,7 @@ def test_non_finite_weights_are_refused_at_load(tmp_path):
     assert res.returncode == 0, res.stderr
 
 
+@slow
 def test_no_pytorch_notice():
     """transformers prints "PyTorch was not found" when torch is absent; jdllm's entry points hide it."""
     hide_torch = "import sys; sys.modules['torch'] = None; "
@@ -163,6 +174,7 @@ def test_no_pytorch_notice():
     assert "PyTorch was not found" not in res.stderr
 
 
+@slow
 def test_loading_leaves_the_environment_alone():
     env = {k: v for k, v in ENV.items() if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
     # (jax and transformers set variables of their own on import; what is checked is jdllm's doing)
@@ -175,7 +187,7 @@ def test_loading_leaves_the_environment_alone():
     assert res.returncode == 0, res.stderr
 
 
-@pytest.mark.parametrize("delay", [0.3, 4.0])
+@pytest.mark.parametrize("delay", slow_except([0.3, 4.0], 0.3))
 def test_ctrl_c_exits_130_without_a_traceback(delay):
     """Ctrl-C while importing / compiling: exit code 130, one line, no traceback, no crash."""
     proc = subprocess.Popen([sys.executable, "-m", "jdllm.cli", "generate", TINY_SDAR, "--prompt", "sort:3 1 2=",

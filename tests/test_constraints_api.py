@@ -5,6 +5,7 @@ import pytest
 import jdllm
 from jdllm import constraints
 from jdllm.errors import ArgumentTypeError, ConstraintError
+from tests.quick import slow
 
 
 def test_constructors_are_hashable_data():
@@ -54,6 +55,7 @@ def test_per_row_and_backend_mixing():
         constraints.backend_module([c, constraints.regex("b", backend="dfa")])
 
 
+@slow
 def test_all_free_rows_take_the_unconstrained_path():
     model = jdllm.load("models/tiny-ar", dtype="float32")
     s = jdllm.Sampling(temperature=0.0, max_new_tokens=4)

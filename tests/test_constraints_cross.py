@@ -5,6 +5,9 @@ import pytest
 
 import jdllm
 from jdllm import constraints
+from tests.quick import slow
+
+pytestmark = slow  # the quick tier checks each backend against its own reference instead
 
 PATTERNS = [r"[a-e]{2,4}", r"(ab|ba)+c?", r"\d( \d)*", r"(yes|no|maybe)"]
 

@@ -23,6 +23,7 @@ from jdllm.errors import ConstraintError
 from compiles import traces
 from decode_fixtures import FAST_COMPILE, fast_compile  # noqa: F401  (fixture)
 from reference_decoders import _distribution, full_logits
+from tests.quick import slow
 
 # --------------------------------------------------------------------------- the exhaustive oracle
 # tiny vocabulary: 0 = pad (special), 1 = stop, 2 = mask, then texts (multi-character ones too)
@@ -230,6 +231,7 @@ def _check_outputs(model, outs, rows, max_new):
             assert len(o.token_ids) == max_new
 
 
+@slow
 @pytest.mark.parametrize("path, decoding", [
     ("models/tiny-sdar", jdllm.BlockDiffusion(block_length=4, strategy="low_confidence_dynamic")),
     ("models/tiny-sdar", jdllm.MultiBlock(block_size=4, max_blocks=3, block_add_threshold=0.1,
@@ -288,6 +290,7 @@ def test_greedy_ar_equals_a_brute_force_masked_reference(fast_compile):
         assert o.token_ids == got, (p, o.text, model.tokenizer.decode(got))
 
 
+@slow
 def test_greedy_ar_spec_equals_greedy_ar(fast_compile):
     """ar_spec verifies under the DFA's masks after each draft: greedy tokens equal greedy constrained
     AR's (free rows too), and drafts are accepted, not only corrected. (Sampled ar_spec outputs:
@@ -306,6 +309,7 @@ def test_greedy_ar_spec_equals_greedy_ar(fast_compile):
     assert sum(g.trace["drafts_accepted"] for g in got) >= 3
 
 
+@slow
 def test_constrained_rollout_is_pure_under_jit_vmap():
     """The constrained decode (tables in the state) runs under jax.jit(jax.vmap(...)) and does not
     retrace when called again with other seeds and another regex of the same table buckets."""

@@ -23,6 +23,7 @@ from jdllm.loading import Model
 from jdllm.model import init_params
 from tests.compiles import traces
 from tests.decode_fixtures import FAST_COMPILE, fast_compile  # noqa: F401
+from tests.quick import slow, slow_except
 
 lark = pytest.importorskip("lark")  # in the [test] extra: never skipped in CI
 
@@ -107,7 +108,7 @@ PROMPTS = ["add:12+34=", "rev:abcd=", "sort:3 1 2="]
 S16 = jdllm.Sampling(temperature=0.0, max_new_tokens=16)  # one shape bucket for every call on a model
 
 
-@pytest.mark.parametrize("name", ["tiny-ar", "random"])
+@pytest.mark.parametrize("name", slow_except(["tiny-ar", "random"], "tiny-ar"))
 def test_greedy_constrained_ar_equals_plain_loop(name):
     model = shipped("tiny-ar") if name == "tiny-ar" else random_model("causal")
     cons = [C.lark(LARK), C.regex(REGEX), C.json_schema(SCHEMA)]
@@ -119,6 +120,7 @@ def test_greedy_constrained_ar_equals_plain_loop(name):
 
 
 # --------------------------------------------------------------------------- sampled: independent checkers
+@slow
 @pytest.mark.parametrize("name, decoding", [
     ("tiny-ar", jdllm.AR()),
     ("random-causal", jdllm.AR()),
@@ -160,6 +162,7 @@ def test_sampled_outputs_pass_independent_checkers(name, decoding):
 
 
 # --------------------------------------------------------------------------- ar_spec
+@slow
 @pytest.mark.parametrize("proposer", ["prompt_lookup", "draft_model"])
 def test_greedy_constrained_ar_spec_equals_constrained_ar(proposer):
     """Verification under draft-token masks keeps ar_spec exact: greedy tokens equal greedy constrained AR."""
@@ -175,6 +178,7 @@ def test_greedy_constrained_ar_spec_equals_constrained_ar(proposer):
     assert any(g.trace["drafts_accepted"] > 0 for g in got)  # drafts were verified, not only corrections
 
 
+@slow
 def test_ar_spec_verification_uses_draft_masks(monkeypatch):
     """The masks `reveal` gets are the one-by-one masks after each draft (Controller.verify_masks)."""
     model = shipped("tiny-ar")
@@ -211,6 +215,7 @@ def test_ar_spec_verification_uses_draft_masks(monkeypatch):
 
 
 # --------------------------------------------------------------------------- fast-forward
+@slow
 @pytest.mark.parametrize("name, decoding", [("tiny-ar", jdllm.AR()),
                                             ("tiny-sdar", jdllm.BlockDiffusion(block_length=4))])
 def test_fast_forward_saves_forwards_same_tokens(name, decoding):
@@ -259,6 +264,7 @@ def test_draft_masks_equal_one_by_one():
 
 
 # --------------------------------------------------------------------------- endings and errors
+@slow
 def test_length_exhausted_row_ends_length_not_ok():
     model = shipped("tiny-ar")
     s = jdllm.Sampling(temperature=1.0, max_new_tokens=5)
@@ -269,6 +275,7 @@ def test_length_exhausted_row_ends_length_not_ok():
     assert outs[2].constraint_ok == (outs[2].finish_reason == "stop")
 
 
+@slow
 def test_free_rows_equal_unconstrained_and_no_retrace(fast_compile):
     model = shipped("tiny-ar")
     free = jdllm.generate(model, PROMPTS, sampling=S16)
@@ -307,6 +314,7 @@ def test_no_tokenizer_raises():
         jdllm.generate(bare, [[13, 14]], sampling=jdllm.Sampling(max_new_tokens=4), constraint=C.regex("a+"))
 
 
+@slow
 @pytest.mark.parametrize("name, decoding", [("tiny-ar", jdllm.AR()),
                                             ("tiny-sdar", jdllm.BlockDiffusion(block_length=4))])
 def test_dead_end_ends_length_not_invalid(name, decoding):
@@ -317,6 +325,7 @@ def test_dead_end_ends_length_not_invalid(name, decoding):
     assert outs[1].constraint_ok is None and outs[1].finish_reason == "stop"
 
 
+@slow
 def test_static_top2_provisional_stop_tokens_keep_free_outputs():
     """Stop tokens may be revealed provisionally: with static top-2 on tiny-sdar a constraint that the
     free answers already satisfy leaves them unchanged (the old rule, no EOS off the frontier,
@@ -367,6 +376,7 @@ def _json_answer_ok(text: str) -> bool:
             and re.fullmatch("[a-z]{2,3}", v["w"]) is not None and type(v["n"]) is int and 0 <= v["n"] <= 99)
 
 
+@slow
 @pytest.mark.parametrize("name, decoding", [
     ("tiny-json-ar", jdllm.AR()),
     ("tiny-json-sdar", jdllm.BlockDiffusion(block_length=4, strategy="low_confidence_static", denoising_steps=2)),
@@ -388,6 +398,7 @@ def test_json_models_sampled_outputs_pass_schema(name, decoding):
 
 
 # --------------------------------------------------------------------------- multi_block's rewind
+@slow
 def test_multi_block_rejected_stop_takes_back_eos_fill(monkeypatch):
     """tiny-sdar answers "rev:ab=" with "ba" + EOS; under [a-z]{6,8} multi_block reveals that EOS
     provisionally, fills the slots after it (early stop) and completes blocks; the matcher rejects
@@ -417,6 +428,7 @@ def test_multi_block_rejected_stop_takes_back_eos_fill(monkeypatch):
 
 
 # --------------------------------------------------------------------------- ar_spec at a dead end
+@slow
 def test_ar_spec_dead_end_inside_drafts_equals_ar():
     """A grammar that dead-ends after "ab" (ab[A-Z]: no uppercase in the vocabulary), with drafts
     that run into it (the draft model answers "ab" to "rev:ba=", "abc" to "rev:cba="), and one
@@ -440,6 +452,7 @@ def test_ar_spec_dead_end_inside_drafts_equals_ar():
     assert any(g.trace["drafts_accepted"] >= 2 and max(g.step_map) == 1 for g in got)  # drafts ran into it
 
 
+@slow
 def test_ar_spec_rewind_keeps_draft_cache_within_target():
     """The ar_spec hook `apply_edits` calls: a re-masked slot lowers the target's cache, and the
     draft model's cache no further than it (a guard: greedy verification never emits a token the

@@ -24,6 +24,7 @@ from jdllm import errors, hf_layout
 from jdllm.cli import main as jdllm_main
 from jdllm.config import ModelConfig
 from jdllm.model import init_params, layer_layout, stack_layers
+from tests.quick import slow
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -86,6 +87,7 @@ def test_round_trip_bfloat16_bit_exact(tmp_path):
     assert ckpt.read_jdllm_meta(out)["dtype"] == "bfloat16"
 
 
+@slow
 def test_float32_to_bfloat16_rounds_like_torch(tmp_path):
     hf_dir, model = fx.build_transformers_model("qwen2", str(tmp_path / "hf"), seed=2)
     out = cio.convert_checkpoint(hf_dir, str(tmp_path / "out"), dtype="bfloat16", progress=False)
@@ -96,6 +98,7 @@ def test_float32_to_bfloat16_rounds_like_torch(tmp_path):
         assert np.array_equal(back[name].view(np.int16), want), name
 
 
+@slow
 @pytest.mark.parametrize("family", ["qwen2", "llada", "sdar"])
 def test_save_hf_dir_round_trip(family, tmp_path):
     """convert.hf writes each family's own keys and names; reading them back is exact."""
@@ -115,6 +118,7 @@ def test_save_hf_dir_round_trip(family, tmp_path):
     _assert_bit_equal(jax.tree.map(np.asarray, stack_layers(m.params, cfg)), params)
 
 
+@slow
 def test_sharded_input(tmp_path):
     hf_dir, model = fx.build_transformers_model("qwen2", str(tmp_path / "hf"), seed=8, max_shard_size="20KB")
     index = json.load(open(os.path.join(hf_dir, ckpt.INDEX_FILE)))
@@ -147,6 +151,7 @@ def _convert_fails(hf_dir, tmp_path, exc, *needles):
     return msg
 
 
+@slow
 def test_corrupted_shard(sharded, tmp_path):
     hf_dir, wm = sharded
     shard = sorted(set(wm.values()))[1]
@@ -160,6 +165,7 @@ def test_corrupted_shard(sharded, tmp_path):
         jdllm.load(hf_dir)
 
 
+@slow
 def test_missing_shard(sharded, tmp_path):
     hf_dir, wm = sharded
     shard = sorted(set(wm.values()))[2]
@@ -273,6 +279,7 @@ def test_jdllm_cli_convert(tmp_path, capsys):
     assert len(err.splitlines()) == 1 and "OutputExistsError" in err and out in err
 
 
+@slow
 def test_python_m_convert(tmp_path):
     hf_dir, _ = fx.build_transformers_model("llama", str(tmp_path / "hf"), seed=1)
     out = str(tmp_path / "out")
@@ -307,6 +314,7 @@ def test_tolerated_extra_tensors(tmp_path):
     assert np.max(np.abs(got - ref)) <= 1e-4
 
 
+@slow
 def test_restore_into_shardings(tmp_path):
     """Orbax restores straight into the given shardings (one-device mesh on the CPU)."""
     hf_dir, _ = fx.build_transformers_model("qwen3", str(tmp_path / "hf"), seed=1)

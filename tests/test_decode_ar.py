@@ -7,6 +7,7 @@ import pytest
 
 import jdllm
 from tests.decode_fixtures import assert_matches_reference, causal_model, fast_compile  # noqa: F401 (fast_compile: fixture)
+from tests.quick import slow
 from tests.reference_decoders import ar_reference
 
 pytestmark = pytest.mark.usefixtures("fast_compile")
@@ -26,6 +27,7 @@ def test_ar_batch1_matches_reference():
         assert out.step_map == list(range(1, MAX_NEW + 1))
 
 
+@slow
 def test_ar_batch_rows_equal_prompts_alone():
     m = causal_model()
     outs = jdllm.generate(m, PROMPTS, jdllm.AR(), jdllm.Sampling(max_new_tokens=MAX_NEW))
@@ -34,6 +36,7 @@ def test_ar_batch_rows_equal_prompts_alone():
         assert_matches_reference(out, ar_reference(m.params, m.config, p, max_new_tokens=MAX_NEW))
 
 
+@slow
 def test_ar_stop_token_ends_row_and_is_kept():
     m = causal_model()
     free = [ar_reference(m.params, m.config, p, max_new_tokens=MAX_NEW) for p in PROMPTS]
@@ -47,6 +50,7 @@ def test_ar_stop_token_ends_row_and_is_kept():
         assert stop not in out.token_ids[:-1]
 
 
+@slow
 def test_ar_sampling_seeds():
     m = causal_model()
     run = lambda seed: jdllm.generate(  # noqa: E731
@@ -75,6 +79,7 @@ def _hf_qwen3(tmp_path):
     return model, jdllm.load(str(tmp_path), dtype="float32", attn_impl="xla")
 
 
+@slow
 def test_ar_greedy_equals_transformers_generate(tmp_path):
     import torch
 

@@ -20,6 +20,7 @@ from jdllm.model import init_params
 from jdllm.sampling import filter_logits
 from tests.compiles import traces
 from tests.decode_fixtures import FAST_COMPILE, block_model, causal_model, fast_compile  # noqa: F401
+from tests.quick import slow, slow_except
 from tests.reference_decoders import full_logits
 
 pytestmark = pytest.mark.usefixtures("fast_compile")
@@ -52,7 +53,7 @@ def _fields(o):
     return (o.token_ids, o.step_map, o.nfe, o.finish_reason, o.trace)
 
 
-@pytest.mark.parametrize("proposer", ["prompt_lookup", "draft_model"])
+@pytest.mark.parametrize("proposer", slow_except(["prompt_lookup", "draft_model"], "prompt_lookup"))
 def test_greedy_equals_ar_and_rows_advance_independently(proposer):
     """Greedy: every row equals jdllm.AR token for token (log-probs too), alone and in a mixed batch
     (different prompt lengths, limits and a stop token). Rows move by their own accepted counts: in
@@ -132,6 +133,7 @@ def _chi2(counts: np.ndarray, probs: np.ndarray) -> tuple[float, int]:
     return stat, int(keep.sum()) - 1
 
 
+@slow
 @pytest.mark.parametrize("proposer", ["draft_model", "prompt_lookup"])
 def test_sampled_output_follows_the_target_distribution(proposer, monkeypatch):
     """The first two sampled tokens over 4096 rows (independent streams) against the exact joint
@@ -203,6 +205,7 @@ def test_bad_input_raises_before_compiling():
     assert seen["run"] == 0
 
 
+@slow
 def test_second_call_does_not_retrace_even_with_another_draft_of_the_same_shape():
     m = causal_model()
     run = lambda draft: jdllm.generate(m, PROMPTS, jdllm.Speculative(draft=draft, num_draft_tokens=3),  # noqa: E731
@@ -215,6 +218,7 @@ def test_second_call_does_not_retrace_even_with_another_draft_of_the_same_shape(
 
 
 # --------------------------------------------------------------------------- command line, shipped draft
+@slow
 def test_cli_generate_and_bench_with_the_shipped_draft(tmp_path, capsys):
     import json
     import os

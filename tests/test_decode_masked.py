@@ -19,6 +19,7 @@ from jdllm.model import init_params
 from jdllm.sampling import row_keys
 from tests.compiles import traces
 from tests.decode_fixtures import assert_matches_reference, fast_compile  # noqa: F401 (fixture)
+from tests.quick import slow
 from tests.reference_masked_diffusion import llada_gumbel_argmax, masked_diffusion_reference, num_transfer_tokens
 
 pytestmark = pytest.mark.usefixtures("fast_compile")
@@ -115,11 +116,11 @@ def test_schedules_match_published_definitions():
 # --------------------------------------------------------------------------- LLaDA / Fast-dLLM
 @pytest.mark.parametrize("kw,temperature,solo", [
     (dict(steps=8, block_length=8), 0.0, True),  # low_confidence, 2 tokens per step
-    (dict(steps=16, block_length=8, remasking="random"), 0.0, False),
-    (dict(block_length=4, confidence_threshold=0.6), 0.0, False),  # Fast-dLLM parallel
-    (dict(steps=8, block_length=8, cfg_scale=1.5), 0.0, False),
-    (dict(steps=8, block_length=4), 0.8, False),  # Gumbel sampling
-    (dict(steps=32, block_length=8), 0.0, False),  # more steps than tokens per block
+    pytest.param(dict(steps=16, block_length=8, remasking="random"), 0.0, False, marks=slow),
+    pytest.param(dict(block_length=4, confidence_threshold=0.6), 0.0, False, marks=slow),  # Fast-dLLM parallel
+    pytest.param(dict(steps=8, block_length=8, cfg_scale=1.5), 0.0, False, marks=slow),
+    pytest.param(dict(steps=8, block_length=4), 0.8, False, marks=slow),  # Gumbel sampling
+    pytest.param(dict(steps=32, block_length=8), 0.0, False, marks=slow),  # more steps than tokens per block
 ], ids=["low_confidence", "random", "threshold", "cfg", "temperature", "more_steps_than_tokens"])
 def test_llada_matches_reference(kw, temperature, solo):
     m = bidir_model()
@@ -135,6 +136,7 @@ def test_llada_matches_reference(kw, temperature, solo):
 
 
 # --------------------------------------------------------------------------- Dream
+@slow
 @pytest.mark.parametrize("kw,temperature", [
     (dict(steps=8, alg="origin"), 0.0),
     (dict(steps=8, block_length=8, alg="maskgit_plus"), 0.0),
@@ -148,6 +150,7 @@ def test_dream_matches_reference(kw, temperature):
     _run_and_compare(m, kw, temperature=temperature, solo=kw["alg"] == "maskgit_plus" and temperature == 0)
 
 
+@slow
 def test_stop_token_ends_rows():
     m = bidir_model()
     kw = dict(steps=16, block_length=4)
@@ -162,6 +165,7 @@ def test_stop_token_ends_rows():
 
 
 # --------------------------------------------------------------------------- caches
+@slow
 @pytest.mark.parametrize("shift", [False, True], ids=["llada", "dream"])
 def test_caches_exact_on_one_layer_model(shift):
     """With one layer every K/V depends only on its own slot's token, so the prefix and dual
@@ -176,6 +180,7 @@ def test_caches_exact_on_one_layer_model(shift):
             np.testing.assert_allclose(c.logprobs, b.logprobs, atol=1e-4)
 
 
+@slow
 @pytest.mark.parametrize("shift,kw", [
     (False, dict(steps=8, block_length=8)),
     (True, dict(block_length=8, alg="maskgit_plus", confidence_threshold=0.5)),

@@ -19,6 +19,7 @@ from jdllm.model import init_params
 from tests.compiles import traces
 from tests.decode_fixtures import MASK, VOCAB, assert_matches_reference, block_model
 from tests.decode_fixtures import fast_compile  # noqa: F401 (fixture)
+from tests.quick import slow, slow_except
 from tests.reference_multi_block import STATE_CODE, multi_block_reference, states_during
 
 pytestmark = pytest.mark.usefixtures("fast_compile")
@@ -66,7 +67,8 @@ def _sampling(max_new=MAX_NEW, **kw):
     return jdllm.Sampling(max_new_tokens=max_new, stop_token_ids=(), **kw)
 
 
-@pytest.mark.parametrize("config, shifted", [("pipelined", False), ("forced", False), ("serial", True)])
+@pytest.mark.parametrize("config, shifted", slow_except([("pipelined", False), ("forced", False), ("serial", True)],
+                                                     ("pipelined", False)))
 def test_block_causal_matches_reference(config, shifted):
     """SDAR-like (Fast-dLLM-like when shifted) model, exact cache, mixed-length batch and batch 1."""
     m = block_model(seed=2, logit_shift=True) if shifted else block_model()
@@ -82,6 +84,7 @@ def test_block_causal_matches_reference(config, shifted):
         assert max(np.bincount(outs[0].step_map)) <= CONFIGS[config]["max_blocks"]
 
 
+@slow
 @pytest.mark.parametrize("config, shifted", [("pipelined", False), ("forced", True)])
 def test_bidirectional_matches_reference(config, shifted):
     """LLaDA-like (Dream-like when shifted) model: whole-canvas forward, mixed-length batch and batch 1."""
@@ -112,6 +115,7 @@ def _d3ref(m, prompt, setting, **kw):
                                  **D3_SETTINGS[setting], **kw)
 
 
+@slow
 @pytest.mark.parametrize("family, setting, solo", [
     ("llada", "add0.1/dec0.95", True), ("llada", "add0.25/dec0.5", False),
     ("dream", "add0.1/dec0.95", False), ("dream", "add0.25/dec0.5", True), ("sdar", "add0.25/dec0.5", False)])
@@ -135,6 +139,7 @@ def test_defaults_reproduce_d3llm(family, setting, solo):
     assert any(o["step_map"] != r["step_map"] or o["tokens"] != r["tokens"] for o, r in zip(old, refs))
 
 
+@slow
 @pytest.mark.parametrize("family, forced, selection", [
     ("llada", "every", "auto"), ("dream", "every", "auto"), ("llada", "first", "dream"),
     ("dream", "every", "llada"), ("sdar", "every", "dream")])
@@ -158,6 +163,7 @@ def _final_state(m, prompts, decoding, sampling):
     return prep, loop.compiled()(m.params, prep.state, paradigm=prep.paradigm, ctx=prep.ctx)
 
 
+@slow
 def test_exact_cache_equals_no_cache_and_commits_blocks():
     """Long enough for the window to slide many blocks; greedy and sampled; cache really used."""
     m = block_model(seed=5)
@@ -178,6 +184,7 @@ def test_exact_cache_equals_no_cache_and_commits_blocks():
         _check(out, _ref(m, p, "pipelined", max_new=max_new, max_blocks=2))
 
 
+@slow
 @pytest.mark.parametrize("kind, at", [("block_causal", 2), ("bidirectional", 1)])
 def test_eos_early_stop(kind, at):
     """Stop token = the free run's token `at`: rows stop; with early_stop the rest becomes EOS."""
@@ -199,6 +206,7 @@ def test_eos_early_stop(kind, at):
             assert outs[0].nfe <= free["nfe"]
 
 
+@slow
 def test_block_state_transitions():
     """Thresholds that force the transitions; the per-step state sequence equals the reference's.
 
@@ -228,6 +236,7 @@ def test_block_state_transitions():
     assert kinds == {"activated->fully", "fully at once", "cap reached"}
 
 
+@slow
 def test_max_forwards_stops_rows():
     m = block_model()
     with pytest.warns(RuntimeWarning, match="abort"):
@@ -238,6 +247,7 @@ def test_max_forwards_stops_rows():
         assert out.nfe == 3 and out.finish_reason == "abort" and len(out.token_ids) < MAX_NEW
 
 
+@slow
 @pytest.mark.parametrize("delay, refresh, config, mixed", [
     (2, 10000, "pipelined", False), (0, 10000, "serial", False), (1, 3, "pipelined", True),
     (3, 10000, "forced", False)])
@@ -266,6 +276,7 @@ def test_approx_cache_follows_d3llm(delay, refresh, config, mixed):
         "stale K/V should change some decision, else this test cannot tell the cache from no cache"
 
 
+@slow
 @pytest.mark.parametrize("delay, refresh, setting", [(0, 3, "add0.25/dec0.5"), (1, 10000, "pipelined")])
 def test_approx_cache_follows_d3llm_dream(delay, refresh, setting):
     """cache_mode="approx" on a Dream-style (shifted-logit) model == d3LLM's _sample_multi_block_kv_cache
@@ -289,6 +300,7 @@ def test_approx_cache_follows_d3llm_dream(delay, refresh, setting):
     assert any(r["tokens"] != p["tokens"] or r["step_map"] != p["step_map"] for r, p in zip(refs, plain))
 
 
+@slow
 def test_approx_cache_with_eos_early_stop():
     """The approximate cache under EOS early stop against the replay (stop ids, early_stop).
 
@@ -310,6 +322,7 @@ def test_approx_cache_with_eos_early_stop():
     assert created  # the early stop did create blocks
 
 
+@slow
 def test_window_cache_bidirectional():
     """cache_mode="window" (jdllm's variant): off by default; refresh every step == the no-cache run;
     default refresh stays a valid decode."""
@@ -349,6 +362,7 @@ def test_bad_config_raises(kw, word):
         jdllm.MultiBlock(**kw)
 
 
+@slow
 def test_bad_model_raises():
     from tests.decode_fixtures import causal_model  # noqa: PLC0415
 

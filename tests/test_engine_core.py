@@ -19,6 +19,7 @@ from pallas_kernels import attention_reference, visible_mask
 from pallas_kernels.flash import attention as flash_attention
 from tests.compiles import traces
 from tests.decode_fixtures import FAST_COMPILE, block_model, causal_model, fast_compile  # noqa: F401
+from tests.quick import slow, slow_except
 from tests.test_decode_masked import bidir_model
 
 pytestmark = pytest.mark.usefixtures("fast_compile")
@@ -56,6 +57,7 @@ def test_masking_rule_per_row_equals_each_row_alone():
             np.testing.assert_array_equal(np.asarray(m[b]), np.asarray(solo[0]))
 
 
+@slow
 @pytest.mark.parametrize("T", [3, 24])  # window kernel and prefill kernel
 def test_pallas_kernels_take_per_row_offsets(T):
     B, S, H, KV, D = 3, 40, 4, 2, 16
@@ -73,6 +75,7 @@ def test_pallas_kernels_take_per_row_offsets(T):
         np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=2e-5, rtol=2e-5)
 
 
+@slow
 def test_forward_with_per_row_offsets_equals_each_row_alone():
     """Rows writing and attending at different cache positions in one call give each row's solo result."""
     m = block_model()
@@ -104,6 +107,7 @@ def test_lm_head_at_chosen_positions_equals_full_logits():
     np.testing.assert_allclose(np.asarray(some[0]), np.asarray(full[0, [5, 1]]), atol=1e-6)
 
 
+@slow
 @pytest.mark.parametrize("which", [0, 1], ids=["ar", "block_diffusion"])
 def test_rows_at_different_positions_decode_as_alone(which):
     """AR rows start generating at their own prompt ends; block-diffusion rows move to their next
@@ -127,7 +131,7 @@ def _steps():
     return loop.compiled_steps(FAST_COMPILE)
 
 
-@pytest.mark.parametrize("case", range(6))
+@pytest.mark.parametrize("case", slow_except(range(6), 0))
 def test_step_n_and_host_steps_equal_run(case):
     m, par = _paradigms()[case]
     sampling = jdllm.Sampling(max_new_tokens=8, stop_token_ids=(7,))
@@ -156,6 +160,7 @@ def test_step_n_and_host_steps_equal_run(case):
     assert _fields(outputs(prep, st)) == want
 
 
+@slow
 def test_planned_slots_hold_every_reveal():
     """Every token a step reveals lies in the slots its plan named (what a constraint masks)."""
     m, par = _paradigms()[3]
@@ -176,6 +181,7 @@ def test_planned_slots_hold_every_reveal():
 
 
 # --------------------------------------------------------------------------- per-row sampling
+@slow
 def test_new_temperature_does_not_recompile_and_rows_may_differ():
     m = causal_model()
     greedy = jdllm.Sampling(max_new_tokens=10, stop_token_ids=())
@@ -194,6 +200,7 @@ def test_new_temperature_does_not_recompile_and_rows_may_differ():
     assert moved[0].token_ids == alone[0].token_ids
 
 
+@slow
 def test_per_row_stop_ids():
     m = causal_model()
     free = jdllm.generate(m, [PROMPTS[0]], jdllm.AR(), jdllm.Sampling(max_new_tokens=10, stop_token_ids=()))[0]
@@ -214,6 +221,7 @@ class _ShortAR(jdllm.AR):
         return 3
 
 
+@slow
 def test_iteration_guard_gives_abort_and_a_warning():
     m = causal_model()
     with pytest.warns(RuntimeWarning, match="abort"):
@@ -222,6 +230,7 @@ def test_iteration_guard_gives_abort_and_a_warning():
     assert [len(o.token_ids) for o in outs] == [4, 4]  # prefill + 3 steps
 
 
+@slow
 def test_max_forwards_gives_abort():
     m = block_model()
     with pytest.warns(RuntimeWarning, match="abort"):
@@ -230,6 +239,7 @@ def test_max_forwards_gives_abort():
     assert o.finish_reason == "abort" and o.nfe == 2
 
 
+@slow
 @pytest.mark.parametrize("case", [0, 1, 4])
 def test_mask_that_allows_nothing_stops_cleanly(case):
     m, par = _paradigms()[case]
@@ -258,6 +268,7 @@ def test_non_finite_logits_finish_invalid():
 
 
 # --------------------------------------------------------------------------- reusable prepared state
+@slow
 def test_prepared_state_can_be_decoded_twice():
     m, par = _paradigms()[1]
     prep = prepare(m, PROMPTS, par, jdllm.Sampling(max_new_tokens=8))
@@ -268,6 +279,7 @@ def test_prepared_state_can_be_decoded_twice():
     assert first == again
 
 
+@slow
 def test_prepare_max_rows_caps_the_padded_batch():
     """prepare pads a batch to its shape bucket (3 prompts -> 4 rows) unless max_rows is smaller (the
     serving pool); fewer rows than prompts is an InputError."""

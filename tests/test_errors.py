@@ -11,6 +11,7 @@ import pytest
 import jdllm
 from jdllm import errors
 from jdllm.config import ModelConfig
+from tests.quick import slow
 
 CFG = ModelConfig(model_type="qwen3", vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=1,
                   num_heads=4, num_kv_heads=2, head_dim=8, max_position_embeddings=16, qk_norm=True)
@@ -21,6 +22,7 @@ def model():
     return jdllm.Model.random(CFG, seed=0)
 
 
+@slow
 def test_logits_accepts_valid_input(model):
     """The boundaries themselves are accepted (id vocab-1, length max_position_embeddings)."""
     out = jdllm.logits(model, [[0, 63] * 8])
@@ -157,6 +159,7 @@ def test_logits_argument_types(model, bad, exc, match):
         jdllm.logits(model, bad)
 
 
+@slow
 def test_default_max_new_tokens_fits_the_model(tiny_sdar):
     """The default 256 is clipped to the 64-token context with a note pointing at the caller."""
     with pytest.warns(UserWarning, match="generating at most 53 tokens") as rec:
@@ -167,6 +170,7 @@ def test_default_max_new_tokens_fits_the_model(tiny_sdar):
         jdllm.generate(tiny_sdar, ["sort:3 1 2="], sampling=jdllm.Sampling(max_new_tokens=200))
 
 
+@slow
 def test_paradigm_warnings_point_at_the_caller(tiny_sdar):
     with pytest.warns(UserWarning, match="block_length=8 differs") as rec:
         jdllm.generate(tiny_sdar, ["sort:1 2="], jdllm.BlockDiffusion(block_length=8, denoising_steps=8),

@@ -13,12 +13,14 @@ from jdllm.api import outputs, prepare
 from jdllm.decode.loop import run as decode
 from tests.compiles import traces
 from tests.decode_fixtures import block_model, causal_model, fast_compile  # noqa: F401 (fixture)
+from tests.quick import slow
 
 pytestmark = pytest.mark.usefixtures("fast_compile")
 
 BD = jdllm.BlockDiffusion(block_length=4, denoising_steps=2, confidence_threshold=0.7)
 
 
+@slow
 def test_second_call_with_same_buckets_does_not_retrace():
     m = causal_model()
     jdllm.generate(m, [[1, 2, 3], [4, 5, 6, 7, 8]], jdllm.AR(), jdllm.Sampling(max_new_tokens=10))
@@ -38,6 +40,7 @@ def test_second_call_with_same_buckets_does_not_retrace():
     assert seen["run"] == 0
 
 
+@slow
 def test_pure_decode_inside_a_user_jit_and_vmap_equals_generate():
     b = block_model()
     prompts = [[5, 17, 3, 44, 9, 12], [70, 2, 31]]

@@ -34,6 +34,7 @@ from jdllm.model import KVCache, default_positions, forward, init_params
 from pallas_kernels import common, flash
 from pallas_kernels.reference import attention_reference
 from tests.accel import needs_gpu
+from tests.quick import slow, slow_except
 
 TOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
 EXACT = "highest"  # the references' XLA dots: float32 ones would run in TF32 on a GPU by default
@@ -86,7 +87,7 @@ PREFILL = [
 ]
 
 
-@pytest.mark.parametrize("kind,bs,B,T,S,qoff,kvl,H,KV,D,start,tiles,dtype", PREFILL)
+@pytest.mark.parametrize("kind,bs,B,T,S,qoff,kvl,H,KV,D,start,tiles,dtype", slow_except(PREFILL, PREFILL[1]))
 def test_prefill_matches_reference(kind, bs, B, T, S, qoff, kvl, H, KV, D, start, tiles, dtype):
     _check(flash.prefill_attention, kind=kind, block_size=bs, B=B, T=T, S=S, H=H, KV=KV, D=D,
            start=start, q_offset=qoff, kv_len=kvl, dtype=dtype,
@@ -102,6 +103,7 @@ def test_rows_that_see_nothing_are_zero():
     assert np.all(np.abs(np.asarray(out)[1, 6:]) > 0)
 
 
+@slow
 @pytest.mark.parametrize("variant,kind,bs,T,qoff,horizon", [
     ("prefill", "causal", 1, 8, 8, 16),  # last query p = 15 sees slots < 16
     ("window", "block_causal", 4, 4, 16, 20),  # queries 16..19 see slots < 20
@@ -184,13 +186,14 @@ WINDOW = [
 ]
 
 
-@pytest.mark.parametrize("kind,bs,B,T,S,qoff,kvl,H,KV,D,start,tiles,dtype", WINDOW)
+@pytest.mark.parametrize("kind,bs,B,T,S,qoff,kvl,H,KV,D,start,tiles,dtype", slow_except(WINDOW, WINDOW[0]))
 def test_window_matches_reference(kind, bs, B, T, S, qoff, kvl, H, KV, D, start, tiles, dtype):
     _check(flash.window_attention, kind=kind, block_size=bs, B=B, T=T, S=S, H=H, KV=KV, D=D,
            start=start, q_offset=qoff, kv_len=kvl, dtype=dtype,
            tiles=flash.Tiles(block_r=tiles[0], block_k=tiles[1], num_splits=tiles[2]))
 
 
+@slow
 def test_window_traced_offset_and_length_under_jit():
     """q_offset / kv_len as traced scalars (decoding with a KV cache): one compile, many windows."""
     B, T, S, H, KV, D = 2, 4, 72, 4, 2, 64
@@ -213,6 +216,7 @@ def test_window_traced_offset_and_length_under_jit():
     assert len(traces) == 1
 
 
+@slow
 def test_auto_variant_and_dispatcher():
     """impl="pallas" through the dispatcher picks window for a short window, prefill otherwise."""
     assert flash.choose_variant(8, 256) == "window"
@@ -257,6 +261,7 @@ def test_poison_catches_an_unwritten_tile(monkeypatch):
 
 
 # ----------------------------------------------------------------------------- gradients
+@slow
 @pytest.mark.parametrize("variant,kind,bs,T,S,qoff,H,KV,D,start,bwd_tiles,dtype", [
     ("prefill", "block_causal", 4, 21, 21, 0, 8, 2, 64, [0, 5], (8, 8), jnp.float32),
     # window over a cache; row 1's first three queries see nothing
@@ -287,6 +292,7 @@ def test_grad_matches_reference(variant, kind, bs, T, S, qoff, H, KV, D, start, 
         assert _rel_err(g, gr) <= TOL[dtype]
 
 
+@slow
 def test_vmap_over_examples_with_own_offsets():
     """jax.vmap (RL rollouts) over examples, each with its own start / q_offset: values and grads."""
     N, B, T, S, H, KV, D = 3, 2, 6, 30, 4, 2, 64
@@ -330,6 +336,7 @@ def _tiny_cfg(kind: str) -> ModelConfig:
                        block_size=4 if kind == "block_causal" else 1)
 
 
+@slow
 @pytest.mark.parametrize("kind", ["causal", "block_causal", "bidirectional"])
 def test_model_forward_pallas_equals_xla(kind):
     """jdllm.model.forward: attn_impl="pallas" (interpret) equals "xla", without and with a KVCache.
@@ -359,6 +366,7 @@ def test_model_forward_pallas_equals_xla(kind):
         assert _rel_err(got, want) <= 1e-5
 
 
+@slow
 def test_model_forward_on_the_mosaic_backend(monkeypatch):
     """A bfloat16 block-causal model through attn_impl="pallas" with the Mosaic kernel = "xla"."""
     from pallas_kernels import mosaic
@@ -382,9 +390,9 @@ def test_model_forward_on_the_mosaic_backend(monkeypatch):
 
 # ----------------------------------------------------------------------------- Triton lowering
 @pytest.mark.parametrize("variant,kind,bs,T,S,H,KV,D,dtype", [
-    ("prefill", "block_causal", 32, 300, 300, 8, 2, 128, jnp.bfloat16),
+    pytest.param("prefill", "block_causal", 32, 300, 300, 8, 2, 128, jnp.bfloat16, marks=slow),
     ("prefill", "causal", 1, 40, 90, 4, 4, 8, jnp.float32),  # head_dim padded to 16
-    ("window", "bidirectional", 1, 7, 3000, 28, 4, 96, jnp.float32),  # G = 7, head_dim 96
+    pytest.param("window", "bidirectional", 1, 7, 3000, 28, 4, 96, jnp.float32, marks=slow),  # G = 7, head_dim 96
 ])
 def test_triton_path_lowers_for_cuda(variant, kind, bs, T, S, H, KV, D, dtype):
     """The Triton kernels (forward, backward dq and dk/dv) lower to Triton custom calls for CUDA.
@@ -456,8 +464,8 @@ def _triton_dots(lowered):
     return len(calls), lines
 
 
-@pytest.mark.parametrize("global_precision", [None, "bfloat16", "tensorfloat32"])
-@pytest.mark.parametrize("variant,T,S", [("prefill", 40, 40), ("window", 4, 100)])
+@pytest.mark.parametrize("global_precision", slow_except([None, "bfloat16", "tensorfloat32"], "bfloat16"))
+@pytest.mark.parametrize("variant,T,S", slow_except([("prefill", 40, 40), ("window", 4, 100)], ("prefill", 40, 40)))
 def test_float32_kernel_dots_are_exact_whatever_the_global_precision(global_precision, variant, T, S):
     """float32 kernels (forward and backward) ask for HIGHEST, which the Triton lowering runs as IEEE
     float32, by default and under `jax.default_matmul_precision("bfloat16" | "tensorfloat32")`, where
@@ -503,6 +511,7 @@ MOSAIC = [
 ]
 
 
+@slow
 @pytest.mark.parametrize("kind,bs,B,T,S,qoff,kvl,H,KV,D,start,dtype", MOSAIC)
 def test_mosaic_prefill_matches_reference(kind, bs, B, T, S, qoff, kvl, H, KV, D, start, dtype):
     from pallas_kernels import mosaic
@@ -519,6 +528,7 @@ def test_mosaic_prefill_matches_reference(kind, bs, B, T, S, qoff, kvl, H, KV, D
     assert np.abs(np.asarray(lse) - np.asarray(lse_ref)).max() <= 2e-2
 
 
+@slow
 @pytest.mark.parametrize("block_k,stages", [(128, 2), (64, 3)])
 def test_mosaic_key_tile_and_ring_depth(block_k, stages):
     """The tuning knobs: 128-key tiles, a three-slot K/V ring (tile loads wrap around it)."""
@@ -533,6 +543,7 @@ def test_mosaic_key_tile_and_ring_depth(block_k, stages):
         mosaic.prefill_attention(q, k, v, **kw, block_k=32, interpret=True)
 
 
+@slow
 def test_mosaic_tiles_outside_the_rule_are_never_read():
     """K/V tiles wholly past the horizon or before a row's start are NaN: the result stays finite."""
     from pallas_kernels import mosaic
@@ -549,6 +560,7 @@ def test_mosaic_tiles_outside_the_rule_are_never_read():
     assert _rel_err(out, ref) <= TOL[jnp.bfloat16]
 
 
+@slow
 def test_mosaic_backend_through_attention_with_grad_and_fallbacks(monkeypatch):
     """backend="mosaic_interpret": Mosaic forward + Pallas backward; float32 and windows fall back."""
     q, k, v = _qkv(22, 2, 70, 70, 4, 2, 64, jnp.bfloat16)
@@ -574,6 +586,7 @@ def test_mosaic_backend_through_attention_with_grad_and_fallbacks(monkeypatch):
         flash.default_backend()
 
 
+@slow
 def test_mosaic_under_vmap():
     """vmap over examples, each with its own left padding (how RL loops call generation)."""
     q, k, v = _qkv(26, 3, 70, 70, 4, 2, 64, jnp.bfloat16)
@@ -588,6 +601,7 @@ def test_mosaic_under_vmap():
     assert _rel_err(out, ref) <= TOL[jnp.bfloat16]
 
 
+@slow
 @pytest.mark.parametrize("kind,bs,T,S,H,KV,D", [
     ("block_causal", 32, 300, 300, 8, 2, 128),
     ("causal", 1, 256, 512, 4, 4, 64),

@@ -6,8 +6,10 @@ import pytest
 import jdllm
 from jdllm import errors
 from jdllm.config import ModelConfig
+from tests.quick import slow
 
 
+@slow
 @pytest.mark.parametrize("attention", ["causal", "block_causal", "bidirectional"])
 def test_ragged_rows_equal_rows_alone(attention):
     cfg = ModelConfig(model_type="t", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2,

@@ -9,6 +9,7 @@ import pytest
 from jdllm import errors, objectives
 from jdllm.config import ModelConfig
 from jdllm.model import default_positions, forward, init_params
+from tests.quick import slow
 
 V, MASK = 24, 2
 
@@ -33,6 +34,7 @@ def _batch(B=4, T=16, seed=0):
     return jnp.asarray(tokens), jnp.asarray(target), jnp.asarray(start)
 
 
+@slow
 @pytest.mark.parametrize("attention", ["causal", "block_causal", "bidirectional"])
 def test_loss_finite_and_decreases(attention):
     cfg = _cfg(attention)
@@ -137,6 +139,7 @@ def test_bd3lm_mask_equals_loop(T, block):
     np.testing.assert_array_equal(got, _loop_bd3lm_mask(T, block, start))
 
 
+@slow
 def test_noisy_copy_logits_equal_blockwise_inference():
     """Each noisy block under the BD3-LM mask = a block-causal forward of [clean blocks < i ; noisy block i]."""
     cfg = _cfg("block_causal", block_size=4)

@@ -10,6 +10,7 @@ import pytest
 
 import jdllm
 from jdllm import tasks
+from tests.quick import slow
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODELS = os.path.join(ROOT, "models")
@@ -116,12 +117,14 @@ def test_shipped_ar_matches_transformers():
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
 
 
+@slow
 def test_ar_exact_match_floor():
     acc, tpf = _run("tiny-ar", jdllm.AR())
     assert acc > 0.90, f"tiny-ar exact match {acc:.3f} (measured 1.000 on 256 items)"
     assert tpf == pytest.approx(1.0)
 
 
+@slow
 def test_block_diffusion_dynamic_parallel_floor():
     """tiny-sdar: low_confidence_dynamic decodes > 1.5 tokens per forward and stays near one-token-per-step."""
     one_acc, one_tpf = _run("tiny-sdar", jdllm.BlockDiffusion(block_length=4, denoising_steps=4,
@@ -134,11 +137,13 @@ def test_block_diffusion_dynamic_parallel_floor():
     assert acc > one_acc - 0.05, f"dynamic {acc:.3f} vs one-per-step {one_acc:.3f}"
 
 
+@slow
 def test_multi_block_floor():
     acc, tpf = _run("tiny-sdar", jdllm.MultiBlock(block_size=4, entropy_threshold=0.5), n=128)
     assert acc > SDAR_ACC_FLOOR and tpf > MULTI_BLOCK_TPF_FLOOR, (acc, tpf)
 
 
+@slow
 def test_masked_diffusion_floor():
     """tiny-llada (addition is its weak task: ~35%; sort and reverse ~99%)."""
     acc, tpf = _run("tiny-llada", jdllm.MaskedDiffusion(gen_length=12, block_length=4, steps=12,

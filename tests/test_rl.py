@@ -17,6 +17,7 @@ import jdllm
 from jdllm import errors, rl
 from tests.compiles import traces
 from tests.decode_fixtures import FAST_COMPILE, block_model, causal_model
+from tests.quick import slow, slow_except
 from tests.test_decode_masked import bidir_model
 
 PROMPTS = [[5, 17, 3, 44, 9], [70, 2, 8]]
@@ -63,7 +64,7 @@ def _rollout(name, temperature, max_new=8, stop=()):
     return model, spec, ro
 
 
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name", slow_except(list(CASES), "block"))
 def test_replay_equals_decode_logprobs(name):
     """Under the rollout's own params the replay reproduces every recorded log-prob (greedy and T=1)."""
     for temperature in (0.0, 1.0):
@@ -88,6 +89,7 @@ def test_per_step_replay_of_block_diffusion_equals_packed():
     assert rl.replay_cost(spec, ro.slots, "packed")["tokens"] < rl.replay_cost(spec, ro.slots, "per_step")["tokens"]
 
 
+@slow
 def test_shrink_merges_steps():
     """shrink=2 scores a step's tokens from the canvas two steps back: equal where a token's step is the
     first of its pair, different elsewhere (so the merge is real), and the packed and per-step forms agree."""
@@ -101,6 +103,7 @@ def test_shrink_merges_steps():
     assert np.abs(merged[second] - exact[second]).max() > 1e-3
 
 
+@slow
 def test_bounded_per_step_replay_runs_only_the_rows_steps():
     """copies=replay_copies(ro): the per_step replay over only the copies the rows use equals the full
     [K, B] grid (shrink 1 and 2), needs fewer copies when rows stop early, and
@@ -118,6 +121,7 @@ def test_bounded_per_step_replay_runs_only_the_rows_steps():
     assert np.isnan(np.asarray(short)).any()
 
 
+@slow
 @pytest.mark.parametrize("name", ["ar", "block_shift", "masked"])
 def test_replay_gradient_matches_finite_differences(name):
     """d/de sum(log p(trajectory; params + e v)) at e = 0 along the unit gradient direction v (= |grad|)
@@ -140,6 +144,7 @@ def test_replay_gradient_matches_finite_differences(name):
     np.testing.assert_allclose(directional, fd, rtol=2e-2)
 
 
+@slow
 def test_approximate_caches_raise_unless_replayed_as_exact():
     """A dual-cache (Fast-dLLM) rollout raises InputError; cached_as_exact=True replays the no-cache
     forward, which on a one-layer model (K/V depend only on their own slot's token, so the dual cache is
@@ -166,6 +171,7 @@ def test_approximate_caches_raise_unless_replayed_as_exact():
     assert rl.approximate_decode(spec_none) is None
 
 
+@slow
 def test_rollout_is_pure_and_does_not_recompile():
     """A second rollout with new params and a new key reuses the compile; the same key gives the same
     trajectory, another key another one; batch-padding rows are inactive and return nothing."""
@@ -224,6 +230,7 @@ def test_losses_match_numpy_reference():
     np.testing.assert_allclose(float(pg), -np.sum(adv[:, None] * lp * mask) / mask.sum(), rtol=1e-5)
 
 
+@slow
 def test_grpo_steps_lower_the_loss_on_a_fixed_batch():
     """Three Adam steps of GRPO (+ KL to the initial params) through the replay lower the loss."""
     model, spec, ro = _rollout("masked", 1.0)
@@ -256,6 +263,7 @@ def test_grpo_steps_lower_the_loss_on_a_fixed_batch():
     assert gain[a > 0].mean() > 0 > gain[a < 0].mean(), (gain, a)
 
 
+@slow
 def test_bad_input_errors():
     model, spec, ro = _rollout("masked", 1.0)
     with pytest.raises(errors.InputError, match="group >= 2"):

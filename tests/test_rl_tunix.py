@@ -21,6 +21,7 @@ import jdllm
 from jdllm import errors, tasks
 from jdllm.rl import tunix_bridge
 from jdllm.rl.tunix_bridge import JdllmRollout
+from tests.quick import slow
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 FIELDS = ("text", "logits", "tokens", "left_padded_prompt_tokens", "logprobs")
@@ -37,6 +38,7 @@ def _config(**kw):
     return types.SimpleNamespace(**base)
 
 
+@slow
 def test_tunix_rollout_interface_on_tiny_ar():
     model = jdllm.load(os.path.join(ROOT, "models/tiny-ar"), dtype="float32", attn_impl="xla")
     if tunix_bridge.HAVE_TUNIX:

@@ -13,6 +13,7 @@ from jdllm.decode import loop
 from jdllm.sampling import (apply_token_bitmask, row_keys, sample, sample_rows, split_rows,
                             unpack_bitmask)
 from tests.decode_fixtures import FAST_COMPILE, fast_compile  # noqa: F401 (fast_compile: fixture)
+from tests.quick import slow
 
 pytestmark = pytest.mark.usefixtures("fast_compile")
 
@@ -40,6 +41,7 @@ def test_greedy_token_and_statistics_match_numpy():
     assert s.prob.dtype == s.entropy.dtype == s.logprob.dtype == jnp.float32
 
 
+@slow
 def test_temperature_frequencies_follow_softmax():
     z = _logits((6,), seed=1, scale=1.0)
     T, n = 0.7, 6000
@@ -52,6 +54,7 @@ def test_temperature_frequencies_follow_softmax():
     np.testing.assert_allclose(float(s.logprob), _np_log_softmax(z / T)[int(s.token)], atol=1e-5)
 
 
+@slow
 def test_top_k_and_top_p_restrict_the_support():
     z = _logits((50,), seed=2, scale=1.5)
     keys = jax.random.split(jax.random.key(4), 2000)
@@ -68,6 +71,7 @@ def test_top_k_and_top_p_restrict_the_support():
     assert set(toks_p.tolist()) == nucleus and len(nucleus) < 50
 
 
+@slow
 def test_row_keys_seeds_and_splitting():
     z = jnp.asarray(_logits((4, 3, 30), seed=5, scale=0.5))
     a = sample_rows(z, row_keys(0, 4), temperature=1.0).token
@@ -103,6 +107,7 @@ def _host_pieces(prep):
     return prefill, plan, step
 
 
+@slow
 def test_bitmask_drives_a_decode_step():
     """The paradigm step applies a bitmask over its planned slots before sampling."""
     from jdllm.api import prepare  # noqa: PLC0415
@@ -136,6 +141,7 @@ def test_bad_sampling_values_raise(kw):
         jdllm.Sampling(**kw)
 
 
+@slow
 def test_bitmask_drives_a_block_diffusion_step():
     from jdllm.api import prepare  # noqa: PLC0415
     from tests.decode_fixtures import block_model  # noqa: PLC0415

@@ -15,6 +15,7 @@ from jdllm import errors
 from jdllm.serve import engine as E
 from tests.compiles import traces
 from tests.decode_fixtures import FAST_COMPILE, block_model, causal_model, fast_compile  # noqa: F401
+from tests.quick import slow, slow_except
 
 pytestmark = pytest.mark.usefixtures("fast_compile")
 
@@ -53,7 +54,7 @@ def _fields(o):
     return o.token_ids, o.step_map, o.nfe, o.finish_reason
 
 
-@pytest.mark.parametrize("which", ["ar", "block_diffusion", "ar_spec"])
+@pytest.mark.parametrize("which", slow_except(["ar", "block_diffusion", "ar_spec"], "ar"))
 def test_staggered_requests_equal_generate_alone_without_recompiles(which):
     """Eight requests of mixed prompt and answer lengths arrive while others decode (three rows, so
     rows are reused); one is sampled, one stops on a stop id. Each equals generate() alone, token for
@@ -92,6 +93,7 @@ def test_staggered_requests_equal_generate_alone_without_recompiles(which):
     assert eng.stats()["rows_free"] == 3 and eng.stats()["tracked"] == 0
 
 
+@slow
 def test_diffusion_streams_only_the_final_prefix_and_step_events():
     """Block diffusion streams the left-contiguous revealed prefix; with return_step_map each step's
     revealed positions arrive with their step_map, and together they rebuild the output."""
@@ -170,6 +172,7 @@ def test_bounded_queue_and_bad_requests_fail_before_compiling():
     assert not seen, dict(seen)
 
 
+@slow
 def test_masked_diffusion_joins_when_the_batch_drains():
     """masked_diffusion rows share one window schedule: requests start together once the pool has
     drained (FIFO among those with the head's max_new_tokens), each equal to generate() alone. The
@@ -191,6 +194,7 @@ def test_masked_diffusion_joins_when_the_batch_drains():
         assert [t for ev in r.events if ev.kind == "tokens" for t in ev.token_ids] == r.output.token_ids
 
 
+@slow
 def test_multi_block_joins_when_the_batch_drains_with_constraints():
     """multi_block (shared block grid) under the drain rule, on tiny-sdar with on-device constraints:
     requests arriving while a batch decodes wait for it to drain, then start together; each equals
@@ -225,6 +229,7 @@ def test_multi_block_joins_when_the_batch_drains_with_constraints():
     assert eng.stats()["rows_free"] == 3 and eng.stats()["tracked"] == 0
 
 
+@slow
 def test_ar_spec_serves_on_device_constraints():
     """ar_spec with on-device DFA tables (verification masks every draft slot by the DFA state after
     the drafts before it): staggered constrained and free requests on tiny-ar with its shipped draft

@@ -19,6 +19,7 @@ import jdllm
 from jdllm.serve.engine import Engine
 from jdllm.serve.server import create_app
 from tests.decode_fixtures import FAST_COMPILE, fast_compile  # noqa: F401
+from tests.quick import slow
 
 uvicorn = pytest.importorskip("uvicorn")
 openai = pytest.importorskip("openai")
@@ -57,6 +58,7 @@ def _err(r: httpx.Response, status: int, needle: str):
     return e
 
 
+@slow
 def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server):
     url, engine, _ = server
     post = lambda body, **kw: httpx.post(f"{url}/v1/completions", timeout=60, **kw,  # noqa: E731
@@ -84,6 +86,7 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server):
         engine.max_queue = 64
 
 
+@slow
 @pytest.mark.usefixtures("fast_compile")
 def test_openai_client_concurrent_load_equals_offline(server):
     """32 requests from 12 concurrent `openai` clients, completions and chat, streamed and not:
@@ -126,6 +129,7 @@ def test_openai_client_concurrent_load_equals_offline(server):
     assert (h["rows_busy"], h["waiting"], h["tracked"]) == (0, 0, 0)
 
 
+@slow
 def test_disconnect_mid_stream_frees_the_row(server):
     url, engine, _ = server
     slow = threading.Event()
@@ -171,6 +175,7 @@ def test_cli_serve_refuses_a_paradigm_the_model_cannot_run(capsys):
     assert "needs a causal model" in capsys.readouterr().err
 
 
+@slow
 @pytest.mark.usefixtures("fast_compile")
 def test_stop_strings_n_choices_and_logprobs_equal_offline(server):
     """`stop` cuts a choice before its first stop string (streamed or not, the row freed early);
@@ -226,6 +231,7 @@ def test_stop_strings_n_choices_and_logprobs_equal_offline(server):
     assert (h["rows_busy"], h["waiting"], h["tracked"]) == (0, 0, 0)
 
 
+@slow
 @pytest.mark.usefixtures("fast_compile")
 def test_constraints_through_response_format_equal_offline(server):
     """response_format json_schema and jdllm.regex / choice run on the device beside free requests

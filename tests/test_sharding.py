@@ -18,6 +18,7 @@ import pytest
 
 import jdllm
 from jdllm import errors, sharding
+from tests.quick import slow, slow_except
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -44,8 +45,11 @@ def equality_run():
 
 
 @pytest.fixture(autouse=True)
-def _start_equality_run(equality_run):
-    return equality_run
+def _start_equality_run(request):
+    """Starts the equality run with the module's first test, when this run holds the test that reads it
+    (`-m "not slow"` deselects that test: then nothing starts)."""
+    if any(item.name == "test_sharded_decoding_equals_one_device" for item in request.session.items):
+        request.getfixturevalue("equality_run")
 
 
 def _free_port() -> int:
@@ -54,6 +58,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@slow
 @pytest.mark.parametrize("source", ["hf", "converted"])
 def test_two_processes_give_the_same_tokens_as_one(source, tmp_path):
     """examples/multihost.py in 2 processes (jax.distributed, 2 CPU devices each, gloo collectives)
@@ -107,7 +112,8 @@ def test_mesh_and_rules_errors():
         jdllm.load(os.path.join(ROOT, "models", "tiny-ar"), rules={"mlp": None})
 
 
-@pytest.mark.parametrize("command", [["generate", "--prompt-ids", "1,2"], ["serve", "--port", "1"]])
+@pytest.mark.parametrize("command", slow_except([["generate", "--prompt-ids", "1,2"], ["serve", "--port", "1"]],
+                                                 ["generate", "--prompt-ids", "1,2"]))
 def test_cli_mesh_option_refuses_a_bad_mesh(command):
     res = subprocess.run([sys.executable, "-m", "jdllm.cli", command[0], os.path.join(ROOT, "models", "tiny-ar"),
                           "--mesh", "data=2,model=4", *command[1:]], capture_output=True, text=True,
@@ -136,6 +142,7 @@ def test_one_device_mesh_is_a_no_op():
                                   np.asarray(jdllm.logits(meshed, [[1, 2, 3]])))
 
 
+@slow
 def test_sharded_decoding_equals_one_device(equality_run):
     """Every paradigm on the 2x4 mesh (the Pallas kernels per shard on 1x8), an RL
     rollout on sharded params, the serving engine on 2x4 with staggered requests: greedy tokens, step maps, NFE and finish reasons equal to one device's;

@@ -10,6 +10,9 @@ import numpy as np
 
 from jdllm import objectives, tasks
 from jdllm.model import init_params
+from tests.quick import slow
+
+pytestmark = slow  # its one test compiles two training losses (~4 s); the quick tier has test_objectives.py
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -10,6 +10,7 @@ from safetensors.numpy import load_file
 
 from jdllm import tasks
 from jdllm.config import ModelConfig
+from tests.quick import slow
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -36,6 +37,7 @@ def smoke_dir(tmp_path_factory):
     return out
 
 
+@slow
 @pytest.mark.parametrize("name", sorted(EXPECTED))
 def test_directory_is_a_loadable_hf_model(smoke_dir, name):
     from jdllm.checkpoint import load_model
@@ -65,6 +67,7 @@ def test_directory_is_a_loadable_hf_model(smoke_dir, name):
     assert info["init_from"] == (None if name == "tiny-ar" else "tiny-ar")  # the recipe's warm start
 
 
+@slow
 def test_training_is_deterministic(smoke_dir, tmp_path):
     assert _train_tiny().main(["--model", "ar", "--steps", "3", "--smoke", "--quiet", "--out", str(tmp_path)]) == 0
     a = load_file(str(smoke_dir / "tiny-ar" / "model.safetensors"))

@@ -22,6 +22,7 @@ from jdllm.api import prepare
 from jdllm.decode import loop
 from jdllm.model import (default_layout, forward, layer_layout, param_bytes, param_specs, stack_layers,
                          to_layout)
+from tests.quick import slow
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # a slice (static or dynamic) and its operand's shape
@@ -44,8 +45,8 @@ def _cuda_text(fn, *args) -> str:
 
 @pytest.mark.parametrize("name,decoding", [
     ("tiny-ar", jdllm.AR()),
-    ("tiny-sdar", jdllm.BlockDiffusion(block_length=4, denoising_steps=2)),
-    ("tiny-llada", jdllm.MultiBlock(block_size=4, cache_mode="approx")),
+    pytest.param("tiny-sdar", jdllm.BlockDiffusion(block_length=4, denoising_steps=2), marks=slow),
+    pytest.param("tiny-llada", jdllm.MultiBlock(block_size=4, cache_mode="approx"), marks=slow),
 ])
 def test_decode_program_never_slices_a_weight(name, decoding):
     model = jdllm.load(os.path.join(ROOT, "models", name), dtype="bfloat16", attn_impl="xla")
@@ -82,6 +83,7 @@ def _live_bytes() -> int:
     return sum(x.nbytes for x in jax.live_arrays() if not x.is_deleted())
 
 
+@slow
 @pytest.mark.parametrize("name", ["tiny-sdar", "tiny-llada"])
 def test_load_holds_one_copy_of_the_weights(name):
     """After `load` the device holds the weights once (the stacked arrays restored or read are freed
@@ -98,6 +100,7 @@ def test_load_holds_one_copy_of_the_weights(name):
     np.testing.assert_allclose(np.asarray(jdllm.logits(model, [[3, 4, 5, 6]])), np.asarray(ref), atol=2e-5)
 
 
+@slow
 def test_layouts_round_trip_and_model_random():
     model = jdllm.Model.random(jdllm.load(os.path.join(ROOT, "models", "tiny-ar")).config, seed=1)
     cfg = model.config
@@ -112,6 +115,7 @@ def test_layouts_round_trip_and_model_random():
         to_layout(model.params, cfg, "rows")
 
 
+@slow
 def test_decode_program_allocates_no_copy_of_the_weights():
     """XLA's own memory analysis of the compiled decode program: with per-layer params its scratch
     space is a small fraction of the weights; stacked params split inside the jit (the CPU's way

@@ -18,6 +18,7 @@ import jdllm
 from jdllm.api import outputs, prepare
 from jdllm.decode import common, loop
 from tests.decode_fixtures import FAST_COMPILE, block_model
+from tests.quick import slow
 from tests.test_decode_multi_block import bidir_model
 
 PROMPTS = [[5, 17, 3, 44, 9, 12], [70, 2, 31]]
@@ -49,6 +50,7 @@ CASES = {
 }
 
 
+@slow
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_merged_window_shapes_give_the_same_tokens_with_fewer_forwards(case):
     make, decoding = CASES[case]
