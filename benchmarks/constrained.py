@@ -145,7 +145,7 @@ def main() -> None:
                         outs += jdllm.generate(model, prompts, decoding, samp)
                     else:
                         rows = [cons[e.task] if mode == "guided" else None for e in ex]
-                        outs += G.generate(model, prompts, decoding, samp, rows, stats=st)
+                        outs += G.generate_constrained(model, prompts, decoding, samp, rows, stats=st)
                 jax.effects_barrier()
                 return outs, st, time.perf_counter() - t0
 

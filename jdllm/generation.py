@@ -34,7 +34,7 @@ def generate(model: Model, prompts, decoding=None, sampling: Sampling | list[Sam
     if constraint is not None:  # one Constraint | None per prompt; all None = the free path below
         rows = constraints.per_row(constraint, len(tokenize(model, prompts, apply_chat_template)))
         if any(c is not None for c in rows):
-            return constraints.backend_module(rows).generate(model, prompts, decoding, sampling, rows,
+            return constraints.backend_module(rows).generate_constrained(model, prompts, decoding, sampling, rows,
                                                              apply_chat_template=apply_chat_template)
     prep = prepare(model, prompts, decoding, sampling, apply_chat_template=apply_chat_template)
     run = loop.compiled()

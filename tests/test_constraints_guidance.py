@@ -143,7 +143,7 @@ def test_sampled_outputs_pass_independent_checkers(name, decoding):
     stats = G.Stats()
     outs = []
     for i in range(0, n, 4):
-        outs += G.generate(model, prompts[i:i + 4], decoding, samp[i:i + 4], [c for c, _ in rows[i:i + 4]],
+        outs += G.generate_constrained(model, prompts[i:i + 4], decoding, samp[i:i + 4], [c for c, _ in rows[i:i + 4]],
                            stats=stats)
     finished = 0
     for (c, check), o in zip(rows, outs):
@@ -221,8 +221,8 @@ def test_ar_spec_verification_uses_draft_masks(monkeypatch):
 def test_fast_forward_saves_forwards_same_tokens(name, decoding):
     model = shipped(name)
     c = C.lark('start: "name:" /[a-z]{2,4}/ ",age:" /[0-9]/')
-    fast = G.generate(model, PROMPTS, decoding, S16, [c] * 3)
-    slow = G.generate(model, PROMPTS, decoding, S16, [c] * 3, fast_forward=False)
+    fast = G.generate_constrained(model, PROMPTS, decoding, S16, [c] * 3)
+    slow = G.generate_constrained(model, PROMPTS, decoding, S16, [c] * 3, fast_forward=False)
     for f, w in zip(fast, slow):
         assert re.fullmatch("name:[a-z]{2,4},age:[0-9]", f.text) and f.finish_reason == "stop" and f.constraint_ok
         if decoding.name == "ar":  # the same tokens, forced ones cost no forward of their own
@@ -442,7 +442,7 @@ def test_ar_spec_dead_end_inside_drafts_equals_ar():
     cons = [C.regex("ab[A-Z]"), C.regex("ab[A-Z]"), C.regex("[a-z]{20}"), C.regex("abc[A-Z]")]
     ref = jdllm.generate(model, prompts, jdllm.AR(), S16, constraint=cons)
     stats = G.Stats()
-    got = G.generate(model, prompts, spec, S16, cons, stats=stats)
+    got = G.generate_constrained(model, prompts, spec, S16, cons, stats=stats)
     for r, g in zip(ref, got):
         assert g.token_ids == r.token_ids and g.finish_reason == r.finish_reason == "length"
         assert g.constraint_ok is False and r.constraint_ok is False

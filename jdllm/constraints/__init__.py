@@ -15,7 +15,7 @@ against a model's tokenizer is the backend's job, done before anything compiles:
 
 Each backend module provides
 
-    generate(model, prompts, decoding, sampling, constraints, *, apply_chat_template)
+    generate_constrained(model, prompts, decoding, sampling, constraints, *, apply_chat_template)
         -> list[jdllm.Output]     (constraints: one Constraint | None per prompt)
 
 and sets `Output.constraint_ok` on constrained rows.

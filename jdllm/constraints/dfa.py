@@ -84,7 +84,7 @@ def tables(model, constraints, state, budgets=None) -> DFATables:
     return stack(rows, model.config.vocab_size, slots=state.slots)
 
 
-def generate(model, prompts, decoding, sampling, constraints, *, apply_chat_template=False):
+def generate_constrained(model, prompts, decoding, sampling, constraints, *, apply_chat_template=False):
     """Constrained generate(): same outputs as `jdllm.generate`, plus `constraint_ok` on constrained rows."""
 
 
@@ -112,4 +112,4 @@ def generate(model, prompts, decoding, sampling, constraints, *, apply_chat_temp
     return res
 
 
-__all__ = ["compile", "tables", "generate", "check_budget", "output_ok", "TokenDFA", "DFATables"]
+__all__ = ["compile", "tables", "generate_constrained", "check_budget", "output_ok", "TokenDFA", "DFATables"]

@@ -523,7 +523,7 @@ def _edit(state, ctl: Controller, fill: int, paradigm, ctx):
     return state, host["done"]
 
 
-def generate(model, prompts, decoding, sampling, constraints, *, apply_chat_template=False,
+def generate_constrained(model, prompts, decoding, sampling, constraints, *, apply_chat_template=False,
              fast_forward: bool = True, stats: Stats | None = None):
     """Constrained generation (one Constraint | None per prompt): see the module docstring.
 
@@ -585,4 +585,4 @@ def generate(model, prompts, decoding, sampling, constraints, *, apply_chat_temp
     return [dataclasses.replace(o, constraint_ok=ok[b]) for b, o in enumerate(api.outputs(prep, state))]
 
 
-__all__ = ["generate", "Controller", "Edits", "Stats", "ll_tokenizer", "matcher", "grammar", "apply_edits"]
+__all__ = ["generate_constrained", "Controller", "Edits", "Stats", "ll_tokenizer", "matcher", "grammar", "apply_edits"]
