@@ -30,8 +30,10 @@ NAME = "tiny-ar"
 
 @pytest.fixture(scope="module")
 def server():
-    """(base url, engine, model): tiny-ar served by uvicorn on a thread; always shut down."""
-    model = jdllm.load(os.path.join(ROOT, "models", "tiny-ar"))
+    """(base url, engine, model): tiny-ar served by uvicorn on a thread; always shut down. float32: the
+    tests compare served log-probs with offline `generate` to 1e-5, which bfloat16 cannot promise
+    between a pool of rows and one row (XLA:CPU rounds a matmul per batch shape)."""
+    model = jdllm.load(os.path.join(ROOT, "models", "tiny-ar"), dtype="float32")
     engine = Engine(model, max_batch=4, max_prompt_tokens=48, max_new_tokens=24, max_queue=64, steps_per_round=2,
                     compiler_options=FAST_COMPILE, constraint_states=16, constraint_classes=16)
     config = uvicorn.Config(create_app(engine, NAME), host="127.0.0.1", port=0, log_level="warning")
