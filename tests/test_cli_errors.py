@@ -128,6 +128,18 @@ def test_prompts_keep_their_order():
     assert out == ["=== prompt 0 ===", "cba", "=== prompt 1 ===", "1 2 3"]
 
 
+def test_constraints_with_an_empty_language_or_bad_syntax_are_refused(tmp_path):
+    """An empty-language Lark grammar (no derivation ends) is a ConstraintError before decoding, as an
+    empty-language regex is, and a regex the DFA backend cannot read says what is wrong with it."""
+    (tmp_path / "g.lark").write_text('start: x\nx: "q" x\n')
+    res = jdllm("generate", TINY_AR, "--prompt", "sort:3 1 2=", "--max-new-tokens", "8", "--lark", tmp_path / "g.lark")
+    refused(res, "ConstraintError", "empty language", "'x'")
+    assert res.stdout == ""
+    res = jdllm("generate", TINY_AR, "--prompt", "sort:3 1 2=", "--max-new-tokens", "8", "--regex", "([",
+                "--constraint-backend", "dfa")
+    refused(res, "ConstraintError", "unterminated character set at position 1")
+
+
 def test_help_lists_per_paradigm_defaults_and_choices():
     res = jdllm("generate", "--help")
     assert res.returncode == 0

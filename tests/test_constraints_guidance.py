@@ -297,6 +297,9 @@ def test_free_rows_equal_unconstrained_and_no_retrace(fast_compile):
     (lambda: C.lark("start: foo"), "not valid"),
     (lambda: C.regex("[A-Z]+"), "empty language"),
     (lambda: C.choice(["YES", "NO"]), "empty language"),
+    (lambda: C.lark('start: x\nx: "q" x'), "empty language.*'x'"),  # no rule ends: nothing derives
+    (lambda: C.json_schema(False), "empty language"),
+    (lambda: C.json_schema({"type": "string", "minLength": 5, "maxLength": 2}), "empty language"),
 ])
 def test_bad_constraints_raise_before_compiling(make, match):
     model = shipped("tiny-ar")
@@ -305,6 +308,50 @@ def test_bad_constraints_raise_before_compiling(make, match):
     with pytest.raises(ConstraintError, match=match):
         jdllm.generate(model, [[13, 14, 42]], sampling=S16, constraint=make())
     assert {k: f._cache_size() for k, f in steps.items()} == sizes
+
+
+EMPTY_LARK = [
+    'start: x\nx: "q" x',
+    'start: a | b\na: "(" a ")"\nb: "[" a "]"',
+    'start: x+\nx: "q" x',
+    'start: "a" (x | y)\nx: y "b"\ny: x "c"',
+    'start: x{2,3}\nx: "q" x',
+    '// a comment: x\nstart: x # trailing\nx: "q" x\n  | "r" x',
+]
+NONEMPTY_LARK = [
+    'start: x\nx: "q" x | "r"',
+    'start: x*\nx: "q" x',  # x* derives the empty string
+    'start: [x]\nx: "q" x',
+    'start: x{0,2}\nx: "q" x',
+    'start: x?\nx: "q" x',
+    'start: "a" | x\nx: "q" x',
+    'start: x\nx: "q" x\n  | NUMBER\nNUMBER: /[0-9]+/',
+    LARK,
+    'start: n\nn: %json {"type": "integer", "minimum": 0}',
+    'start: x\nx: "(" x ")" | ""',
+    'start: x\nx[lazy]: /[a-z]+/',
+]
+
+
+@pytest.mark.parametrize("grammar", EMPTY_LARK + NONEMPTY_LARK)
+def test_lark_empty_language_is_found_before_decoding(grammar):
+    """A Lark grammar none of whose derivations ends (a rule that always needs itself again) has an empty
+    language: a ConstraintError before decoding, like an empty-language regex; a recursive rule with a way
+    out, an optional or starred use of one, stays valid."""
+    lt = G.ll_tokenizer(shipped("tiny-ar"))
+    if grammar in EMPTY_LARK:
+        with pytest.raises(ConstraintError, match="empty language"):
+            G.matcher(C.lark(grammar), lt)
+    else:
+        G.matcher(C.lark(grammar), lt)
+
+
+def test_unsatisfiable_schema_message_is_jdllm_s():
+    lt = G.ll_tokenizer(shipped("tiny-ar"))
+    with pytest.raises(ConstraintError) as e:
+        G.matcher(C.json_schema(False), lt)
+    assert "empty language" in str(e.value) and "no JSON document satisfies it" in str(e.value)
+    assert "open an issue" not in str(e.value)
 
 
 def test_no_tokenizer_raises():

@@ -101,7 +101,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jdllm import api
-from jdllm.constraints import Constraint
+from jdllm.constraints import Constraint, lark_language
 from jdllm.decode import common, loop
 from jdllm.errors import ConstraintError
 from jdllm.state import LENGTH, RUNNING, STOP, slot_index
@@ -197,7 +197,19 @@ def matcher(c: Constraint, lltok):
     what = f"{c.kind} constraint {c.source[:80]!r}"
     err, msgs = llg.LLMatcher.validate_grammar_with_warnings(g, lltok)
     if err:
-        raise ConstraintError(f"{what} is not valid: {msgs[0] if msgs else 'unknown error'}")
+        msg = msgs[0] if msgs else "unknown error"
+        if "Unsatisfiable schema" in msg:  # llguidance's word for a schema no document satisfies
+            raise ConstraintError(f"{what} is not valid: it has an empty language, no JSON document satisfies "
+                                  f"it ({msg.strip()}); fix the schema")
+        raise ConstraintError(f"{what} is not valid: {msg}")
+    if c.kind == "lark":  # llguidance compiles a grammar none of whose derivations ends: find it here
+        dead = lark_language.unproductive_rules(c.source)
+        if dead:
+            names = ", ".join(repr(r) for r in dead)
+            raise ConstraintError(
+                f"{what} has an empty language: no string derives from rule 'start' (rules that can never "
+                f"finish: {names}; every alternative of each needs one of them again): give a recursive rule "
+                "an alternative that ends, e.g. x: \"q\" x | \"q\"")
     m = llg.LLMatcher(lltok, g, log_level=0)
     if m.is_error():
         raise ConstraintError(f"{what} is not valid: {m.get_error()}")
