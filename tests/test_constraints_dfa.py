@@ -207,6 +207,19 @@ def test_compile_errors_and_table_shapes():
             {"$defs": {"n": {"type": "object", "properties": {"c": {"$ref": "#/$defs/n"}}}}, "$ref": "#/$defs/n"}))
     with pytest.raises(ConstraintError, match="cannot be compiled"):
         dfa_compile.compile_pattern("(a", STRINGS)
+    # the message says what is wrong (interegular's own error says nothing for a syntax error)
+    with pytest.raises(ConstraintError, match=r"regex '\(\[' cannot be compiled to a DFA: it is not a valid regex: "
+                                              r"unterminated character set at position 1"):
+        dfa_compile.compile_pattern("([", STRINGS)
+    with pytest.raises(ConstraintError, match="missing \\), unterminated subpattern at position 0"):
+        dfa_compile.compile_pattern("(a", STRINGS)
+    with pytest.raises(ConstraintError, match="min repeat greater than max repeat"):
+        dfa_compile.compile_pattern("a{2,1}", STRINGS)
+    # schema false (or one outlines-core cannot read): a jdllm message, not outlines-core's "open an issue"
+    for schema, what in ((False, "empty language"), ({"not": {}}, "outlines-core.*does not support")):
+        with pytest.raises(ConstraintError, match=what) as e:
+            dfa_compile.regex_of("json_schema", json.dumps(schema))
+        assert "open an issue" not in str(e.value) and "\n" not in str(e.value)
     with pytest.raises(ConstraintError, match="matches no string"):
         dfa_compile.compile_pattern("zz", STRINGS)
     d = dfa_compile.compile_pattern(r"\d( \d)*", STRINGS, stop_ids=[STOP], mask_id=MASK)

@@ -125,6 +125,9 @@ def regex_of(kind: str, source: str) -> str:
         return "|".join(re.escape(o) for o in json.loads(source))
     if kind == "json_schema":
         schema = json.loads(source)
+        if schema is False:
+            raise ConstraintError("JSON schema false has an empty language: no JSON document is valid under it; "
+                                  "fix the schema")
         cyc = _refs_cycle(schema)
         if cyc is not None:
             raise ConstraintError(
@@ -138,7 +141,11 @@ def regex_of(kind: str, source: str) -> str:
         try:
             return build_regex_from_schema(source)
         except Exception as e:  # noqa: BLE001  (outlines-core raises ValueError / its own errors)
-            raise ConstraintError(f"JSON schema cannot be compiled to a regex: {e}") from None
+            msg = str(e).split("\n")[0].strip()  # its first line; the rest asks users to open an issue upstream
+            if msg.startswith("Unsupported JSON Schema structure"):
+                raise ConstraintError(f"the 'dfa' backend (outlines-core) does not support this JSON schema: "
+                                      f"{msg}; simplify the schema") from None
+            raise ConstraintError(f"JSON schema cannot be compiled to a regex: {msg}") from None
     raise ConstraintError(f"constraint kind {kind!r} is not supported by the 'dfa' backend; "
                           "use backend='llguidance'")
 
@@ -168,8 +175,21 @@ def _char_dfa(pattern: str):
     try:
         fsm = interegular.parse_pattern(pattern).to_fsm()
     except Exception as e:  # noqa: BLE001
-        raise ConstraintError(f"regex {pattern!r} cannot be compiled to a DFA: {e}") from None
+        raise ConstraintError(f"regex {pattern!r} cannot be compiled to a DFA: {_regex_problem(pattern, e)}") from None
     return fsm
+
+
+def _regex_problem(pattern: str, e: Exception) -> str:
+    """What is wrong with a pattern interegular refused: Python's `re` names a syntax error and its
+    position (interegular's InvalidSyntax often carries no message); otherwise interegular's reason."""
+    try:
+        re.compile(pattern)
+    except re.error as err:
+        return f"it is not a valid regex: {err}"
+    except (RecursionError, OverflowError):  # fall through to interegular's reason
+        pass
+    reason = str(e).strip() or f"{type(e).__name__}, syntax interegular does not read"
+    return f"{reason} (a DFA takes regular syntax only: no look-around, no back-references)"
 
 
 def _minimise(nxt: np.ndarray, accepting: np.ndarray) -> np.ndarray:
