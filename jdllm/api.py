@@ -64,6 +64,7 @@ class Prepared:
     ctx: common.DecodeCtx
     prompts: list[list[int]]  # the real rows' prompt ids (batch padding excluded)
     tokenizer: Any = None
+    clipped: dict = dataclasses.field(default_factory=dict)  # row -> max_new_tokens: a default the context clipped
 
 
 def default_paradigm(cfg):
@@ -155,7 +156,8 @@ def prepare(model: Model, prompts, decoding=None, sampling: Sampling | list[Samp
     decoding.validate_model(model)  # checks that need the whole model (e.g. a draft's tokenizer)
     ids = tokenize(model, prompts, apply_chat_template)
     per_row = isinstance(sampling, (list, tuple))
-    settings = inputs.check_prompts(ids, cfg, row_settings(sampling, len(ids)))
+    asked = row_settings(sampling, len(ids))
+    settings = inputs.check_prompts(ids, cfg, asked)
     max_new = [s.max_new_tokens for s in settings]
     if len(set(max_new)) > 1 and not decoding.ragged_lengths:
         raise errors.DecodingConfigError(
@@ -195,7 +197,8 @@ def prepare(model: Model, prompts, decoding=None, sampling: Sampling | list[Samp
         state = placement.place_state(state)
     ctx = common.DecodeCtx(model=fwd_cfg, attn_impl=model.forward_impl, prefill_len=int(layout.prefill_len),
                            placement=placement)
-    return Prepared(state=state, paradigm=decoding, ctx=ctx, prompts=ids, tokenizer=model.tokenizer)
+    return Prepared(state=state, paradigm=decoding, ctx=ctx, prompts=ids, tokenizer=model.tokenizer,
+                    clipped=inputs.clipped_rows(asked, settings[:n]))
 
 
 def row_output(host: dict, b: int, prompt_ids, tokenizer=None, trace: dict | None = None) -> Output:
@@ -246,6 +249,8 @@ def outputs(prep: Prepared, state: DecodeState) -> list[Output]:
             warnings.warn(f"prompt {b} {why}: finish_reason={reason!r}, {len(out.token_ids)} tokens returned",
                           RuntimeWarning, stacklevel=3)
         outs.append(out)
+    if prep.clipped:
+        inputs.note_context_end(outs, prep.clipped, prep.ctx.model.max_position_embeddings)
     return outs
 
 

@@ -147,7 +147,8 @@ def validate_paradigm(decoding, cfg) -> None:
 
 def check_prompts(ids: list[list[int]], cfg, settings: list):
     """Prompts and stop ids against the model; returns the settings (one `Sampling` per prompt),
-    a default max_new_tokens clipped to what the model's context leaves (with a note)."""
+    a default max_new_tokens clipped to what the model's context leaves. The clip is silent here:
+    `note_context_end` says so after decoding, for the outputs it cut short."""
     for s in settings:
         if s.stop_token_ids:
             check_id_range(np.asarray(s.stop_token_ids), cfg.vocab_size, what="stop token id")
@@ -163,12 +164,35 @@ def check_prompts(ids: list[list[int]], cfg, settings: list):
         default = next(f.default for f in dataclasses.fields(s) if f.name == "max_new_tokens")
         room = cfg.max_position_embeddings - len(p)
         if s.max_new_tokens == default and 1 <= room < default:
-            errors.warn(f"max_new_tokens: the default {default} does not fit the model's context "
-                        f"(max_position_embeddings={cfg.max_position_embeddings}, prompt {i} has "
-                        f"{len(p)} tokens); generating at most {room} tokens. "
-                        "Set max_new_tokens (--max-new-tokens) to choose.")
             out[i] = dataclasses.replace(s, max_new_tokens=room)
     return out
+
+
+def clipped_rows(before: list, after: list) -> dict[int, int]:
+    """{row: its max_new_tokens} for the rows `check_prompts` clipped (settings before -> after)."""
+    return {i: a.max_new_tokens for i, (b, a) in enumerate(zip(before, after)) if a.max_new_tokens != b.max_new_tokens}
+
+
+def note_context_end(outs, clipped: dict[int, int], context: int) -> None:
+    """One note for a call in which the default max_new_tokens, clipped to the context, cut outputs short.
+
+    The clip itself is the documented default (as many tokens as the context leaves, at most 256), so a call
+    whose outputs stopped on their own says nothing; an output that ran to the end of the context (finish
+    "length" after all the tokens its clipped budget allowed) gets this note, since a longer context or a
+    shorter prompt would have let it go on."""
+    from jdllm.sampling import Sampling  # noqa: PLC0415 (startup: inputs checks CLI arguments before JAX loads)
+
+    cut = [(i, n) for i, n in sorted(clipped.items())
+           if i < len(outs) and outs[i].finish_reason == "length" and len(outs[i].token_ids) >= n]
+    if not cut:
+        return
+    default = next(f.default for f in dataclasses.fields(Sampling) if f.name == "max_new_tokens")
+    which = (f"output {cut[0][0]} ran to the end of the model's context after {cut[0][1]} tokens" if len(cut) == 1
+             else f"outputs {', '.join(str(i) for i, _ in cut)} ran to the end of the model's context after "
+                  f"{', '.join(str(n) for _, n in cut)} tokens")
+    errors.warn(f"max_new_tokens: the default {default} does not fit the model's context "
+                f"(max_position_embeddings={context}); {which}, without a stop token. "
+                "Set max_new_tokens (--max-new-tokens) to choose, or shorten the prompt.")
 
 
 # --------------------------------------------------------------------------- output paths

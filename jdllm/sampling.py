@@ -33,7 +33,8 @@ class Sampling:
 
     temperature: 0 = greedy; > 0 divides the logits. top_k: 0 = off.
     top_p: nucleus mass in (0, 1]; 1 = off. max_new_tokens: tokens generated
-    per prompt at most. seed: with one Sampling for a batch, row b draws from
+    per prompt at most (the default 256 is clipped to what the model's context
+    leaves; a note says so when an output runs to the context's end). seed: with one Sampling for a batch, row b draws from
     fold_in(seed, b); with one Sampling per prompt, each row from fold_in(seed, 0).
     stop_token_ids: tokens that end a row (kept in the output); None = the
     model's eos_token_ids; () = never stop early.

@@ -161,10 +161,20 @@ def test_logits_argument_types(model, bad, exc, match):
 
 @slow
 def test_default_max_new_tokens_fits_the_model(tiny_sdar):
-    """The default 256 is clipped to the 64-token context with a note pointing at the caller."""
-    with pytest.warns(UserWarning, match="generating at most 53 tokens") as rec:
-        out = jdllm.generate(tiny_sdar, ["sort:3 1 2="])
-    assert out[0].text == "1 2 3"
+    """The default 256 is clipped to the 64-token context. A note (pointing at the caller) says so when
+    the context cut an output short, never on a call whose outputs stopped on their own."""
+    import warnings  # noqa: PLC0415
+
+    with warnings.catch_warnings(record=True) as quiet:
+        warnings.simplefilter("always")
+        out = jdllm.generate(tiny_sdar, ["sort:3 1 2=", "rev:abc="])
+    assert [o.text for o in out] == ["1 2 3", "cba"] and {o.finish_reason for o in out} == {"stop"}
+    assert [str(w.message) for w in quiet if "max_new_tokens" in str(w.message)] == []
+    with pytest.warns(UserWarning, match="output 1 ran to the end of the model's context after 56 tokens") as rec:
+        out = jdllm.generate(tiny_sdar, ["sort:3 1 2=", "rev:abc="],
+                             sampling=[jdllm.Sampling(), jdllm.Sampling(stop_token_ids=())])
+    assert out[0].finish_reason == "stop" and (out[1].finish_reason, len(out[1].token_ids)) == ("length", 56)
+    assert len([w for w in rec if "max_new_tokens" in str(w.message)]) == 1  # one note per call
     assert rec[0].filename == __file__  # stacklevel: the user's line, not jdllm/api.py
     with pytest.raises(errors.SequenceTooLongError):  # an explicit value is not second-guessed
         jdllm.generate(tiny_sdar, ["sort:3 1 2="], sampling=jdllm.Sampling(max_new_tokens=200))

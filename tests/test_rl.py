@@ -300,3 +300,19 @@ def test_bad_input_errors():
     np.testing.assert_array_equal(np.asarray(sub.sampling.temperature), np.asarray(ro.sampling.temperature)[order])
     with pytest.raises(errors.InputError, match="groups="):
         rl.select_groups(ro, spec, [len(PROMPTS)])
+
+
+def test_rollout_notes_a_clipped_default_once_per_call():
+    """prepare_rollout returns no Outputs to judge which rows the context cut short: a default
+    max_new_tokens the context clips gets one note for the call (the same text every call, so Python's
+    warning filter shows it once per call site); an explicit value gets none."""
+    import warnings  # noqa: PLC0415
+
+    model = jdllm.load("models/tiny-ar", dtype="float32")  # 64-token context: 256 does not fit
+    with pytest.warns(UserWarning, match="rollouts generate at most what each prompt's context leaves") as rec:
+        rl.prepare_rollout(model, ["sort:3 1 2=", "rev:abc="], jdllm.AR(), jdllm.Sampling(temperature=1.0), group=2)
+    assert len([w for w in rec if "max_new_tokens" in str(w.message)]) == 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        rl.prepare_rollout(model, ["sort:3 1 2="], jdllm.AR(), jdllm.Sampling(temperature=1.0, max_new_tokens=8),
+                           group=2)

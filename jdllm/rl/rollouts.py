@@ -96,6 +96,10 @@ def prepare_rollout(model, prompts, decoding=None, sampling=None, *, group: int 
     ids = tokenize(model, prompts, apply_chat_template)
     rows = [p for p in ids for _ in range(int(group))]
     prep = prepare(model, rows, decoding, sampling)
+    if prep.clipped:  # no Outputs here to tell which rows the context cut short: one note per call site
+        errors.warn(f"max_new_tokens: the default does not fit the "
+                    f"model's context (max_position_embeddings={model.config.max_position_embeddings}); rollouts "
+                    "generate at most what each prompt's context leaves. Set max_new_tokens to choose.")
     st = prep.state
     max_steps = int(np.max(np.asarray(st.limit) - np.asarray(st.gen_start)))
     spec = RolloutSpec(paradigm=prep.paradigm, ctx=prep.ctx, group=int(group), prompts=len(ids),
