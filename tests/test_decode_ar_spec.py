@@ -6,6 +6,7 @@ the same test), rows advance independently, trajectory fields, bad input, no ret
 from __future__ import annotations
 
 import functools
+import re
 
 import jax
 import numpy as np
@@ -202,6 +203,19 @@ def test_bad_input_raises_before_compiling():
     b = Model(m.config, m.params, tokenizer=Tok({"a": 0, "c": 1}), attn_impl="xla")
     with pytest.raises(E, match="tokenizer"):
         jdllm.generate(a, [[1, 2, 3]], jdllm.Speculative(draft=b))
+    # the message says how they differ: the first token id that reads differently (same size or not)
+    for target, draft, how in (
+            ({"a": 0, "b": 1}, {"a": 0, "c": 1}, "token id 1 is 'c' in the draft's tokenizer but 'b' in the target's"),
+            ({"a": 0, "b": 1}, {"b": 0, "a": 1}, "token id 0 is 'b' in the draft's tokenizer but 'a' in the target's"),
+            ({"a": 0, "b": 1}, {"a": 0}, "token id 1 is missing from the draft's tokenizer but 'b' in the target's"),
+            ({"a": 0}, {"a": 0, "z": 1}, "token id 1 is 'z' in the draft's tokenizer but missing from the target's"),
+            ({"a": 0, "b": 0}, {"a": 0, "b": 1}, "token id 1 is 'b' in the draft's tokenizer but missing from the "
+                                                 "target's"),
+            ({"a": 0, "b": 0}, {"a": 0, "c": 0}, "token 'b' is missing from the draft's tokenizer but has id 0 in "
+                                                 "the target's")):
+        with pytest.raises(E, match=re.escape(how)):
+            jdllm.generate(Model(m.config, m.params, tokenizer=Tok(target), attn_impl="xla"), [[1, 2, 3]],
+                           jdllm.Speculative(draft=Model(m.config, m.params, tokenizer=Tok(draft), attn_impl="xla")))
     assert seen["run"] == 0
 
 

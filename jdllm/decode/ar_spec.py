@@ -154,10 +154,13 @@ class Speculative(Paradigm):
         if not self.uses_draft:
             return
         a, b = model.tokenizer, self.draft.tokenizer
-        if a is not None and b is not None and a.get_vocab() != b.get_vocab():
+        if a is None or b is None:
+            return
+        va, vb = a.get_vocab(), b.get_vocab()
+        if va != vb:
             raise errors.DecodingConfigError(
-                f"the draft model's tokenizer ({len(b.get_vocab())} tokens) differs from the target's "
-                f"({len(a.get_vocab())} tokens); a draft must share the target's tokenizer")
+                f"the draft model's tokenizer differs from the target's: {_first_difference(va, vb)} "
+                f"({len(vb)} and {len(va)} tokens); a draft must share the target's tokenizer")
 
     def bind_params(self, params):
         """The parameters the loop takes: the target's, plus the draft's under "draft"."""
@@ -409,6 +412,32 @@ def prompt_lookup(state: DecodeState, c, k: int, min_ngram: int, max_ngram: int)
     count = jnp.where(found, jnp.minimum(k, last - best), 0).astype(jnp.int32)
     drafts = common.window(toks, best + 1, k)
     return drafts, count
+
+
+def _first_difference(target: dict, draft: dict) -> str:
+    """How two vocabularies (token -> id) differ: the lowest id that reads differently, else the first
+    token (sorted) whose id differs (possible only where a vocabulary puts two tokens on one id)."""
+    DRAFT, TARGET = "the draft's tokenizer", "the target's"  # noqa: N806
+
+    def by_id(v):
+        out: dict = {}
+        for tok, i in v.items():
+            out.setdefault(int(i), tok)
+        return out
+
+    def read(v, key, who):
+        return f"{v[key]!r} in {who}" if key in v else f"missing from {who}"
+
+    ia, ib = by_id(target), by_id(draft)
+    for i in sorted(set(ia) | set(ib)):
+        if ia.get(i) != ib.get(i):
+            return f"token id {i} is {read(ib, i, DRAFT)} but {read(ia, i, TARGET)}"
+    tok = next(t for t in sorted(set(target) | set(draft), key=str) if target.get(t) != draft.get(t))
+
+    def has(v, who):
+        return f"has id {v[tok]} in {who}" if tok in v else f"is missing from {who}"
+
+    return f"token {tok!r} {has(draft, DRAFT)} but {has(target, TARGET)}"
 
 
 __all__ = ["Speculative", "PROPOSERS", "prompt_lookup", "accept_drafts", "propose_draft", "correction"]
