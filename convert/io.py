@@ -136,10 +136,12 @@ def _zarr_dtype(dtype: np.dtype) -> str:
 
 # --------------------------------------------------------------------------- convert
 def convert_checkpoint(hf_dir: str, out_dir: str, dtype="bfloat16", overwrite: bool = False,
-                       progress: bool = True) -> str:
+                       progress: bool = True, check_finite: bool = True) -> str:
     """Hugging Face directory -> jdllm checkpoint at out_dir (atomic: all or nothing).
 
     dtype: 'bfloat16' | 'float16' | 'float32', or None to keep the source dtypes.
+    check_finite: refuse (`errors.NonFiniteWeightsError`, naming the tensor) weights that hold NaN / inf
+    in the source or once cast to `dtype`; each slice is checked as it streams by, before it is written.
     Returns the absolute out_dir.
     """
     from tqdm.auto import tqdm  # noqa: PLC0415 (startup: `jdllm convert --help` stays free of JAX / tensorstore)
@@ -171,10 +173,14 @@ def convert_checkpoint(hf_dir: str, out_dir: str, dtype="bfloat16", overwrite: b
     try:
         os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes it 0700; OUT_DIR gets ordinary permissions
         writer = OrbaxStreamWriter(os.path.join(tmp, PARAMS_DIR), cfg)
-        with tqdm(total=len(hf_tensor_names(cfg)), desc=f"convert {os.path.basename(hf_dir.rstrip('/'))}",
+        table = hf_tensor_names(cfg)
+        name_of = {(tuple(slot.path), slot.layer): name for name, slot in table.items()}
+        with tqdm(total=len(table), desc=f"convert {os.path.basename(hf_dir.rstrip('/'))}",
                   unit="tensor", disable=not progress) as bar:
             for path, layer, _, x in iter_hf_slices(tensors, cfg, dtype=want, source=hf_dir,
                                                     progress=lambda name: bar.update(1)):
+                if check_finite:
+                    _check_finite(x, name_of[(path, layer)], tensors, hf_dir)
                 writer.write(path, layer, x)
                 del x
         stored = writer.finish()
@@ -190,6 +196,34 @@ def convert_checkpoint(hf_dir: str, out_dir: str, dtype="bfloat16", overwrite: b
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out_dir
+
+
+CHECK_BYTES = 16 << 20  # the finiteness check widens this much of a tensor to float32 at a time
+
+
+def count_non_finite(x: np.ndarray) -> int:
+    """NaN / inf entries of a float array, counted a slab at a time (no full-size float32 copy)."""
+    flat = x.reshape(-1)
+    step = max(1, CHECK_BYTES // 4)
+    return sum(int(np.count_nonzero(~np.isfinite(flat[i:i + step].astype(np.float32, copy=False))))
+               for i in range(0, flat.size, step))
+
+
+def _check_finite(x: np.ndarray, name: str, tensors, source: str) -> None:
+    """Raise NonFiniteWeightsError naming HF tensor `name` when its converted slice `x` holds NaN / inf:
+    corrupt weights, or (the source being finite) values beyond the range of the dtype converted to."""
+    count = count_non_finite(x)
+    if not count:
+        return
+    src = np.asarray(tensors[name])
+    if src.dtype != x.dtype and not count_non_finite(src):
+        raise errors.NonFiniteWeightsError(
+            f"tensor {name!r} in {source} has values beyond {x.dtype.name}'s range: converting it to "
+            f"{x.dtype.name} makes {count} of them inf; convert with --dtype float32 or bfloat16 "
+            "(dtype='float32' / 'bfloat16'), or --no-check-finite to convert them anyway")
+    raise errors.NonFiniteWeightsError(
+        f"tensor {name!r} in {source} holds {count} NaN/inf values: the weights are corrupt or overflowed on "
+        "export; re-download or re-export them (--no-check-finite / check_finite=False converts them anyway)")
 
 
 def _check_not_nested(hf_dir: str, out_dir: str) -> None:

@@ -266,7 +266,61 @@ def test_interrupted_conversion_leaves_nothing(where, exc, tmp_path, monkeypatch
     _no_leftovers(str(tmp_path))
 
 
+def _poison(hf_dir, name, value):
+    path = os.path.join(hf_dir, ckpt.SINGLE_FILE)
+    t = load_file(path)
+    t[name] = t[name].copy()
+    t[name].reshape(-1)[7] = value
+    save_file(t, path, metadata={"format": "pt"})
+
+
+def test_non_finite_weights_are_refused_while_streaming(tmp_path, monkeypatch):
+    """A NaN weight: NonFiniteWeightsError naming the tensor, found on that tensor's slice as it streams
+    by (the tensors after it are never converted), nothing left at OUT_DIR; check_finite=False converts."""
+    hf_dir, _ = fx.build_transformers_model("qwen2", str(tmp_path / "hf"), seed=1)
+    bad = "model.layers.0.mlp.up_proj.weight"
+    _poison(hf_dir, bad, np.nan)
+    cfg = ModelConfig.from_hf(hf_dir)
+    converted, real = [], hf_layout._to_jdllm
+
+    def spy(*a):
+        converted.append(1)
+        return real(*a)
+
+    monkeypatch.setattr(hf_layout, "_to_jdllm", spy)
+    _convert_fails(hf_dir, tmp_path, errors.NonFiniteWeightsError, repr(bad), "1 NaN/inf", "--no-check-finite")
+    assert 0 < len(converted) < len(hf_layout.hf_tensor_names(cfg))  # stopped at the bad tensor, not after all
+    out = cio.convert_checkpoint(hf_dir, str(tmp_path / "out"), dtype="float32", progress=False, check_finite=False)
+    assert ckpt.is_jdllm_dir(out)
+
+
+def test_weights_that_overflow_the_target_dtype_are_refused(tmp_path):
+    """Finite in the source, inf once cast (7e4 > float16's 65504): the message says the dtype did it."""
+    hf_dir, _ = fx.build_transformers_model("llama", str(tmp_path / "hf"), seed=1)
+    bad = "model.layers.1.self_attn.o_proj.weight"
+    _poison(hf_dir, bad, 7e4)
+    with pytest.raises(errors.NonFiniteWeightsError, match=f"{bad}.*float16.*--dtype") as e:
+        cio.convert_checkpoint(hf_dir, str(tmp_path / "out"), dtype="float16", progress=False)
+    assert "corrupt" not in str(e.value)
+    _no_leftovers(str(tmp_path))
+    cio.convert_checkpoint(hf_dir, str(tmp_path / "out"), dtype="float32", progress=False)  # fits float32
+
+
 # --------------------------------------------------------------------------- command line
+def test_jdllm_cli_convert_checks_weights_are_finite(tmp_path, capsys):
+    hf_dir, _ = fx.build_transformers_model("qwen3", str(tmp_path / "hf"), seed=1)
+    bad = "model.embed_tokens.weight"
+    _poison(hf_dir, bad, np.inf)
+    out = str(tmp_path / "out")
+    capsys.readouterr()  # the fixture's own output
+    assert jdllm_main(["convert", hf_dir, out, "--quiet"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "NonFiniteWeightsError" in err and bad in err, err
+    _no_leftovers(str(tmp_path))
+    assert jdllm_main(["convert", hf_dir, out, "--quiet", "--no-check-finite"]) == 0
+    assert ckpt.is_jdllm_dir(out)
+
+
 def test_jdllm_cli_convert(tmp_path, capsys):
     hf_dir, _ = fx.build_transformers_model("qwen3", str(tmp_path / "hf"), seed=1)
     out = str(tmp_path / "out")
