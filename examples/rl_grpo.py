@@ -21,15 +21,18 @@ updates on the N groups with the widest reward spread only (`rl.select_groups`:
 a group whose samples all score the same has zero advantage, so it would cost
 compute for no gradient). New params never
 recompile the rollout. Greedy accuracy on held-out items (per task) is
-measured before, every --eval-every steps and after; the trained model is
-saved as a Hugging Face directory `jdllm.load` reads, with `rl.json`
-(curves, settings, timings) and `rl.png`.
+measured before, every --eval-every steps (0: never) and after; the trained
+model is saved as a Hugging Face directory `jdllm.load` reads, with `rl.json`
+(curves, settings, timings) and, where matplotlib is installed
+(`pip install 'jdllm[train]'`), `rl.png`: the base install trains and saves
+the same, and says that it skipped the plot.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import json
 import os
 import random
@@ -108,7 +111,8 @@ def main(argv=None) -> int:
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--add-weight", type=float, default=4.0, help="sampling weight of 'add' (sort, rev: 1)")
     ap.add_argument("--eval-items", type=int, default=300)
-    ap.add_argument("--eval-every", type=int, default=25)
+    ap.add_argument("--eval-every", type=int, default=25,
+                    help="evaluate every N steps (0: never; the before / after evaluations always run)")
     ap.add_argument("--val-items", type=int, default=0,
                     help="held-out validation items (the held-out items after the --eval-items test ones): when > 0, "
                          "every eval also scores them and the saved model is the checkpoint with the best "
@@ -116,6 +120,15 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--time-budget", type=float, default=None, help="stop after this many seconds of training")
     args = ap.parse_args(argv)
+    for name in ("steps", "prompts", "group", "inner"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name} must be >= 1, got {getattr(args, name)}")
+    for name in ("eval_every", "train_groups", "anchor_groups", "eval_items", "val_items"):
+        if getattr(args, name) < 0:
+            ap.error(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
+    if not has_matplotlib():
+        print("note: matplotlib is not installed, so rl.png will not be drawn (pip install 'jdllm[train]'); "
+              "training, evaluation and the saved model are unaffected", flush=True)
 
     model = jdllm.load(args.model, dtype="float32", attn_impl="xla")
     decoding = decoding_for(model)
@@ -170,7 +183,8 @@ def main(argv=None) -> int:
     if val:
         log["evals"].pop(0)
         checkpoint(0, before)
-    roll_time = roll_tokens = train_time = 0.0
+    roll_time = roll_tokens = train_time = 0.0  # steps after the first two (those compile)
+    all_roll_time = all_roll_tokens = all_train_time = 0.0  # every step, for runs too short for the above
     t_train = time.perf_counter()
     for step in range(1, args.steps + 1):
         batch = draw_batch(pool, args.prompts, weights, rng)
@@ -205,6 +219,8 @@ def main(argv=None) -> int:
         dt_train = time.perf_counter() - t2
         if step > 2:  # the first steps compile
             roll_time, roll_tokens, train_time = roll_time + dt_roll, roll_tokens + n_tok, train_time + dt_train
+        all_roll_time, all_roll_tokens = all_roll_time + dt_roll, all_roll_tokens + n_tok
+        all_train_time += dt_train
         by_task = {t: float(np.mean([rewards[r] for r in range(spec.rows) if batch[r // args.group].task == t] or [0]))
                    for t in tasks.TASKS}
         rec = {"step": step, "reward": float(rewards[:spec.rows].mean()), "reward_by_task": by_task, "loss": loss,
@@ -213,7 +229,7 @@ def main(argv=None) -> int:
         log["steps"].append(rec)
         print(f"step {step:4d} reward {rec['reward']:.3f} (add {by_task['add']:.2f}) loss {loss:+.4f} "
               f"clip {rec['clip_frac']:.3f} informative {informative}/{spec.prompts} rollout {dt_roll:.2f}s train {dt_train:.2f}s", flush=True)
-        if step % args.eval_every == 0 or step == args.steps:
+        if (args.eval_every and step % args.eval_every == 0) or step == args.steps:
             checkpoint(step)
         if args.time_budget and time.perf_counter() - t_train > args.time_budget:
             if log["evals"][-1]["step"] != step:
@@ -225,13 +241,20 @@ def main(argv=None) -> int:
         log["selected_step"] = best_step
         print(f"selected step {best_step} by validation accuracy", flush=True)
     after = next(e for e in log["evals"] if e["step"] == log.get("selected_step", log["last"]["step"]))
-    n_timed = max(1, len(log["steps"]) - 2)
+    n_timed = len(log["steps"]) - 2
+    with_compile = n_timed < 1  # every step compiled something: the rates below include it
+    if with_compile:
+        n_timed, roll_time, roll_tokens, train_time = len(log["steps"]), all_roll_time, all_roll_tokens, all_train_time
     log.update(after=after, train_seconds=time.perf_counter() - t_train,
-               rollout_tokens_per_s=roll_tokens / max(roll_time, 1e-9),
-               train_steps_per_s=n_timed * args.inner / max(train_time, 1e-9),
+               rollout_tokens_per_s=roll_tokens / roll_time if roll_time > 0 else None,
+               train_steps_per_s=n_timed * args.inner / train_time if train_time > 0 else None,
+               rates_include_compile=with_compile,
                backend=jax.default_backend(), command="python " + " ".join(sys.argv))
-    print(f"after: {after}\nrollout {log['rollout_tokens_per_s']:.0f} tokens/s, "
-          f"{log['train_steps_per_s']:.2f} optimizer steps/s", flush=True)
+    rate = lambda v, fmt: "n/a" if v is None else format(v, fmt)  # noqa: E731
+    print(f"after: {after}\nrollout {rate(log['rollout_tokens_per_s'], '.0f')} tokens/s, "
+          f"{rate(log['train_steps_per_s'], '.2f')} optimizer steps/s"
+          + (f" (over {len(log['steps'])} step(s), compilation included; with more than 2 steps the rates "
+             "leave out the first 2, which compile)" if with_compile else ""), flush=True)
 
     from convert.hf import save_hf_dir  # noqa: PLC0415
 
@@ -240,7 +263,10 @@ def main(argv=None) -> int:
     tasks.save_tokenizer(args.out)
     with open(os.path.join(args.out, "rl.json"), "w") as f:
         json.dump(log, f, indent=1)
-    plot(log, os.path.join(args.out, "rl.png"))
+    if plot(log, os.path.join(args.out, "rl.png")):
+        print(f"plotted {os.path.join(args.out, 'rl.png')}", flush=True)
+    else:
+        print("rl.png skipped: matplotlib is not installed (pip install 'jdllm[train]')", flush=True)
     reloaded = jdllm.load(args.out, dtype="float32", attn_impl="xla")
     print(f"reloaded from {args.out}: {evaluate(reloaded, reloaded.params, decoding, test)}")
     return 0
@@ -256,8 +282,19 @@ def pick_groups(rewards, task_of, n: int, anchors: int = 0, weak: str = "add"):
     return others + rest
 
 
-def plot(log, path: str) -> None:
-    import matplotlib  # noqa: PLC0415
+def has_matplotlib() -> bool:
+    try:
+        return importlib.util.find_spec("matplotlib") is not None
+    except (ImportError, ValueError):  # a module entry of None (blocked) or one without a spec
+        return False
+
+
+def plot(log, path: str) -> bool:
+    """Draw the reward and accuracy curves into `path`; False (nothing drawn) without matplotlib."""
+    try:
+        import matplotlib  # noqa: PLC0415 (optional: the train extra)
+    except ImportError:
+        return False
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt  # noqa: PLC0415
@@ -284,6 +321,7 @@ def plot(log, path: str) -> None:
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
+    return True
 
 
 if __name__ == "__main__":
