@@ -180,7 +180,8 @@ def convert_checkpoint(hf_dir: str, out_dir: str, dtype="bfloat16", overwrite: b
             for path, layer, _, x in iter_hf_slices(tensors, cfg, dtype=want, source=hf_dir,
                                                     progress=lambda name: bar.update(1)):
                 if check_finite:
-                    _check_finite(x, name_of[(path, layer)], tensors, hf_dir)
+                    where = "/".join(path) + (f"[{layer}]" if layer is not None else "")
+                    _check_finite(x, name_of[(path, layer)], where, tensors, hf_dir)
                 writer.write(path, layer, x)
                 del x
         stored = writer.finish()
@@ -209,21 +210,23 @@ def count_non_finite(x: np.ndarray) -> int:
                for i in range(0, flat.size, step))
 
 
-def _check_finite(x: np.ndarray, name: str, tensors, source: str) -> None:
-    """Raise NonFiniteWeightsError naming HF tensor `name` when its converted slice `x` holds NaN / inf:
-    corrupt weights, or (the source being finite) values beyond the range of the dtype converted to."""
+def _check_finite(x: np.ndarray, name: str, where: str, tensors, source: str) -> None:
+    """Raise NonFiniteWeightsError naming HF tensor `name` (jdllm's `where`, e.g. layers/k[2]) when its
+    converted slice `x` holds NaN / inf: corrupt weights, or (the source being finite) values beyond the
+    range of the dtype converted to."""
     count = count_non_finite(x)
     if not count:
         return
     src = np.asarray(tensors[name])
     if src.dtype != x.dtype and not count_non_finite(src):
         raise errors.NonFiniteWeightsError(
-            f"tensor {name!r} in {source} has values beyond {x.dtype.name}'s range: converting it to "
+            f"tensor {name!r} ({where}) in {source} has values beyond {x.dtype.name}'s range: converting it to "
             f"{x.dtype.name} makes {count} of them inf; convert with --dtype float32 or bfloat16 "
             "(dtype='float32' / 'bfloat16'), or --no-check-finite to convert them anyway")
     raise errors.NonFiniteWeightsError(
-        f"tensor {name!r} in {source} holds {count} NaN/inf values: the weights are corrupt or overflowed on "
-        "export; re-download or re-export them (--no-check-finite / check_finite=False converts them anyway)")
+        f"tensor {name!r} ({where}) in {source} holds {count} NaN/inf values: the weights are corrupt or "
+        "overflowed on export; re-download or re-export them (--no-check-finite / check_finite=False converts "
+        "them anyway)")
 
 
 def _check_not_nested(hf_dir: str, out_dir: str) -> None:

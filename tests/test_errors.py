@@ -256,6 +256,8 @@ def test_check_finite_names_the_tensor(tmp_path, value):
     jdllm.load(d)  # off by default in Python
     with pytest.raises(errors.NonFiniteWeightsError, match=r"'model.layers.2.self_attn.k_proj.weight' \(layers/k\[2\]\)"):
         jdllm.load(d, check_finite=True)
-    out = convert_checkpoint(d, str(tmp_path / "ckpt"), dtype="float32", progress=False)
+    with pytest.raises(errors.NonFiniteWeightsError, match=r"'model.layers.2.self_attn.k_proj.weight' \(layers/k\[2\]\)"):
+        convert_checkpoint(d, str(tmp_path / "ckpt"), dtype="float32", progress=False)  # checked by default
+    out = convert_checkpoint(d, str(tmp_path / "ckpt"), dtype="float32", progress=False, check_finite=False)
     with pytest.raises(errors.NonFiniteWeightsError, match="model.layers.2.self_attn.k_proj.weight"):
         jdllm.load(out, check_finite=True)  # a jdllm checkpoint: checked on the device
