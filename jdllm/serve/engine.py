@@ -163,7 +163,7 @@ class Engine:
                                          "constraint_states=Q (`jdllm serve --constraint-states Q`)")
         if constraint.backend != "dfa":
             constraint = C.Constraint(constraint.kind, constraint.source, "dfa")
-        d = dfa.compile(self.model, constraint, stops)
+        d = dfa.compile(self.model, constraint, stops, max_states=self.constraint_states)
         if d.num_states > self.constraint_states or d.num_classes > self.constraint_classes:
             raise errors.ConstraintError(
                 f"the constraint compiles to {d.num_states} DFA states and {d.num_classes} token classes; this "
