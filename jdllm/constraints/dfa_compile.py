@@ -26,9 +26,11 @@ automaton interegular builds along the way (it composes a regex from smaller
 ones) may have at most `CHAR_STATES_PER_STATE * max_states` states, so a regex
 whose DFA blows up (`[ab]*a[ab]{14}`: 2**15 states) is refused in milliseconds
 instead of after building every state. (The token DFA has at most the character
-DFA's states plus DEAD and ENDED, and on the shipped tokenizers about as many,
-so the margin refuses nothing that would have fit; what passes it is counted
-exactly after minimisation.) interegular's own state lookup is a list search,
+DFA's states plus DEAD and ENDED, and about as many when the tokenizer spells
+every character the regex uses; what passes the margin is counted exactly after
+minimisation. A tokenizer that lacks most of a regex's characters can have a
+much smaller token DFA than the character automaton: such a regex may be
+refused although its token DFA would have fit.) interegular's own state lookup is a list search,
 quadratic in the states; ours (`_crawl`) is a dict, and builds the same automaton.
 """
 
@@ -258,8 +260,8 @@ def _char_dfa(pattern: str, max_states: int | None = None):
     except _TooManyStates as e:
         raise ConstraintError(
             f"regex {_short(pattern)}: its automaton passes {e.args[0] - 1} states while being built "
-            f"({CHAR_STATES_PER_STATE} x the limit), so its DFA cannot fit in at most {max_states} states "
-            "(constraint_states); simplify the constraint or raise that limit") from None
+            f"({CHAR_STATES_PER_STATE} x the limit of at most {max_states} DFA states, constraint_states), so it "
+            "was refused before growing further; simplify the constraint or raise that limit") from None
     except ConstraintError:
         raise
     except Exception as e:  # noqa: BLE001

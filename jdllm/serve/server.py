@@ -33,19 +33,21 @@ is freed at the next scheduling round.
 
 
 import contextlib
+import socket
 
-from jdllm import compile_progress
+from jdllm import compile_progress, errors
 from jdllm.serve import completions as handlers
 from jdllm.serve.engine import Engine
-from jdllm.serve.openai_protocol import ApiError, Server
+from jdllm.serve.openai_protocol import DEFAULT_MAX_BODY_BYTES, ApiError, Server
 
 
-def create_app(engine: Engine, model_name: str = "jdllm"):
-    """The FastAPI app serving `engine` under `model_name`; its lifespan starts and stops the engine."""
+def create_app(engine: Engine, model_name: str = "jdllm", max_body_bytes: int = DEFAULT_MAX_BODY_BYTES):
+    """The FastAPI app serving `engine` under `model_name`; its lifespan starts and stops the engine.
+    max_body_bytes: a request body past this size is refused with 413 as soon as it is seen."""
     from fastapi import FastAPI, Request  # noqa: PLC0415 (the serve extra)
     from fastapi.responses import JSONResponse  # noqa: PLC0415
 
-    srv = Server(engine, model_name)
+    srv = Server(engine, model_name, max_body_bytes)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
