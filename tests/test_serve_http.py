@@ -490,3 +490,60 @@ def test_stop_string_cuts_text_tokens_logprobs_and_offsets_together():
     lp = c.logprob_block(slice(0, 3), chat=False)
     assert lp["tokens"] == ["x", "a", "c"] and lp["text_offset"] == [0, 1, 2]
 
+
+def test_cli_serve_checks_its_port_before_loading_the_model(capsys, monkeypatch):
+    """`jdllm serve --port 99999` is an argparse error (exit 2); a port in use is a `jdllm serve: error:`
+    (exit 2) before the model loads and before the banner (issue 32: 99999 listened on a random port,
+    a port in use exited 3 after the banner); --max-body-bytes reaches the app, the banner names the
+    port really bound."""
+    import socket
+
+    import jdllm.serve.server as server_module
+    from jdllm.cli import main
+
+    def no_load(*a, **k):
+        raise AssertionError("the model was loaded before the port was checked")
+
+    monkeypatch.setattr(jdllm, "load", no_load)
+    for port in ("99999", "-1", "http"):
+        with pytest.raises(SystemExit) as e:
+            main(["serve", os.path.join(ROOT, "models", "tiny-ar"), "--port", port])
+        assert e.value.code == 2 and "jdllm serve: error: argument --port" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["serve", os.path.join(ROOT, "models", "tiny-ar"), "--max-body-bytes", "0"])
+    assert "argument --max-body-bytes" in capsys.readouterr().err
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert main(["serve", os.path.join(ROOT, "models", "tiny-ar"), "--port", str(port)]) == 2
+        err = capsys.readouterr().err
+        assert f"jdllm serve: error: InputError: cannot listen on 127.0.0.1:{port}" in err, err
+        assert "on http://" not in err  # no banner
+    monkeypatch.undo()
+    seen = {}
+    monkeypatch.setattr(server_module, "serve", lambda engine, name, **kw: seen.update(kw, name=name))
+    assert main(["serve", os.path.join(ROOT, "models", "tiny-ar"), "--port", "0", "--max-body-bytes", "1000"]) == 0
+    bound = seen["sock"].getsockname()[1]
+    seen["sock"].close()
+    assert seen["max_body_bytes"] == 1000 and seen["name"] == "tiny-ar" and bound != 0
+    assert f"on http://127.0.0.1:{bound}/v1" in capsys.readouterr().err
+
+
+def test_one_temperature_rule_for_the_cli_and_the_server(capsys):
+    """`jdllm generate --temperature 1e30` is refused before the model loads, with the rule the server
+    applies to `temperature` (jdllm.inputs.check_temperature; issue 32: the CLI took 1e30, the server
+    capped at 2.0 with its own check)."""
+    from jdllm.cli import main
+    from jdllm.serve.openai_protocol import ApiError, Server
+
+    assert main(["generate", "/no/such/model", "--prompt", "a", "--temperature", "1e30"]) == 2
+    assert "temperature=1e+30 must be finite and in [0, 2.0]" in capsys.readouterr().err
+    assert main(["generate", "/no/such/model", "--prompt", "a", "--temperature", "2.5"]) == 2
+    cli = capsys.readouterr().err
+    engine = types.SimpleNamespace(model=types.SimpleNamespace(tokenizer=None), max_prompt_tokens=8,
+                                   max_new_tokens=8)
+    with pytest.raises(ApiError) as e:
+        Server(engine, NAME).sampling({"model": NAME, "temperature": 2.5}, 8)
+    assert e.value.param == "temperature" and e.value.message in cli
+    assert Server(engine, NAME).sampling({"model": NAME, "temperature": 2.0}, 8)[0].temperature == 2.0

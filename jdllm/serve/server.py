@@ -84,12 +84,45 @@ def create_app(engine: Engine, model_name: str = "jdllm", max_body_bytes: int = 
     return app
 
 
-def serve(engine: Engine, model_name: str, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info"):
-    """Run the server until interrupted (blocking)."""
+def bind(host: str, port: int) -> socket.socket:
+    """A socket bound to host:port for the server (as uvicorn binds one), or an `errors.InputError`
+    naming the address when it cannot be (in use, not this machine's, no permission). `jdllm serve`
+    binds it before loading the model, so a bad port fails at once."""
+    if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+        raise errors.InputError(f"port={port!r} is not a port: give 1-65535 (0: any free port)")
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except (OSError, OverflowError) as e:
+        sock.close()
+        why = getattr(e, "strerror", None) or str(e)
+        raise errors.InputError(f"cannot listen on {host}:{port} ({why}); choose another --port (or --host), or "
+                                "stop what listens there") from None
+    sock.set_inheritable(True)
+    return sock
+
+
+def serve(engine: Engine, model_name: str, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info",
+          sock: socket.socket | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES):
+    """Run the server until interrupted (blocking), on `sock` when given (from `bind`), else on a
+    socket bound to host:port here."""
     import uvicorn  # noqa: PLC0415 (the serve extra)
 
+    sock = bind(host, port) if sock is None else sock
+    config = uvicorn.Config(create_app(engine, model_name, max_body_bytes), host=host,
+                            port=sock.getsockname()[1], log_level=log_level)
+    server = uvicorn.Server(config)
     with compile_progress.show("jdllm serve"):  # a request's first compile prints progress lines to stderr
-        uvicorn.run(create_app(engine, model_name), host=host, port=port, log_level=log_level)
+        try:
+            server.run(sockets=[sock])
+        except KeyboardInterrupt:
+            pass
+        finally:
+            sock.close()
+    if not server.started:
+        raise errors.EngineStoppedError("the server did not start (see the lines above)")
 
 
-__all__ = ["create_app", "serve", "Server", "ApiError"]
+__all__ = ["create_app", "serve", "bind", "Server", "ApiError"]
