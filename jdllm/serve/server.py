@@ -25,10 +25,16 @@ is refused. Every response choice carries `jdllm: {token_ids, step_map, nfe}` (s
 `token_ids`, `step_map` of the tokens they carry; a choice cut by a `stop` string reports the
 forwards its row had run by the round that completed the stop string).
 
+Requests are strict (`openai_protocol`): unknown fields, roles and message keys, non-boolean
+booleans and unimplemented options set to anything but their no-op value are 400s naming them;
+`user` is accepted and ignored. `stream_options.include_usage` adds a last chunk with the usage.
+
 Errors are OpenAI-shaped `{"error": {"message", "type", "param", "code"}}`: 400 for a bad request
-(malformed JSON, unknown model, bad value, prompt over the context), 429 when the engine's bounded
-queue is full, 503 while it shuts down. A client that disconnects has its request aborted: its row
-is freed at the next scheduling round.
+(malformed or too deeply nested JSON, unknown model or field, bad value, prompt over the context or
+the cheap length bound, n over what the engine holds), 413 for a body over `max_body_bytes`, 429
+when the engine's bounded queue is full, 503 while it shuts down. A client that disconnects has its
+request aborted: its row is freed at the next scheduling round. Nothing slow runs on the event
+loop: large bodies are parsed, prompts tokenized and constraints compiled on worker threads.
 """
 
 
