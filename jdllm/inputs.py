@@ -132,8 +132,8 @@ def check_temperature(temperature) -> None:
     the server's `temperature` alike): a finite number in [0, MAX_TEMPERATURE], 0 = greedy."""
     if not 0 <= temperature <= MAX_TEMPERATURE:
         raise errors.DecodingConfigError(
-            f"temperature={temperature} must be finite and in [0, {MAX_TEMPERATURE}] (0 = greedy; above {MAX_TEMPERATURE} "
-            "a token is close to a uniform draw from the vocabulary)")
+            f"temperature={temperature} must be finite and in [0, {MAX_TEMPERATURE}] (0 = greedy; above "
+            f"{MAX_TEMPERATURE} a token is close to a uniform draw from the vocabulary)")
 
 
 def check_sampling(sampling):

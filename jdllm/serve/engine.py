@@ -54,8 +54,8 @@ class Engine:
     prompt / generation a request may ask for (they size the pool's canvas; default: the model's
     context, at most 512 and 256). max_queue: requests waiting for a row (beyond those the free
     rows take at the next round) past which `submit` raises `errors.QueueFullError`; the engine
-    holds at most `max_batch + max_queue` requests (`capacity`). steps_per_round: decoding steps between two host visits (admissions,
-    aborts and streaming happen between rounds).
+    holds at most `max_batch + max_queue` requests (`capacity`). steps_per_round: decoding steps
+    between two host visits (admissions, aborts and streaming happen between rounds).
     constraint_states / constraint_classes: > 0 lets requests carry a constraint (`submit(...,
     constraint=)`), enforced by the on-device DFA backend (`jdllm.constraints.dfa`): every row
     holds a token-DFA table padded to these buckets (rounded up to powers of two), so constrained

@@ -174,9 +174,10 @@ class Server:
         self.max_prompt_chars = engine.max_prompt_tokens * self.longest_token * PROMPT_CHARS_PER_TOKEN
 
     def _too_many_chars(self, n: int, param: str):
-        return ApiError(400, f"the prompt has {n} characters, more than max_prompt_tokens={self.engine.max_prompt_tokens} "
-                             f"tokens can hold (at most {self.longest_token} characters a token, x "
-                             f"{PROMPT_CHARS_PER_TOKEN}: {self.max_prompt_chars} characters); shorten it", param)
+        return ApiError(400, f"the prompt has {n} characters, more than max_prompt_tokens="
+                             f"{self.engine.max_prompt_tokens} tokens can hold (at most {self.longest_token} "
+                             f"characters a token, x {PROMPT_CHARS_PER_TOKEN}: {self.max_prompt_chars} characters); "
+                             "shorten it", param)
 
     def constraint(self, body: dict):
         """The request's constraint (`response_format` json_schema, or jdllm.regex / jdllm.choice) as a
