@@ -236,6 +236,10 @@ def run_command(args) -> int:
 
     if not args.prompts:
         raise jdllm.errors.InputError("give at least one --prompt TEXT or --prompt-ids 1,2,3")
+    extra = {} if args.max_new_tokens is None else {"max_new_tokens": args.max_new_tokens}
+    sampling = jdllm.Sampling(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                              stop_token_ids=None if args.stop_token_id is None else tuple(args.stop_token_id),
+                              **extra)  # checked before the model loads (jdllm.inputs.check_temperature, ...)
     mesh = None
     if getattr(args, "mesh", None) or getattr(args, "distributed", False):
         from jdllm import sharding  # noqa: PLC0415
@@ -247,10 +251,6 @@ def run_command(args) -> int:
                        mesh=mesh)
     decoding = decoding_from_args(args, model.config)
     cls = type(decoding)
-    extra = {} if args.max_new_tokens is None else {"max_new_tokens": args.max_new_tokens}
-    sampling = jdllm.Sampling(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-                              stop_token_ids=None if args.stop_token_id is None else tuple(args.stop_token_id),
-                              **extra)
     constraint = constraint_from_args(args)
     t0 = time.perf_counter()
     outs = jdllm.generate(model, list(args.prompts), decoding, sampling, apply_chat_template=args.chat,

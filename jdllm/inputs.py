@@ -20,6 +20,7 @@ from jdllm import errors
 DTYPES = ("bfloat16", "float16", "float32")  # the dtypes a model loads in
 
 INT32_MAX = 2**31 - 1
+MAX_TEMPERATURE = 2.0  # OpenAI's bound; past it a token is close to a uniform draw from the vocabulary
 
 
 def id_rows(token_ids, what: str = "token_ids") -> list[np.ndarray]:
@@ -126,6 +127,15 @@ def _alphabet(tokenizer, limit: int = 256) -> str:
 
 
 # --------------------------------------------------------------------------- generate()
+def check_temperature(temperature) -> None:
+    """The one temperature rule (`jdllm.Sampling`, so `generate`, `jdllm generate --temperature` and
+    the server's `temperature` alike): a finite number in [0, MAX_TEMPERATURE], 0 = greedy."""
+    if not 0 <= temperature <= MAX_TEMPERATURE:
+        raise errors.DecodingConfigError(
+            f"temperature={temperature} must be finite and in [0, {MAX_TEMPERATURE}] (0 = greedy; above "
+            f"{MAX_TEMPERATURE} a token is close to a uniform draw from the vocabulary)")
+
+
 def check_sampling(sampling):
     """`sampling` is a jdllm.Sampling (not a dict of its fields)."""
     from jdllm.sampling import Sampling  # noqa: PLC0415 (startup: inputs checks CLI arguments before JAX loads)

@@ -22,7 +22,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jdllm import errors
+from jdllm import errors, inputs
 
 NEG_INF = float("-inf")
 
@@ -31,7 +31,7 @@ NEG_INF = float("-inf")
 class Sampling:
     """How tokens are drawn and when generation stops.
 
-    temperature: 0 = greedy; > 0 divides the logits. top_k: 0 = off.
+    temperature: 0 = greedy; > 0 divides the logits; at most `jdllm.inputs.MAX_TEMPERATURE` (2). top_k: 0 = off.
     top_p: nucleus mass in (0, 1]; 1 = off. max_new_tokens: tokens generated
     per prompt at most (the default 256 is clipped to what the model's context
     leaves; a note says so when an output runs to the context's end). seed: with one Sampling for a batch, row b draws from
@@ -54,9 +54,7 @@ class Sampling:
             if isinstance(v, bool) or not isinstance(v, numbers.Real):
                 raise errors.ArgumentTypeError(
                     f"Sampling({name}={v!r}): expected a number, got {type(v).__name__}")
-        if not 0 <= self.temperature < float("inf"):
-            raise errors.DecodingConfigError(
-                f"temperature={self.temperature} must be finite and >= 0 (0 = greedy)")
+        inputs.check_temperature(self.temperature)
         if int(self.top_k) != self.top_k or self.top_k < 0:
             raise errors.DecodingConfigError(f"top_k={self.top_k} must be an integer >= 0 (0 = off)")
         if not 0 < self.top_p <= 1:

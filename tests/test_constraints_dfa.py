@@ -9,6 +9,7 @@ import itertools
 import json
 import random
 import re
+import time
 import types
 
 import jax
@@ -227,6 +228,30 @@ def test_compile_errors_and_table_shapes():
     cols = {tuple(d.next_state[:, d.token_class[t]]) for t in range(V)}
     assert len(cols) == d.num_classes and d.num_classes < V
     assert d.accepts([6, 8, 7, STOP]) and not d.accepts([6, 7]) and d.accepts([6, 8, 6])
+
+
+def test_compile_stops_as_soon_as_the_automaton_passes_the_state_cap():
+    """A regex whose DFA blows up (`[ab]*a[ab]{14}`: 2**15 states) is refused within a second, as
+    soon as its automaton passes the cap, rather than after building every state (issue 32: 112 s
+    against a cap of 32); under the cap the tables are the uncapped ones, and the character
+    automaton is the one interegular builds."""
+    import interegular
+
+    for pattern, states in (("[ab]*a[ab]{14}", 32), ("(a|b|ab|1|2| )*a(a|b|1|2){12}", 64)):
+        t = time.perf_counter()
+        with pytest.raises(ConstraintError, match=f"while being built .*at most {states} DFA states"):
+            dfa_compile.compile_pattern(pattern, STRINGS, stop_ids=[STOP], mask_id=MASK, max_states=states)
+        assert time.perf_counter() - t < 1.0, pattern
+    with pytest.raises(ConstraintError, match="34 DFA states.* at most 32 states"):  # within 4x: the exact count
+        dfa_compile.compile_pattern("a{31}", STRINGS, stop_ids=[STOP], mask_id=MASK, max_states=32)
+    for pattern in (r"\d( \d)*", "(ab|1){1,2}2?", "[ab]*a[ab]{3}", _pattern("SCHEMA")):
+        capped = dfa_compile.compile_pattern(pattern, STRINGS, stop_ids=[STOP], mask_id=MASK, max_states=64)
+        free = dfa_compile.compile_pattern(pattern, STRINGS, stop_ids=[STOP], mask_id=MASK)
+        for f in ("next_state", "token_class", "accepting", "live"):
+            np.testing.assert_array_equal(getattr(capped, f), getattr(free, f))
+        assert (capped.start, capped.min_tokens) == (free.start, free.min_tokens)
+        ours, theirs = dfa_compile._char_dfa(pattern), interegular.parse_pattern(pattern).to_fsm()
+        assert (ours.map, ours.finals, ours.initial) == (theirs.map, theirs.finals, theirs.initial)
 
 
 # --------------------------------------------------------------------------- generation

@@ -127,6 +127,7 @@ def test_text_that_is_not_utf8(tiny_sdar):
     (dict(stop_token_ids="12"), errors.ArgumentTypeError, "stop_token_ids='12'"),
     (dict(stop_token_ids=[-1]), errors.DecodingConfigError, "negative"),
     (dict(temperature=float("inf")), errors.DecodingConfigError, "temperature=inf must be finite"),
+    (dict(temperature=1e30), errors.DecodingConfigError, r"temperature=1e\+30 must be finite and in \[0, 2.0\]"),
 ])
 def test_sampling_types_and_ranges(kw, exc, match):
     with pytest.raises(exc, match=match):

@@ -148,9 +148,9 @@ def test_bounded_queue_and_bad_requests_fail_before_compiling():
     eng = E.Engine(m, jdllm.AR(), max_batch=2, max_queue=2, max_prompt_tokens=8, max_new_tokens=8)
     s = jdllm.Sampling(max_new_tokens=4)
     with traces() as seen:  # refused before anything compiles
-        eng.submit([1, 2], s)
-        eng.submit([1, 2], s)
-        with pytest.raises(errors.QueueFullError, match="max_queue=2"):
+        for _ in range(4):  # two take the free rows at the next round, two wait for one
+            eng.submit([1, 2], s)
+        with pytest.raises(errors.QueueFullError, match="2 requests already wait for a row.*max_queue=2"):
             eng.submit([1, 2], s)
         with pytest.raises(errors.SequenceTooLongError, match="max_prompt_tokens=8"):
             eng.submit(list(range(9)), s)
@@ -170,6 +170,27 @@ def test_bounded_queue_and_bad_requests_fail_before_compiling():
         with pytest.raises(errors.EngineStoppedError):
             eng.submit([1, 2], s)
     assert not seen, dict(seen)
+
+
+def test_the_choices_of_one_request_are_queued_all_or_none():
+    """`submit_many` (a request's n choices): more than max_batch + max_queue never fit (InputError);
+    a group that would overflow the queue is refused whole, leaving nothing queued to abort; on an
+    idle engine a group as large as the capacity is taken (issue 32: n=5 with 4 rows and max_queue=4
+    was refused as a full queue, its first four choices aborted)."""
+    m = causal_model()
+    eng = E.Engine(m, jdllm.AR(), max_batch=2, max_queue=2, max_prompt_tokens=8, max_new_tokens=8)
+    s = [jdllm.Sampling(max_new_tokens=4, seed=i) for i in range(5)]
+    with traces() as seen:
+        with pytest.raises(errors.InputError, match="5 requests at once.*2 \\+ 2 = 4"):
+            eng.submit_many([1, 2], s)
+        reqs = eng.submit_many([1, 2], s[:3])
+        with pytest.raises(errors.QueueFullError, match="1 requests already wait for a row and 2 more"):
+            eng.submit_many([1, 2], s[3:])
+        assert eng.stats()["tracked"] == 3 and eng.stats()["waiting"] == 3
+        eng.submit([1, 2], s[3])
+    assert not seen, dict(seen)
+    eng.run_until_idle()
+    assert all(r.status == "done" for r in reqs) and eng.aborted == 0
 
 
 @slow

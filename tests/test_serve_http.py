@@ -10,6 +10,7 @@ import re
 import os
 import threading
 import time
+import types
 
 import httpx
 import numpy as np
@@ -81,11 +82,20 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server):
     assert httpx.get(f"{url}/v1/models").json()["data"][0]["id"] == NAME
     h = httpx.get(f"{url}/health").json()
     assert h["status"] == "ok" and h["rows"] == 4
-    engine.max_queue = 0  # every submission now finds the queue full
+    gate, real = threading.Event(), engine.step_round
+    engine.step_round = lambda: (gate.wait(60), real())  # rounds wait: what is submitted stays queued
+    engine.max_queue = 0  # the four rows take four requests, none may wait beyond them
     try:
+        held = [engine.submit([5, 6], jdllm.Sampling(max_new_tokens=2)) for _ in range(4)]
         _err(post({"model": NAME, "prompt": "a"}), 429, "max_queue=0")
     finally:
         engine.max_queue = 64
+        gate.set()
+        engine.step_round = real
+    deadline = time.time() + 60
+    while not all(r.status == "done" for r in held):
+        assert time.time() < deadline
+        time.sleep(0.05)
 
 
 @slow
@@ -188,20 +198,26 @@ def test_stop_strings_n_choices_and_logprobs_equal_offline(server):
     want = jdllm.generate(model, [prompt], sampling=free)[0]
     j = next(j for j in range(2, len(want.text) - 1) if want.text.find(want.text[j:j + 2]) == j)
     stop = want.text[j:j + 2]
-    k = next(k for k in range(1, 17) if stop in model.tokenizer.decode(want.token_ids[:k], skip_special_tokens=True))
+    decode = lambda ids: model.tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
+    k = next(k for k in range(1, 17) if stop in decode(want.token_ids[:k]))  # the token completing the stop
+    m = next(m for m in range(17) if decode(want.token_ids[:m]).startswith(want.text[:j]))  # those before it
     kw = dict(model=NAME, prompt=prompt, max_tokens=16, stop=[stop, "\x00never"],
               extra_body={"jdllm": {"stop_token_ids": []}})
     res = client.completions.create(**kw, logprobs=0)
     c = res.choices[0]
     assert (c.text, c.finish_reason) == (want.text[:j], "stop")
-    assert c.model_extra["jdllm"]["token_ids"] == want.token_ids[:k] and res.usage.completion_tokens == k
+    # text, tokens, log-probs, offsets and usage agree: cut at the stop string (issue 32: the tokens
+    # kept the stop string's tokens)
+    assert c.model_extra["jdllm"]["token_ids"] == want.token_ids[:m] and res.usage.completion_tokens == m
+    assert "".join(c.logprobs.tokens) == c.text and max(c.logprobs.text_offset) < len(c.text)
     assert k <= c.model_extra["jdllm"]["nfe"] <= want.nfe  # forwards by the round the stop string completed
-    np.testing.assert_allclose(c.logprobs.token_logprobs, want.logprobs[:k], atol=1e-5)
-    text, finish = "", None
+    np.testing.assert_allclose(c.logprobs.token_logprobs, want.logprobs[:m], atol=1e-5)
+    text, finish, ids = "", None, []
     for ch in client.completions.create(**kw, stream=True):
         text += ch.choices[0].text
+        ids += ch.choices[0].model_extra["jdllm"]["token_ids"]
         finish = ch.choices[0].finish_reason or finish
-    assert (text, finish) == (want.text[:j], "stop")
+    assert (text, finish, ids) == (want.text[:j], "stop", want.token_ids[:m])
 
     hot = dict(temperature=0.9, top_k=0, stop_token_ids=(), max_new_tokens=10)
     res = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "hello"}], n=3,
@@ -266,8 +282,268 @@ def test_constraints_through_response_format_equal_offline(server):
                                    timeout=60)
     _err(post({"response_format": {"type": "json_object"}}), 400, "json_object")
     _err(post({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "object"}}}}), 400,
-         "matches no string")
+         "passes 64 states while being built")  # any JSON object: refused as its automaton grows past 4 x 16
     _err(post({"jdllm": {"regex": "[a-c]{6}"}, "max_tokens": 4}), 400, "max_tokens")
     _err(post({"jdllm": {"regex": "[a-z]{30}"}}), 400, "at most 16 states")
     _err(post({"jdllm": {"regex": "("}}), 400, "regex")
     _err(post({"jdllm": {"regex": "a", "choice": ["b"]}}), 400, "give one constraint")
+
+
+# --------------------------------------------------------------------------- issue 32: no request stalls another
+def _timed(fn):
+    t = time.perf_counter()
+    out = fn()
+    return out, time.perf_counter() - t
+
+
+def _raw_post(url: str, path: str, body: bytes, **kw) -> httpx.Response:
+    return httpx.post(url + path, content=body, headers={"content-type": "application/json"}, timeout=300, **kw)
+
+
+@slow
+def test_no_request_stalls_another(server):
+    """While a pathological request is handled (a 10 MB body, a 3 MB prompt or chat message, JSON
+    nested 50,000 deep, a regex whose DFA blows up), /health and a small completion answer in under a
+    second, and the pathological request gets its 4xx within seconds (issue 32: /health took 22 s behind
+    a 10 MB prompt, the nested JSON was a 500, the regex took 112 s)."""
+    url, engine, _ = server
+    small = {"model": NAME, "prompt": "add:1+2=", "max_tokens": 4}
+    assert httpx.post(f"{url}/v1/completions", json=small, timeout=120).status_code == 200  # compiled
+    chat = {"model": NAME, "messages": [{"role": "user", "content": "1" * (3 << 20)}]}
+    cases = [
+        ("10 MB body", "/v1/completions", json.dumps({"model": NAME, "prompt": "1" * (10 << 20)}), 413,
+         "max_body_bytes"),
+        ("3 MB prompt", "/v1/completions", json.dumps({"model": NAME, "prompt": "1 " * (3 << 19)}), 400,
+         "characters"),
+        ("3 MB chat message", "/v1/chat/completions", json.dumps(chat), 400, "characters"),
+        ("JSON nested 50,000 deep", "/v1/completions",
+         f'{{"model": "{NAME}", "prompt": ' + "[" * 50_000 + "]" * 50_000 + "}", 400, "nested"),
+        ("a DFA that blows up", "/v1/completions",
+         json.dumps({"model": NAME, "prompt": "a", "jdllm": {"regex": "[ab]*a[ab]{14}"}}), 400,
+         "while being built"),
+    ]
+    for name, path, body, status, needle in cases:
+        got: dict = {}
+
+        def send():
+            got["response"], got["seconds"] = _timed(lambda: _raw_post(url, path, body.encode()))
+
+        worker = threading.Thread(target=send)
+        worker.start()
+        health, answered = [], None
+        while worker.is_alive() or not health:
+            r, dt = _timed(lambda: httpx.get(f"{url}/health", timeout=300))
+            assert r.status_code == 200
+            health.append(dt)
+            if answered is None:
+                r, answered = _timed(lambda: httpx.post(f"{url}/v1/completions", json=small, timeout=300))
+                assert r.status_code == 200, r.text
+        worker.join()
+        assert max(health) < 1.0 and answered < 1.0, (name, max(health), answered)
+        _err(got["response"], status, needle)
+        assert got["seconds"] < 10, (name, got["seconds"])
+    h = httpx.get(f"{url}/health").json()
+    assert (h["rows_busy"], h["waiting"], h["tracked"]) == (0, 0, 0)
+
+
+@slow
+def test_body_size_json_depth_and_prompt_length_bounds(server):
+    """413 beyond max_body_bytes (default 4 MiB; announced by Content-Length or not), 400 for JSON nested
+    deeper than 64 or a prompt past the cheap length bound, each an OpenAI-shaped error; at the
+    bounds, requests are served."""
+    url, engine, _ = server
+    from jdllm.serve import openai_protocol as P
+
+    assert create_app(engine, NAME).state.server.max_body_bytes == P.DEFAULT_MAX_BODY_BYTES == 4 << 20
+    big = json.dumps({"model": NAME, "prompt": "1" * (5 << 20)}).encode()
+    e = _err(_raw_post(url, "/v1/completions", big), 413, "max_body_bytes=4194304")
+    assert e["type"] == "invalid_request_error" and e["code"] == "request_too_large"
+
+    def chunks():  # no Content-Length: counted as it arrives
+        for i in range(0, len(big), 1 << 16):
+            yield big[i:i + 1 << 16]
+
+    _err(_raw_post(url, "/v1/completions", chunks()), 413, "max_body_bytes")
+    deep = lambda d: f'{{"model": "{NAME}", "prompt": "a", "stop": ' + "[" * d + "]" * d + "}"  # noqa: E731
+    _err(_raw_post(url, "/v1/completions", deep(P.MAX_JSON_DEPTH).encode()), 400, f"deeper than {P.MAX_JSON_DEPTH}")
+    _err(_raw_post(url, "/v1/completions", deep(P.MAX_JSON_DEPTH - 1).encode()), 400, "stop=")  # parsed, then checked
+    limit = create_app(engine, NAME).state.server.max_prompt_chars
+    assert limit == 48 * 6 * P.PROMPT_CHARS_PER_TOKEN  # max_prompt_tokens x the longest token ('<mask>') x 2
+    e = _err(httpx.post(f"{url}/v1/completions", json={"model": NAME, "prompt": "1" * (limit + 1)}, timeout=60), 400,
+             f"{limit + 1} characters")
+    assert e["param"] == "prompt" and "max_prompt_tokens=48" in e["message"]
+    _err(httpx.post(f"{url}/v1/completions", json={"model": NAME, "prompt": "1" * limit}, timeout=60), 400,
+         "the prompt has")  # tokenized: the engine's own count
+    e = _err(httpx.post(f"{url}/v1/completions", json={"model": NAME, "prompt": [5] * 49}, timeout=60), 400,
+             "49 tokens")
+    assert "max_prompt_tokens=48" in e["message"]
+    ok = {"model": NAME, "prompt": "add:1+2=", "max_tokens": 2, "stop": "x"}
+    assert httpx.post(f"{url}/v1/completions", json=ok, timeout=60).status_code == 200
+
+
+# --------------------------------------------------------------------------- issue 32: strict OpenAI handling
+@slow
+def test_strict_fields_booleans_and_roles(server):
+    """Booleans are booleans; unknown top-level fields, message roles and message keys are 400s naming
+    them; the documented no-op values of unimplemented fields and the ignored `user` are accepted."""
+    url, _, _ = server
+    post = lambda path, body: httpx.post(f"{url}{path}", json={"model": NAME, **body}, timeout=60)  # noqa: E731
+    cmpl = lambda body: post("/v1/completions", {"prompt": "a", "max_tokens": 2, **body})  # noqa: E731
+    chat = lambda body, **m: post("/v1/chat/completions",  # noqa: E731
+                                  {"messages": [{"role": "user", "content": "a", **m}], "max_tokens": 2, **body})
+    for v in ("false", "yes", 1, 0):
+        assert _err(cmpl({"stream": v}), 400, f"stream={v!r} must be true or false")["param"] == "stream"
+        assert _err(chat({"stream": v}), 400, "must be true or false")["param"] == "stream"
+    for field, v in (("foo", 1), ("suffix", "x"), ("presence_penalty", 0.5), ("frequency_penalty", -1),
+                     ("echo", True), ("logit_bias", {"5": 1})):
+        e = _err(cmpl({field: v}), 400, field)
+        assert e["param"] == field, e
+    e = _err(cmpl({"foo": 1, "bar": 2}), 400, "unknown field(s) ['bar', 'foo']")
+    assert "user" in e["message"]  # the accepted fields are listed
+    _err(chat({"best_of": 2}), 400, "best_of")  # a completions field
+    assert _err(chat({}, role="wizard"), 400, "'wizard'")["param"] == "messages[0].role"
+    assert _err(chat({}, tool_call_id="x"), 400, "tool_call_id")["param"] == "messages[0].tool_call_id"
+    r = cmpl({"presence_penalty": 0, "frequency_penalty": 0.0, "logit_bias": {}, "echo": False, "suffix": None,
+              "user": "someone", "best_of": 1, "stream": False})
+    assert r.status_code == 200, r.text
+    assert chat({"user": "someone", "presence_penalty": 0, "stream": False}, name="alice").status_code == 200
+    so = {"stream_options": {"include_usage": True}}
+    _err(cmpl(so), 400, "stream_options")  # only with stream: true
+    assert _err(cmpl({"stream": True, "stream_options": {"include_usage": "true"}}), 400,
+                "include_usage")["param"] == "stream_options.include_usage"
+    assert _err(cmpl({"stream": True, "stream_options": {"x": 1}}), 400, "'x'")["param"] == "stream_options.x"
+
+
+@slow
+@pytest.mark.usefixtures("fast_compile")
+def test_stream_options_include_usage(server):
+    """stream_options.include_usage: every chunk carries "usage": null, and a last chunk before [DONE]
+    has no choices and the usage the same request reports unstreamed (n choices counted together)."""
+    url, _, _ = server
+    for path, body in (("/v1/completions", {"prompt": "sort:3 1 2=", "n": 2}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "rev:abc="}]})):
+        body = {"model": NAME, "max_tokens": 6, "temperature": 0.7, "seed": 3, **body}
+        whole = httpx.post(url + path, json=body, timeout=120).json()["usage"]
+        with httpx.stream("POST", url + path, json={**body, "stream": True, "stream_options": {"include_usage": True}},
+                          timeout=120) as r:
+            assert r.status_code == 200
+            lines = [ln for ln in r.iter_lines() if ln.startswith("data: ")]
+        assert lines[-1] == "data: [DONE]"
+        chunks = [json.loads(ln[6:]) for ln in lines[:-1]]
+        assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == whole, (chunks[-1], whole)
+        assert all("usage" in c and c["usage"] is None for c in chunks[:-1])
+        with httpx.stream("POST", url + path, json={**body, "stream": True}, timeout=120) as r:
+            plain = [json.loads(ln[6:]) for ln in r.iter_lines() if ln.startswith("data: {")]
+        assert all("usage" not in c and c["choices"] for c in plain)
+
+
+@slow
+def test_n_is_checked_against_what_the_server_can_hold(server):
+    """n choices beyond max_batch + max_queue can never be held: 400 naming n (not a 429 that also
+    counts aborts); up to it, on an idle server, every choice is answered (issue 32: n=5 with
+    --max-batch 4 --max-queue 4 was a 429 '4 requests are already waiting')."""
+    url, engine, _ = server
+    engine.max_queue = 1  # 4 rows + 1 waiting
+    try:
+        before = httpx.get(f"{url}/health").json()
+        e = _err(httpx.post(f"{url}/v1/completions", json={"model": NAME, "prompt": "a", "n": 6}, timeout=60), 400,
+                 "n=6")
+        assert e["param"] == "n" and "max_batch=4" in e["message"] and "max_queue=1" in e["message"]
+        h = httpx.get(f"{url}/health").json()
+        assert (h["waiting"], h["aborted"], h["tracked"]) == (0, before["aborted"], 0)
+        r = httpx.post(f"{url}/v1/completions", json={"model": NAME, "prompt": "a", "n": 5, "max_tokens": 3,
+                                                      "temperature": 1.0}, timeout=120)
+        assert r.status_code == 200, r.text
+        assert [c["index"] for c in r.json()["choices"]] == [0, 1, 2, 3, 4]
+    finally:
+        engine.max_queue = 64
+
+
+def test_stop_string_cuts_text_tokens_logprobs_and_offsets_together():
+    """After a stop string, a choice's text, token ids, log-probs, token strings and text offsets agree:
+    tokens wholly inside the stop string are dropped, a token that straddles its start is kept with its
+    token string cut there; while streaming, a token whose text is held back (it may begin a stop
+    string) is held back too (issue 32: the tokens kept the stop token while the text was cut)."""
+    from jdllm.serve.completions import Choice
+    from jdllm.serve.request import Event
+
+    vocab = ["1 ", "2 3", " 4", "x", "a", "b", "c"]
+    srv = types.SimpleNamespace(text_of=lambda ids: "".join(vocab[i] for i in ids))
+
+    def tokens(ids):
+        return Event("tokens", token_ids=ids, step_map=[1] * len(ids), logprobs=[-0.5] * len(ids), nfe=1)
+
+    c = Choice(0, srv, ("3",))  # "2 3" straddles the stop string's start
+    assert c.feed(tokens([0])) == ("1 ", slice(0, 1))
+    assert c.feed(tokens([1, 2])) == ("2 ", slice(1, 2))
+    assert (c.text, c.ids, c.finish, len(c.logprobs), len(c.step_map)) == ("1 2 ", [0, 1], "stop", 2, 2)
+    lp = c.logprob_block(slice(0, 2), chat=False)
+    assert lp["tokens"] == ["1 ", "2 "] and "".join(lp["tokens"]) == c.text and lp["text_offset"] == [0, 2]
+    assert [t["token"] for t in c.logprob_block(slice(0, 2), chat=True)["content"]] == ["1 ", "2 "]
+
+    c = Choice(0, srv, ("ab",))  # "a" may begin "ab": held back, text and token alike
+    assert c.feed(tokens([3, 4])) == ("x", slice(0, 1))
+    assert c.feed(tokens([6])) == ("ac", slice(1, 3))  # it did not: both go out
+    assert c.feed(tokens([4])) == ("", slice(3, 3))
+    assert c.feed(tokens([5, 6])) == ("", slice(3, 3))  # "ab": the stop string, wholly its own tokens
+    assert (c.text, c.ids, c.finish) == ("xac", [3, 4, 6], "stop")
+    lp = c.logprob_block(slice(0, 3), chat=False)
+    assert lp["tokens"] == ["x", "a", "c"] and lp["text_offset"] == [0, 1, 2]
+
+
+def test_cli_serve_checks_its_port_before_loading_the_model(capsys, monkeypatch):
+    """`jdllm serve --port 99999` is an argparse error (exit 2); a port in use is a `jdllm serve: error:`
+    (exit 2) before the model loads and before the banner (issue 32: 99999 listened on a random port,
+    a port in use exited 3 after the banner); --max-body-bytes reaches the app, the banner names the
+    port really bound."""
+    import socket
+
+    import jdllm.serve.server as server_module
+    from jdllm.cli import main
+
+    def no_load(*a, **k):
+        raise AssertionError("the model was loaded before the port was checked")
+
+    monkeypatch.setattr(jdllm, "load", no_load)
+    for port in ("99999", "-1", "http"):
+        with pytest.raises(SystemExit) as e:
+            main(["serve", os.path.join(ROOT, "models", "tiny-ar"), "--port", port])
+        assert e.value.code == 2 and "jdllm serve: error: argument --port" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["serve", os.path.join(ROOT, "models", "tiny-ar"), "--max-body-bytes", "0"])
+    assert "argument --max-body-bytes" in capsys.readouterr().err
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert main(["serve", os.path.join(ROOT, "models", "tiny-ar"), "--port", str(port)]) == 2
+        err = capsys.readouterr().err
+        assert f"jdllm serve: error: InputError: cannot listen on 127.0.0.1:{port}" in err, err
+        assert "on http://" not in err  # no banner
+    monkeypatch.undo()
+    seen = {}
+    monkeypatch.setattr(server_module, "serve", lambda engine, name, **kw: seen.update(kw, name=name))
+    assert main(["serve", os.path.join(ROOT, "models", "tiny-ar"), "--port", "0", "--max-body-bytes", "1000"]) == 0
+    bound = seen["sock"].getsockname()[1]
+    seen["sock"].close()
+    assert seen["max_body_bytes"] == 1000 and seen["name"] == "tiny-ar" and bound != 0
+    assert f"on http://127.0.0.1:{bound}/v1" in capsys.readouterr().err
+
+
+def test_one_temperature_rule_for_the_cli_and_the_server(capsys):
+    """`jdllm generate --temperature 1e30` is refused before the model loads, with the rule the server
+    applies to `temperature` (jdllm.inputs.check_temperature; issue 32: the CLI took 1e30, the server
+    capped at 2.0 with its own check)."""
+    from jdllm.cli import main
+    from jdllm.serve.openai_protocol import ApiError, Server
+
+    assert main(["generate", "/no/such/model", "--prompt", "a", "--temperature", "1e30"]) == 2
+    assert "temperature=1e+30 must be finite and in [0, 2.0]" in capsys.readouterr().err
+    assert main(["generate", "/no/such/model", "--prompt", "a", "--temperature", "2.5"]) == 2
+    cli = capsys.readouterr().err
+    engine = types.SimpleNamespace(model=types.SimpleNamespace(tokenizer=None), max_prompt_tokens=8,
+                                   max_new_tokens=8)
+    with pytest.raises(ApiError) as e:
+        Server(engine, NAME).sampling({"model": NAME, "temperature": 2.5}, 8)
+    assert e.value.param == "temperature" and e.value.message in cli
+    assert Server(engine, NAME).sampling({"model": NAME, "temperature": 2.0}, 8)[0].temperature == 2.0

@@ -43,13 +43,14 @@ def _strings(model) -> list:
     return cache
 
 
-def compile(model, constraint, stop_ids=None) -> TokenDFA:  # noqa: A001
-    """A constraint -> token DFA over the model's vocabulary (stop_ids default: the model's EOS ids)."""
+def compile(model, constraint, stop_ids=None, max_states: int | None = None) -> TokenDFA:  # noqa: A001
+    """A constraint -> token DFA over the model's vocabulary (stop_ids default: the model's EOS ids;
+    max_states: ConstraintError past that many states, raised early for a DFA that blows up)."""
     if constraint.backend != "dfa":
         raise ConstraintError(f"constraint backend {constraint.backend!r} is not 'dfa'")
     stops = model.config.eos_token_ids if stop_ids is None else stop_ids
     return compile_pattern(regex_of(constraint.kind, constraint.source), _strings(model),
-                           stop_ids=tuple(stops), mask_id=model.config.mask_token_id)
+                           stop_ids=tuple(stops), mask_id=model.config.mask_token_id, max_states=max_states)
 
 
 def check_budget(d: TokenDFA, budget: int, where: str = "", raise_what: str = "max_new_tokens") -> None:

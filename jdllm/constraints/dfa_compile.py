@@ -20,21 +20,34 @@ text and the mask token go to DEAD. ENDED is accepting, so a row may end by
 LENGTH in any accepting state or by a stop token after an accepted prefix.
 States are then minimised (Moore refinement over token classes): Q counts
 equivalence classes of states, DEAD included.
+
+A cap (`max_states`) is enforced while the character automaton is built: every
+automaton interegular builds along the way (it composes a regex from smaller
+ones) may have at most `CHAR_STATES_PER_STATE * max_states` states, so a regex
+whose DFA blows up (`[ab]*a[ab]{14}`: 2**15 states) is refused in milliseconds
+instead of after building every state. (The token DFA has at most the character
+DFA's states plus DEAD and ENDED, and about as many when the tokenizer spells
+every character the regex uses; what passes the margin is counted exactly after
+minimisation. A tokenizer that lacks most of a regex's characters can have a
+much smaller token DFA than the character automaton: such a regex may be
+refused although its token DFA would have fit.) interegular's own state lookup is a list search,
+quadratic in the states; ours (`_crawl`) is a dict, and builds the same automaton.
 """
 
 from __future__ import annotations
 
-import re
-
+import contextvars
 import dataclasses
 import functools
 import json
+import re
 
 import numpy as np
 
 from jdllm.errors import ConstraintError
 
 DEAD = 0
+CHAR_STATES_PER_STATE = 4  # the character automata's cap, per token-DFA state allowed
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -167,16 +180,105 @@ def token_strings(tokenizer, vocab_size: int) -> list[str | None]:
 
 
 # --------------------------------------------------------------------------- compile
-def _char_dfa(pattern: str):
+_CRAWL_LIMIT = contextvars.ContextVar("jdllm_crawl_limit", default=None)  # None: not ours, interegular's crawl
+
+
+class _TooManyStates(Exception):
+    pass
+
+
+def _state_key(state):
+    """A hashable stand-in for an interegular crawl state, equal exactly when the states are `==`
+    (the states are ints, frozensets / sets of hashables, or dicts of ints)."""
+    if isinstance(state, dict):
+        return dict, frozenset(state.items())
+    if isinstance(state, (set, frozenset)):
+        return frozenset(state)
+    return state
+
+
+def _crawl(fsm_module, alphabet, initial, final, follow, limit):
+    """interegular.fsm.crawl (breadth-first, states numbered as it numbers them), with a dict lookup
+    instead of a list search, stopping once more than `limit` states are found."""
+    states, index, finals, table = [initial], {}, set(), {}
+    try:
+        index[_state_key(initial)] = 0
+    except TypeError:
+        pass
+    i = 0
+    while i < len(states):
+        state = states[i]
+        if final(state):
+            finals.add(i)
+        table[i] = {}
+        for transition in alphabet.by_transition:
+            try:
+                nxt = follow(state, transition)
+            except fsm_module.OblivionError:
+                continue
+            try:
+                key = _state_key(nxt)
+                j = index.get(key)
+            except TypeError:  # an unhashable state: interegular's list search
+                key, j = None, next((k for k, s in enumerate(states) if s == nxt), None)
+            if j is None:
+                j = len(states)
+                states.append(nxt)
+                if key is not None:
+                    index[key] = j
+                if j >= limit:
+                    raise _TooManyStates(j + 1)
+            table[i][transition] = j
+        i += 1
+    return fsm_module.FSM(alphabet=alphabet, states=range(len(states)), initial=0, finals=finals, map=table,
+                          __no_validation__=True)
+
+
+@functools.lru_cache(maxsize=None)
+def _interegular():
+    """interegular, its `crawl` routed through `_crawl` while this module builds an automaton (other
+    callers keep interegular's own)."""
     try:
         import interegular  # noqa: PLC0415 (optional: the constraints extra)
+        import interegular.fsm as fsm_module  # noqa: PLC0415
     except ImportError:
         raise ConstraintError("the 'dfa' backend needs interegular: pip install 'jdllm[constraints]'") from None
+    theirs = fsm_module.crawl
+    if not getattr(theirs, "_jdllm", False):
+        def crawl(alphabet, initial, final, follow):
+            limit = _CRAWL_LIMIT.get()
+            if limit is None:
+                return theirs(alphabet, initial, final, follow)
+            return _crawl(fsm_module, alphabet, initial, final, follow, limit)
+
+        crawl._jdllm = True
+        fsm_module.crawl = crawl
+    return interegular
+
+
+def _char_dfa(pattern: str, max_states: int | None = None):
+    """The regex's character DFA (interegular); with `max_states`, ConstraintError as soon as an
+    automaton built along the way passes CHAR_STATES_PER_STATE * max_states states."""
+    interegular = _interegular()
+    limit = float("inf") if max_states is None else CHAR_STATES_PER_STATE * max_states
+    token = _CRAWL_LIMIT.set(limit)
     try:
-        fsm = interegular.parse_pattern(pattern).to_fsm()
+        return interegular.parse_pattern(pattern).to_fsm()
+    except _TooManyStates as e:
+        raise ConstraintError(
+            f"regex {_short(pattern)}: its automaton passes {e.args[0] - 1} states while being built "
+            f"({CHAR_STATES_PER_STATE} x the limit of at most {max_states} DFA states, constraint_states), so it "
+            "was refused before growing further; simplify the constraint or raise that limit") from None
+    except ConstraintError:
+        raise
     except Exception as e:  # noqa: BLE001
         raise ConstraintError(f"regex {pattern!r} cannot be compiled to a DFA: {_regex_problem(pattern, e)}") from None
-    return fsm
+    finally:
+        _CRAWL_LIMIT.reset(token)
+
+
+def _short(pattern: str, limit: int = 120) -> str:
+    return repr(pattern) if len(pattern) <= limit else repr(pattern[:limit]) + f"... ({len(pattern)} characters)"
 
 
 def _regex_problem(pattern: str, e: Exception) -> str:
@@ -210,8 +312,8 @@ def _minimise(nxt: np.ndarray, accepting: np.ndarray) -> np.ndarray:
 
 
 @functools.lru_cache(maxsize=64)
-def _compile_cached(pattern: str, strings: tuple, stop_ids: tuple, mask_id) -> TokenDFA:
-    fsm = _char_dfa(pattern)
+def _compile_cached(pattern: str, strings: tuple, stop_ids: tuple, mask_id, max_states) -> TokenDFA:
+    fsm = _char_dfa(pattern, max_states)
     states = sorted(fsm.states)
     idx = {s: i + 1 for i, s in enumerate(states)}  # 0 = DEAD
     NQ = len(states) + 1
@@ -296,14 +398,19 @@ def _compile_cached(pattern: str, strings: tuple, stop_ids: tuple, mask_id) -> T
     reach_acc = [d for d, a in zip(dist, acc_b) if a and d >= 0]
     if not reach_acc:
         raise ConstraintError(f"regex {pattern!r} matches no string this tokenizer can produce")
+    if max_states is not None and NB > max_states:
+        raise ConstraintError(f"regex {_short(pattern)} compiles to {NB} DFA states; at most {max_states} states fit "
+                              "(constraint_states); simplify the constraint or raise that limit")
     return TokenDFA(next_state=nxt_b, token_class=token_class, accepting=acc_b, live=live, start=start,
                     min_tokens=int(min(reach_acc)))
 
 
-def compile_pattern(pattern: str, strings, *, stop_ids=(), mask_id=None) -> TokenDFA:
-    """Token DFA of `pattern` over a vocabulary given as each id's text (None = never matched)."""
+def compile_pattern(pattern: str, strings, *, stop_ids=(), mask_id=None, max_states: int | None = None) -> TokenDFA:
+    """Token DFA of `pattern` over a vocabulary given as each id's text (None = never matched).
+    max_states: ConstraintError when the DFA has more states, raised while the character automaton
+    is built once that passes CHAR_STATES_PER_STATE * max_states states."""
     return _compile_cached(pattern, tuple(strings), tuple(sorted(set(int(t) for t in stop_ids))),
-                           None if mask_id is None else int(mask_id))
+                           None if mask_id is None else int(mask_id), None if max_states is None else int(max_states))
 
 
-__all__ = ["TokenDFA", "regex_of", "token_strings", "compile_pattern", "DEAD"]
+__all__ = ["TokenDFA", "regex_of", "token_strings", "compile_pattern", "DEAD", "CHAR_STATES_PER_STATE"]

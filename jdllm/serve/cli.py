@@ -8,6 +8,26 @@ import os
 import sys
 
 
+def _port(text: str) -> int:
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{port} is not a port: give 1-65535 (0: any free port)")
+    return port
+
+
+def _positive(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"{v} must be >= 1")
+    return v
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from jdllm.checkpoint import ATTN_IMPLS, DTYPES  # noqa: PLC0415 (light: no JAX)
     from jdllm.generate_cli import (add_check_finite_argument, add_mesh_argument,  # noqa: PLC0415
@@ -15,7 +35,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
     p.add_argument("model", help="Hugging Face model directory or jdllm checkpoint")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, this machine only)")
-    p.add_argument("--port", type=int, default=8000)
+    from jdllm.serve.openai_protocol import DEFAULT_MAX_BODY_BYTES  # noqa: PLC0415 (light: no JAX)
+
+    p.add_argument("--port", type=_port, default=8000,
+                   help="port to listen on, checked before the model loads (default: 8000; 0: any free port)")
+    p.add_argument("--max-body-bytes", type=_positive, default=DEFAULT_MAX_BODY_BYTES,
+                   help=f"request bodies past this size are refused with 413 (default: {DEFAULT_MAX_BODY_BYTES})")
     p.add_argument("--model-name", default=None, help="the id clients pass as `model` (default: the directory name)")
     p.add_argument("--max-batch", type=int, default=8, help="rows decoding at once (default: 8)")
     p.add_argument("--max-queue", type=int, default=256,
@@ -44,27 +69,34 @@ def run_command(args) -> int:
     from jdllm.generate_cli import decoding_from_args  # noqa: PLC0415
 
     try:
-        from jdllm.serve.server import serve  # noqa: PLC0415
+        from jdllm.serve import server  # noqa: PLC0415
         import fastapi, uvicorn  # noqa: F401, E401, PLC0415
     except ImportError as e:
         raise jdllm.errors.InputError(f"`jdllm serve` needs the serve extra ({e.name} is missing): "
                                       'pip install "jdllm[serve]"') from None
     from jdllm.serve.engine import Engine  # noqa: PLC0415
 
-    mesh = None
-    if args.mesh:
-        from jdllm import sharding  # noqa: PLC0415
+    sock = server.bind(args.host, args.port)  # a port in use fails now, not after loading the model
+    try:
+        mesh = None
+        if args.mesh:
+            from jdllm import sharding  # noqa: PLC0415
 
-        mesh = sharding.make_mesh(args.mesh)
-    model = jdllm.load(args.model, dtype=args.dtype, attn_impl=args.attn_impl, check_finite=args.check_finite,
-                       mesh=mesh)
-    decoding = decoding_from_args(args, model.config, command="serve")
-    engine = Engine(model, decoding, max_batch=args.max_batch, max_queue=args.max_queue,
-                    max_prompt_tokens=args.max_prompt_tokens, max_new_tokens=args.max_new_tokens,
-                    steps_per_round=args.steps_per_round, constraint_states=args.constraint_states,
-                    constraint_classes=args.constraint_classes)
+            mesh = sharding.make_mesh(args.mesh)
+        model = jdllm.load(args.model, dtype=args.dtype, attn_impl=args.attn_impl, check_finite=args.check_finite,
+                           mesh=mesh)
+        decoding = decoding_from_args(args, model.config, command="serve")
+        engine = Engine(model, decoding, max_batch=args.max_batch, max_queue=args.max_queue,
+                        max_prompt_tokens=args.max_prompt_tokens, max_new_tokens=args.max_new_tokens,
+                        steps_per_round=args.steps_per_round, constraint_states=args.constraint_states,
+                        constraint_classes=args.constraint_classes)
+    except BaseException:
+        sock.close()
+        raise
     name = args.model_name or os.path.basename(os.path.normpath(args.model))
-    print(f"jdllm serve: {name} ({decoding.name}, {args.max_batch} rows) on http://{args.host}:{args.port}/v1",
+    port = sock.getsockname()[1]
+    print(f"jdllm serve: {name} ({decoding.name}, {args.max_batch} rows) on http://{args.host}:{port}/v1",
           file=sys.stderr)
-    serve(engine, name, host=args.host, port=args.port, log_level=args.log_level)
+    server.serve(engine, name, host=args.host, port=port, log_level=args.log_level, sock=sock,
+                 max_body_bytes=args.max_body_bytes)
     return 0

@@ -1,11 +1,13 @@
 """/v1/completions and /v1/chat/completions: one request's choices through the engine, answered
 whole or streamed as server-sent events.
 
-A request with `n` choices submits `n` engine requests (choice i samples with `seed + i`); their
-events come back on the engine's thread and are handed to the event loop through a queue.
-`Choice` turns a choice's events into text (detokenized incrementally, cut before a `stop`
-string, whose row is then aborted and freed at the next round); `Completion` runs the request
-and shapes the response; a client that goes away has its choices aborted.
+A request with `n` choices submits `n` engine requests together, all or none (choice i samples
+with `seed + i`); their events come back on the engine's thread and are handed to the event loop
+through a queue. `Choice` turns a choice's events into text (detokenized incrementally, cut
+before a `stop` string, whose row is then aborted and freed at the next round), keeping its
+tokens, log-probs and step map in step with the text; `Completion` runs the request and shapes
+the response; a client that goes away has its choices aborted. Tokenizing and submitting (which
+compiles a constraint) run on worker threads, never on the event loop.
 """
 
 import asyncio
@@ -17,14 +19,19 @@ import uuid
 from jdllm.sampling import Sampling
 from jdllm.serve.engine import Event
 from jdllm.serve.openai_protocol import (MAX_N, ApiError, Server, number, read_body, stop_strings,
-                                         wants_logprobs)
+                                         stream_settings, wants_logprobs)
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 class Choice:
     """One choice's text as it streams: detokenized incrementally, cut before the first stop string
-    (a tail that may begin one is held back until it cannot), with its tokens' log-probs."""
+    (a tail that may begin one is held back until it cannot), with its tokens' log-probs.
+
+    Tokens go out with their text: a token whose text is held back is held back too. After a stop
+    string the choice keeps the tokens that reach into the text (one may straddle the stop string's
+    start; its token string in `logprob_block` is cut there) and drops those wholly inside it, so
+    the text, token ids, log-probs, step map and usage agree."""
 
     def __init__(self, index: int, srv: Server, stops: tuple[str, ...]):
         self.index, self.srv, self.stops = index, srv, stops
@@ -34,6 +41,7 @@ class Choice:
         self.text = ""  # the text sent so far
         self.sent_ids = 0  # tokens sent so far
         self.finish: str | None = None
+        self.cut = False  # ended by a stop string
         self.nfe: int | None = None
         self.constraint_ok: bool | None = None  # constrained: the whole output matches
         self.request = None  # the engine Request
@@ -59,38 +67,56 @@ class Choice:
             self.step_map += ev.step_map
             self.logprobs += ev.logprobs
         text = self.srv.text_of(self.ids)
-        end_ids = len(self.ids)
         cut = self._cut(text) if self.stops else None
-        if cut is not None:  # a stop string: the choice ends before it, at the token that completed it
-            final, self.finish = text[:cut], "stop"
-            end_ids = next(k for k in range(1, len(self.ids) + 1)
-                           if self._cut(self.srv.text_of(self.ids[:k])) is not None)
-            del self.ids[end_ids:], self.step_map[end_ids:], self.logprobs[end_ids:]
+        if cut is not None:  # a stop string: the choice ends before it
+            final, self.finish, self.cut = text[:cut], "stop", True
+            keep = self._covering(final)
+            del self.ids[keep:], self.step_map[keep:], self.logprobs[keep:]
         elif ev.kind == "done":
-            final, self.finish = text, ev.output.finish_reason
-        elif text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for the rest
-            final = self.text
+            final, self.finish, keep = text, ev.output.finish_reason, len(self.ids)
         else:
-            hold = max((k for x in self.stops for k in range(1, len(x)) if text.endswith(x[:k])), default=0)
-            final = text[:len(text) - hold]
+            if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for the rest
+                final = self.text
+            else:
+                hold = max((k for x in self.stops for k in range(1, len(x)) if text.endswith(x[:k])), default=0)
+                final = text[:len(text) - hold]
+            keep = len(self.ids) if final == text else self._within(final)
         delta = final[len(self.text):] if final.startswith(self.text) else ""
         self.text += delta
-        new = slice(self.sent_ids, end_ids)
-        self.sent_ids = end_ids
+        keep = max(keep, self.sent_ids)
+        new = slice(self.sent_ids, keep)
+        self.sent_ids = keep
         return delta, new
 
-    def logprob_block(self, sl: slice, chat: bool, offset0: int = 0):
+    def _covering(self, final: str) -> int:
+        """The fewest tokens whose text begins with `final` (those after it lie inside the stop string)."""
+        for k in range(self.sent_ids, len(self.ids) + 1):
+            if self.srv.text_of(self.ids[:k]).startswith(final):
+                return k
+        return len(self.ids)
+
+    def _within(self, final: str) -> int:
+        """The most tokens whose text lies within `final` (the rest wait with the held-back text)."""
+        for k in range(len(self.ids), self.sent_ids, -1):
+            if final.startswith(self.srv.text_of(self.ids[:k])):
+                return k
+        return self.sent_ids
+
+    def logprob_block(self, sl: slice, chat: bool):
         """The OpenAI `logprobs` object of the tokens `sl` (chat: `content`; completions: `tokens`,
-        `token_logprobs` and `text_offset`, counted from `offset0`)."""
+        `token_logprobs` and `text_offset`, each token's offset in the choice's text). After a stop
+        string, the last token's string is cut where the text ends."""
         toks = [self.srv.text_of([t]) for t in self.ids[sl]]
         lps = [float(x) for x in self.logprobs[sl]]
-        if chat:
-            return {"content": [{"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
-                                for t, lp in zip(toks, lps)]}
-        offsets, at = [], offset0
+        offsets, at = [], len(self.srv.text_of(self.ids[:sl.start])) if sl.start else 0
         for t in toks:
             offsets.append(at)
             at += len(t)
+        if self.cut and toks and sl.stop >= len(self.ids):  # the last token may straddle the stop string
+            toks[-1] = toks[-1][:max(0, len(self.text) - offsets[-1])]
+        if chat:
+            return {"content": [{"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
+                                for t, lp in zip(toks, lps)]}
         return {"tokens": toks, "token_logprobs": lps, "top_logprobs": None, "text_offset": offsets}
 
 
@@ -99,13 +125,15 @@ class Completion:
     their events arrive on. Parsing errors (n, stop, logprobs, constraint) raise `ApiError` here,
     before anything is submitted."""
 
-    def __init__(self, srv: Server, request, body: dict, ids: list[int], sampling: Sampling, step_map: bool,
-                 chat: bool):
-        self.srv, self.request, self.ids, self.chat = srv, request, ids, chat
-        self.sampling, self.step_map, self.stream = sampling, step_map, bool(body.get("stream"))
+    def __init__(self, srv: Server, request, body: dict, sampling: Sampling, step_map: bool, chat: bool):
+        self.srv, self.request, self.chat = srv, request, chat
+        self.ids: list[int] = []  # the prompt's, set by `respond`
+        self.sampling, self.step_map = sampling, step_map
+        self.stream, self.include_usage = stream_settings(body)
         self.loop = asyncio.get_running_loop()
         self.queue: asyncio.Queue = asyncio.Queue()
         n = number(body, "n", 1, int, 1, MAX_N)
+        srv.check_n(n)
         stops, self.want_lp, self.constraint = stop_strings(body), wants_logprobs(body, chat), srv.constraint(body)
         self.choices = [Choice(i, srv, stops) for i in range(n)]
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
@@ -113,21 +141,14 @@ class Completion:
 
     async def submit(self) -> None:
         """One engine request per choice (choice i samples with seed + i: greedy choices are all the
-        same); on a refusal the ones already submitted are aborted."""
-        try:
-            for c in self.choices:
-                s = self.sampling if c.index == 0 else dataclasses.replace(
-                    self.sampling, seed=(self.sampling.seed + c.index) % 2**32)
-                args = (self.ids, s, self.step_map, self._listener(c.index), self.constraint)
-                if self.constraint:  # compiling a constraint's DFA takes host time: off the event loop
-                    c.request = await asyncio.to_thread(self.srv.submit, *args)
-                else:
-                    c.request = self.srv.submit(*args)
-        except ApiError:
-            for c in self.choices:
-                if c.request is not None:
-                    self.srv.engine.abort(c.request.id)
-            raise
+        same), submitted together on a worker thread (compiling a constraint takes host time): all
+        are queued, or none (nothing to abort)."""
+        settings = [self.sampling if c.index == 0 else dataclasses.replace(
+            self.sampling, seed=(self.sampling.seed + c.index) % 2**32) for c in self.choices]
+        reqs = await asyncio.to_thread(self.srv.submit, self.ids, settings, self.step_map,
+                                       [self._listener(c.index) for c in self.choices], self.constraint)
+        for c, r in zip(self.choices, reqs):
+            c.request = r
         self.created = int(time.time())
 
     def _listener(self, i: int):
@@ -135,7 +156,7 @@ class Completion:
 
     def abort_rest(self) -> None:
         for c in self.choices:
-            if not c.done:
+            if not c.done and c.request is not None:
                 self.srv.engine.abort(c.request.id)
 
     async def next_event(self, stream: bool):
@@ -175,11 +196,13 @@ class Completion:
             self.abort_rest()
             raise
         out = [self._choice_body(c) for c in self.choices]
-        k = sum(len(c.ids) for c in self.choices)
-        n = len(self.ids)
         return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
-                "created": self.created, "model": self.srv.model_name, "choices": out,
-                "usage": {"prompt_tokens": n, "completion_tokens": k, "total_tokens": n + k}}
+                "created": self.created, "model": self.srv.model_name, "choices": out, "usage": self.usage()}
+
+    def usage(self) -> dict:
+        """The prompt's tokens (once) and every choice's generated tokens."""
+        n, k = len(self.ids), sum(len(c.ids) for c in self.choices)
+        return {"prompt_tokens": n, "completion_tokens": k, "total_tokens": n + k}
 
     def _choice_body(self, c: Choice) -> dict:
         d = {"index": c.index, "finish_reason": c.finish,
@@ -196,20 +219,25 @@ class Completion:
     # ----------------------------------------------------------------- streamed
     async def events(self):
         """The server-sent events: `data: {chunk}` per choice delta (and per step event on request),
-        then `data: [DONE]`; an engine error becomes one `data: {"error": ...}`."""
+        with stream_options.include_usage a last chunk with no choices and the usage, then
+        `data: [DONE]`; an engine error becomes one `data: {"error": ...}`."""
         try:
             if self.chat:
                 for c in self.choices:
                     yield self._sse(self._chunk(c, None, None, {}, first=True))
+            failed = False
             while not all(c.done for c in self.choices):
                 try:
                     c, ev, delta, new = await self.next_event(stream=True)
                 except ApiError as e:
                     yield "data: " + json.dumps(e.body()) + "\n\n"
+                    failed = True
                     break
                 d = self._event_chunk(c, ev, delta, new)
                 if d is not None:
                     yield self._sse(d)
+            if self.include_usage and not failed:
+                yield self._sse(None, usage=self.usage())
             yield "data: [DONE]\n\n"
         finally:
             self.abort_rest()
@@ -218,7 +246,7 @@ class Completion:
         if ev.kind == "steps":
             return self._chunk(c, None, None, {"revealed": [
                 {"position": p, "step": st, "token_id": t} for p, st, t in zip(ev.positions, ev.steps, ev.token_ids)]})
-        lp = c.logprob_block(new, self.chat, len(c.text) - len(delta)) if self.want_lp else None
+        lp = c.logprob_block(new, self.chat) if self.want_lp else None
         extra = {"token_ids": c.ids[new], "step_map": c.step_map[new]}
         if c.done:
             extra["nfe"] = c.nfe
@@ -240,17 +268,23 @@ class Completion:
             d["text"], d["logprobs"] = text or "", lp
         return d
 
-    def _sse(self, d: dict) -> str:
+    def _sse(self, d: dict | None, usage: dict | None = None) -> str:
+        """One chunk: choice `d`, or (d None) the usage chunk; with include_usage every chunk has a
+        `usage` key, null but in the last."""
         obj = "chat.completion.chunk" if self.chat else "text_completion"
-        return "data: " + json.dumps({"id": self.id, "object": obj, "created": self.created,
-                                      "model": self.srv.model_name, "choices": [d]}) + "\n\n"
+        chunk = {"id": self.id, "object": obj, "created": self.created, "model": self.srv.model_name,
+                 "choices": [] if d is None else [d]}
+        if self.include_usage:
+            chunk["usage"] = usage
+        return "data: " + json.dumps(chunk) + "\n\n"
 
 
-async def respond(srv: Server, request, body: dict, ids: list[int], sampling: Sampling, step_map: bool, chat: bool):
-    """Run one request: the whole response (a dict), 499 when the client went away, or a stream."""
+async def respond(run: Completion, body: dict, ids: list[int], names):
+    """Run one parsed request on its prompt: the whole response (a dict), 499 when the client went
+    away, or a stream."""
     from fastapi.responses import JSONResponse, StreamingResponse  # noqa: PLC0415 (the serve extra)
 
-    run = Completion(srv, request, body, ids, sampling, step_map, chat)
+    run.ids, run.sampling = ids, run.srv.fit(body, run.sampling, ids, names)
     await run.submit()
     if not run.stream:
         out = await run.collect()
@@ -259,22 +293,26 @@ async def respond(srv: Server, request, body: dict, ids: list[int], sampling: Sa
 
 
 async def completions(srv: Server, request):
-    """POST /v1/completions."""
-    body = await read_body(request)
+    """POST /v1/completions: every field checked, then the prompt tokenized off the event loop."""
+    body = await read_body(request, srv.max_body_bytes)
     sampling, step_map = srv.sampling(body, min(16, srv.engine.max_new_tokens))
     if "prompt" not in body:
         raise ApiError(400, "prompt is required", "prompt")
-    ids = srv.prompt_ids(body["prompt"])
-    return await respond(srv, request, body, ids, srv.fit(body, sampling, ids, ("max_tokens",)), step_map, chat=False)
+    run = Completion(srv, request, body, sampling, step_map, chat=False)
+    ids = await asyncio.to_thread(srv.prompt_ids, body["prompt"])
+    return await respond(run, body, ids, ("max_tokens",))
 
 
 async def chat_completions(srv: Server, request):
-    """POST /v1/chat/completions."""
-    body = await read_body(request)
+    """POST /v1/chat/completions: every field checked, then the chat template and tokenizer run off
+    the event loop."""
+    body = await read_body(request, srv.max_body_bytes)
     names = ("max_tokens", "max_completion_tokens")
-    sampling, step_map = srv.sampling(body, srv.engine.max_new_tokens, names)
-    ids = srv.chat_ids(body.get("messages"))
-    return await respond(srv, request, body, ids, srv.fit(body, sampling, ids, names), step_map, chat=True)
+    sampling, step_map = srv.sampling(body, srv.engine.max_new_tokens, names, chat=True)
+    srv.check_messages(body.get("messages"))
+    run = Completion(srv, request, body, sampling, step_map, chat=True)
+    ids = await asyncio.to_thread(srv.chat_ids, body["messages"])
+    return await respond(run, body, ids, names)
 
 
 __all__ = ["Choice", "Completion", "completions", "chat_completions", "respond"]

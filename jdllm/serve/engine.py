@@ -52,9 +52,10 @@ class Engine:
     model: a loaded `jdllm.Model`. decoding: a paradigm config (any `jdllm.decode.protocol.Paradigm`;
     default: the model's default paradigm). max_prompt_tokens / max_new_tokens: the largest
     prompt / generation a request may ask for (they size the pool's canvas; default: the model's
-    context, at most 512 and 256). max_queue: waiting requests beyond which `submit` raises
-    `errors.QueueFullError`. steps_per_round: decoding steps between two host visits (admissions,
-    aborts and streaming happen between rounds).
+    context, at most 512 and 256). max_queue: requests waiting for a row (beyond those the free
+    rows take at the next round) past which `submit` raises `errors.QueueFullError`; the engine
+    holds at most `max_batch + max_queue` requests (`capacity`). steps_per_round: decoding steps
+    between two host visits (admissions, aborts and streaming happen between rounds).
     constraint_states / constraint_classes: > 0 lets requests carry a constraint (`submit(...,
     constraint=)`), enforced by the on-device DFA backend (`jdllm.constraints.dfa`): every row
     holds a token-DFA table padded to these buckets (rounded up to powers of two), so constrained
@@ -163,7 +164,7 @@ class Engine:
                                          "constraint_states=Q (`jdllm serve --constraint-states Q`)")
         if constraint.backend != "dfa":
             constraint = C.Constraint(constraint.kind, constraint.source, "dfa")
-        d = dfa.compile(self.model, constraint, stops)
+        d = dfa.compile(self.model, constraint, stops, max_states=self.constraint_states)
         if d.num_states > self.constraint_states or d.num_classes > self.constraint_classes:
             raise errors.ConstraintError(
                 f"the constraint compiles to {d.num_states} DFA states and {d.num_classes} token classes; this "
@@ -172,30 +173,61 @@ class Engine:
         dfa.check_budget(d, budget, raise_what="max_tokens")
         return d
 
+    @property
+    def capacity(self) -> int:
+        """The most requests this engine ever holds at once: one per row, and max_queue waiting."""
+        return self.max_batch + self.max_queue
+
     def submit(self, prompt_ids, sampling: Sampling | None = None, *, return_step_map: bool = False,
                on_event: Callable[[Event], Any] | None = None, constraint=None) -> Request:
         """Queue one request (token ids). Events go to `on_event` (called on the engine's thread), or,
         without one, collect in `request.events`. `constraint`: a `jdllm.constraints` constraint
         (regex / json_schema / choice) enforced on the device (the engine needs `constraint_states`).
-        Raises `errors.QueueFullError` when `max_queue` requests are already waiting,
+        Raises `errors.QueueFullError` when `max_queue` requests already wait for a row,
         `errors.EngineStoppedError` after `stop()`, `errors.ConstraintError` for a constraint that
         does not fit."""
-        sampling = Sampling() if sampling is None else sampling
-        ids, stops = self.check(prompt_ids, sampling)
-        token_dfa = self.compile_constraint(constraint, stops, sampling.max_new_tokens)
+        return self.submit_many(prompt_ids, [sampling], return_step_map=return_step_map, on_events=[on_event],
+                                constraint=constraint)[0]
+
+    def submit_many(self, prompt_ids, samplings: list, *, return_step_map: bool = False,
+                    on_events: list | None = None, constraint=None) -> list[Request]:
+        """Queue one prompt under several settings together (the `n` choices of one API request), all
+        or none: `errors.InputError` when there are more than `capacity`, `errors.QueueFullError`
+        when they would leave more than `max_queue` requests waiting for a row (nothing is queued
+        then, so nothing has to be aborted). Otherwise as `submit`, one request per setting."""
+        samplings = [Sampling() if s is None else s for s in samplings]
+        on_events = [None] * len(samplings) if on_events is None else list(on_events)
+        if len(on_events) != len(samplings):
+            raise errors.ArgumentTypeError(f"{len(on_events)} on_events for {len(samplings)} samplings")
+        if not 1 <= len(samplings) <= self.capacity:
+            raise errors.InputError(
+                f"{len(samplings)} requests at once: this engine holds at most max_batch + max_queue = "
+                f"{self.max_batch} + {self.max_queue} = {self.capacity}")
+        checked = [self.check(prompt_ids, s) for s in samplings]
+        dfas: dict = {}
+        for (_, stops), s in zip(checked, samplings):
+            if stops not in dfas:
+                dfas[stops] = self.compile_constraint(constraint, stops, s.max_new_tokens)
+            elif dfas[stops] is not None:
+                dfa.check_budget(dfas[stops], s.max_new_tokens, raise_what="max_tokens")
         with self._cv:
             if self._stopping:
                 raise errors.EngineStoppedError("the engine is shutting down; no new requests are accepted")
-            if len(self.scheduler.waiting) >= self.max_queue:
+            beyond = self.scheduler.queued_beyond_rows(len(samplings))
+            if beyond > self.max_queue:
                 raise errors.QueueFullError(
-                    f"{len(self.scheduler.waiting)} requests are already waiting (max_queue={self.max_queue}); "
-                    "retry later")
-            req = Request(id=next(self._ids), prompt_ids=ids, sampling=sampling, stop_ids=stops,
-                          return_step_map=bool(return_step_map), on_event=on_event, submitted=time.perf_counter(),
-                          events=[] if on_event is None else None, dfa=token_dfa)
-            self.scheduler.add(req)
+                    f"{self.scheduler.queued_beyond_rows()} requests already wait for a row and {len(samplings)} "
+                    f"more would make {beyond} wait (max_queue={self.max_queue}); retry later")
+            reqs = []
+            for (ids, stops), s, on_event in zip(checked, samplings, on_events):
+                req = Request(id=next(self._ids), prompt_ids=ids, sampling=s, stop_ids=stops,
+                              return_step_map=bool(return_step_map), on_event=on_event,
+                              submitted=time.perf_counter(), events=[] if on_event is None else None,
+                              dfa=dfas[stops])
+                self.scheduler.add(req)
+                reqs.append(req)
             self._cv.notify_all()
-        return req
+        return reqs
 
     def abort(self, request_id: int) -> None:
         """The client went away: the request's row is closed and freed at the next round (no event)."""

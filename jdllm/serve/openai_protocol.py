@@ -1,21 +1,46 @@
-"""The OpenAI request side of the server: parsing and validating request bodies into engine
+"""The OpenAI request side of the server: reading and validating request bodies into engine
 arguments, and the errors answered as OpenAI-shaped JSON (`ApiError`).
 
 Every check raises `ApiError(status, message, param)`: 400 for a bad value (named by `param`),
-429 when the engine's queue is full, 503 while it shuts down.
+413 for a body over `max_body_bytes`, 429 when the engine's queue is full, 503 while it shuts down.
+
+Strict by design: a field the endpoint does not know, a message role or key it does not know, a
+boolean sent as anything but true / false, and an unimplemented OpenAI option set to anything but
+its no-op value are 400s naming them. Cheap bounds come before expensive work: the body's size
+while it is read, its JSON nesting once parsed, a text prompt's length in characters before it is
+tokenized (`Server.max_prompt_chars`).
 """
 
+import asyncio
 import dataclasses
 import json
 import time
 
-from jdllm import constraints as C, errors
+from jdllm import constraints as C, errors, inputs
 from jdllm.sampling import Sampling
 from jdllm.serve.engine import Engine
 
 JDLLM_OPTIONS = ("top_k", "stop_token_ids", "return_step_map", "regex", "choice")  # the `jdllm` object's keys
 MAX_N = 16  # choices per request
 MAX_STOPS = 4  # stop strings per request (OpenAI's limit)
+DEFAULT_MAX_BODY_BYTES = 4 << 20  # a request body's size (413 beyond)
+MAX_JSON_DEPTH = 64  # nesting of a request body (the top-level object is depth 1)
+PROMPT_CHARS_PER_TOKEN = 2  # a text prompt may have max_prompt_tokens x (longest token's characters) x this
+THREAD_PARSE_BYTES = 64 << 10  # bodies from this size on are parsed on a worker thread
+
+# The fields each endpoint reads; the OpenAI options it does not implement, accepted only at the value
+# that asks for nothing; and the ones it accepts and ignores (they do not change the output).
+COMMON_FIELDS = ("model", "max_tokens", "temperature", "top_p", "top_k", "n", "seed", "stop", "stream",
+                 "stream_options", "logprobs", "response_format", "jdllm")
+COMPLETION_FIELDS = COMMON_FIELDS + ("prompt", "best_of")
+CHAT_FIELDS = COMMON_FIELDS + ("messages", "max_completion_tokens", "top_logprobs")
+NO_OP_VALUES = {"presence_penalty": 0, "frequency_penalty": 0, "logit_bias": {}, "echo": False, "suffix": "",
+                "tools": []}  # no-op values (or null); echo and suffix: completions only, tools: chat only
+NO_OP_FIELDS = {False: ("presence_penalty", "frequency_penalty", "logit_bias", "echo", "suffix"),
+                True: ("presence_penalty", "frequency_penalty", "logit_bias", "tools")}
+IGNORED_FIELDS = ("user",)  # OpenAI: an end-user id for abuse monitoring
+CHAT_ROLES = ("system", "user", "assistant")
+MESSAGE_KEYS = ("role", "content", "name")  # name: accepted and ignored (the chat template sees role and content)
 
 
 class ApiError(Exception):
@@ -43,15 +68,66 @@ def number(body: dict, name: str, default, kind=float, lo=None, hi=None):
     return kind(v)
 
 
-def unsupported(body: dict) -> None:
-    """Refuse the OpenAI fields this server does not implement."""
-    if body.get("echo"):
-        raise ApiError(400, "echo is not supported", "echo")
-    if body.get("best_of") not in (None, 1, body.get("n", 1)):
-        raise ApiError(400, "best_of is not supported; use n", "best_of")
-    for name in ("tools", "logit_bias"):
-        if body.get(name):
-            raise ApiError(400, f"{name} is not supported by this server", name)
+def boolean(obj: dict, name: str, default: bool = False, param: str | None = None) -> bool:
+    """obj[name] as a bool (`default` when absent or null); anything but true / false is a 400."""
+    v = obj.get(name)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise ApiError(400, f"{param or name}={v!r} must be true or false", param or name)
+    return v
+
+
+def accepted_fields(chat: bool) -> tuple[str, ...]:
+    return tuple(sorted((CHAT_FIELDS if chat else COMPLETION_FIELDS) + NO_OP_FIELDS[chat] + IGNORED_FIELDS))
+
+
+def _no_op(name: str, v) -> bool:
+    want = NO_OP_VALUES[name]
+    if isinstance(want, bool) or isinstance(v, bool):
+        return v is want
+    if isinstance(want, (int, float)):
+        return isinstance(v, (int, float)) and v == want
+    return type(v) is type(want) and v == want
+
+
+def check_fields(body: dict, chat: bool) -> None:
+    """Refuse unknown fields, unimplemented OpenAI options set to anything but their no-op value, and
+    an ignored field of the wrong type."""
+    accepted = accepted_fields(chat)
+    unknown = sorted(k for k in body if k not in accepted)
+    if unknown:
+        raise ApiError(400, f"unknown field(s) {unknown}; this endpoint accepts {list(accepted)} (jdllm's own "
+                            f"options go in the `jdllm` object: {list(JDLLM_OPTIONS)})", unknown[0])
+    for name in NO_OP_FIELDS[chat]:
+        v = body.get(name)
+        if v is not None and not _no_op(name, v):
+            raise ApiError(400, f"{name}={v!r} is not supported by this server (accepted only as "
+                                f"{NO_OP_VALUES[name]!r}, which asks for nothing)", name)
+    best_of = body.get("best_of")
+    if best_of is not None and (isinstance(best_of, bool) or best_of not in (1, body.get("n") or 1)):
+        raise ApiError(400, f"best_of={best_of!r} is not supported; use n", "best_of")
+    for name in IGNORED_FIELDS:
+        if body.get(name) is not None and not isinstance(body[name], str):
+            raise ApiError(400, f"{name}={body[name]!r} must be a string", name)
+
+
+def stream_settings(body: dict) -> tuple[bool, bool]:
+    """(stream, include_usage): `stream` a boolean; `stream_options` (only with stream: true) an
+    object whose one key, include_usage, is a boolean."""
+    stream = boolean(body, "stream")
+    so = body.get("stream_options")
+    if so is None:
+        return stream, False
+    if not stream:
+        raise ApiError(400, "stream_options is only allowed with stream: true", "stream_options")
+    if not isinstance(so, dict):
+        raise ApiError(400, f"stream_options={so!r} must be an object", "stream_options")
+    unknown = sorted(set(so) - {"include_usage"})
+    if unknown:
+        raise ApiError(400, f"unknown stream_options key(s) {unknown}; accepted: ['include_usage']",
+                       f"stream_options.{unknown[0]}")
+    return stream, boolean(so, "include_usage", param="stream_options.include_usage")
 
 
 def stop_strings(body: dict) -> tuple[str, ...]:
@@ -70,14 +146,12 @@ def wants_logprobs(body: dict, chat: bool) -> bool:
     """Whether choices carry the sampled tokens' log-probs (jdllm records only the sampled token's,
     under the distribution it was drawn from: temperature / top-k / top-p applied)."""
     if chat:
-        on = body.get("logprobs")
-        if on not in (None, True, False):
-            raise ApiError(400, f"logprobs={on!r} must be true or false", "logprobs")
+        on = boolean(body, "logprobs")
         top = body.get("top_logprobs")
-        if top not in (None, 0):
+        if top is not None and (isinstance(top, bool) or top != 0):
             raise ApiError(400, f"top_logprobs={top!r}: only the sampled token's log-prob is recorded; "
                                 "use top_logprobs=0 (or leave it out)", "top_logprobs")
-        return bool(on)
+        return on
     n = body.get("logprobs")
     if n is None:
         return False
@@ -90,10 +164,20 @@ def wants_logprobs(body: dict, chat: bool) -> bool:
 class Server:
     """Request parsing around one `Engine`: OpenAI fields -> engine arguments, or an `ApiError`."""
 
-    def __init__(self, engine: Engine, model_name: str):
-        self.engine, self.model_name = engine, model_name
+    def __init__(self, engine: Engine, model_name: str, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES):
+        if isinstance(max_body_bytes, bool) or not isinstance(max_body_bytes, int) or max_body_bytes < 1:
+            raise errors.InputError(f"max_body_bytes={max_body_bytes!r} must be an integer >= 1")
+        self.engine, self.model_name, self.max_body_bytes = engine, model_name, max_body_bytes
         self.tokenizer = engine.model.tokenizer
         self.created = int(time.time())
+        self.longest_token = _longest_token(self.tokenizer)
+        self.max_prompt_chars = engine.max_prompt_tokens * self.longest_token * PROMPT_CHARS_PER_TOKEN
+
+    def _too_many_chars(self, n: int, param: str):
+        return ApiError(400, f"the prompt has {n} characters, more than max_prompt_tokens="
+                             f"{self.engine.max_prompt_tokens} tokens can hold (at most {self.longest_token} "
+                             f"characters a token, x {PROMPT_CHARS_PER_TOKEN}: {self.max_prompt_chars} characters); "
+                             "shorten it", param)
 
     def constraint(self, body: dict):
         """The request's constraint (`response_format` json_schema, or jdllm.regex / jdllm.choice) as a
@@ -141,16 +225,17 @@ class Server:
                            f"jdllm.{unknown[0]}")
         return extra
 
-    def sampling(self, body: dict, max_default: int, max_names=("max_tokens",)) -> tuple[Sampling, bool]:
+    def sampling(self, body: dict, max_default: int, max_names=("max_tokens",), chat: bool = False
+                 ) -> tuple[Sampling, bool]:
         """The request's `Sampling` and whether it asks for per-step events (return_step_map); checks
-        the model name and refuses unsupported fields."""
+        the fields (`check_fields`) and the model name."""
+        check_fields(body, chat)
         model = body.get("model")
         if model is None:
             raise ApiError(400, "model is required", "model")
         if model != self.model_name:
             raise ApiError(400, f"model {model!r} is not served here; this server serves {self.model_name!r} "
                                 "(GET /v1/models)", "model", code="model_not_found")
-        unsupported(body)
         extra = self.options(body)
         max_tokens = max_default
         for name in max_names:
@@ -165,8 +250,13 @@ class Server:
         if not isinstance(step_map, bool):
             raise ApiError(400, f"jdllm.return_step_map={step_map!r} must be true or false", "jdllm.return_step_map")
         top_k = extra.get("top_k", body.get("top_k", 0))
+        temperature = number(body, "temperature", 0.0, float)
         try:
-            s = Sampling(temperature=number(body, "temperature", 0.0, float, 0.0, 2.0),
+            inputs.check_temperature(temperature)  # the one rule (jdllm.Sampling, `jdllm generate`)
+        except errors.JdllmError as e:
+            raise ApiError(400, str(e), "temperature") from None
+        try:
+            s = Sampling(temperature=temperature,
                          top_p=number(body, "top_p", 1.0, float), top_k=number({"top_k": top_k}, "top_k", 0, int, 0),
                          seed=number(body, "seed", 0, int, 0, 2**32 - 1), max_new_tokens=max_tokens,
                          stop_token_ids=None if stops is None else tuple(stops))
@@ -175,7 +265,9 @@ class Server:
         return s, step_map
 
     def prompt_ids(self, prompt) -> list[int]:
-        """A completion's `prompt` (one text or one list of token ids) as token ids."""
+        """A completion's `prompt` (one text or one list of token ids) as token ids; a text longer than
+        `max_prompt_chars` or a list longer than max_prompt_tokens is refused before any work. Can
+        take a while (tokenizing): call it off the event loop."""
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]
         if isinstance(prompt, str):
@@ -183,22 +275,46 @@ class Server:
                 raise ApiError(400, "this model has no tokenizer; send the prompt as a list of token ids", "prompt")
             if not prompt:
                 raise ApiError(400, "the prompt is empty", "prompt")
+            if len(prompt) > self.max_prompt_chars:
+                raise self._too_many_chars(len(prompt), "prompt")
             try:
                 return [int(t) for t in self.tokenizer.encode(prompt, add_special_tokens=False)]
             except Exception as e:  # noqa: BLE001 (tokenizers raise bare Exceptions)
                 raise ApiError(400, f"the prompt cannot be tokenized: {e}", "prompt") from None
+        if isinstance(prompt, list) and len(prompt) > self.engine.max_prompt_tokens:
+            raise ApiError(400, f"the prompt has {len(prompt)} tokens, more than this server's max_prompt_tokens="
+                                f"{self.engine.max_prompt_tokens}; shorten it", "prompt")
         if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             return list(prompt)
         raise ApiError(400, "prompt must be one string or one list of token ids (batches: send one request "
                             "per prompt)", "prompt")
 
-    def chat_ids(self, messages) -> list[int]:
-        """A chat's `messages` as token ids (the chat template, or the contents joined by newlines)."""
+    def check_messages(self, messages) -> None:
+        """A chat's `messages`: a non-empty list of {role, content[, name]} objects, roles among
+        CHAT_ROLES, text content, no more characters in all than `max_prompt_chars`."""
         if not isinstance(messages, list) or not messages or not all(
                 isinstance(m, dict) and isinstance(m.get("content"), str) and isinstance(m.get("role"), str)
                 for m in messages):
             raise ApiError(400, "messages must be a non-empty list of {role, content} objects with text content",
                            "messages")
+        for i, m in enumerate(messages):
+            unknown = sorted(set(m) - set(MESSAGE_KEYS))
+            if unknown:
+                raise ApiError(400, f"messages[{i}] has unknown key(s) {unknown}; accepted: {list(MESSAGE_KEYS)}",
+                               f"messages[{i}].{unknown[0]}")
+            if m["role"] not in CHAT_ROLES:
+                raise ApiError(400, f"messages[{i}].role={m['role']!r} is not a role this server takes; accepted: "
+                                    f"{list(CHAT_ROLES)}", f"messages[{i}].role")
+            if m.get("name") is not None and not isinstance(m["name"], str):
+                raise ApiError(400, f"messages[{i}].name={m['name']!r} must be a string", f"messages[{i}].name")
+        chars = sum(len(m["content"]) for m in messages)
+        if chars > self.max_prompt_chars:
+            raise self._too_many_chars(chars, "messages")
+
+    def chat_ids(self, messages) -> list[int]:
+        """A chat's `messages` as token ids (the chat template, or the contents joined by newlines).
+        Can take a while (the template, tokenizing): call it off the event loop."""
+        self.check_messages(messages)
         tok = self.tokenizer
         if tok is None:
             raise ApiError(400, "this model has no tokenizer; use /v1/completions with token ids", "messages")
@@ -221,11 +337,18 @@ class Server:
             return dataclasses.replace(sampling, max_new_tokens=room)
         return sampling
 
-    def submit(self, ids: list[int], sampling: Sampling, step_map: bool, on_event, constraint=None):
-        """`Engine.submit`, its errors as `ApiError`s (429 queue full, 503 shutting down, else 400)."""
+    def check_n(self, n: int) -> None:
+        """n choices are n engine requests: more than the engine ever holds is a 400 naming n."""
+        if n > self.engine.capacity:
+            raise ApiError(400, f"n={n} choices are more than this server ever holds at once (max_batch="
+                                f"{self.engine.max_batch} rows + max_queue={self.engine.max_queue} waiting)", "n")
+
+    def submit(self, ids: list[int], samplings: list[Sampling], step_map: bool, on_events, constraint=None):
+        """`Engine.submit_many` (all choices or none), its errors as `ApiError`s (429 queue full, 503
+        shutting down, else 400). Can take a while (compiling a constraint): call it off the event loop."""
         try:
-            return self.engine.submit(ids, sampling, return_step_map=step_map, on_event=on_event,
-                                      constraint=constraint)
+            return self.engine.submit_many(ids, samplings, return_step_map=step_map, on_events=on_events,
+                                           constraint=constraint)
         except errors.QueueFullError as e:
             raise ApiError(429, f"server overloaded: {e}", type_="rate_limit_error", code="queue_full") from None
         except errors.EngineStoppedError as e:
@@ -239,16 +362,70 @@ class Server:
         return self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer is not None else ""
 
 
-async def read_body(request) -> dict:
-    """The request's JSON object body."""
+def _longest_token(tokenizer) -> int:
+    """The most characters one token stands for: its stored string (a byte-level BPE token's is
+    one character a byte, a SentencePiece one's has its space as one character), special tokens
+    included; 1 without a tokenizer."""
+    if tokenizer is None:
+        return 1
     try:
-        body = json.loads(await request.body())
+        toks = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
+    except Exception:  # noqa: BLE001 (a tokenizer without that method: a generous guess)
+        return 64
+    return max([len(t) for t in toks if isinstance(t, str)] + [1])
+
+
+def too_deep(obj, limit: int = MAX_JSON_DEPTH) -> bool:
+    """Whether JSON data nests deeper than `limit` (the top-level value is depth 1); iterative."""
+    stack = [(obj, 1)]
+    while stack:
+        o, depth = stack.pop()
+        children = o.values() if isinstance(o, dict) else o
+        if depth > limit:
+            return True
+        stack.extend((c, depth + 1) for c in children if isinstance(c, (dict, list)))
+    return False
+
+
+def parse_json(raw: bytes) -> dict:
+    """A request body's JSON object (ApiError 400 when it is not one, or nests too deep)."""
+    try:
+        body = json.loads(raw)
+    except RecursionError:
+        raise ApiError(400, f"the request body is JSON nested deeper than {MAX_JSON_DEPTH} levels") from None
     except (ValueError, UnicodeDecodeError) as e:
         raise ApiError(400, f"the request body is not valid JSON ({e})") from None
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
+    if too_deep(body):
+        raise ApiError(400, f"the request body is JSON nested deeper than {MAX_JSON_DEPTH} levels")
     return body
 
 
-__all__ = ["ApiError", "Server", "read_body", "number", "stop_strings", "wants_logprobs", "unsupported", "MAX_N",
-           "MAX_STOPS", "JDLLM_OPTIONS"]
+def _too_large(max_bytes: int, size: int) -> ApiError:
+    return ApiError(413, f"the request body has {size} bytes or more, over this server's max_body_bytes={max_bytes} "
+                         "(`jdllm serve --max-body-bytes`)", code="request_too_large")
+
+
+async def read_body(request, max_bytes: int = DEFAULT_MAX_BODY_BYTES) -> dict:
+    """The request's JSON object body: 413 as soon as it passes `max_bytes` (by its Content-Length,
+    or while it arrives), then parsed (a large one on a worker thread) and its depth checked."""
+    length = request.headers.get("content-length")
+    if length is not None and length.strip().isdigit() and int(length) > max_bytes:
+        raise _too_large(max_bytes, int(length))
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > max_bytes:
+            raise _too_large(max_bytes, size)
+        chunks.append(chunk)
+    raw = b"".join(chunks)
+    if len(raw) >= THREAD_PARSE_BYTES:
+        return await asyncio.to_thread(parse_json, raw)
+    return parse_json(raw)
+
+
+__all__ = ["ApiError", "Server", "read_body", "parse_json", "too_deep", "number", "boolean", "check_fields",
+           "stream_settings", "stop_strings", "wants_logprobs", "accepted_fields", "MAX_N", "MAX_STOPS",
+           "JDLLM_OPTIONS", "DEFAULT_MAX_BODY_BYTES", "MAX_JSON_DEPTH", "PROMPT_CHARS_PER_TOKEN", "IGNORED_FIELDS",
+           "NO_OP_VALUES", "CHAT_ROLES"]

@@ -67,6 +67,13 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.running or self.waiting or self.aborts)
 
+    def queued_beyond_rows(self, extra: int = 0) -> int:
+        """How many of the waiting requests (plus `extra` new ones) find no row at the next round:
+        free rows take waiting requests at any round (`joins_running_batch`), or all rows once the
+        pool has drained."""
+        rows = len(self.free) if self.joins_running_batch or not self.running else 0
+        return max(0, len(self.waiting) + extra - rows)
+
     def schedule(self) -> SchedulerOutput:
         """This round's aborts and admissions (the records are updated: status, row)."""
         aborted, close = self._take_aborts()

@@ -25,27 +25,35 @@ is refused. Every response choice carries `jdllm: {token_ids, step_map, nfe}` (s
 `token_ids`, `step_map` of the tokens they carry; a choice cut by a `stop` string reports the
 forwards its row had run by the round that completed the stop string).
 
+Requests are strict (`openai_protocol`): unknown fields, roles and message keys, non-boolean
+booleans and unimplemented options set to anything but their no-op value are 400s naming them;
+`user` is accepted and ignored. `stream_options.include_usage` adds a last chunk with the usage.
+
 Errors are OpenAI-shaped `{"error": {"message", "type", "param", "code"}}`: 400 for a bad request
-(malformed JSON, unknown model, bad value, prompt over the context), 429 when the engine's bounded
-queue is full, 503 while it shuts down. A client that disconnects has its request aborted: its row
-is freed at the next scheduling round.
+(malformed or too deeply nested JSON, unknown model or field, bad value, prompt over the context or
+the cheap length bound, n over what the engine holds), 413 for a body over `max_body_bytes`, 429
+when the engine's bounded queue is full, 503 while it shuts down. A client that disconnects has its
+request aborted: its row is freed at the next scheduling round. Nothing slow runs on the event
+loop: large bodies are parsed, prompts tokenized and constraints compiled on worker threads.
 """
 
 
 import contextlib
+import socket
 
-from jdllm import compile_progress
+from jdllm import compile_progress, errors
 from jdllm.serve import completions as handlers
 from jdllm.serve.engine import Engine
-from jdllm.serve.openai_protocol import ApiError, Server
+from jdllm.serve.openai_protocol import DEFAULT_MAX_BODY_BYTES, ApiError, Server
 
 
-def create_app(engine: Engine, model_name: str = "jdllm"):
-    """The FastAPI app serving `engine` under `model_name`; its lifespan starts and stops the engine."""
+def create_app(engine: Engine, model_name: str = "jdllm", max_body_bytes: int = DEFAULT_MAX_BODY_BYTES):
+    """The FastAPI app serving `engine` under `model_name`; its lifespan starts and stops the engine.
+    max_body_bytes: a request body past this size is refused with 413 as soon as it is seen."""
     from fastapi import FastAPI, Request  # noqa: PLC0415 (the serve extra)
     from fastapi.responses import JSONResponse  # noqa: PLC0415
 
-    srv = Server(engine, model_name)
+    srv = Server(engine, model_name, max_body_bytes)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -82,12 +90,45 @@ def create_app(engine: Engine, model_name: str = "jdllm"):
     return app
 
 
-def serve(engine: Engine, model_name: str, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info"):
-    """Run the server until interrupted (blocking)."""
+def bind(host: str, port: int) -> socket.socket:
+    """A socket bound to host:port for the server (as uvicorn binds one), or an `errors.InputError`
+    naming the address when it cannot be (in use, not this machine's, no permission). `jdllm serve`
+    binds it before loading the model, so a bad port fails at once."""
+    if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+        raise errors.InputError(f"port={port!r} is not a port: give 1-65535 (0: any free port)")
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except (OSError, OverflowError) as e:
+        sock.close()
+        why = getattr(e, "strerror", None) or str(e)
+        raise errors.InputError(f"cannot listen on {host}:{port} ({why}); choose another --port (or --host), or "
+                                "stop what listens there") from None
+    sock.set_inheritable(True)
+    return sock
+
+
+def serve(engine: Engine, model_name: str, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info",
+          sock: socket.socket | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES):
+    """Run the server until interrupted (blocking), on `sock` when given (from `bind`), else on a
+    socket bound to host:port here."""
     import uvicorn  # noqa: PLC0415 (the serve extra)
 
+    sock = bind(host, port) if sock is None else sock
+    config = uvicorn.Config(create_app(engine, model_name, max_body_bytes), host=host,
+                            port=sock.getsockname()[1], log_level=log_level)
+    server = uvicorn.Server(config)
     with compile_progress.show("jdllm serve"):  # a request's first compile prints progress lines to stderr
-        uvicorn.run(create_app(engine, model_name), host=host, port=port, log_level=log_level)
+        try:
+            server.run(sockets=[sock])
+        except KeyboardInterrupt:
+            pass
+        finally:
+            sock.close()
+    if not server.started:
+        raise errors.EngineStoppedError("the server did not start (see the lines above)")
 
 
-__all__ = ["create_app", "serve", "Server", "ApiError"]
+__all__ = ["create_app", "serve", "bind", "Server", "ApiError"]
