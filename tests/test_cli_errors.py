@@ -133,6 +133,7 @@ def test_prompts_keep_their_order():
     assert out == ["=== prompt 0 ===", "cba", "=== prompt 1 ===", "1 2 3"]
 
 
+@slow
 def test_constraints_with_an_empty_language_or_bad_syntax_are_refused(tmp_path):
     """An empty-language Lark grammar (no derivation ends) is a ConstraintError before decoding, as an
     empty-language regex is, and a regex the DFA backend cannot read says what is wrong with it."""

@@ -21,6 +21,7 @@ import warnings
 import pytest
 
 from jdllm import compile_cache, errors
+from tests.quick import slow
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY_AR = os.path.join(ROOT, "models", "tiny-ar")
@@ -161,6 +162,7 @@ def test_unreadable_entries_are_removed_with_one_warning(tmp_path):
 
 
 # --------------------------------------------------------------------------- what JAX does with it (subprocesses)
+@slow
 def test_generate_fills_the_dir_and_a_warm_process_gives_the_same_outputs(runs, reference):
     cold = runs["moved"].result()
     d = pathlib.Path(cold["path"])
@@ -176,6 +178,7 @@ def test_generate_fills_the_dir_and_a_warm_process_gives_the_same_outputs(runs, 
     assert entries(d) == names  # written again
 
 
+@slow
 def test_default_dir_used(runs, reference):
     on = runs["default"].result()
     default = runs["default"].tmp / "xdg" / "jdllm" / "xla"
@@ -184,6 +187,7 @@ def test_default_dir_used(runs, reference):
     same(on, reference)
 
 
+@slow
 def test_jax_compilation_cache_dir_wins(runs, reference):
     out = runs["jax"].result()
     tmp = runs["jax"].tmp
@@ -192,6 +196,7 @@ def test_jax_compilation_cache_dir_wins(runs, reference):
     same(out, reference)
 
 
+@slow
 def test_unwritable_dir_one_warning_and_the_right_outputs(runs, reference):
     out = runs["unwritable"].result()
     assert out["source"] == "unusable" and len(out["warnings"]) == 1, out["warnings"]

@@ -13,6 +13,7 @@ import sys
 import jdllm
 from jdllm import compile_progress
 from jdllm.config import ModelConfig
+from tests.quick import slow
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY_SDAR = os.path.join(ROOT, "models", "tiny-sdar")
@@ -24,6 +25,7 @@ def cli_generate(env):
                           env={**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": ROOT, **env})
 
 
+@slow
 def test_cli_prints_the_compile_then_the_cache_hit(tmp_path):
     env = {"JDLLM_CACHE_DIR": str(tmp_path / "cache")}
     first = cli_generate(env)
@@ -39,6 +41,7 @@ def test_cli_prints_the_compile_then_the_cache_hit(tmp_path):
     assert first.stdout == second.stdout
 
 
+@slow
 def test_library_quiet_watch_prints_once_per_program(capfd):
     cfg = ModelConfig.from_hf(TINY_SDAR)  # a config no other test uses: its programs are not compiled yet
     model = jdllm.Model.random(ModelConfig.from_dict({**cfg.to_dict(), "max_position_embeddings": 56}))
