@@ -35,7 +35,10 @@ class DecodeCtx:
     """Static (hashable) settings of one compiled decode: a jit static argument.
 
     prefill_len is layout-derived: how many leading slots the paradigm prefills
-    (AR: the prompt bucket; block_diffusion: the whole prompt blocks). Sampling
+    (AR: the prompt bucket; block_diffusion: the whole prompt blocks). A serving pool's rounds
+    (rows each on their own layout, `Paradigm.row_layout`) run with the pool layout's
+    (`Paradigm.pool_layout`, the longest prompt's): S - prefill_len then bounds every row's
+    generation region, which is what the step functions read it for. Sampling
     settings, stop ids, seeds and max_new_tokens are per-row data in the state,
     not here, so changing them never retraces.
     """
@@ -84,6 +87,14 @@ class Plan:
     def slots(self) -> jax.Array:
         """[B, N] int32 canvas slots."""
         return self.offset[:, None] + jnp.arange(self.width, dtype=jnp.int32)
+
+
+def right_aligned(layout: Layout, shift: int) -> Layout:
+    """`layout` moved `shift` slots right on its canvas (a serving row of a bidirectional model: its
+    canvas then ends at the pool canvas's end, as it ends at its own alone, so a forward over the
+    pool canvas sees exactly the slots it sees alone; RoPE positions, slot - start, are unchanged)."""
+    return layout._replace(start=layout.start + shift, gen_start=layout.gen_start + shift,
+                           prefill_len=layout.prefill_len + shift if layout.prefill_len else 0)
 
 
 def make_plan(state: DecodeState, offset, width: int) -> Plan:
@@ -230,7 +241,7 @@ def head_index(ctx: DecodeCtx, slots: jax.Array, offset) -> jax.Array:
 
 def forward_window(params, ctx: DecodeCtx, state: DecodeState, offset, width: int, *, at: jax.Array,
                    commit=None, also: jax.Array | None = None, kv_len=None,
-                   use_prev: bool = False, keep_below=None) -> tuple[DecodeState, jax.Array]:
+                   use_prev: bool = False, keep_below=None, keep_from=None) -> tuple[DecodeState, jax.Array]:
     """One model forward over slots [offset, offset + width) against the cache.
 
     at [B, N]: the canvas slots whose tokens this step chooses. Returns (state,
@@ -241,8 +252,8 @@ def forward_window(params, ctx: DecodeCtx, state: DecodeState, offset, width: in
     raw logits are appended after the N (a shifted model keeps the last
     committed slot's). The window's K/V are written into the cache; `commit`
     (scalar or [B]) then marks [0, commit) as committed. kv_len: as in
-    `jdllm.model.forward` (default: the window end); so is keep_below ([B]:
-    cached K/V below it are kept, not overwritten). Per-row NFE is the
+    `jdllm.model.forward` (default: the window end); so are keep_below and keep_from ([B]:
+    cached K/V below / at or after them are kept, not overwritten). Per-row NFE is the
     caller's to count (`count_forward`).
     """
     tokens = window(state.tokens, offset, width)  # [B, W]
@@ -254,7 +265,7 @@ def forward_window(params, ctx: DecodeCtx, state: DecodeState, offset, width: in
         idx = jnp.concatenate([idx, jnp.clip(also - off[:, None], 0, width - 1)], axis=1)
     logits, cache = forward(params, ctx.model, tokens, positions, start=state.start, cache=state.cache,
                             offset=offset, attn_impl=ctx.attn_impl, logits_at=idx, kv_len=kv_len,
-                            keep_below=keep_below)
+                            keep_below=keep_below, keep_from=keep_from)
     N = at.shape[1]
     if use_prev and predicts_next(ctx.model):
         head = jnp.where((src < 0)[..., None], state.prev_logits[:, None], logits[:, :N])
@@ -486,7 +497,7 @@ def abort_running(state: DecodeState) -> DecodeState:
     return close_rows(state, ~state.done, ABORT)
 
 
-__all__ = ["DecodeCtx", "Layout", "Plan", "make_plan", "bucket", "fill_token", "new_state", "with_buffers", "window",
+__all__ = ["DecodeCtx", "Layout", "Plan", "right_aligned", "make_plan", "bucket", "fill_token", "new_state", "with_buffers", "window",
            "set_window", "forward_window", "count_forward", "sample_window", "allowed_logits", "advance_keys",
            "constrain_logits", "candidates", "rank",
            "select_top_k", "select_first_k", "select_threshold", "select_entropy_bounded", "reveal",
