@@ -41,6 +41,12 @@ class DecodeCtx:
     generation region, which is what the step functions read it for. Sampling
     settings, stop ids, seeds and max_new_tokens are per-row data in the state,
     not here, so changing them never retraces.
+
+    own_layouts: the rows sit on their own layouts on a canvas sized for the longest request (a
+    serving pool), so a row may need far fewer slots than the canvas: a whole-canvas forward of a
+    bidirectional model may then narrow to the slots the running rows use (`suffix_widths`), at the
+    cost of compiling those narrower shapes too (a `generate` batch, laid out to fit, never uses
+    them, so it does not compile them).
     """
 
     model: ModelConfig
@@ -50,6 +56,7 @@ class DecodeCtx:
     # forwards over at most this many tokens (batch x window) compile as one window shape (see
     # `switch_width`); None: `weight_bound_tokens()` for the backend
     merge_tokens: int | None = None
+    own_layouts: bool = False
 
 
 def constrain(ctx: DecodeCtx, state: DecodeState) -> DecodeState:
@@ -309,6 +316,18 @@ def switch_width(ctx: DecodeCtx, state: DecodeState, widths, need, forward_of):
     return jax.lax.switch(branch, [forward_of(w) for w in keep], state)
 
 
+def suffix_widths(ctx: DecodeCtx, S: int) -> list[int]:
+    """The widths of a window ending at the canvas end S that a whole-canvas forward may narrow to:
+    just S, except in a serving pool (`DecodeCtx.own_layouts`), where rows right-aligned on the
+    canvas need only [their start, S): also the half-octave buckets (16, 24, 32, 48, 64, 96, ...)
+    from S / 4 (at least 16) below S, so a step computes at most ~1.5x the slots its widest row
+    needs, in at most five compiled shapes."""
+    if not ctx.own_layouts:
+        return [S]
+    lo = max(16, S // 4)
+    return sorted({w for w in (bucket(n, 16, steps_per_octave=2) for n in range(lo, S)) if w < S} | {S})
+
+
 def count_forward(state: DecodeState, rows: jax.Array) -> DecodeState:
     """Add one forward to the NFE of rows [B] (bool) that took part in it."""
     return state.replace(nfe=state.nfe + rows.astype(jnp.int32))
@@ -498,7 +517,7 @@ def abort_running(state: DecodeState) -> DecodeState:
 
 
 __all__ = ["DecodeCtx", "Layout", "Plan", "right_aligned", "make_plan", "bucket", "fill_token", "new_state", "with_buffers", "window",
-           "set_window", "forward_window", "count_forward", "sample_window", "allowed_logits", "advance_keys",
+           "set_window", "forward_window", "suffix_widths", "count_forward", "sample_window", "allowed_logits", "advance_keys",
            "constrain_logits", "candidates", "rank",
            "select_top_k", "select_first_k", "select_threshold", "select_entropy_bounded", "reveal",
            "is_stop_token", "stop_end", "close_rows", "finish_rows", "abort_running", "RUNNING", "STOP",

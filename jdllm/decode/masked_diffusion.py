@@ -363,21 +363,24 @@ class MaskedDiffusion(Paradigm):
         zero = jnp.zeros((state.batch,), jnp.int32)
         return state.replace(extra={"block": zero, "i": zero})
 
-    def _full_logits(self, params, ctx, state: DecodeState, at):
-        """(state, logits [B, N, V] at canvas slots `at` [B, N]) of a forward over the whole canvas,
-        no cache (with classifier-free guidance: the mix of the two forwards)."""
+    def _full_logits(self, params, ctx, state: DecodeState, at, lo: int = 0):
+        """(state, logits [B, N, V] at canvas slots `at` [B, N]) of a forward over slots [lo, S) alone,
+        no cache (with classifier-free guidance: the mix of the two forwards). lo > 0 only where every
+        row that matters starts at or after it (slots before a row's start are padding it never sees)."""
         S = state.slots
-        pos = default_positions(state.start, 0, S)
+        toks = state.tokens[:, lo:]
+        pos = default_positions(state.start, lo, S - lo)
+        start = jnp.maximum(state.start - lo, 0)
+        at = jnp.clip(at - lo, 0, S - lo - 1)
         if self.cfg_scale > 0:
-            prompt = slot_index(state) < state.gen_start[:, None]
-            un = jnp.where(prompt, jnp.int32(ctx.model.mask_token_id), state.tokens)
-            both, _ = forward(params, ctx.model, jnp.concatenate([state.tokens, un]), jnp.concatenate([pos, pos]),
-                              start=jnp.concatenate([state.start, state.start]), attn_impl=ctx.attn_impl,
+            prompt = slot_index(state)[:, lo:] < state.gen_start[:, None]
+            un = jnp.where(prompt, jnp.int32(ctx.model.mask_token_id), toks)
+            both, _ = forward(params, ctx.model, jnp.concatenate([toks, un]), jnp.concatenate([pos, pos]),
+                              start=jnp.concatenate([start, start]), attn_impl=ctx.attn_impl,
                               logits_at=jnp.concatenate([at, at]))
             cond, unc = both[:state.batch], both[state.batch:]
             return state.replace(forwards=state.forwards + 2), unc + (self.cfg_scale + 1.0) * (cond - unc)
-        raw, _ = forward(params, ctx.model, state.tokens, pos, start=state.start, attn_impl=ctx.attn_impl,
-                         logits_at=at)
+        raw, _ = forward(params, ctx.model, toks, pos, start=start, attn_impl=ctx.attn_impl, logits_at=at)
         return state.replace(forwards=state.forwards + 1), raw
 
     def _cached_logits(self, params, ctx, state: DecodeState, lo, width: int, at, *, kv_len=None,
@@ -411,8 +414,12 @@ class MaskedDiffusion(Paradigm):
         shift = int(ctx.model.logit_shift)
         at = plan.slots - shift  # [B, W] the slots whose logits predict the window
         work = jnp.any(plan.valid, axis=-1)  # [B]
-        if self.cache_mode == "none":
-            state, logits = self._full_logits(params, ctx, state, at)
+        if self.cache_mode == "none":  # each working row needs [its start, S); a serving pool narrows to them
+            S = state.slots
+            need = S - jnp.min(jnp.where(work, state.start, S))
+            state, logits = common.switch_width(
+                ctx, state, common.suffix_widths(ctx, S), need,
+                lambda w: lambda st: self._full_logits(params, ctx, st, at, S - w))
         else:
             state, logits = self._refresh_or_window(params, ctx, state, plan, at, work)
         state = common.count_forward(state, work)
@@ -436,11 +443,14 @@ class MaskedDiffusion(Paradigm):
         refresh = work & (state.extra["i"] == 0)  # [B]
         b0 = self._block_start(state)  # [B]
         lo = b0 - shift  # [B] a window row's first recomputed slot
+        # a refreshing row rewrites [its start, S) (a serving pool), or the whole canvas (padding included)
+        fresh = state.start if ctx.own_layouts else jnp.zeros_like(state.start)
         if self.cache_mode == "prefix":
-            floor = jnp.where(work, jnp.where(refresh, 0, lo), S).astype(jnp.int32)
+            floor = jnp.where(work, jnp.where(refresh, fresh, lo), S).astype(jnp.int32)
             P = ctx.prefill_len
-            widths = sorted({S} | {S - (P + k * W - shift) for k in range(max((S - P) // W, 1))
-                                   if 0 < S - (P + k * W - shift) <= S})
+            widths = sorted(set(common.suffix_widths(ctx, S)) | {S - (P + k * W - shift) for k in
+                                                                  range(max((S - P) // W, 1))
+                                                                  if 0 < S - (P + k * W - shift) <= S})
 
             def suffix(width):
                 return lambda st: self._cached_logits(params, ctx, st, S - width, width, at, keep_below=floor)
@@ -449,10 +459,13 @@ class MaskedDiffusion(Paradigm):
 
         hi = b0 + self._rows(state)[0]  # [B] the block's end (one block: the canvas end)
 
+        below = jnp.where(refresh, fresh, jnp.where(work, lo, S)).astype(jnp.int32)
+        above = jnp.where(refresh, S, jnp.where(work, hi, S)).astype(jnp.int32)
+
         def full(st):  # dual, some row refreshes: the others keep everything outside their block
-            below = jnp.where(refresh, 0, jnp.where(work, lo, S)).astype(jnp.int32)
-            above = jnp.where(refresh, S, jnp.where(work, hi, S)).astype(jnp.int32)
-            return self._cached_logits(params, ctx, st, 0, S, at, keep_below=below, keep_from=above)
+            return common.switch_width(ctx, st, common.suffix_widths(ctx, S), S - jnp.min(below),
+                                       lambda w: lambda s_: self._cached_logits(params, ctx, s_, S - w, w, at,
+                                                                                keep_below=below, keep_from=above))
 
         def blocks(st):  # dual, every row in its block: the block alone, the cached suffix visible
             if self.block_length is not None:  # each row's block at its own offset

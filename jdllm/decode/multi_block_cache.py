@@ -44,6 +44,17 @@ def prefix_logits(params, ctx, state: DecodeState, width: int, at):
     return state.replace(forwards=state.forwards + 1), logits
 
 
+def suffix_logits(params, ctx, state: DecodeState, lo: int, at):
+    """No cache: the model over slots [lo, S) alone (a bidirectional canvas whose running rows all start
+    at or after lo) -> (state, logits predicting `at` [B, N, V])."""
+    S = state.slots
+    positions = default_positions(state.start, lo, S - lo)
+    idx = jnp.clip(common.head_index(ctx, at, lo), 0, S - lo - 1)
+    logits, _ = forward(params, ctx.model, state.tokens[:, lo:], positions, start=jnp.maximum(state.start - lo, 0),
+                        attn_impl=ctx.attn_impl, logits_at=idx)
+    return state.replace(forwards=state.forwards + 1), logits
+
+
 @dataclasses.dataclass(frozen=True)
 class NoCache(CacheStrategy):
     """cache_mode="none". Bidirectional: the whole canvas. Block-causal: the prefix up to active_end,
@@ -53,8 +64,10 @@ class NoCache(CacheStrategy):
 
     def forward(self, mb, params, ctx, state: DecodeState, at, active_end):
         S, Bs = state.slots, mb.block_size
-        if ctx.model.attention != "block_causal":
-            return prefix_logits(params, ctx, state, S, at)
+        if ctx.model.attention != "block_causal":  # a serving pool narrows to [the running rows' start, S)
+            need = S - jnp.min(jnp.where(~state.done, state.start, S))
+            return common.switch_width(ctx, state, common.suffix_widths(ctx, S), need,
+                                       lambda w: lambda st: suffix_logits(params, ctx, st, S - w, at))
         widths, w = [], Bs
         while ctx.prefill_len + w < S:
             widths.append(ctx.prefill_len + w)
@@ -167,7 +180,8 @@ class ApproxCache(CacheStrategy):
                          n[:, None], seen)
         stabilising = jnp.any((seen >= 0) & ~eos & (ends > new_edge[:, None]), axis=-1) | (base > new_edge)
         suffix = (new_edge > edge) | ((edge > 0) & ~stabilising & (n % mb.refresh_interval != 0))
-        floor = jnp.where(running, jnp.where(suffix, edge, 0), S).astype(jnp.int32)  # [B] first slot recomputed
+        fresh = state.start if ctx.own_layouts else jnp.zeros_like(edge)  # a refresh: [start, S) in a pool
+        floor = jnp.where(running, jnp.where(suffix, edge, fresh), S).astype(jnp.int32)  # [B] first slot recomputed
         commit = jnp.where(running, new_edge, edge)
         state = state.replace(extra={**state.extra, "scanned_at": seen})
         if ctx.model.logit_shift:  # Dream shifts within the forward: a suffix's first slot predicts itself
@@ -231,4 +245,4 @@ CACHE_STRATEGIES: dict[str, CacheStrategy] = {c.mode: c() for c in (NoCache, Exa
 """mode -> its strategy (`MultiBlock.resolved_cache_mode(cfg)` picks one)."""
 
 __all__ = ["CacheStrategy", "NoCache", "ExactCache", "ApproxCache", "WindowCache", "CACHE_STRATEGIES",
-           "WINDOW_BLOCKS", "prefix_logits"]
+           "WINDOW_BLOCKS", "prefix_logits", "suffix_logits"]

@@ -113,8 +113,8 @@ class Runner:
         self.ctx = common.DecodeCtx(model=paradigm.attention_config(self.cfg), attn_impl=model.forward_impl,
                                     prefill_len=0, placement=model.placement)
         # the context rounds run with: the pool layout's prefill_len (S - prefill_len bounds every
-        # row's generation region); a drained batch brings its own
-        self.round_ctx = dataclasses.replace(self.ctx, prefill_len=int(prefill_len))
+        # row's generation region), rows on their own layouts; a drained batch brings its own
+        self.round_ctx = dataclasses.replace(self.ctx, prefill_len=int(prefill_len), own_layouts=True)
         self.fns = _compiled(compiler_options)
         self.params = params_for(model, paradigm)  # ar_spec: the draft's parameters ride along
         self.pool = self._idle_pool()
