@@ -21,8 +21,9 @@ tiny-llada), each with the options `jdllm serve` gives it by default, on task pr
 `--clients N`, a closed loop: N clients each send a request (a task prompt, max_new_tokens drawn in
 3-19 as `benchmarks/serve_load.py` does) and the next one as soon as its answer is done,
 `--per-client` times, against an engine built as `jdllm serve` builds it (its default pool:
-`--max-batch` rows, max_prompt_tokens / max_new_tokens the model's context); a first pass
-compiles, the second is timed: request latency (submit -> done) p50 / p99 and throughput.
+`--max-batch` rows, max_prompt_tokens / max_new_tokens the model's context); a first pass of other
+requests (another seed) warms the engine up, the second is timed: request latency (submit -> done)
+p50 / p99, throughput, forwards per request and the compiles the timed pass still needed.
 `--admission drain` makes every paradigm start new requests only once the pool has drained
 (the admission masked_diffusion and multi_block had before they joined a running batch).
 
@@ -77,6 +78,30 @@ def workload(n: int, rate: float, prompt_range, new_range, vocab: int, seed: int
     return out
 
 
+class Compiles:
+    """Counts jit traces (each precedes a new compile) and backend compile seconds while active."""
+
+    def __enter__(self):
+        import jax  # noqa: PLC0415
+
+        self.traces, self.seconds = 0, 0.0
+
+        def listen(event, duration, **kw):
+            if event == "/jax/core/compile/jaxpr_trace_duration":
+                self.traces += 1
+            elif event == "/jax/core/compile/backend_compile_duration":
+                self.seconds += duration
+
+        self._listen = listen
+        jax.monitoring.register_event_duration_secs_listener(listen)
+        return self
+
+    def __exit__(self, *exc):
+        import jax  # noqa: PLC0415
+
+        jax.monitoring.unregister_event_duration_listener(self._listen)
+
+
 # --------------------------------------------------------------------------- the shipped models, per paradigm
 SHIPPED = {"ar": "tiny-ar", "ar_spec": "tiny-ar", "block_diffusion": "tiny-sdar", "multi_block": "tiny-sdar",
            "masked_diffusion": "tiny-llada"}
@@ -126,13 +151,15 @@ def run_clients(model, par, clients: int, per_client: int, max_batch: int, steps
     from jdllm import tasks  # noqa: PLC0415
     from jdllm.serve.engine import Engine  # noqa: PLC0415
 
-    rng = np.random.default_rng(seed)
-    exs = tasks.test_set(clients * per_client, seed=seed, tasks=("sort", "add", "rev"))
-    jobs = [(model.tokenizer.encode(e.prompt, add_special_tokens=False), int(rng.integers(3, 20))) for e in exs]
+    def jobs_of(seed):
+        rng = np.random.default_rng(seed)
+        exs = tasks.test_set(clients * per_client, seed=seed, tasks=("sort", "add", "rev"))
+        return [(model.tokenizer.encode(e.prompt, add_special_tokens=False), int(rng.integers(3, 20))) for e in exs]
+
     eng = Engine(model, par, max_batch=max_batch, max_queue=clients * per_client,
                  steps_per_round=steps_per_round).start()
 
-    def client(c, lat, toks, nfe):
+    def client(c, jobs, lat, toks, nfe):
         for k in range(per_client):
             prompt, new = jobs[c * per_client + k]
             done = threading.Event()
@@ -156,22 +183,26 @@ def run_clients(model, par, clients: int, per_client: int, max_batch: int, steps
 
     try:
         res = None
-        for _ in range(2):  # the first pass compiles
+        for pass_seed in (seed + 1, seed):  # the first pass (other requests) warms the engine up
             lat, toks, nfe = [], [], []
-            threads = [threading.Thread(target=client, args=(c, lat, toks, nfe)) for c in range(clients)]
-            t0 = time.perf_counter()
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join()
-            span = time.perf_counter() - t0
-            res = dict(latency=np.asarray(lat), tokens=int(sum(toks)), seconds=span, nfe=float(np.mean(nfe)))
+            jobs = jobs_of(pass_seed)
+            threads = [threading.Thread(target=client, args=(c, jobs, lat, toks, nfe)) for c in range(clients)]
+            with Compiles() as comp:
+                t0 = time.perf_counter()
+                for t in threads:
+                    t.start()
+                for t in threads:
+                    t.join()
+                span = time.perf_counter() - t0
+            res = dict(latency=np.asarray(lat), tokens=int(sum(toks)), seconds=span, nfe=float(np.mean(nfe)),
+                       traces=comp.traces, compile_s=comp.seconds)
     finally:
         eng.stop()
     lat = res["latency"]
     return dict(clients=clients, requests=len(lat), latency_p50_ms=float(np.percentile(lat, 50) * 1e3),
                 latency_p99_ms=float(np.percentile(lat, 99) * 1e3), req_per_s=float(len(lat) / res["seconds"]),
-                tok_per_s=float(res["tokens"] / res["seconds"]), nfe_mean=res["nfe"])
+                tok_per_s=float(res["tokens"] / res["seconds"]), nfe_mean=res["nfe"], traces=res["traces"],
+                compile_s=res["compile_s"])
 
 
 def run_continuous(model, reqs, max_batch: int, steps_per_round: int, par=None, stop_ids=None):
@@ -201,14 +232,15 @@ def run_continuous(model, reqs, max_batch: int, steps_per_round: int, par=None, 
                             lock.set()
                 return f
 
-            t0 = time.perf_counter()
-            for i, (at, prompt, new) in enumerate(reqs):
-                wait = t0 + at - time.perf_counter()
-                if wait > 0:
-                    time.sleep(wait)
-                eng.submit(prompt, jdllm.Sampling(max_new_tokens=new, stop_token_ids=stops), on_event=on_event(i))
-            lock.wait()
-            result = dict(t0=t0, first=first, done=done, outs=outs)
+            with Compiles() as comp:
+                t0 = time.perf_counter()
+                for i, (at, prompt, new) in enumerate(reqs):
+                    wait = t0 + at - time.perf_counter()
+                    if wait > 0:
+                        time.sleep(wait)
+                    eng.submit(prompt, jdllm.Sampling(max_new_tokens=new, stop_token_ids=stops), on_event=on_event(i))
+                lock.wait()
+            result = dict(t0=t0, first=first, done=done, outs=outs, traces=comp.traces)
     finally:
         eng.stop()
     return result
@@ -250,7 +282,7 @@ def summary(reqs, r) -> dict:
     q = lambda x, p: float(np.percentile(x, p) * 1e3)  # noqa: E731
     return dict(tokens=int(n.sum()), seconds=float(span), tok_per_s=float(n.sum() / span),
                 ttft_p50_ms=q(ttft, 50), ttft_p99_ms=q(ttft, 99), per_token_p50_ms=q(per_tok, 50),
-                per_token_p99_ms=q(per_tok, 99))
+                per_token_p99_ms=q(per_tok, 99), traces=r.get("traces"))
 
 
 def paradigm_rows(args) -> list[dict]:
@@ -276,21 +308,22 @@ def paradigm_rows(args) -> list[dict]:
                                            args.steps_per_round)))
         print(json.dumps(rows[-3 if args.clients else -2:]), flush=True)
     hdr = ("paradigm", "model", "mode", "tok/s", "TTFT p50 ms", "TTFT p99 ms", "per-tok p50 ms", "per-tok p99 ms",
-           "same tokens")
+           "same tokens", "compiles in the timed pass")
     print("| " + " | ".join(hdr) + " |\n|" + "---|" * len(hdr))
     for r in rows:
         if r["mode"] in ("continuous", "static"):
             print(f"| {_label(r)} | {r['model']} | {r['mode']} | {r['tok_per_s']:.0f} | {r['ttft_p50_ms']:.0f} | "
                   f"{r['ttft_p99_ms']:.0f} | {r['per_token_p50_ms']:.1f} | {r['per_token_p99_ms']:.1f} | "
-                  f"{r['same_tokens']} |")
+                  f"{r['same_tokens']} | {'-' if r['traces'] is None else r['traces']} |")
     if args.clients:
         hdr = ("paradigm", "model", "clients", "requests", "latency p50 ms", "latency p99 ms", "req/s", "tok/s",
-               "NFE / request")
+               "NFE / request", "compiles in the timed pass")
         print("\n| " + " | ".join(hdr) + " |\n|" + "---|" * len(hdr))
         for r in rows:
             if "clients" in r:
                 print(f"| {_label(r)} | {r['model']} | {r['clients']} | {r['requests']} | {r['latency_p50_ms']:.0f} | "
-                      f"{r['latency_p99_ms']:.0f} | {r['req_per_s']:.1f} | {r['tok_per_s']:.0f} | {r['nfe_mean']:.1f} |")
+                      f"{r['latency_p99_ms']:.0f} | {r['req_per_s']:.1f} | {r['tok_per_s']:.0f} | {r['nfe_mean']:.1f} | "
+                      f"{r['traces']} ({r['compile_s']:.1f} s) |")
     return rows
 
 
