@@ -90,7 +90,8 @@ def test_staggered_requests_equal_generate_alone_without_recompiles(which):
         for r, w in zip(reqs, want):
             assert _fields(r.output) == _fields(w)
             assert r.output.trace == w.trace  # ar_spec: drafts proposed / accepted, draft forwards
-            np.testing.assert_allclose(r.output.logprobs, w.logprobs, atol=1e-5)
+            # float32 rounding: a pool row's forward may span another width than the row alone
+            np.testing.assert_allclose(r.output.logprobs, w.logprobs, rtol=1e-5, atol=1e-5)
             streamed = [t for ev in r.events if ev.kind == "tokens" for t in ev.token_ids]
             assert streamed == r.output.token_ids
             assert [ev.kind for ev in r.events][-1] == "done"

@@ -452,8 +452,11 @@ class MaskedDiffusion(Paradigm):
                                                                   range(max((S - P) // W, 1))
                                                                   if 0 < S - (P + k * W - shift) <= S})
 
+            # one row alone recomputes its whole window: nothing in it to keep (and no per-layer select)
+            keep = floor if state.batch > 1 or ctx.own_layouts else None
+
             def suffix(width):
-                return lambda st: self._cached_logits(params, ctx, st, S - width, width, at, keep_below=floor)
+                return lambda st: self._cached_logits(params, ctx, st, S - width, width, at, keep_below=keep)
 
             return common.switch_width(ctx, state, widths, S - jnp.min(floor), suffix)
 
@@ -469,7 +472,8 @@ class MaskedDiffusion(Paradigm):
 
         def blocks(st):  # dual, every row in its block: the block alone, the cached suffix visible
             if self.block_length is not None:  # each row's block at its own offset
-                return self._cached_logits(params, ctx, st, lo, W + shift, at, kv_len=S)
+                # one row: a scalar offset (a window slice and update, not a per-row gather / scatter)
+                return self._cached_logits(params, ctx, st, lo[0] if st.batch == 1 else lo, W + shift, at, kv_len=S)
             # one block per row, ending at the canvas end: the widest row's, the others keep their prefix
             return self._cached_logits(params, ctx, st, S - W - shift, W + shift, at,
                                        keep_below=jnp.where(work, lo, S).astype(jnp.int32))
