@@ -306,7 +306,7 @@ def apply_rope(x, positions, inv_freq, scale):
 # --------------------------------------------------------------------------- forward
 def forward(params: Params, cfg: ModelConfig, tokens, positions, *, start, cache: KVCache | None = None,
             offset=None, attn_impl: str = "auto", return_hidden: bool = False, attn_mask=None, kv_len=None,
-            logits_at=None, keep_below=None):
+            logits_at=None, keep_below=None, keep_from=None):
     """Run the window `tokens` [B, T] at absolute slots [offset, offset + T).
 
     positions [B, T]: RoPE positions (slot - start for left-padded rows).
@@ -328,6 +328,9 @@ def forward(params: Params, cfg: ModelConfig, tokens, positions, *, start, cache
     values, which the whole window attends to (d3LLM's approximate prefix
     cache with one window shape for rows whose cache edges differ). The
     window's queries there still run; their outputs are the caller's to ignore.
+    keep_from (with a cache), optional, [B] int32: likewise for slots at or after it, so a row
+    may recompute only [keep_below, keep_from) of a wider window (a row running its dual-cache
+    block beside rows that refresh the whole canvas).
 
     attn_mask [B, T, S] (bool), optional: replaces the masking rule (training
     objectives such as BD3-LM's noisy/clean pairing; XLA path only).
@@ -352,11 +355,15 @@ def forward(params: Params, cfg: ModelConfig, tokens, positions, *, start, cache
             q_offset = jnp.clip(q_offset, 0, cache.max_len - T)
         kv_len = q_offset + T if kv_len is None else jnp.asarray(kv_len, jnp.int32)
 
-    if keep_below is not None:
+    if keep_below is not None or keep_from is not None:
         if q_offset.ndim:
-            raise ValueError("keep_below needs one window offset for the batch")
+            raise ValueError("keep_below / keep_from need one window offset for the batch")
         slots = q_offset + jnp.arange(T, dtype=jnp.int32)
-        keep = slots[None] < jnp.asarray(keep_below, jnp.int32).reshape(-1, 1)  # [B, T]
+        keep = jnp.zeros((B, T), bool)
+        if keep_below is not None:
+            keep = keep | (slots[None] < jnp.asarray(keep_below, jnp.int32).reshape(-1, 1))  # [B, T]
+        if keep_from is not None:
+            keep = keep | (slots[None] >= jnp.asarray(keep_from, jnp.int32).reshape(-1, 1))
 
         def window_of(c):  # [B, S, H, D] -> the window's slots [B, T, H, D]
             return jax.lax.dynamic_slice_in_dim(c, q_offset, T, axis=1)
@@ -397,7 +404,7 @@ def forward(params: Params, cfg: ModelConfig, tokens, positions, *, start, cache
         if ck is None:
             a = attend(k, v)
         else:
-            if keep_below is not None:  # keep the cached K/V of slots below keep_below[b]
+            if keep_below is not None or keep_from is not None:  # keep the cached K/V outside [below, from)
                 k, v = (jnp.where(keep[:, :, None, None], window_of(c[i]), x.astype(c.dtype))
                         for c, x in ((ck, k), (cv, v)))
             ck, cv = write_rows(ck, k, q_offset, layer=i), write_rows(cv, v, q_offset, layer=i)

@@ -107,13 +107,75 @@ def test_lm_head_at_chosen_positions_equals_full_logits():
     np.testing.assert_allclose(np.asarray(some[0]), np.asarray(full[0, [5, 1]]), atol=1e-6)
 
 
+# paradigms whose serving rows sit on their own layouts (`Paradigm.row_layout`): every cache mode,
+# (model, paradigm, max_new_tokens per prompt); masked_diffusion with block_length 4 asks for whole blocks
+JOIN_CASES = {
+    "masked_none": lambda: (bidir_model(), jdllm.MaskedDiffusion(block_length=4, confidence_threshold=0.6), (8, 12, 4)),
+    "masked_prefix": lambda: (bidir_model(), jdllm.MaskedDiffusion(block_length=4, cache_mode="prefix"), (8, 12, 4)),
+    "masked_dual_dream": lambda: (bidir_model(shift=True), jdllm.MaskedDiffusion(
+        block_length=4, steps=12, alg="topk_margin", cache_mode="dual"), (12, 4, 8)),
+    "masked_one_block_prefix_dream": lambda: (bidir_model(shift=True), jdllm.MaskedDiffusion(
+        alg="maskgit_plus", cache_mode="prefix"), (9, 14, 5)),
+    "masked_one_block_dual": lambda: (bidir_model(), jdllm.MaskedDiffusion(cache_mode="dual"), (9, 14, 5)),
+    "masked_cfg": lambda: (bidir_model(), jdllm.MaskedDiffusion(steps=8, cfg_scale=1.5), (9, 14, 5)),
+    "multi_exact": lambda: (block_model(), jdllm.MultiBlock(block_size=4, max_blocks=2), (9, 14, 5)),
+    "multi_exact_shifted": lambda: (block_model(logit_shift=True), jdllm.MultiBlock(block_size=4), (9, 14, 5)),
+    "multi_none_block_causal": lambda: (block_model(), jdllm.MultiBlock(block_size=4, cache_mode="none"), (9, 14, 5)),
+    "multi_none_bidirectional": lambda: (bidir_model(shift=True), jdllm.MultiBlock(block_size=4), (9, 14, 5)),
+    "multi_approx": lambda: (bidir_model(), jdllm.MultiBlock(block_size=4, cache_mode="approx", refresh_interval=3),
+                             (9, 14, 5)),
+    "multi_approx_dream": lambda: (bidir_model(shift=True), jdllm.MultiBlock(
+        block_size=4, cache_mode="approx", cache_delay_iter=0, refresh_interval=4), (9, 14, 5)),
+    "multi_window": lambda: (bidir_model(), jdllm.MultiBlock(block_size=4, cache_mode="window", max_blocks=1,
+                                                              refresh_interval=3), (9, 14, 5)),
+}
+
+
+def _joined(m, par, prompts, settings, waits=(0, 2, 3)):
+    """Each prompt on its own layout in one pool, joining the running batch after `waits` more steps
+    (the serving engine's admission: `jdllm.serve.runner.Runner.admit`, prefilled alone and merged into
+    its row); then steps until every row is done. (outputs, host arrays of the final pool)."""
+    from jdllm.api import row_output
+    from jdllm.serve.request import Request
+    from jdllm.serve.runner import Runner
+
+    lay = par.pool_layout(m.config, 16, 16)
+    run = Runner(m, par, rows=len(prompts), slots=int(lay.slots), prefill_len=int(lay.prefill_len),
+                 compiler_options=FAST_COMPILE)
+    for r, (p, s, wait) in enumerate(zip(prompts, settings, waits)):
+        if wait:
+            run.step(wait)
+        run.admit(Request(id=r, prompt_ids=p, sampling=s, stop_ids=tuple(s.stop_token_ids)), r)
+    host = run.host()
+    while not host["done"].all():
+        run.step(4)
+        host = run.host()
+    trace = (lambda r: par.output_trace(host["extra"], r)) if host["extra"] is not None else (lambda r: None)
+    return [row_output(host, r, p, None, trace(r)) for r, p in enumerate(prompts)], host
+
+
 @slow
-@pytest.mark.parametrize("which", [0, 1], ids=["ar", "block_diffusion"])
+@pytest.mark.parametrize("which", ["ar", "block_diffusion", *JOIN_CASES])
 def test_rows_at_different_positions_decode_as_alone(which):
     """AR rows start generating at their own prompt ends; block-diffusion rows move to their next
     block as soon as they fill the current one: in one batch each row is at its own position, and
-    each still decodes exactly as it does alone."""
-    m, par = _paradigms()[which]
+    each still decodes exactly as it does alone. masked_diffusion and multi_block rows (every cache
+    mode) each on its own layout, joining a running batch at different steps (as a serving pool
+    admits them), with their own lengths, one of them sampled: each decodes exactly as it does alone
+    (tokens, step map, NFE, finish reason, block trajectory)."""
+    if which in JOIN_CASES:
+        m, par, news = JOIN_CASES[which]()
+        settings = [jdllm.Sampling(max_new_tokens=n, stop_token_ids=()) for n in news]
+        settings[1] = jdllm.Sampling(max_new_tokens=news[1], stop_token_ids=(), temperature=0.8, top_k=20, seed=7)
+        batch, host = _joined(m, par, PROMPTS, settings)
+        alone = [jdllm.generate(m, [p], par, s)[0] for p, s in zip(PROMPTS, settings)]
+        assert _fields(batch) == _fields(alone)
+        assert [o.trace for o in batch] == [o.trace for o in alone]
+        for b, a in zip(batch, alone):
+            np.testing.assert_allclose(b.logprobs, a.logprobs, atol=1e-4)
+        assert len(set(host["gen_start"].tolist())) == len(PROMPTS)  # each row on its own layout
+        return
+    m, par = _paradigms()[["ar", "block_diffusion"].index(which)]
     settings = [jdllm.Sampling(max_new_tokens=n, stop_token_ids=()) for n in (9, 14, 5)]
     prep = prepare(m, PROMPTS, par, settings)
     final = loop.compiled()(m.params, prep.state, paradigm=prep.paradigm, ctx=prep.ctx)

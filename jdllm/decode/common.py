@@ -35,9 +35,18 @@ class DecodeCtx:
     """Static (hashable) settings of one compiled decode: a jit static argument.
 
     prefill_len is layout-derived: how many leading slots the paradigm prefills
-    (AR: the prompt bucket; block_diffusion: the whole prompt blocks). Sampling
+    (AR: the prompt bucket; block_diffusion: the whole prompt blocks). A serving pool's rounds
+    (rows each on their own layout, `Paradigm.row_layout`) run with the pool layout's
+    (`Paradigm.pool_layout`, the longest prompt's): S - prefill_len then bounds every row's
+    generation region, which is what the step functions read it for. Sampling
     settings, stop ids, seeds and max_new_tokens are per-row data in the state,
     not here, so changing them never retraces.
+
+    own_layouts: the rows sit on their own layouts on a canvas sized for the longest request (a
+    serving pool), so a row may need far fewer slots than the canvas: a whole-canvas forward of a
+    bidirectional model may then narrow to the slots the running rows use (`suffix_widths`), at the
+    cost of compiling those narrower shapes too (a `generate` batch, laid out to fit, never uses
+    them, so it does not compile them).
     """
 
     model: ModelConfig
@@ -47,6 +56,7 @@ class DecodeCtx:
     # forwards over at most this many tokens (batch x window) compile as one window shape (see
     # `switch_width`); None: `weight_bound_tokens()` for the backend
     merge_tokens: int | None = None
+    own_layouts: bool = False
 
 
 def constrain(ctx: DecodeCtx, state: DecodeState) -> DecodeState:
@@ -84,6 +94,14 @@ class Plan:
     def slots(self) -> jax.Array:
         """[B, N] int32 canvas slots."""
         return self.offset[:, None] + jnp.arange(self.width, dtype=jnp.int32)
+
+
+def right_aligned(layout: Layout, shift: int) -> Layout:
+    """`layout` moved `shift` slots right on its canvas (a serving row of a bidirectional model: its
+    canvas then ends at the pool canvas's end, as it ends at its own alone, so a forward over the
+    pool canvas sees exactly the slots it sees alone; RoPE positions, slot - start, are unchanged)."""
+    return layout._replace(start=layout.start + shift, gen_start=layout.gen_start + shift,
+                           prefill_len=layout.prefill_len + shift if layout.prefill_len else 0)
 
 
 def make_plan(state: DecodeState, offset, width: int) -> Plan:
@@ -230,7 +248,7 @@ def head_index(ctx: DecodeCtx, slots: jax.Array, offset) -> jax.Array:
 
 def forward_window(params, ctx: DecodeCtx, state: DecodeState, offset, width: int, *, at: jax.Array,
                    commit=None, also: jax.Array | None = None, kv_len=None,
-                   use_prev: bool = False, keep_below=None) -> tuple[DecodeState, jax.Array]:
+                   use_prev: bool = False, keep_below=None, keep_from=None) -> tuple[DecodeState, jax.Array]:
     """One model forward over slots [offset, offset + width) against the cache.
 
     at [B, N]: the canvas slots whose tokens this step chooses. Returns (state,
@@ -241,8 +259,8 @@ def forward_window(params, ctx: DecodeCtx, state: DecodeState, offset, width: in
     raw logits are appended after the N (a shifted model keeps the last
     committed slot's). The window's K/V are written into the cache; `commit`
     (scalar or [B]) then marks [0, commit) as committed. kv_len: as in
-    `jdllm.model.forward` (default: the window end); so is keep_below ([B]:
-    cached K/V below it are kept, not overwritten). Per-row NFE is the
+    `jdllm.model.forward` (default: the window end); so are keep_below and keep_from ([B]:
+    cached K/V below / at or after them are kept, not overwritten). Per-row NFE is the
     caller's to count (`count_forward`).
     """
     tokens = window(state.tokens, offset, width)  # [B, W]
@@ -254,7 +272,7 @@ def forward_window(params, ctx: DecodeCtx, state: DecodeState, offset, width: in
         idx = jnp.concatenate([idx, jnp.clip(also - off[:, None], 0, width - 1)], axis=1)
     logits, cache = forward(params, ctx.model, tokens, positions, start=state.start, cache=state.cache,
                             offset=offset, attn_impl=ctx.attn_impl, logits_at=idx, kv_len=kv_len,
-                            keep_below=keep_below)
+                            keep_below=keep_below, keep_from=keep_from)
     N = at.shape[1]
     if use_prev and predicts_next(ctx.model):
         head = jnp.where((src < 0)[..., None], state.prev_logits[:, None], logits[:, :N])
@@ -296,6 +314,18 @@ def switch_width(ctx: DecodeCtx, state: DecodeState, widths, need, forward_of):
         return forward_of(keep[0])(state)
     branch = jnp.sum(need > jnp.asarray(keep[:-1], jnp.int32)).astype(jnp.int32)
     return jax.lax.switch(branch, [forward_of(w) for w in keep], state)
+
+
+def suffix_widths(ctx: DecodeCtx, S: int) -> list[int]:
+    """The widths of a window ending at the canvas end S that a whole-canvas forward may narrow to:
+    just S, except in a serving pool (`DecodeCtx.own_layouts`), where rows right-aligned on the
+    canvas need only [their start, S): also the half-octave buckets (16, 24, 32, 48, 64, 96, ...)
+    from S / 4 (at least 16) below S, so a step computes at most ~1.5x the slots its widest row
+    needs, in at most five compiled shapes."""
+    if not ctx.own_layouts:
+        return [S]
+    lo = max(16, S // 4)
+    return sorted({w for w in (bucket(n, 16, steps_per_octave=2) for n in range(lo, S)) if w < S} | {S})
 
 
 def count_forward(state: DecodeState, rows: jax.Array) -> DecodeState:
@@ -486,8 +516,8 @@ def abort_running(state: DecodeState) -> DecodeState:
     return close_rows(state, ~state.done, ABORT)
 
 
-__all__ = ["DecodeCtx", "Layout", "Plan", "make_plan", "bucket", "fill_token", "new_state", "with_buffers", "window",
-           "set_window", "forward_window", "count_forward", "sample_window", "allowed_logits", "advance_keys",
+__all__ = ["DecodeCtx", "Layout", "Plan", "right_aligned", "make_plan", "bucket", "fill_token", "new_state", "with_buffers", "window",
+           "set_window", "forward_window", "suffix_widths", "count_forward", "sample_window", "allowed_logits", "advance_keys",
            "constrain_logits", "candidates", "rank",
            "select_top_k", "select_first_k", "select_threshold", "select_entropy_bounded", "reveal",
            "is_stop_token", "stop_end", "close_rows", "finish_rows", "abort_running", "RUNNING", "STOP",

@@ -44,7 +44,8 @@ Caches (Fast-dLLM; the K/V of a bidirectional model depend on every token, so
 both are approximations, refreshed by one full forward over the canvas at the
 first step of each block, which also reveals):
 - `prefix`: later steps of the block run only slots [block start, S) against
-  the cached prompt and finished blocks (one compiled window width per block).
+  the cached prompt and finished blocks (one compiled window width per block
+  start of a batch sharing the prompt bucket).
 - `dual`: later steps run only the block against the cached prefix *and*
   suffix (`model.forward(kv_len=S)` makes the cached suffix visible).
 For shifted-logit models the window starts one slot earlier, so the block's
@@ -52,12 +53,20 @@ first position is predicted from fresh logits. A one-layer model's K/V depend
 only on the token at their own slot, so there both caches are exact (a test
 uses this); deeper models deviate, and `benchmarks/decode.py` measures it.
 
-Batches: rows are left-padded (`start`) so every row's generation starts at
-slot P and blocks line up; the batch moves to the next block once every
-running row has filled the current one (a row that is done with it idles: no
-forward counted, no step, PRNG stream untouched), so each row decodes exactly
-as it would alone. Rows stop at the first stop token (tokens after it are not
-returned). Supported models: bidirectional with a mask token (LLaDA, Dream);
+Batches: every row follows its own schedule. `state.extra` holds each row's
+block index and step-in-block counter [B], and its geometry (block_length,
+number of blocks, steps per block) comes from its own generation length
+(limit - gen_start), so a row moves to its next block as soon as it has filled
+the current one and never waits for, or depends on, its neighbours.
+`generate` left-pads a batch (`start`) so every row's generation starts at
+slot P; a serving pool (`jdllm.serve`) places each request on its own layout,
+moved right so its canvas ends at the pool canvas's end as it ends alone
+(`row_layout`), and rows join a running batch at any step. Each row draws its
+noise relative to its own block, so sampled rows, too, decode exactly as
+alone. The prefix and dual caches refresh per row (see `_refresh_or_window`):
+a step where some row starts a block runs one whole-canvas forward for the
+batch, in which the other rows keep their cached K/V outside their window.
+Rows stop at the first stop token (tokens after it are not returned). Supported models: bidirectional with a mask token (LLaDA, Dream);
 block-causal models (SDAR, Fast-dLLM v2) use `BlockDiffusion` / `MultiBlock`.
 """
 
@@ -127,19 +136,28 @@ def dream_ratios(steps: int, eps: float) -> np.ndarray:
 
 
 # --------------------------------------------------------------------------- sampling a block
-def block_noise(state: DecodeState, work, Bl: int, V: int):
+def block_noise(state: DecodeState, work, Bl: int, V: int, align=None):
     """(state, Exp(1) noise [B, Bl, V] (ones when no row samples), uniforms [B, Bl]) for one step;
-    a row's PRNG stream advances only where `work` [B]."""
+    a row's PRNG stream advances only where `work` [B]. align [B], optional: row b's draws move
+    right by align[b] (position j takes draw j - align[b]): drawn relative to a block that starts
+    align[b] slots into the window (a draw's value depends only on its index, not on Bl)."""
     nxt, sub = split_rows(state.key)
     keep = jax.random.key_data(state.key)
     key = jax.random.wrap_key_data(jnp.where(work[:, None], jax.random.key_data(nxt), keep),
                                    impl=jax.random.key_impl(state.key))
     state = state.replace(key=key)
     hot = state.sampling.temperature > 0  # [B]
+
+    def aligned(x):  # x [B, Bl, ...] -> x[b, j - align[b]]
+        if align is None:
+            return x
+        idx = jnp.clip(jnp.arange(Bl, dtype=jnp.int32)[None] - align[:, None], 0, Bl - 1)
+        return jnp.take_along_axis(x, idx.reshape(idx.shape + (1,) * (x.ndim - 2)), axis=1)
+
     exp_noise = jax.lax.cond(
-        jnp.any(hot), lambda: jax.vmap(lambda k: exponential_noise(jax.random.fold_in(k, 0), (Bl, V)))(sub),
+        jnp.any(hot), lambda: aligned(jax.vmap(lambda k: exponential_noise(jax.random.fold_in(k, 0), (Bl, V)))(sub)),
         lambda: jnp.ones((state.batch, Bl, V), jnp.float32))
-    uniform = jax.vmap(lambda k: jax.random.uniform(jax.random.fold_in(k, 1), (Bl,)))(sub)  # [B, Bl]
+    uniform = aligned(jax.vmap(lambda k: jax.random.uniform(jax.random.fold_in(k, 1), (Bl,)))(sub))  # [B, Bl]
     return state, exp_noise, uniform
 
 
@@ -180,7 +198,6 @@ class MaskedDiffusion(Paradigm):
     """
 
     name: ClassVar[str] = "masked_diffusion"
-    joins_running_batch: ClassVar[bool] = False  # rows share the lockstep window over one prefill length
     REMASKINGS: ClassVar[tuple[str, ...]] = REMASKING  # choices, for the CLI
     ALGS: ClassVar[tuple[str, ...]] = ALGS
     CACHE_MODES: ClassVar[tuple[str, ...]] = CACHE_MODES
@@ -286,99 +303,196 @@ class MaskedDiffusion(Paradigm):
             return "the replay does not run CFG: decode RL rollouts with cfg_scale=0"
         return None
 
+    # ----------------------------------------------------------------- serving
+    def row_layout(self, cfg, length: int, max_new: int, slots: int) -> common.Layout:
+        """The prompt's own layout moved right on the pool canvas, so the row's canvas ends at the
+        pool's last slot as it ends at its own alone: a bidirectional forward over the pool canvas
+        then sees exactly the slots it sees alone (and `limit` stops at the canvas end, so a
+        request asking for more than gen_length still gets gen_length)."""
+        lay = super().row_layout(cfg, length, max_new, slots)
+        alone = self.layout(np.asarray([length]), max_new, cfg)
+        return common.right_aligned(lay, slots - alone.slots)
+
+    # ----------------------------------------------------------------- per-row geometry
+    def _width(self, ctx, S: int) -> int:
+        """Static width of a step's window: block_length, or (one block) the generation region
+        S - prefill_len, which holds every row's whole generation (`DecodeCtx.prefill_len`)."""
+        return int(self.block_length) if self.block_length is not None else S - ctx.prefill_len
+
+    def _static_steps_per_block(self) -> int | None:
+        """steps_per_block when the config fixes it for every gen_length, else None."""
+        if self.gen_length is not None:
+            return self.geometry(self.gen_length)[2]
+        if self.block_length is None and self.steps is not None:
+            return int(self.steps)  # one block
+        if self.block_length is not None and self.steps is None:
+            return int(self.block_length)  # steps = gen_length: block_length steps per block
+        return None
+
+    def _rows(self, state: DecodeState):
+        """Each row's (block_length, num_blocks, steps_per_block) [B] from its own generation length
+        limit - gen_start (`geometry` per row; python ints when gen_length fixes them)."""
+        if self.gen_length is not None:
+            return self.geometry(self.gen_length)
+        G = jnp.maximum(state.limit - state.gen_start, 1)  # idle pool rows: 1
+        Bl = G if self.block_length is None else jnp.full_like(G, int(self.block_length))
+        nb = jnp.maximum(G // Bl, 1)
+        steps = G if self.steps is None else jnp.full_like(G, int(self.steps))
+        return Bl, nb, jnp.maximum(steps // nb, 1)
+
+    def _dream_ratio(self, spb, i, W: int):
+        """Dream's reveal fraction at step i of a block of spb steps ([B]; `dream_ratios` exactly)."""
+        static = self._static_steps_per_block()
+        if static is not None:
+            return jnp.asarray(dream_ratios(static, self.eps))[jnp.minimum(i, static - 1)]
+        M = int(self.steps) if self.steps is not None else W  # bounds steps_per_block
+        table = np.ones((M + 1, M), np.float32)
+        for n in range(1, M + 1):
+            table[n, :n] = dream_ratios(n, self.eps)
+        return jnp.asarray(table)[jnp.clip(spb, 1, M), jnp.clip(i, 0, jnp.maximum(spb - 1, 0))]
+
+    def _block_start(self, state: DecodeState):
+        """[B] first slot of each row's current block."""
+        Bl = self._rows(state)[0]
+        return state.gen_start + state.extra["block"] * Bl
+
     # ----------------------------------------------------------------- device side
     def prefill(self, params, ctx, state: DecodeState, bitmask=None) -> DecodeState:
-        """No forward here: the first step's forward is the first refresh."""
-        zero = jnp.zeros((), jnp.int32)
+        """No forward here: the first step's forward is the first refresh. Each row keeps its own
+        block index and step-in-block counter."""
+        zero = jnp.zeros((state.batch,), jnp.int32)
         return state.replace(extra={"block": zero, "i": zero})
 
-    def _full_logits(self, params, ctx, state: DecodeState, with_cache: bool, at):
-        """(state, logits [B, N, V] at canvas slots `at` [B, N]) of a forward over the whole canvas
-        (and the cache refreshed when with_cache)."""
+    def _full_logits(self, params, ctx, state: DecodeState, at, lo: int = 0):
+        """(state, logits [B, N, V] at canvas slots `at` [B, N]) of a forward over slots [lo, S) alone,
+        no cache (with classifier-free guidance: the mix of the two forwards). lo > 0 only where every
+        row that matters starts at or after it (slots before a row's start are padding it never sees)."""
         S = state.slots
-        pos = default_positions(state.start, 0, S)
+        toks = state.tokens[:, lo:]
+        pos = default_positions(state.start, lo, S - lo)
+        start = jnp.maximum(state.start - lo, 0)
+        at = jnp.clip(at - lo, 0, S - lo - 1)
         if self.cfg_scale > 0:
-            prompt = slot_index(state) < state.gen_start[:, None]
-            un = jnp.where(prompt, jnp.int32(ctx.model.mask_token_id), state.tokens)
-            both, _ = forward(params, ctx.model, jnp.concatenate([state.tokens, un]), jnp.concatenate([pos, pos]),
-                              start=jnp.concatenate([state.start, state.start]), attn_impl=ctx.attn_impl,
+            prompt = slot_index(state)[:, lo:] < state.gen_start[:, None]
+            un = jnp.where(prompt, jnp.int32(ctx.model.mask_token_id), toks)
+            both, _ = forward(params, ctx.model, jnp.concatenate([toks, un]), jnp.concatenate([pos, pos]),
+                              start=jnp.concatenate([start, start]), attn_impl=ctx.attn_impl,
                               logits_at=jnp.concatenate([at, at]))
             cond, unc = both[:state.batch], both[state.batch:]
             return state.replace(forwards=state.forwards + 2), unc + (self.cfg_scale + 1.0) * (cond - unc)
-        if not with_cache:
-            raw, _ = forward(params, ctx.model, state.tokens, pos, start=state.start, attn_impl=ctx.attn_impl,
-                             logits_at=at)
-            return state.replace(forwards=state.forwards + 1), raw
-        raw, cache = forward(params, ctx.model, state.tokens, pos, start=state.start, cache=state.cache, offset=0,
-                             attn_impl=ctx.attn_impl, logits_at=at)
-        return state.replace(cache=cache, forwards=state.forwards + 1), raw
+        raw, _ = forward(params, ctx.model, toks, pos, start=start, attn_impl=ctx.attn_impl, logits_at=at)
+        return state.replace(forwards=state.forwards + 1), raw
 
-    def _window_logits(self, params, ctx, state: DecodeState, lo, width: int, n: int, kv_len=None):
-        """(state, logits [B, n, V] of the first n slots) of a forward over [lo, lo + width) against the cache."""
+    def _cached_logits(self, params, ctx, state: DecodeState, lo, width: int, at, *, kv_len=None,
+                       keep_below=None, keep_from=None):
+        """(state, logits [B, N, V] at canvas slots `at`) of a forward over [lo, lo + width) (lo:
+        scalar or [B]) against the cache, writing the window's K/V except where kept."""
         toks = common.window(state.tokens, lo, width)
         pos = default_positions(state.start, lo, width)
-        at = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), (state.batch, n))
+        idx = jnp.clip(at - jnp.asarray(lo, jnp.int32).reshape(-1, 1), 0, width - 1)
         raw, cache = forward(params, ctx.model, toks, pos, start=state.start, cache=state.cache, offset=lo,
-                             attn_impl=ctx.attn_impl, kv_len=kv_len, logits_at=at)
+                             attn_impl=ctx.attn_impl, kv_len=kv_len, logits_at=idx, keep_below=keep_below,
+                             keep_from=keep_from)
         return state.replace(cache=cache, forwards=state.forwards + 1), raw
 
-    def _block_logits(self, params, ctx, state: DecodeState, blk, i, Bl: int, nb: int):
-        """(state, aligned logits [B, Bl, V] predicting the tokens of block `blk`), per the cache mode."""
-        P, S = ctx.prefill_len, state.slots
-        shift = int(ctx.model.logit_shift)
-        b0 = P + blk * Bl
-        at = jnp.broadcast_to(b0 - shift + jnp.arange(Bl, dtype=jnp.int32), (state.batch, Bl))
-        if self.cache_mode == "none":
-            return self._full_logits(params, ctx, state, False, at)
-
-        def full(st):
-            return self._full_logits(params, ctx, st, True, at)
-
-        if self.cache_mode == "dual":
-            def win(st):
-                return self._window_logits(params, ctx, st, b0 - shift, Bl + shift, Bl, kv_len=S)
-        else:
-            def branch(k):
-                lo = P + k * Bl - shift  # static per block: window [lo, S)
-                return lambda st: self._window_logits(params, ctx, st, lo, S - lo, Bl)
-
-            def win(st):
-                return jax.lax.switch(jnp.clip(blk, 0, nb - 1), [branch(k) for k in range(nb)], st)
-
-        return jax.lax.cond(i == 0, full, win, state)
-
     def plan(self, ctx, state: DecodeState):
-        """The current block; the batch moves on once no running row has a masked slot left in it."""
-        P, S = ctx.prefill_len, state.slots
-        Bl, nb, _ = self.geometry(S - P)
+        """Each row's current block; a row moves to its next block once it has no masked slot left in
+        this one (rows of a batch sit in different blocks and steps, none waits for another)."""
+        Bl, nb, _ = self._rows(state)
+        W = self._width(ctx, state.slots)
         blk, i = state.extra["block"], state.extra["i"]
-        filled = ~jnp.any(common.candidates(state, P + blk * Bl, Bl))
+        filled = ~jnp.any(common.candidates(state, state.gen_start + blk * Bl, W), axis=-1)
         blk = jnp.minimum(jnp.where(filled, blk + 1, blk), nb - 1)
         i = jnp.where(filled, 0, i)
-        state = state.replace(extra={"block": blk, "i": i})
-        return state, common.make_plan(state, P + blk * Bl, Bl)
+        state = state.replace(extra={**state.extra, "block": blk, "i": i})
+        return state, common.make_plan(state, state.gen_start + blk * Bl, W)
 
     def forward(self, params, ctx, state: DecodeState, plan: common.Plan):
-        P, S = ctx.prefill_len, state.slots
-        Bl, nb, _ = self.geometry(S - P)
-        state, logits = self._block_logits(params, ctx, state, state.extra["block"], state.extra["i"], Bl, nb)
+        """The forward per cache mode (module docstring), one for the batch; a row whose block starts
+        (its step 0) refreshes its cache while the others run their own window (see
+        `_refresh_or_window`)."""
+        shift = int(ctx.model.logit_shift)
+        at = plan.slots - shift  # [B, W] the slots whose logits predict the window
         work = jnp.any(plan.valid, axis=-1)  # [B]
+        if self.cache_mode == "none":  # each working row needs [its start, S); a serving pool narrows to them
+            S = state.slots
+            need = S - jnp.min(jnp.where(work, state.start, S))
+            state, logits = common.switch_width(
+                ctx, state, common.suffix_widths(ctx, S), need,
+                lambda w: lambda st: self._full_logits(params, ctx, st, at, S - w))
+        else:
+            state, logits = self._refresh_or_window(params, ctx, state, plan, at, work)
         state = common.count_forward(state, work)
         if self.cfg_scale > 0:
             state = common.count_forward(state, work)
         return state, logits
 
-    def reveal(self, ctx, state: DecodeState, plan: common.Plan, logits, bitmask=None) -> DecodeState:
-        P, S = ctx.prefill_len, state.slots
-        Bl, nb, spb = self.geometry(S - P)
-        i = state.extra["i"]
-        b0, cand = plan.offset, plan.valid  # [B], [B, Bl]
-        work = jnp.any(cand, axis=-1)  # [B]
+    def _refresh_or_window(self, params, ctx, state: DecodeState, plan: common.Plan, at, work):
+        """prefix / dual cache, per row: a working row at its block's first step refreshes (its whole
+        canvas: K/V written, logits from the full forward), the others run [block start - shift, S)
+        (prefix) or their block alone with the cached suffix visible (dual) against their own cache.
 
-        state, exp_noise, uniform = block_noise(state, work, Bl, logits.shape[-1])
-        if bitmask is not None:  # [B, Bl, ceil(V/32)] over the block
+        One forward serves the batch: when every working row runs its window, the narrowest one that
+        holds them (prefix: the static widths of a batch whose rows share the prompt bucket; dual: each
+        row's block at its own offset); when some row refreshes, the whole canvas. Every row keeps its
+        cached K/V outside what it recomputes alone (`forward(keep_below=, keep_from=)`), so each row
+        computes what it computes alone. The cost: rows that joined at other times refresh at other
+        steps, and each refresh makes that step's forward a whole-canvas one for the batch."""
+        S, W = state.slots, plan.width
+        shift = int(ctx.model.logit_shift)
+        refresh = work & (state.extra["i"] == 0)  # [B]
+        b0 = self._block_start(state)  # [B]
+        lo = b0 - shift  # [B] a window row's first recomputed slot
+        # a refreshing row rewrites [its start, S) (a serving pool), or the whole canvas (padding included)
+        fresh = state.start if ctx.own_layouts else jnp.zeros_like(state.start)
+        if self.cache_mode == "prefix":
+            floor = jnp.where(work, jnp.where(refresh, fresh, lo), S).astype(jnp.int32)
+            P = ctx.prefill_len
+            widths = sorted(set(common.suffix_widths(ctx, S)) | {S - (P + k * W - shift) for k in
+                                                                  range(max((S - P) // W, 1))
+                                                                  if 0 < S - (P + k * W - shift) <= S})
+
+            # one row alone recomputes its whole window: nothing in it to keep (and no per-layer select)
+            keep = floor if state.batch > 1 or ctx.own_layouts else None
+
+            def suffix(width):
+                return lambda st: self._cached_logits(params, ctx, st, S - width, width, at, keep_below=keep)
+
+            return common.switch_width(ctx, state, widths, S - jnp.min(floor), suffix)
+
+        hi = b0 + self._rows(state)[0]  # [B] the block's end (one block: the canvas end)
+
+        below = jnp.where(refresh, fresh, jnp.where(work, lo, S)).astype(jnp.int32)
+        above = jnp.where(refresh, S, jnp.where(work, hi, S)).astype(jnp.int32)
+
+        def full(st):  # dual, some row refreshes: the others keep everything outside their block
+            return common.switch_width(ctx, st, common.suffix_widths(ctx, S), S - jnp.min(below),
+                                       lambda w: lambda s_: self._cached_logits(params, ctx, s_, S - w, w, at,
+                                                                                keep_below=below, keep_from=above))
+
+        def blocks(st):  # dual, every row in its block: the block alone, the cached suffix visible
+            if self.block_length is not None:  # each row's block at its own offset
+                # one row: a scalar offset (a window slice and update, not a per-row gather / scatter)
+                return self._cached_logits(params, ctx, st, lo[0] if st.batch == 1 else lo, W + shift, at, kv_len=S)
+            # one block per row, ending at the canvas end: the widest row's, the others keep their prefix
+            return self._cached_logits(params, ctx, st, S - W - shift, W + shift, at,
+                                       keep_below=jnp.where(work, lo, S).astype(jnp.int32))
+
+        return jax.lax.cond(jnp.any(refresh), full, blocks, state)
+
+    def reveal(self, ctx, state: DecodeState, plan: common.Plan, logits, bitmask=None) -> DecodeState:
+        W = plan.width
+        Bl, nb, spb = self._rows(state)
+        i = state.extra["i"]
+        c, cand = plan.offset, plan.valid  # [B], [B, W]
+        work = jnp.any(cand, axis=-1)  # [B]
+        # a window wider than the row's one block starts before it (clamped to the canvas): the
+        # noise is drawn block-relative, as the row alone draws it
+        align = None if self.block_length is not None else self._block_start(state) - c
+        state, exp_noise, uniform = block_noise(state, work, W, logits.shape[-1], align)
+        if bitmask is not None:  # [B, W, ceil(V/32)] over the window
             logits = apply_token_bitmask(logits, bitmask)
-        state, logits = common.constrain_logits(state, logits, b0)
+        state, logits = common.constrain_logits(state, logits, c)
 
         s, conf1, zt = sample_block(state, ctx, logits, exp_noise)
         last = i >= spb - 1
@@ -386,18 +500,19 @@ class MaskedDiffusion(Paradigm):
             conf = uniform if self.remasking == "random" else conf1
             if self.confidence_threshold is not None:
                 sel = common.select_threshold(cand, conf, self.confidence_threshold)
-            else:
-                k = jnp.asarray(transfer_schedule(Bl, spb))[jnp.minimum(i, spb - 1)]
-                sel = common.select_top_k(cand, conf, jnp.where(i >= spb, Bl, k))
+            else:  # LLaDA's `transfer_schedule(Bl, spb)[i]`; past the schedule: everything left
+                k = Bl // spb + (jnp.minimum(i, spb - 1) < Bl % spb)
+                sel = common.select_top_k(cand, conf, jnp.where(i >= spb, W, k))
         else:
-            ratio = jnp.where(last, 1.0, jnp.asarray(dream_ratios(spb, self.eps))[jnp.minimum(i, spb - 1)])
+            ratio = jnp.where(last, 1.0, self._dream_ratio(spb, i, W))
+            ratio = jnp.broadcast_to(ratio, (state.batch,))[:, None]
             if self.alg == "origin":
                 sel = cand & (uniform < ratio)
             else:
                 if self.alg == "maskgit_plus":
                     conf = s.prob
                 elif self.alg == "topk_margin":
-                    top2 = jnp.exp(jax.lax.top_k(jax.nn.log_softmax(zt, axis=-1), 2)[0])  # [B, Bl, 2]
+                    top2 = jnp.exp(jax.lax.top_k(jax.nn.log_softmax(zt, axis=-1), 2)[0])  # [B, W, 2]
                     conf = top2[..., 0] - top2[..., 1]
                 else:
                     conf = -s.entropy
@@ -405,9 +520,9 @@ class MaskedDiffusion(Paradigm):
                     sel = common.select_threshold(cand, conf, self.confidence_threshold)
                 else:
                     n = jnp.sum(cand, axis=-1).astype(jnp.float32)  # [B]
-                    k = jnp.where(last, n, jnp.floor(n * ratio)).astype(jnp.int32)
+                    k = jnp.where(jnp.broadcast_to(last, n.shape), n, jnp.floor(n * ratio[:, 0])).astype(jnp.int32)
                     sel = common.select_top_k(cand, conf, k)
-        state = common.write_tokens(state, b0, sel, s)
+        state = common.write_tokens(state, c, sel, s)
         state = common.finish_rows(state)
         return state.replace(extra={**state.extra, "i": i + 1})
 

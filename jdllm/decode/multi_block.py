@@ -2,15 +2,20 @@
 
 Blocks
 ------
-The generation region is cut into blocks of `block_size` slots. Block-causal
-models use their absolute block grid (as `block_diffusion`: rows are
-left-padded so every row's first decode block starts at slot `base` =
-prefill_len, the prompt remainder sits pre-revealed at its start); the last
-block is whole, its slots past the row's limit hold the mask token and are
-never generated (as in `block_diffusion`).
+The generation region is cut into blocks of `block_size` slots, from each
+row's own `base` (`state.extra["base"]` [B]: rows of a serving pool sit on
+their own layouts and join a running batch at any step; every piece of the step
+reads the row's own base, block states, cache length and forward count, so no
+row depends on its neighbours). Block-causal models use their absolute block
+grid (as `block_diffusion`: in a `generate` batch rows are left-padded so every
+row's first decode block starts at slot base = prefill_len, the prompt
+remainder sits pre-revealed at its start); the last block is whole, its slots
+past the row's limit hold the mask token and are never generated (as in
+`block_diffusion`).
 Bidirectional models start block 0 at the first generated slot; their canvas
 is right-aligned so every row's canvas ends exactly at prompt + max_new_tokens
-(= slot S), which is what a full-attention forward must see.
+(= slot S), which is what a full-attention forward must see (a serving row is
+moved right on the pool canvas the same way, `row_layout`).
 
 Each block moves Inactive -> Activated -> Fully-Activated -> Completed; its
 progress is the fraction of its slots (below the row's limit; prompt slots
@@ -87,9 +92,11 @@ first block some running row still has in flight. A block completed by a
 step's reveal therefore rides along in the next forward, which writes its
 clean K/V; K/V written while a block still had masks are never committed.
 Under block-causal attention nothing after active_end influences the window,
-so the logits equal the no-cache forward's and so does the output. In a batch
-the window sits at the slowest row's frontier; when a row ahead does not fit
-the step runs one full forward instead (same result, more compute). The
+so the logits equal the no-cache forward's and so does the output. Each row's
+window starts at its own cache length (per-row offsets); the batch shares the
+window's width, the narrowest that reaches every row's active end (when even
+the widest does not, the step runs one full forward: same result, more
+compute). The
 first step starts from an empty cache at slot 0 (a window when the prompt's
 whole blocks are short enough, else the full forward); it writes the prompt's
 blocks, which are committed right after it.
@@ -142,9 +149,12 @@ the whole suffix from its prefix cache's edge (`cache_mode="approx"`). Not
 d3LLM's algorithm, but the fastest of the two on the CPU (fewer slots per
 step). Every
 `refresh_interval` steps, and whenever the active blocks do not fit in the
-window, a full forward refreshes everything. Output may differ from the exact
-run (the benchmark measures by how much); `refresh_interval=1` is the exact
-run.
+window, a full forward refreshes everything. Periods and freezing count each
+row's own forwards (its NFE), and each row's window sits at its own offset; a
+step where some row refreshes runs one whole-canvas forward in which the other
+rows keep their cached K/V outside their window. Output may differ from the
+exact run (the benchmark measures by how much); `refresh_interval=1` is the
+exact run.
 
 Step split (`jdllm.decode.loop`): `plan` runs phases 1-3 and names the slots
 in flight, row b's [first non-Completed block, + max_blocks blocks) (every
@@ -173,7 +183,8 @@ from jdllm.decode import common
 from jdllm.decode.multi_block_cache import CACHE_STRATEGIES, WINDOW_BLOCKS
 from jdllm.decode.multi_block_states import (ACTIVATED, BLOCK_STATES, COMPLETED, FULLY_ACTIVATED, INACTIVE,
                                              activate_and_add, block_stats, block_view, complete_filled, early_stop,
-                                             first_open, frontier, init_blocks, num_blocks, reopen_blocks)
+                                             first_open, frontier, gather, init_blocks, num_blocks, reopen_blocks,
+                                             scatter_max)
 from jdllm.decode.protocol import Paradigm
 from jdllm.sampling import Sample
 from jdllm.state import DecodeState, generated_mask, slot_index
@@ -214,7 +225,6 @@ class MultiBlock(Paradigm):
     """
 
     name: ClassVar[str] = "multi_block"
-    joins_running_batch: ClassVar[bool] = False  # rows share one block grid and prefill length
     trace_keys: ClassVar[tuple[str, ...]] = ("num_blocks", "block_state", "block_steps")  # what output_trace reads
 
     block_size: int = 32
@@ -315,6 +325,15 @@ class MultiBlock(Paradigm):
         return common.Layout(start=(gen_start - lengths).astype(np.int32), gen_start=gen_start, slots=S,
                              prefill_len=0)
 
+    def row_layout(self, cfg, length: int, max_new: int, slots: int) -> common.Layout:
+        """A serving row: the prompt's own layout on the pool canvas; bidirectional models' moved
+        right so the row's canvas ends at the pool's last slot, as it ends alone (block-causal
+        models' keep their absolute block grid: nothing after a block changes it)."""
+        lay = super().row_layout(cfg, length, max_new, slots)
+        if cfg.attention == "block_causal":
+            return lay
+        return common.right_aligned(lay, slots - self.layout(np.asarray([length]), max_new, cfg).slots)
+
     def max_iterations(self, state: DecodeState) -> int:
         bound = state.slots + 8
         return bound if self.max_forwards is None else min(bound, self.max_forwards + 1)
@@ -340,7 +359,7 @@ class MultiBlock(Paradigm):
         return min(self.max_blocks * self.block_size, S)
 
     def _grid(self, ctx, state: DecodeState):
-        """(base, slot index [NB*Bs], validity [B, NB, Bs]) of the block grid (`block_view`)."""
+        """(base [B], slot index [B, NB*Bs], validity [B, NB, Bs]) of the block grid (`block_view`)."""
         base = state.extra["base"]
         idx, ok = block_view(state, base, num_blocks(ctx, state, self.block_size), self.block_size)
         return base, idx, ok
@@ -460,7 +479,7 @@ def force_progress(state: DecodeState, sel, ent, idx, ok, running, *, first_only
     Fully-Activated block with masks that `sel` gave nothing, in running rows."""
     st = state.extra["block_state"]
     size, dec = block_stats(state, idx, ok)
-    view = lambda x: jnp.take(x, idx, axis=1).reshape(ok.shape)  # noqa: E731  [B, NB, Bs]
+    view = lambda x: gather(x, idx, ok)  # noqa: E731  [B, NB, Bs]
     masked_v = ~view(state.revealed) & ok
     got = jnp.any(view(sel) & ok, axis=-1)  # [B, NB]
     eligible = (st == FULLY_ACTIVATED) & (dec < size)  # [B, NB]
@@ -470,7 +489,7 @@ def force_progress(state: DecodeState, sel, ent, idx, ok, running, *, first_only
     need = eligible & ~got & running[:, None]
     pick = jnp.argmin(jnp.where(masked_v, view(ent), jnp.inf), axis=-1)  # [B, NB]
     forced_v = need[..., None] & masked_v & (jnp.arange(ok.shape[-1])[None, None] == pick[..., None])
-    return jnp.zeros_like(sel).at[:, idx].max(forced_v.reshape(state.batch, -1))
+    return scatter_max(sel, idx, forced_v)
 
 
 __all__ = ["MultiBlock", "BLOCK_STATES", "CACHE_MODES", "FORCED_PROGRESS", "SELECTIONS", "INACTIVE", "ACTIVATED",

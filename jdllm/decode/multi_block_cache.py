@@ -44,6 +44,17 @@ def prefix_logits(params, ctx, state: DecodeState, width: int, at):
     return state.replace(forwards=state.forwards + 1), logits
 
 
+def suffix_logits(params, ctx, state: DecodeState, lo: int, at):
+    """No cache: the model over slots [lo, S) alone (a bidirectional canvas whose running rows all start
+    at or after lo) -> (state, logits predicting `at` [B, N, V])."""
+    S = state.slots
+    positions = default_positions(state.start, lo, S - lo)
+    idx = jnp.clip(common.head_index(ctx, at, lo), 0, S - lo - 1)
+    logits, _ = forward(params, ctx.model, state.tokens[:, lo:], positions, start=jnp.maximum(state.start - lo, 0),
+                        attn_impl=ctx.attn_impl, logits_at=idx)
+    return state.replace(forwards=state.forwards + 1), logits
+
+
 @dataclasses.dataclass(frozen=True)
 class NoCache(CacheStrategy):
     """cache_mode="none". Bidirectional: the whole canvas. Block-causal: the prefix up to active_end,
@@ -53,8 +64,10 @@ class NoCache(CacheStrategy):
 
     def forward(self, mb, params, ctx, state: DecodeState, at, active_end):
         S, Bs = state.slots, mb.block_size
-        if ctx.model.attention != "block_causal":
-            return prefix_logits(params, ctx, state, S, at)
+        if ctx.model.attention != "block_causal":  # a serving pool narrows to [the running rows' start, S)
+            need = S - jnp.min(jnp.where(~state.done, state.start, S))
+            return common.switch_width(ctx, state, common.suffix_widths(ctx, S), need,
+                                       lambda w: lambda st: suffix_logits(params, ctx, st, S - w, at))
         widths, w = [], Bs
         while ctx.prefill_len + w < S:
             widths.append(ctx.prefill_len + w)
@@ -66,13 +79,15 @@ class NoCache(CacheStrategy):
 
 @dataclasses.dataclass(frozen=True)
 class ExactCache(CacheStrategy):
-    """cache_mode="exact": a window from cache.length; commit the blocks that were Completed before this forward.
+    """cache_mode="exact": a window from each row's cache.length; commit the blocks that were Completed
+    before this forward.
 
     Window widths: 1, 2, 4, ... blocks up to 2 * max_blocks (without a cap: up to the canvas; the
-    narrowest that reaches every running row's active end), else the whole canvas. A window that
-    would run off the canvas starts earlier instead: it then recomputes some committed slots from
-    their final tokens, which rewrites the same K/V. The batch shares one cache length (the slowest
-    row's frontier).
+    narrowest that reaches every running row's active end from its own cache length), else the whole
+    canvas. Each row's window starts at its own cache length (rows of a batch sit at different
+    frontiers, none waits for another); a window that would run off the canvas starts earlier
+    instead: it then recomputes some committed slots from their final tokens, which rewrites the
+    same K/V.
     """
 
     mode: ClassVar[str] = "exact"
@@ -83,14 +98,13 @@ class ExactCache(CacheStrategy):
         base = state.extra["base"]
         running = ~state.done
         first = first_open(state.extra["block_state"])  # [B] at forward time
-        F = jnp.min(jnp.where(running, first, jnp.iinfo(jnp.int32).max))
-        L = jnp.max(state.cache.length)
-        new_len = jnp.where(jnp.any(running), jnp.maximum(base + F * Bs, L), L).astype(jnp.int32)
-        also = jnp.broadcast_to(new_len - 1, (state.batch, 1))  # the last committed slot's raw logits
+        L = state.cache.length  # [B]
+        new_len = jnp.where(running, jnp.maximum(base + first * Bs, L), L).astype(jnp.int32)
+        also = (new_len - 1)[:, None]  # the last committed slot's raw logits
 
         def commit(st, logits):
             N = at.shape[1]
-            prev = jnp.where(new_len > L, logits[:, N], st.prev_logits)
+            prev = jnp.where((new_len > L)[:, None], logits[:, N], st.prev_logits)
             return st.replace(cache=st.cache.commit(new_len), prev_logits=prev), logits[:, :N]
 
         def windowed(width):
@@ -109,13 +123,14 @@ class ExactCache(CacheStrategy):
         while n <= 2 * K and n * Bs < S:
             widths.append(n * Bs)
             n *= 2
-        need = jnp.max(jnp.where(running, active_end - L, 0))  # slots the window must cover
+        need = jnp.max(jnp.where(running, active_end - L, 0))  # slots the widest row's window must cover
         return common.switch_width(ctx, state, widths + [S], need, lambda w: windowed(w) if w < S else full)
 
 
 @dataclasses.dataclass(frozen=True)
 class ApproxCache(CacheStrategy):
-    """cache_mode="approx": d3LLM's delayed prefix cache (`generate_multi_block_kv_cache`), per row. One
+    """cache_mode="approx": d3LLM's delayed prefix cache (`generate_multi_block_kv_cache`), per row (its
+    own base, edge, forward count and refresh period). One
     forward for the batch: the window ends at S and starts at or before every running row's own
     start (its cache edge, or 0 for a full forward); `keep_below` keeps each row's cached prefix K/V
     as they are, stale included, so a row computes what it computes alone."""
@@ -132,7 +147,7 @@ class ApproxCache(CacheStrategy):
         running = ~state.done
         n = state.nfe + 1  # [B] the row's forward number (d3LLM's nfe)
         edge = state.cache.length  # [B]
-        ends = jnp.minimum(base + Bs * (jnp.arange(NB, dtype=jnp.int32) + 1), S)  # [NB]
+        ends = jnp.minimum(base[:, None] + Bs * (jnp.arange(NB, dtype=jnp.int32) + 1), S)  # [B, NB]
         # the caching scan: the prompt (complete at nfe 0), then the added blocks, in order
         complete = (st != INACTIVE) & (size > 0) & (dec >= size)  # [B, NB]
         seen = state.extra["scanned_at"]  # [B, NB] d3LLM's completed_at_nfe (-1: None)
@@ -145,8 +160,7 @@ class ApproxCache(CacheStrategy):
         since = jnp.where(seen >= 0, n[:, None] - seen, 0)
         ripe = jnp.concatenate([(n >= mb.cache_delay_iter)[:, None],
                                 complete & (since >= mb.cache_delay_iter)], axis=-1)  # [B, 1 + NB]
-        col_end = jnp.concatenate([jnp.broadcast_to(base, (state.batch, 1)),
-                                   jnp.broadcast_to(ends, st.shape)], axis=-1)
+        col_end = jnp.concatenate([base[:, None], ends], axis=-1)  # [B, 1 + NB]
         below = col_end <= edge[:, None]
         eos_col = jnp.concatenate([jnp.zeros_like(eos[:, :1]), eos], axis=-1)
         prefix = lambda go: jnp.cumprod(go.astype(jnp.int32), axis=-1) > 0  # noqa: E731
@@ -162,11 +176,12 @@ class ApproxCache(CacheStrategy):
             reached = jnp.concatenate([jnp.ones_like(passed[:, :1]), passed[:, :-1]], axis=-1)[:, 1:]
             caches = passed & ~eos_col
         new_edge = jnp.maximum(edge, jnp.max(jnp.where(caches, col_end, 0), axis=-1))
-        seen = jnp.where(running[:, None] & reached & complete & (ends[None] > edge[:, None]) & (seen < 0),
+        seen = jnp.where(running[:, None] & reached & complete & (ends > edge[:, None]) & (seen < 0),
                          n[:, None], seen)
-        stabilising = jnp.any((seen >= 0) & ~eos & (ends[None] > new_edge[:, None]), axis=-1) | (base > new_edge)
+        stabilising = jnp.any((seen >= 0) & ~eos & (ends > new_edge[:, None]), axis=-1) | (base > new_edge)
         suffix = (new_edge > edge) | ((edge > 0) & ~stabilising & (n % mb.refresh_interval != 0))
-        floor = jnp.where(running, jnp.where(suffix, edge, 0), S).astype(jnp.int32)  # [B] first slot recomputed
+        fresh = state.start if ctx.own_layouts else jnp.zeros_like(edge)  # a refresh: [start, S) in a pool
+        floor = jnp.where(running, jnp.where(suffix, edge, fresh), S).astype(jnp.int32)  # [B] first slot recomputed
         commit = jnp.where(running, new_edge, edge)
         state = state.replace(extra={**state.extra, "scanned_at": seen})
         if ctx.model.logit_shift:  # Dream shifts within the forward: a suffix's first slot predicts itself
@@ -184,9 +199,15 @@ class ApproxCache(CacheStrategy):
 
 @dataclasses.dataclass(frozen=True)
 class WindowCache(CacheStrategy):
-    """cache_mode="window": jdllm's windowed approximation (stale K/V outside a window of max_blocks + 1
-    blocks from the first block not yet frozen; a full forward every refresh_interval forwards or
-    when the active blocks do not fit)."""
+    """cache_mode="window": jdllm's windowed approximation, per row: stale K/V outside a window of
+    max_blocks + 1 blocks from the row's first block not yet frozen; a full forward every
+    refresh_interval of the row's forwards or when its active blocks do not fit. Periods and
+    freezing count the row's own forwards (its NFE), so a row decodes as it does alone.
+
+    One forward serves the batch: when no running row refreshes, each row's window at its own offset
+    (the cached canvas visible around it); when some row refreshes, the whole canvas, where every
+    other row keeps its cached K/V outside its window (`forward(keep_below=, keep_from=)`). The cost:
+    rows refreshing at different steps make more of the batch's forwards whole-canvas ones."""
 
     mode: ClassVar[str] = "window"
 
@@ -201,26 +222,27 @@ class WindowCache(CacheStrategy):
         NB = st.shape[-1]
         k = jnp.arange(NB, dtype=jnp.int32)
         done_at = state.extra["completed_at"]
-        frozen = (st == COMPLETED) & (done_at >= 0) & (state.forwards - done_at >= mb.cache_delay_iter)
+        frozen = (st == COMPLETED) & (done_at >= 0) & (state.nfe[:, None] - done_at >= mb.cache_delay_iter)
         first_live = jnp.min(jnp.where(frozen, NB, k), axis=-1)  # [B] first block not frozen
-        first_live = jnp.min(jnp.where(running, first_live, NB))
-        offset = jnp.clip(base + first_live * Bs - lead, 0, S - W).astype(jnp.int32)
+        offset = jnp.clip(base + first_live * Bs - lead, 0, S - W).astype(jnp.int32)  # [B]
+        fits = active_end <= offset + W
+        refresh = state.nfe % mb.refresh_interval == 0  # a row's first forward always refreshes
+        full_rows = running & (refresh | ~fits)
 
         def windowed(s_):
-            s_, logits = common.forward_window(params, ctx, s_, offset, W, at=at, kv_len=S)
-            return s_, logits
+            return common.forward_window(params, ctx, s_, offset, W, at=at, kv_len=S)
 
-        def full(s_):
-            s_, logits = common.forward_window(params, ctx, s_, 0, S, at=at)
-            return s_, logits
+        def full(s_):  # the refreshing rows write the whole canvas, the others only their window
+            window_rows = running & ~full_rows
+            below = jnp.where(full_rows, 0, jnp.where(window_rows, offset, S))
+            above = jnp.where(full_rows, S, jnp.where(window_rows, offset + W, S))
+            return common.forward_window(params, ctx, s_, 0, S, at=at, keep_below=below, keep_from=above)
 
-        fits = jnp.all(~running | (active_end <= offset + W))
-        refresh = state.forwards % mb.refresh_interval == 0  # the first forward always refreshes
-        return jax.lax.cond(fits & ~refresh, windowed, full, state)
+        return jax.lax.cond(jnp.any(full_rows), full, windowed, state)
 
 
 CACHE_STRATEGIES: dict[str, CacheStrategy] = {c.mode: c() for c in (NoCache, ExactCache, ApproxCache, WindowCache)}
 """mode -> its strategy (`MultiBlock.resolved_cache_mode(cfg)` picks one)."""
 
 __all__ = ["CacheStrategy", "NoCache", "ExactCache", "ApproxCache", "WindowCache", "CACHE_STRATEGIES",
-           "WINDOW_BLOCKS", "prefix_logits"]
+           "WINDOW_BLOCKS", "prefix_logits", "suffix_logits"]

@@ -1,6 +1,7 @@
 """`multi_block`'s block grid and block-state machine (see `jdllm.decode.multi_block`'s docstring).
 
-Block k of a row covers slots [base + k * block_size, base + (k + 1) * block_size); its state
+Block k of row b covers slots [base[b] + k * block_size, base[b] + (k + 1) * block_size) (each row
+its own base: rows of a serving pool sit on their own layouts); its state
 moves Inactive -> Activated -> Fully-Activated -> Completed. `state.extra` holds
 `block_state` [B, NB], `block_steps` [B, NB, 3] (the step each state was entered, -1 = never)
 and the approximate caches' counters `completed_at` / `scanned_at` [B, NB]. Pure functions.
@@ -19,24 +20,44 @@ BLOCK_STATES = ("inactive", "activated", "fully_activated", "completed")
 
 # --------------------------------------------------------------------------- the grid
 def num_blocks(ctx, state: DecodeState, block_size: int) -> int:
-    """Static number of block columns NB (covers every row's generation)."""
-    Bs, S = block_size, state.slots
+    """Static number of block columns NB: the canvas's, ceil(S / block_size), which covers every
+    row's generation from any base (the same for a row prefilled alone and the pool it joins)."""
+    return -(-state.slots // block_size)
+
+
+def row_base(ctx, state: DecodeState, block_size: int):
+    """[B] each row's first decode block: block-causal models its first block on the absolute grid
+    after the prompt's whole blocks (the layout's prefill_len alone), bidirectional ones its first
+    generated slot."""
     if ctx.model.attention == "block_causal":
-        return (S - ctx.prefill_len) // Bs
-    return -(-S // Bs)
+        return (state.gen_start // block_size * block_size).astype(jnp.int32)
+    return state.gen_start.astype(jnp.int32)
 
 
 def block_view(state: DecodeState, base, NB: int, block_size: int):
-    """Slot index [NB*Bs] (clipped into the canvas) and validity [B, NB, Bs] of the block grid."""
+    """Slot index [B, NB*Bs] (clipped into the canvas) and validity [B, NB, Bs] of the block grid
+    of rows starting at base [B]."""
     Bs, S = block_size, state.slots
-    raw = base + jnp.arange(NB * Bs, dtype=jnp.int32)  # [NB*Bs]
-    ok = (raw[None] < state.limit[:, None]) & (raw[None] < S)  # [B, NB*Bs]
+    raw = jnp.asarray(base, jnp.int32).reshape(-1, 1) + jnp.arange(NB * Bs, dtype=jnp.int32)  # [B, NB*Bs]
+    raw = jnp.broadcast_to(raw, (state.batch, NB * Bs))
+    ok = (raw < state.limit[:, None]) & (raw < S)  # [B, NB*Bs]
     return jnp.minimum(raw, S - 1), ok.reshape(-1, NB, Bs)
+
+
+def gather(x, idx, ok):
+    """x [B, S] read on the block grid (`block_view`'s idx [B, NB*Bs]) -> [B, NB, Bs]."""
+    return jnp.take_along_axis(x, idx, axis=1).reshape(ok.shape)
+
+
+def scatter_max(like, idx, values):
+    """[B, S] bool `like`-shaped zeros with values [B, NB, Bs] put back on the canvas (or-ed)."""
+    rows = jnp.arange(like.shape[0], dtype=jnp.int32)[:, None]
+    return jnp.zeros_like(like).at[rows, idx].max(values.reshape(like.shape[0], -1))
 
 
 def block_stats(state: DecodeState, idx, ok):
     """(size, decoded) per block [B, NB]: slots below the limit, and those holding a token."""
-    rev = jnp.take(state.revealed, idx, axis=1).reshape(ok.shape) & ok  # [B, NB, Bs]
+    rev = gather(state.revealed, idx, ok) & ok  # [B, NB, Bs]
     return jnp.sum(ok, -1).astype(jnp.int32), jnp.sum(rev, -1).astype(jnp.int32)
 
 
@@ -63,12 +84,10 @@ def first_open(st):
 
 
 def init_blocks(ctx, state: DecodeState, block_size: int) -> dict:
-    """The `state.extra` of a fresh decode: block 0 Fully-Activated at step 0, the rest Inactive."""
+    """The `state.extra` of a fresh decode: block 0 Fully-Activated at step 0, the rest Inactive;
+    each row's `base` [B]."""
     B = state.batch
-    if ctx.model.attention == "block_causal":
-        base = jnp.asarray(ctx.prefill_len, jnp.int32)
-    else:
-        base = jnp.min(state.gen_start).astype(jnp.int32)
+    base = row_base(ctx, state, block_size)
     NB = num_blocks(ctx, state, block_size)
     _, ok = block_view(state, base, NB, block_size)
     num = jnp.sum(jnp.any(ok, -1), -1).astype(jnp.int32)
@@ -94,9 +113,9 @@ def early_stop(state: DecodeState, idx, ok, base, block_size: int) -> DecodeStat
                           logprobs=jnp.where(fill, 0.0, state.logprobs))
     st = state.extra["block_state"]
     NB, Bs = st.shape[-1], block_size
-    block_start = base + Bs * jnp.arange(NB, dtype=jnp.int32)  # [NB]
+    block_start = jnp.asarray(base, jnp.int32).reshape(-1, 1) + Bs * jnp.arange(NB, dtype=jnp.int32)  # [B, NB]
     exists = jnp.any(ok, -1)
-    after = (block_start[None] > first[:, None]) & exists & ~state.done[:, None]
+    after = (block_start > first[:, None]) & exists & ~state.done[:, None]
     new = jnp.where(after, COMPLETED, st)
     size, dec = block_stats(state, idx, ok)
     new = jnp.where(((new == ACTIVATED) | (new == FULLY_ACTIVATED)) & (dec >= size), COMPLETED, new)
@@ -150,13 +169,13 @@ def frontier(state: DecodeState, block_size: int):
 # --------------------------------------------------------------------------- phase 7 and host edits
 def complete_filled(state: DecodeState, idx, ok) -> DecodeState:
     """Phase 7's end: Activated / Fully-Activated blocks without masks become Completed (stamped
-    with this step; `completed_at` records the forward count)."""
+    with this step; `completed_at` records the row's forward count, its NFE)."""
     st = state.extra["block_state"]
     size, dec = block_stats(state, idx, ok)
     new = jnp.where(((st == ACTIVATED) | (st == FULLY_ACTIVATED)) & (dec >= size), COMPLETED, st)
     bsteps = stamp(state.extra["block_steps"], st, new, state.steps)
     done_at = state.extra["completed_at"]
-    done_at = jnp.where((new == COMPLETED) & (done_at < 0), state.forwards, done_at)
+    done_at = jnp.where((new == COMPLETED) & (done_at < 0), state.nfe[:, None], done_at)
     return state.replace(extra={**state.extra, "block_state": new, "block_steps": bsteps,
                                 "completed_at": done_at})
 
@@ -181,5 +200,5 @@ def reopen_blocks(state: DecodeState, idx, ok) -> DecodeState:
 
 
 __all__ = ["INACTIVE", "ACTIVATED", "FULLY_ACTIVATED", "COMPLETED", "BLOCK_STATES", "num_blocks", "block_view",
-           "block_stats", "reached", "stamp", "first_open", "init_blocks", "early_stop", "activate_and_add",
+           "row_base", "gather", "scatter_max", "block_stats", "reached", "stamp", "first_open", "init_blocks", "early_stop", "activate_and_add",
            "frontier", "complete_filled", "reopen_blocks"]

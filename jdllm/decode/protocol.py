@@ -131,13 +131,20 @@ class Paradigm:
     # ------------------------------------------------------------------ serving
     joins_running_batch: ClassVar[bool] = True
     """A request may join a running batch at any scheduling round: its row is prefilled alone on
-    the pool's canvas and merged into a free row (`jdllm.serve`). False: rows share one canvas
-    schedule, so requests start together once the batch has drained."""
+    the pool's canvas and merged into a free row (`jdllm.serve`); the step must then let each row
+    follow its own schedule (every bundled paradigm does). False: rows share one canvas schedule,
+    so requests start together once the batch has drained (a paradigm may make it a property
+    when it depends on the configuration)."""
+
+    def pool_layout(self, cfg, max_prompt: int, max_new: int) -> common.Layout:
+        """The layout of a serving pool: that of the longest prompt with the longest generation
+        (the layout is monotone in both). Its `slots` is the canvas every row lives on; its
+        `prefill_len` is the pool's rounds' `DecodeCtx.prefill_len`."""
+        return self.layout(np.asarray([max_prompt]), max_new, cfg)
 
     def pool_slots(self, cfg, max_prompt: int, max_new: int) -> int:
-        """The canvas every row of a serving pool lives on: wide enough for the longest prompt
-        bucket plus the longest generation (the layout is monotone in both)."""
-        return int(self.layout(np.asarray([max_prompt]), max_new, cfg).slots)
+        """The canvas every row of a serving pool lives on (`pool_layout`'s)."""
+        return int(self.pool_layout(cfg, max_prompt, max_new).slots)
 
     def row_layout(self, cfg, length: int, max_new: int, slots: int) -> common.Layout:
         """One joining row's geometry: its own layout for the prompt alone, on the pool canvas."""

@@ -11,7 +11,7 @@ openai_protocol.py  request parsing and validation (OpenAI fields -> engine argu
 completions.py      /v1/completions and /v1/chat/completions, streamed or whole
 
 How a request joins a running batch is the paradigm's (`Paradigm.joins_running_batch`,
-`pool_slots`, `row_layout`); serving never asks a paradigm's name. The engine needs only JAX;
+`pool_layout`, `row_layout`); serving never asks a paradigm's name. The engine needs only JAX;
 the server needs the `serve` extra (`pip install "jdllm[serve]"`).
 """
 

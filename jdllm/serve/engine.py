@@ -95,12 +95,13 @@ class Engine:
                 raise errors.DecodingConfigError(
                     f"{name}={v} must be in [1, {ctx_len}) (the model's context max_position_embeddings)")
         self.max_batch, self.max_queue, self.steps_per_round = max_batch, max_queue, steps_per_round
-        self.slots = decoding.pool_slots(cfg, self.max_prompt_tokens, self.max_new_tokens)
+        pool = decoding.pool_layout(cfg, self.max_prompt_tokens, self.max_new_tokens)
+        self.slots = int(pool.slots)
         self.constraint_states = common.bucket(constraint_states, 8) if constraint_states else 0
         self.constraint_classes = common.bucket(constraint_classes, 8)
         options = loop.current_options() if compiler_options is None else tuple(compiler_options)
         self.scheduler = Scheduler(decoding, max_batch)
-        self.runner = Runner(model, decoding, rows=max_batch, slots=self.slots,
+        self.runner = Runner(model, decoding, rows=max_batch, slots=self.slots, prefill_len=int(pool.prefill_len),
                              constraint_states=self.constraint_states, constraint_classes=self.constraint_classes,
                              compiler_options=options)
         self.output_processor = OutputProcessor(decoding, model.tokenizer)
@@ -146,6 +147,8 @@ class Engine:
                 f"the prompt has {len(ids)} tokens and max_new_tokens={sampling.max_new_tokens}: {total} > the "
                 f"model's context max_position_embeddings={self.cfg.max_position_embeddings}; shorten the "
                 "prompt or lower max_new_tokens")
+        if self.paradigm.joins_running_batch:  # the row's own geometry (e.g. a block that must divide it)
+            self.paradigm.row_layout(self.cfg, len(ids), sampling.max_new_tokens, self.slots)
         stops = tuple(self.cfg.eos_token_ids if sampling.stop_token_ids is None else sampling.stop_token_ids)
         if len(stops) > STOP_WIDTH:
             raise errors.InputError(f"{len(stops)} stop token ids; a request may carry at most {STOP_WIDTH}")

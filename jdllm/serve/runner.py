@@ -102,16 +102,19 @@ def _compiled(compiler_options: tuple = ()):
 # --------------------------------------------------------------------------- the runner
 class Runner:
     """The pool of `rows` rows on a `slots`-wide canvas for one model and paradigm, and the calls
-    that change it. constraint_states / constraint_classes: the DFA table buckets (0: none)."""
+    that change it. prefill_len: the pool layout's (`Paradigm.pool_layout`), the rounds'
+    `DecodeCtx.prefill_len`. constraint_states / constraint_classes: the DFA table buckets (0: none)."""
 
-    def __init__(self, model, paradigm, *, rows: int, slots: int, constraint_states: int = 0,
+    def __init__(self, model, paradigm, *, rows: int, slots: int, prefill_len: int = 0, constraint_states: int = 0,
                  constraint_classes: int = 64, compiler_options: tuple = ()):
         self.model, self.paradigm, self.cfg = model, paradigm, model.config
         self.rows, self.slots = rows, slots
         self.constraint_states, self.constraint_classes = constraint_states, constraint_classes
         self.ctx = common.DecodeCtx(model=paradigm.attention_config(self.cfg), attn_impl=model.forward_impl,
                                     prefill_len=0, placement=model.placement)
-        self.round_ctx = self.ctx  # the context rounds run with (a drained batch brings its own)
+        # the context rounds run with: the pool layout's prefill_len (S - prefill_len bounds every
+        # row's generation region), rows on their own layouts; a drained batch brings its own
+        self.round_ctx = dataclasses.replace(self.ctx, prefill_len=int(prefill_len), own_layouts=True)
         self.fns = _compiled(compiler_options)
         self.params = params_for(model, paradigm)  # ar_spec: the draft's parameters ride along
         self.pool = self._idle_pool()

@@ -6,12 +6,13 @@ that out on the device. No JAX here: it is tested with plain objects standing in
 (anything with `id`, `status`, `row` and `sampling.max_new_tokens`).
 
 Admission follows the paradigm (`Paradigm.joins_running_batch`):
-- True (ar, block_diffusion, ar_spec): rows are independent, so waiting requests take free rows
-  at any round, FIFO, each prefilled alone and merged into the running batch.
-- False (masked_diffusion, multi_block): rows share one canvas schedule, so a new batch starts
-  only once every row has finished: the waiting requests, FIFO, up to the pool size, and (unless
-  the paradigm has `ragged_lengths`) only those asking for the head request's max_new_tokens,
-  since such a batch decodes to one length. Request i of the batch runs in row i.
+- True (every bundled paradigm: ar, block_diffusion, ar_spec, masked_diffusion, multi_block):
+  rows are independent, so waiting requests take free rows at any round, FIFO, each prefilled
+  alone and merged into the running batch.
+- False (a paradigm whose rows share one canvas schedule, e.g. a lockstep one of your own): a
+  new batch starts only once every row has finished: the waiting requests, FIFO, up to the pool
+  size, and (unless the paradigm has `ragged_lengths`) only those asking for the head request's
+  max_new_tokens, since such a batch decodes to one length. Request i of the batch runs in row i.
 """
 
 from __future__ import annotations
