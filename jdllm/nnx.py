@@ -73,6 +73,30 @@ class Model(nnx.Module):
         return {name: jax.tree.map(lambda p: p.get_value(), getattr(self, name), is_leaf=_is_param)
                 for name in self._names}
 
+    def load_params(self, params) -> None:
+        """Set the view's weights to `params` (a jdllm pytree in the view's layout, a
+        `jdllm.nnx.Model` or an `nnx.state`), in place. Every weight must keep its shape and
+        dtype: else `ConfigError` naming the first that differs, and nothing is written."""
+        new = params_of(params)
+        old = self.params()
+        flat_old = dict(jax.tree_util.tree_flatten_with_path(old)[0])
+        flat_new = dict(jax.tree_util.tree_flatten_with_path(new)[0])
+        for path, x in flat_old.items():
+            name = jax.tree_util.keystr(path)
+            y = flat_new.get(path)
+            if y is None:
+                raise errors.ConfigError(f"load_params: weight {name} is missing (the view holds "
+                                         f"{layer_layout(old)} params)")
+            if tuple(getattr(y, "shape", ())) != tuple(x.shape) or getattr(y, "dtype", None) != x.dtype:
+                raise errors.ConfigError(
+                    f"load_params: weight {name} is {getattr(y, 'dtype', type(y).__name__)}"
+                    f"{list(getattr(y, 'shape', ()))}, the view holds {x.dtype}{list(x.shape)}; nothing was written")
+        extra = [jax.tree_util.keystr(p) for p in flat_new if p not in flat_old]
+        if extra:
+            raise errors.ConfigError(f"load_params: weight {extra[0]} is not one of the view's; nothing was written")
+        for name in self._names:
+            jax.tree.map(lambda v, x: v.set_value(x), getattr(self, name), new[name], is_leaf=_is_param)
+
     def as_model(self):
         """A `jdllm.Model` with the view's current weights (config, tokenizer, placement of the
         model the view was made from): what `jdllm.generate`, `jdllm.logits`, rollouts and

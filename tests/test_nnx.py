@@ -168,23 +168,33 @@ def test_training_with_nnx_optimizer_and_weights_back_to_jdllm():
 
 
 def test_one_changed_weight_changes_generation_and_rollouts():
-    """A weight set through nnx is what jdllm's rollouts decode with."""
+    """A weight set through nnx is what jdllm's rollouts and generate decode with: their log-probs
+    are the functional forward's under the changed weights (jdllm.logits), not the old ones'."""
     m = _tiny_ar()
     view = jdllm.nnx.Model(m)
-    spec_state = jdllm.rl.prepare_rollout(m, [[3, 7, 11, 5]], jdllm.AR(), jdllm.Sampling(max_new_tokens=6,
-                                                                                           temperature=1.0))
-    state, spec = spec_state
+    prompt = [3, 7, 11, 5]
+    state, spec = jdllm.rl.prepare_rollout(m, [prompt], jdllm.AR(), jdllm.Sampling(max_new_tokens=6, temperature=1.0))
     key = jax.random.key(0)
     ro0 = jdllm.rl.compiled_rollout(view.params(), state, key, spec=spec)
-    lm_head = view.lm_head
-    lm_head[...] = lm_head[...].at[:, 7].add(50.0)  # token 7 now wins everywhere
+    view.lm_head[...] = -view.lm_head[...]  # one weight changed in place, through nnx
+    assert m.params["lm_head"] is not view.params()["lm_head"]  # the model handed in is untouched
     ro1 = jdllm.rl.compiled_rollout(jdllm.nnx.params_of(nnx.state(view)), state, key, spec=spec)
-    g0, e = int(ro1.gen_start[0]), int(ro1.end[0])
-    assert np.all(np.asarray(ro1.tokens[0, g0:e]) == 7)
-    assert not np.array_equal(np.asarray(ro0.tokens), np.asarray(ro1.tokens))
-    out = jdllm.generate(view.as_model(), [[3, 7, 11, 5]], jdllm.AR(), jdllm.Sampling(max_new_tokens=4))[0]
-    assert out.token_ids == [7, 7, 7, 7]
-    assert m.params["lm_head"] is not view.params()["lm_head"]  # the model itself is untouched
+
+    def reveal_logprobs(ro, model):  # [n] log p(token) at each generated slot under `model`'s weights
+        g0, e = int(ro.gen_start[0]), int(ro.end[0])
+        toks = np.asarray(ro.tokens[0, int(ro.start[0]):e])
+        lp = np.asarray(jax.nn.log_softmax(jdllm.logits(model, [toks.tolist()]), -1))[0]
+        P = g0 - int(ro.start[0])
+        return np.asarray([lp[P - 1 + i, toks[P + i]] for i in range(e - g0)]), np.asarray(ro.logprobs[0, g0:e])
+
+    got1, want1 = reveal_logprobs(ro1, view.as_model())
+    np.testing.assert_allclose(got1, want1, atol=2e-4)
+    old1, _ = reveal_logprobs(ro1, m)
+    assert np.max(np.abs(old1 - want1)) > 1e-2
+    got0, want0 = reveal_logprobs(ro0, m)
+    np.testing.assert_allclose(got0, want0, atol=2e-4)
+    out = jdllm.generate(view.as_model(), [prompt], jdllm.AR(), jdllm.Sampling(max_new_tokens=4))[0].token_ids
+    assert out != jdllm.generate(m, [prompt], jdllm.AR(), jdllm.Sampling(max_new_tokens=4))[0].token_ids
 
 
 def test_bad_input():
