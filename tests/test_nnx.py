@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 
 import jax
 import jax.numpy as jnp
@@ -213,6 +214,30 @@ def test_bad_input():
         view(jnp.zeros((4,), jnp.int32))
     with pytest.raises(errors.ArgumentTypeError, match="nnx.state"):
         jdllm.nnx.params_of([1, 2])
+    # load_params: a weight of another dtype or shape is named and nothing is written
+    layers = list(m.params["layers"])
+    layers[2] = dict(layers[2], down=layers[2]["down"].astype(jnp.bfloat16))
+    changed = dict(m.params, embed=m.params["embed"] * 2, layers=tuple(layers))
+    with pytest.raises(errors.ConfigError, match=r"\['layers'\]\[2\]\['down'\] is bfloat16"):
+        view.load_params(changed)
+    with pytest.raises(errors.ConfigError, match=r"\['lm_head'\]"):
+        view.load_params(dict(m.params, lm_head=m.params["lm_head"][:, :3]))
+    assert all(a is b for a, b in zip(jax.tree.leaves(view.params()), jax.tree.leaves(m.params)))
+    view.load_params(dict(m.params, embed=changed["embed"]))
+    assert view.params()["embed"] is changed["embed"]
+
+
+@slow
+def test_nnx_train_example_runs(capsys):
+    import importlib.util  # noqa: PLC0415
+
+    spec = importlib.util.spec_from_file_location("nnx_train", os.path.join(ROOT, "examples", "nnx_train.py"))
+    ex = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ex)
+    assert ex.main(["--steps", "3", "--batch", "4"]) == 0
+    printed = capsys.readouterr().out
+    first, last = (float(x) for x in re.search(r"loss ([0-9.]+) -> ([0-9.]+)", printed).groups())
+    assert last < first, printed
 
 
 @slow
