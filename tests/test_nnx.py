@@ -10,6 +10,7 @@ with `nnx.Optimizer` + optax, and what it trained goes back to `generate` / roll
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import re
 
@@ -47,7 +48,9 @@ def _paths(tree):
     return [jax.tree_util.keystr(k) for k, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
 
 
+@functools.lru_cache(maxsize=None)
 def _tiny_ar():
+    """Loaded once per session: the tests change views of it, never its own params."""
     return jdllm.load(os.path.join(ROOT, "models", "tiny-ar"), dtype="float32", attn_impl="xla")
 
 
