@@ -186,6 +186,22 @@ def test_engine_follows_the_nnx_actor_and_update_params_checks_every_weight():
 
 
 @slow
+def test_speculative_rollouts_with_a_draft_model():
+    """Speculative sampling draws from the target: the engine rolls out with the draft's weights bound
+    (Speculative.bind_params), and greedy equals jdllm.generate with the same decoding."""
+    target = jdllm.load(os.path.join(ROOT, "models/tiny-ar"), dtype="float32", attn_impl="xla")
+    draft = jdllm.load(os.path.join(ROOT, "models/tiny-ar-draft"), dtype="float32", attn_impl="xla")
+    spec = jdllm.Speculative(proposer="draft_model", draft=draft, num_draft_tokens=2)
+    engine = JdllmRollout(rollout_actor=jdllm.nnx.Model(target), decoding=spec)
+    prompts = [ex.prompt for ex in tasks.test_set(3, seed=2)]
+    out = engine.generate(prompts, _config(temperature=0.0, return_logprobs=False, max_tokens_to_generate=6))
+    ref = jdllm.generate(target, prompts, spec, jdllm.Sampling(max_new_tokens=6))
+    for g, o in zip(out.tokens, ref):
+        ids = list(o.token_ids)
+        assert g.tolist() == (ids[:-1] if ids and ids[-1] == engine.eos_id() else ids)
+
+
+@slow
 @pytest.mark.tunix
 @pytest.mark.skipif(not tunix_bridge.HAVE_TUNIX, reason='google-tunix is not installed (pip install -e ".[tunix]")')
 def test_tunix_grpo_learner_trains_the_nnx_view_with_jdllm_rollouts():

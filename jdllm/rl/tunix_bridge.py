@@ -180,7 +180,7 @@ class JdllmRollout(_Base):
             key = jax.random.key(int(np.asarray(cfg.seed).reshape(-1)[0]))
         else:
             self._key, key = jax.random.split(self._key)
-        ro = rollouts.compiled_rollout(params, state, key, spec=spec)
+        ro = rollouts.compiled_rollout(self._decoding.bind_params(params), state, key, spec=spec)  # + a draft's
         toks, lps, g0, end, fin = jax.device_get((ro.tokens, ro.logprobs, ro.gen_start, ro.end, ro.finish))
         stop_ids = set(stops or ()) | ({self._eos} if self._eos is not None and stops is None else set())
         tokens, logprobs, text = [], [], []
