@@ -33,6 +33,7 @@ _EXPORTS = {
     "constraints": "jdllm.constraints",
     "rl": "jdllm.rl",  # rollouts, trajectory log-likelihoods, RL losses
     "sharding": "jdllm.sharding",  # device meshes: make_mesh, rules, Placement
+    "nnx": "jdllm.nnx",  # a flax nnx view of a model, for training loops
 }
 
 # Named in the design's public contract but not built yet: a clear error, not an ImportError.
@@ -47,7 +48,7 @@ def __getattr__(name: str):
         raise AttributeError(f"jdllm.{name}: {_PLANNED[name]} is not implemented yet")
     if mod is None:
         raise AttributeError(f"module 'jdllm' has no attribute {name!r}")
-    if name in ("errors", "constraints", "rl", "sharding"):
+    if name in ("errors", "constraints", "rl", "sharding", "nnx"):
         return importlib.import_module(mod)
     return getattr(importlib.import_module(mod), name)
 

@@ -22,7 +22,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
 
 from jdllm.config import ModelConfig
 from pallas_kernels import attention as attention_op
@@ -635,31 +634,3 @@ def default_positions(start, offset: int | jax.Array, T: int):
     base = offset[:, None] if offset.ndim else offset
     slots = base + jnp.arange(T, dtype=jnp.int32)
     return jnp.maximum(slots - jnp.asarray(start, jnp.int32)[:, None], 0)
-
-
-# --------------------------------------------------------------------------- NNX view
-class Transformer(nnx.Module):
-    """Flax NNX view of the model: parameters as `nnx.Param`s carrying their logical axes.
-
-    `nnx.split` gives the plain pytree that `forward` takes; `__call__` runs it.
-    """
-
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs | None = None, params: Params | None = None,
-                 dtype=jnp.float32):
-        self.cfg = cfg
-        if params is None:
-            rngs = rngs or nnx.Rngs(0)
-            params = init_params(cfg, rngs.params(), dtype)
-        axes = logical_axes(cfg)
-        self.params = nnx.data(jax.tree.map(lambda x, a: nnx.Param(x, logical_axes=a), params, axes))
-
-    def plain_params(self) -> Params:
-        return jax.tree.map(lambda p: p[...], self.params, is_leaf=lambda x: isinstance(x, nnx.Param))
-
-    def __call__(self, tokens, positions=None, *, start=None, cache=None, attn_impl="auto"):
-        B, T = tokens.shape
-        start = jnp.zeros((B,), jnp.int32) if start is None else start
-        if positions is None:
-            positions = default_positions(start, 0 if cache is None else cache.length, T)
-        return forward(self.plain_params(), self.cfg, tokens, positions, start=start, cache=cache,
-                       attn_impl=attn_impl)

@@ -282,6 +282,12 @@ def test_bad_input_errors():
     other = causal_model().params
     with pytest.raises(errors.ConfigError, match="another model config"):
         rl.trajectory_logprobs(other, ro, spec=spec)
+    # a rollout with weights of other shapes is refused naming the weight (it used to decode garbage)
+    state, spec_m = rl.prepare_rollout(CASES["masked"][0], PROMPTS, CASES["masked"][1],
+                                       jdllm.Sampling(max_new_tokens=4), group=GROUP)
+    lm_head = model.params["lm_head"]
+    with pytest.raises(errors.ConfigError, match=r"\['lm_head'\] has shape"):
+        rl.rollout(dict(model.params, lm_head=lm_head[:, :7]), state, jax.random.key(0), spec=spec_m)
     with pytest.raises(errors.InputError, match="group="):
         rl.prepare_rollout(CASES["masked"][0], PROMPTS, CASES["masked"][1], jdllm.Sampling(max_new_tokens=4),
                            group=0)

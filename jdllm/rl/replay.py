@@ -63,8 +63,11 @@ METHODS = ("auto", "teacher_forcing", "packed", "per_step")
 
 
 # --------------------------------------------------------------------------- checks
-def check_params(params, cfg) -> None:
-    """params must have the model's weight shapes (static: works under jit) -> ConfigError naming the weight."""
+def check_params(params, cfg, *, allow_extra: bool = False) -> None:
+    """params must have the model's weight shapes (static: works under jit) -> ConfigError naming the weight.
+
+    allow_extra: tolerate weights the config does not name (what a paradigm binds beside the
+    model's, e.g. a draft model's under "draft")."""
     try:
         bad = shape_mismatch(params, cfg)
     except Exception as e:  # noqa: BLE001
@@ -75,6 +78,8 @@ def check_params(params, cfg) -> None:
     if got is None:
         raise errors.ConfigError(f"params lack weight {name} of shape {want}: they are from another model config")
     if want is None:
+        if allow_extra:  # shape_mismatch reports extras only once every named weight agrees
+            return
         raise errors.ConfigError(f"params hold weight {name} this model config does not have: params from "
                                  "another model config")
     raise errors.ConfigError(f"params weight {name} has shape {got}, the model config wants {want}: "

@@ -1,10 +1,11 @@
 """jdllm as the rollout engine of a google-tunix RL learner (autoregressive policies only).
 
-    import functools, jdllm
+    import functools, jdllm, jdllm.nnx
     from jdllm.rl.tunix_bridge import JdllmRollout
-    model = jdllm.load("models/tiny-ar", dtype="float32")
-    cluster_config = tunix.rl.rl_cluster.ClusterConfig(
-        rollout_engine=functools.partial(JdllmRollout, model=model, param_map=my_nnx_state_to_jdllm), ...)
+    actor = jdllm.nnx.Model(jdllm.load("models/tiny-ar", dtype="float32"))
+    reference = jdllm.nnx.Model(jdllm.load("models/tiny-ar", dtype="float32"))
+    cluster_config = tunix.rl.rl_cluster.ClusterConfig(rollout_engine=JdllmRollout, ...)
+    cluster = tunix.rl.rl_cluster.RLCluster(actor=actor, reference=reference, ...)
 
 `JdllmRollout` implements tunix's `BaseRollout` (tunix.rl.rollout.base_rollout,
 google-tunix 0.1.x): `generate(prompts, rollout_config)` returns a
@@ -13,12 +14,21 @@ left-padded prompt tokens [B, max_prompt_length]; per-token sampling
 log-probs when `return_logprobs`; `logits=None`, jdllm keeps no per-step
 logits), `get_per_token_logps(prompt_tokens, completion_tokens)` scores
 completions by teacher forcing (one causal forward, temperature 1, like
-tunix's own), `update_params(params)` swaps the weights (through
-`param_map` when the trainer's weights are not jdllm's pytree), and
-`pad_id()`, `eos_id()`, `model()`. When google-tunix is installed
-(`pip install jdllm[tunix]`) the class subclasses its `BaseRollout` and
-returns its `RolloutOutput`; without it, the same class and a field-for-field
-`RolloutOutput` stand alone (so the adapter is tested without tunix).
+tunix's own), `update_params(params)` swaps the weights, and `pad_id()`,
+`eos_id()`, `model()`.
+
+The actor tunix trains is a `jdllm.nnx.Model` (the nnx view, whose state is jdllm's own
+parameter pytree). tunix builds the engine with it as `rollout_actor`; the engine then rolls
+out the actor's current weights at every call (tunix sees the engine's `model()` share the
+actor's weights and syncs nothing), and `update_params` (the actor's `nnx.state`, a view or a
+jdllm pytree) writes into the actor: no mapping function anywhere. A trainer model of your own
+(not the view) goes through `param_map` (trainer weights -> jdllm params pytree) into the
+engine's own weights, which tunix then syncs every step. `update_params` checks every weight's
+shape and dtype and names the first that differs; the previous weights then stay in use.
+
+When google-tunix is installed (`pip install jdllm[tunix]`) the class subclasses its
+`BaseRollout` and returns its `RolloutOutput`; without it, the same class and a
+field-for-field `RolloutOutput` stand alone.
 
 Only AR policies. tunix's learner scores a completion left to right: the
 actor's (and the reference's) per-token log-probs come from a causal forward
@@ -29,6 +39,8 @@ likelihood for a diffusion policy (and a bidirectional model has no
 left-to-right likelihood at all). Diffusion models (block-causal or
 bidirectional configs) and diffusion paradigms raise `InputError`: train them
 with `jdllm.rl.trajectory_logprobs` in an optax loop (`examples/rl_grpo.py`).
+A rollout config asking for what jdllm does not produce (per-step logits, a rollout
+`data_type` other than the model's) raises `InputError` naming the setting.
 """
 
 from __future__ import annotations
@@ -86,23 +98,39 @@ def _completion_logps(params, prompt_tokens, completion_tokens, start, *, cfg):
 class JdllmRollout(_Base):
     """A tunix rollout worker backed by `jdllm.rl.rollout` (see the module docstring).
 
-    tunix builds it as `engine(rollout_actor=, tokenizer=, mesh=, rollout_config=)`;
-    pass jdllm's side with `functools.partial(JdllmRollout, model=..., ...)`.
-    model: a `jdllm.load`ed causal model. decoding: `jdllm.AR()` (default) or
-    `jdllm.Speculative` (speculative sampling draws from the target, so its
-    tokens follow the AR policy). param_map: callable trainer weights -> jdllm
-    params pytree, applied by `update_params` (default: identity; the result must
-    have the model's weight shapes). seed: the PRNG stream when a
-    `RolloutConfig` has none (each call then draws a fresh key).
+    tunix builds it as `engine(rollout_actor=, tokenizer=, mesh=, rollout_config=)`; pass
+    jdllm's side with `functools.partial(JdllmRollout, ...)`.
+
+    The model: when the `rollout_actor` is a `jdllm.nnx.Model` (the view tunix trains), the
+    engine and the actor are one model: every call reads the actor's current weights (tunix
+    sees them share weights and syncs nothing) and `update_params` writes into the actor.
+    Otherwise `model=` (a `jdllm.load`ed causal model) holds the weights, `update_params`
+    replaces them (through `param_map` for trainer weights that are not jdllm's pytree) and
+    `model()` is a `jdllm.nnx.Model` of them, so tunix syncs the actor into it every step.
+
+    decoding: `jdllm.AR()` (default) or `jdllm.Speculative` (speculative sampling draws from
+    the target, so its tokens follow the AR policy). param_map: callable trainer weights ->
+    jdllm params pytree (default `jdllm.nnx.params_of`: the view's `nnx.state` or a jdllm
+    pytree). seed: the PRNG stream when a `RolloutConfig` has none (each call then draws a
+    fresh key).
     """
 
     def __init__(self, rollout_actor=None, tokenizer=None, mesh=None, rollout_config=None, *, model=None,
                  decoding=None, param_map: Callable[[Any], Any] | None = None, seed: int = 0, **kwargs):
-        del mesh, rollout_config, kwargs  # jdllm places params itself (jdllm.load(..., mesh=))
+        del mesh, kwargs  # jdllm places params itself (jdllm.load(..., mesh=))
+        from jdllm import nnx as jnnx  # noqa: PLC0415 (flax is imported only when tunix is wired)
 
+        self._view = rollout_actor if isinstance(rollout_actor, jnnx.Model) else None
+        if self._view is not None:
+            if model is not None and model.config != self._view.config:
+                raise errors.InputError(
+                    "JdllmRollout: model= is another model than the jdllm.nnx.Model tunix passes as the actor "
+                    "(their configs differ); leave model= out, the engine rolls out the actor")
+            model = self._view.as_model()
         if model is None or not hasattr(model, "config") or not hasattr(model, "params"):
-            raise errors.ArgumentTypeError("JdllmRollout needs model=<a jdllm.load()ed model> "
-                                           "(functools.partial(JdllmRollout, model=...))")
+            raise errors.ArgumentTypeError(
+                "JdllmRollout needs a jdllm model: the actor as a jdllm.nnx.Model (tunix passes it as "
+                "rollout_actor) or model=<a jdllm.load()ed model> (functools.partial(JdllmRollout, model=...))")
         decoding = AR() if decoding is None else decoding
         name = getattr(decoding, "name", type(decoding).__name__)
         if model.config.attention != "causal" or not (isinstance(decoding, Paradigm) and decoding.is_autoregressive):
@@ -112,11 +140,12 @@ class JdllmRollout(_Base):
                 "right, but a diffusion trajectory's probability depends on the order its tokens were revealed "
                 "(step_map), which tunix's RolloutOutput cannot carry. Train diffusion policies with "
                 "jdllm.rl.trajectory_logprobs in an optax loop (examples/rl_grpo.py)")
-        self._jdllm_model = model
-        self._params = model.params
+        self._jdllm_model = dataclasses.replace(model, params=None)  # config, tokenizer, placement
+        self._params = None if self._view is not None else model.params
+        if rollout_config is not None:
+            self._check_config(rollout_config)
         self._decoding = decoding
         self._tokenizer = tokenizer if tokenizer is not None else model.tokenizer
-        self._actor = rollout_actor
         self._param_map = param_map
         self._key = jax.random.key(seed)
         eos = tuple(model.config.eos_token_ids or ())
@@ -131,7 +160,12 @@ class JdllmRollout(_Base):
         del kwargs
         if isinstance(prompts, str):
             prompts = [prompts]
+        # tunix's learner passes its prompt column as a list of 0-d numpy string arrays
+        prompts = [p.item() if isinstance(p, np.ndarray) and p.dtype.kind in "UO" and p.size == 1 else p
+                   for p in (prompts.tolist() if isinstance(prompts, np.ndarray) and prompts.dtype.kind in "UO"
+                             else prompts)]
         cfg = rollout_config
+        self._check_config(cfg)
         P = int(cfg.max_prompt_length)
         ids = [p[-P:] for p in tokenize(self._jdllm_model, list(prompts), False)]  # tunix keeps the suffix
         top_k = cfg.top_k if cfg.top_k is not None and cfg.top_k > 0 else 0
@@ -139,13 +173,14 @@ class JdllmRollout(_Base):
         sampling = Sampling(temperature=float(cfg.temperature), top_k=int(top_k),
                                   top_p=float(cfg.top_p if cfg.top_p is not None else 1.0),
                                   max_new_tokens=int(cfg.max_tokens_to_generate), stop_token_ids=stops)
-        model = dataclasses.replace(self._jdllm_model, params=self._params)
+        params = self.params()
+        model = dataclasses.replace(self._jdllm_model, params=params)
         state, spec = rollouts.prepare_rollout(model, ids, self._decoding, sampling, group=1)
         if cfg.seed is not None:
             key = jax.random.key(int(np.asarray(cfg.seed).reshape(-1)[0]))
         else:
             self._key, key = jax.random.split(self._key)
-        ro = rollouts.compiled_rollout(self._params, state, key, spec=spec)
+        ro = rollouts.compiled_rollout(self._decoding.bind_params(params), state, key, spec=spec)  # + a draft's
         toks, lps, g0, end, fin = jax.device_get((ro.tokens, ro.logprobs, ro.gen_start, ro.end, ro.finish))
         stop_ids = set(stops or ()) | ({self._eos} if self._eos is not None and stops is None else set())
         tokens, logprobs, text = [], [], []
@@ -174,15 +209,35 @@ class JdllmRollout(_Base):
                                     f"{completion_tokens.shape}: need [B, P] and [B, C] with the same B")
         real = prompt_tokens != self._pad
         start = jnp.where(jnp.any(real, axis=1), jnp.argmax(real, axis=1), prompt_tokens.shape[1]).astype(jnp.int32)
-        return _completion_logps(self._params, prompt_tokens, completion_tokens, start,
+        return _completion_logps(self.params(), prompt_tokens, completion_tokens, start,
                                  cfg=self._jdllm_model.config)
 
     def update_params(self, params, filter_types=None) -> None:
-        """Roll out with new weights (mapped through `param_map`); shapes are checked, nothing recompiles."""
+        """Roll out with new weights: the actor's `nnx.state` (tunix's `sync_weights`), a
+        `jdllm.nnx.Model`, a jdllm params pytree, or what `param_map` maps. Every weight must keep
+        its shape and dtype (else `ConfigError` naming it, and the previous weights stay in
+        use); nothing recompiles."""
         del filter_types
-        new = self._param_map(params) if self._param_map is not None else params
+        from jdllm import nnx as jnnx  # noqa: PLC0415
+
+        new = self._param_map(params) if self._param_map is not None else jnnx.params_of(params)
         check_params(new, self._jdllm_model.config)
-        self._params = new
+        want = self.params()["embed"].dtype
+        for path, x in jax.tree_util.tree_flatten_with_path(new)[0]:
+            if getattr(x, "dtype", None) != want:
+                raise errors.ConfigError(
+                    f"update_params: weight {jax.tree_util.keystr(path)} has dtype {getattr(x, 'dtype', type(x))}, "
+                    f"the rollout runs {want}: cast the trainer's weights (or load the model with "
+                    "dtype=) so they agree; the previous weights stay in use")
+        if self._view is not None:
+            self._view.load_params(new)
+        else:
+            self._params = new
+
+    def params(self):
+        """The weights the next rollout uses (jdllm's pytree): the actor view's current ones, or
+        the last `update_params`."""
+        return self._view.params() if self._view is not None else self._params
 
     def pad_id(self) -> int:
         return self._pad
@@ -191,12 +246,33 @@ class JdllmRollout(_Base):
         return self._eos
 
     def model(self) -> Any:
-        """The trainer's actor when tunix passed one, else the jdllm model with the current params."""
-        if self._actor is not None:
-            return self._actor
-        return dataclasses.replace(self._jdllm_model, params=self._params)
+        """The nnx model the engine rolls out: the actor view it follows, else a `jdllm.nnx.Model`
+        of its own weights (a fresh view per call, whose state is the engine's params)."""
+        from jdllm import nnx as jnnx  # noqa: PLC0415
+
+        if self._view is not None:
+            return self._view
+        return jnnx.Model(dataclasses.replace(self._jdllm_model, params=self._params))
 
     # ------------------------------------------------------------------ helpers
+    def _check_config(self, cfg) -> None:
+        """Settings of a tunix RolloutConfig jdllm cannot honour -> InputError naming the setting."""
+        if getattr(cfg, "return_logits", False):
+            raise errors.InputError(
+                "rollout_config.return_logits=True: JdllmRollout keeps no per-step logits (RolloutOutput.logits "
+                "is None); ask for return_logprobs=True (the sampling log-probs) or score completions with "
+                "get_per_token_logps")
+        dtype = getattr(cfg, "data_type", None)
+        have = self.params()["embed"].dtype
+        if dtype is not None and jnp.dtype(dtype) != jnp.dtype(have):
+            raise errors.InputError(
+                f"rollout_config.data_type={jnp.dtype(dtype).name}: JdllmRollout rolls out in the model's dtype "
+                f"({jnp.dtype(have).name}); load the model with dtype="
+                f"{jnp.dtype(dtype).name!r} or leave data_type=None")
+        P = getattr(cfg, "max_prompt_length", 1)
+        if isinstance(P, bool) or not isinstance(P, (int, np.integer)) or P < 1:
+            raise errors.InputError(f"rollout_config.max_prompt_length={P!r} must be an integer >= 1")
+
     def _decode(self, ids) -> str:
         ids = [int(i) for i in ids]
         tok = self._tokenizer
