@@ -26,14 +26,22 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FAST_XLA = "--xla_backend_optimization_level=0"  # tiny models: compile time dominates
 
 
-def _run(args: list[str], devices: int | None) -> list[dict]:
+def _start(args: list[str], devices: int | None) -> subprocess.Popen:
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=FAST_XLA)
     if devices is not None:
         env["XLA_FLAGS"] += f" --xla_force_host_platform_device_count={devices}"
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
-    res = subprocess.run([sys.executable, *args], env=env, capture_output=True, text=True, timeout=900, cwd=ROOT)
-    assert res.returncode == 0, res.stderr[-3000:]
-    return [json.loads(line) for line in res.stdout.splitlines() if line.startswith("{")]
+    return subprocess.Popen([sys.executable, *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, cwd=ROOT)
+
+
+def _rows(proc: subprocess.Popen) -> list[dict]:
+    try:
+        out, err = proc.communicate(timeout=900)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, err[-3000:]
+    return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
 
 
 @slow
@@ -43,7 +51,7 @@ def test_training_meshes_equal_one_device():
     Auto axes and on a hand-made data x fsdp x model mesh (rows over ("data", "fsdp")), greedy tokens
     equal one device's, logits and log-probs up to float32 summation order, every array on the
     user's mesh; a mesh axis no rule names is refused with the rule to pass."""
-    rows = _run([os.path.join(ROOT, "tests", "mesh_cases.py")], devices=8)
+    rows = _rows(_start([os.path.join(ROOT, "tests", "mesh_cases.py")], devices=8))
     seen = {(r["mesh"], r["path"]) for r in rows if "path" in r}
     want = {("explicit", p) for p in ("generate", "logits", "host_steps", "rollout", "serve")} \
         | {("auto", p) for p in ("generate", "logits", "rollout")} \
@@ -69,8 +77,13 @@ def test_own_jitted_loop_on_a_sharded_train_state():
     every step (updates on one rollout), the params keep exactly the shardings they were placed with
     (no gather), the step compiles once, and the first step matches the same loop on one device."""
     args = [os.path.join(ROOT, "examples", "rl_own_loop.py"), "--steps", "3", "--inner", "3", "--json"]
-    sharded = _run(args + ["--devices", "8", "--mesh", "4x2"], devices=None)[-1]
-    single = _run(args + ["--devices", "1", "--mesh", "none"], devices=None)[-1]
+    procs = [_start(args + ["--devices", "8", "--mesh", "4x2"], devices=None),  # both at once: CI has 2 cores
+             _start(args + ["--devices", "1", "--mesh", "none"], devices=None)]
+    try:
+        sharded, single = [_rows(p)[-1] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
     assert sharded["devices"] == 8 and sharded["mesh"] == {"data": 4, "model": 2}
     assert sharded["axis_types"] == ["AxisType.Explicit"] * 2
     assert sharded["kept_shardings"] and sharded["split"] == sharded["matrices"] > 0
