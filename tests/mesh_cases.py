@@ -32,7 +32,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FAST = (("xla_backend_optimization_level", 0),)  # tiny models: compile time dominates
 TEXTS = ["sort:3 1 2=", "add:12+34=", "rev:abc=", "add:5+7="]  # tasks the tiny models were trained on
 TOKENS = [[3, 4, 5, 6, 3, 4, 7, 8], [7, 8, 9, 10, 11, 12, 13, 14]]  # for the logits
-PATHS = ("generate", "logits", "host_steps", "rollout", "serve")
+PATHS = ("generate", "logits", "host_steps", "rollout", "serve", "paradigms")
 SAMPLING = jdllm.Sampling(temperature=0.0, max_new_tokens=8, stop_token_ids=())
 DECODING = jdllm.BlockDiffusion(block_length=4, denoising_steps=4, strategy="low_confidence_dynamic",
                                 confidence_threshold=0.5)
@@ -126,6 +126,18 @@ def serve(name, m, mesh, ref, prompts):
          cache_on_mesh=on_mesh(eng.runner.pool.cache.k, mesh), tokens=[r.output.token_ids for r in reqs])
 
 
+def paradigms(name, mesh, prompts):
+    """The other paradigms' generate on the mesh == one device (the Explicit mesh: every one of them
+    then runs through `jdllm.sharding.auto_axes`)."""
+    for model_name, dec in (("tiny-ar", jdllm.Speculative(proposer="prompt_lookup", num_draft_tokens=2)),
+                            ("tiny-sdar", jdllm.MultiBlock(block_size=4, max_blocks=2)),
+                            ("tiny-llada", jdllm.MaskedDiffusion(gen_length=8, block_length=4, steps=8))):
+        path = os.path.join(ROOT, "models", model_name)
+        ref = tokens_of(jdllm.generate(jdllm.load(path, dtype="float32"), prompts[:2], dec, SAMPLING))
+        got = tokens_of(jdllm.generate(jdllm.load(path, dtype="float32", mesh=mesh), prompts[:2], dec, SAMPLING))
+        emit(mesh=name, path=f"paradigm_{dec.name}", equal=got == ref, tokens=[g[0] for g in got])
+
+
 def main():
     assert len(jax.devices()) == 8, jax.devices()
     sdar, ar = os.path.join(ROOT, "models", "tiny-sdar"), os.path.join(ROOT, "models", "tiny-ar")
@@ -148,6 +160,8 @@ def main():
             rollout(name, ar, mesh, rules, ref, prompts)
         if "serve" in paths:
             serve(name, m, mesh, ref, prompts)
+        if "paradigms" in paths:
+            paradigms(name, mesh, prompts)
 
     # a ("data",) mesh: the default rules' `model` targets replicate (logits only)
     m = jdllm.load(sdar, dtype="float32", mesh=jax.make_mesh((8,), ("data",)))

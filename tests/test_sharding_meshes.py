@@ -47,13 +47,14 @@ def _rows(proc: subprocess.Popen) -> list[dict]:
 @slow
 def test_training_meshes_equal_one_device():
     """load + generate (and no retrace on a second call), logits, the host-driven steps, a rollout and
-    its replay, the serving engine: on jax.make_mesh((4, 2), ("data", "model")) with Explicit and with
+    its replay, the serving engine (and on the Explicit mesh the other paradigms' generate): on jax.make_mesh((4, 2), ("data", "model")) with Explicit and with
     Auto axes and on a hand-made data x fsdp x model mesh (rows over ("data", "fsdp")), greedy tokens
     equal one device's, logits and log-probs up to float32 summation order, every array on the
     user's mesh; a mesh axis no rule names is refused with the rule to pass."""
     rows = _rows(_start([os.path.join(ROOT, "tests", "mesh_cases.py")], devices=8))
     seen = {(r["mesh"], r["path"]) for r in rows if "path" in r}
-    want = {("explicit", p) for p in ("generate", "logits", "host_steps", "rollout", "serve")} \
+    want = {("explicit", p) for p in ("generate", "logits", "host_steps", "rollout", "serve", "paradigm_ar_spec",
+                                      "paradigm_multi_block", "paradigm_masked_diffusion")} \
         | {("auto", p) for p in ("generate", "logits", "rollout")} \
         | {("fsdp", p) for p in ("generate", "rollout", "serve")} | {("data_only", "logits")}
     assert want <= seen, seen
