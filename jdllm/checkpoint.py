@@ -358,11 +358,12 @@ def load(path: str, dtype: str | Any = "bfloat16", attn_impl: str = "auto", chec
          mesh=None, rules=None):
     """Load a Hugging Face model directory or a jdllm checkpoint directory (`jdllm.load`).
 
-    mesh: a `jax.sharding.Mesh` with axes ('data', 'model') (`jdllm.sharding.make_mesh`):
-    the params come back placed on it (heads / MLP / vocabulary split over `model` under
-    the default rules), each device reading only its own slices, and `generate` decodes
-    under it (batch over `data`). rules: {logical axis: mesh axis or None} overriding
-    `jdllm.sharding.DEFAULT_RULES`.
+    mesh: a `jax.sharding.Mesh` (`jdllm.sharding.make_mesh`, or your own `jax.make_mesh`, Auto or
+    Explicit axes): the params come back placed on it (heads / MLP / vocabulary split over
+    `model` under the default rules), each device reading only its own slices, and `generate`
+    decodes under it (batch over `data`). rules: {logical axis: mesh axis, a tuple of them, or
+    None} overriding `jdllm.sharding.DEFAULT_RULES`; every mesh axis of size > 1 must be named
+    (e.g. an `fsdp` axis: rules={"batch": ("data", "fsdp")}).
 
     attn_impl: "auto" | "xla" | "pallas" | "cudnn" (see `pallas_kernels`).
     check_finite: scan every weight for NaN/inf first and raise

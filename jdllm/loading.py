@@ -17,7 +17,7 @@ import numpy as np
 
 from jdllm import errors, inputs
 from jdllm.config import ModelConfig
-from jdllm.sharding import Placement
+from jdllm.sharding import Placement, auto_axes
 from jdllm.model import Params, default_layout, default_positions, forward, init_params, to_layout
 
 
@@ -98,7 +98,8 @@ def logits(model: Model, token_ids) -> jax.Array:
         for n in sorted({len(r) for r in rows}):
             idx = [b for b, r in enumerate(rows) if len(r) == n]
             part = _logits_jit(model.params, jnp.asarray(np.stack([rows[b] for b in idx])),
-                               jnp.zeros((len(idx),), jnp.int32), cfg=cfg, attn_impl=model.forward_impl)
+                               jnp.zeros((len(idx),), jnp.int32), cfg=cfg, attn_impl=model.forward_impl,
+                               placement=model.placement)
             out = out.at[np.asarray(idx), T - n:].set(part)
         return out
     tokens = np.zeros((len(rows), T), np.int32)
@@ -107,11 +108,12 @@ def logits(model: Model, token_ids) -> jax.Array:
         tokens[b, T - len(r):] = r
         start[b] = T - len(r)
     return _logits_jit(model.params, jnp.asarray(tokens), jnp.asarray(start),
-                       cfg=cfg, attn_impl=model.forward_impl)
+                       cfg=cfg, attn_impl=model.forward_impl, placement=model.placement)
 
 
-@jax.jit(static_argnames=("cfg", "attn_impl"))
-def _logits_jit(params, tokens, start, *, cfg, attn_impl):
+@jax.jit(static_argnames=("cfg", "attn_impl", "placement"))
+@auto_axes
+def _logits_jit(params, tokens, start, *, cfg, attn_impl, placement=None):
     pos = default_positions(start, 0, tokens.shape[1])
     out, _ = forward(params, cfg, tokens, pos, start=start, attn_impl=attn_impl)
     return out

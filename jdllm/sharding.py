@@ -9,9 +9,21 @@ logical axis to a mesh axis (`data`, `model`) or to None (replicated):
 
 so batch rows split over `data` and attention heads / MLP columns / the
 vocabulary over `model` (Megatron-style tensor parallelism: XLA inserts the
-all-reduce after the attention output and the MLP down projection). The KV
-cache `[layers, B, S, kv_heads, head_dim]` follows `batch` and `kv_heads`; every
-decode-state array whose leading axis is the batch follows `batch`.
+all-reduce after the attention output and the MLP down projection). A rule may
+name several mesh axes (`rules={"batch": ("data", "fsdp")}`: rows split over
+both). The KV cache `[layers, B, S, kv_heads, head_dim]` follows `batch` and
+`kv_heads`; every decode-state array whose leading axis is the batch follows `batch`.
+
+Meshes that training code brings: any `jax.sharding.Mesh` works, made by
+`jax.make_mesh` (Explicit axes by default in current JAX) or by hand, with Auto
+or Explicit axis types. A default rule whose mesh axis the mesh lacks (a
+`("data",)` mesh has no `model`) replicates; every mesh axis of size > 1 must be
+named by some rule (an `fsdp` axis: `rules={"batch": ("data", "fsdp")}`), else
+jdllm would copy the whole computation along it. jdllm places arrays on the
+mesh as given (so they meet the user's own arrays in the user's `jax.jit`) and
+runs its computations with the Explicit axes treated as Auto (`auto_axes`):
+XLA propagates the shardings of the placed params and state (GSPMD), and the
+outputs come back typed on the user's mesh.
 
 A `Placement` (mesh + rules, hashable: it rides in the static decode context)
 derives every `NamedSharding` from those names. `jdllm.load(path, mesh=...)`
@@ -21,6 +33,8 @@ places the parameters with it (each device receives only its slices), and
 Bad input raises `jdllm.errors.ShardingError`:
   - a rules table naming a logical axis jdllm does not know, or a mesh axis the
     mesh does not have;
+  - a mesh axis of size > 1 that no rule names (the error names the axis, the
+    rules table and the rule to pass);
   - a mesh axis that does not divide the dimension it splits (e.g. `model=8`
     with 4 KV heads): the error names the parameter and the axis. jdllm does
     not silently replicate; map that logical axis to None in the rules
@@ -30,13 +44,14 @@ Bad input raises `jdllm.errors.ShardingError`:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 from typing import Any, Mapping
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jdllm import errors
@@ -133,10 +148,42 @@ class Placement:
 
     @classmethod
     def of(cls, mesh: Mesh, rules: Mapping[str, Any] | None = None) -> "Placement":
+        """The placement of `mesh` under DEFAULT_RULES updated with `rules`. A default rule whose mesh
+        axis `mesh` lacks replicates (a `("data",)` mesh: heads and MLP whole on every device); every
+        mesh axis of size > 1 must be named by some rule."""
         if not isinstance(mesh, Mesh):
             raise errors.ArgumentTypeError(
-                f"mesh={mesh!r}: expected a jax.sharding.Mesh (jdllm.sharding.make_mesh('data=2,model=4'))")
-        return cls(mesh=mesh, rules=make_rules(rules))
+                f"mesh={mesh!r}: expected a jax.sharding.Mesh (jax.make_mesh((4, 2), ('data', 'model')) or "
+                "jdllm.sharding.make_mesh('data=2,model=4'))")
+        given = dict(rules or {})
+        table = dict(make_rules(given))
+        for name, target in table.items():
+            if name not in given and target is not None and any(m not in mesh.axis_names for m in _axes(target)):
+                kept = tuple(m for m in _axes(target) if m in mesh.axis_names)
+                table[name] = None if not kept else kept[0] if len(kept) == 1 else kept
+        placement = cls(mesh=mesh, rules=tuple(sorted(table.items())))
+        placement.check_axes_named()
+        return placement
+
+    def check_axes_named(self) -> None:
+        """Every mesh axis of size > 1 is the target of some rule (else jdllm would run the same
+        computation on every slice along it)."""
+        named = {m for _, target in self.rules for m in _axes(target)}
+        for axis, size in self.mesh.shape.items():
+            if size > 1 and axis not in named:
+                table = {k: v for k, v in self.rules if v is not None}
+                raise errors.ShardingError(
+                    f"mesh axis {axis!r} (size {size}) is named by no sharding rule, so jdllm would repeat "
+                    f"the whole computation along it; the rules map {table}. Pass rules= naming it, e.g. "
+                    f"jdllm.load(path, mesh=mesh, rules={{'batch': {_suggest(self.axis('batch'), axis)!r}}}) "
+                    f"to split rows over it too, or make the mesh without it")
+
+    @functools.cached_property
+    def auto_mesh(self) -> Mesh:
+        """The mesh with every axis Auto: what jdllm's computations run under (`auto_axes`)."""
+        if all(t == AxisType.Auto for t in self.mesh.axis_types):
+            return self.mesh
+        return Mesh(self.mesh.devices, self.mesh.axis_names, axis_types=(AxisType.Auto,) * len(self.mesh.axis_names))
 
     # ------------------------------------------------------------------ specs
     def axis(self, logical: str):
@@ -201,29 +248,36 @@ class Placement:
         target = self.axis("batch")
         return 1 if target is None else self.size(target)
 
-    def state_shardings(self, state) -> Any:
-        """Shardings of a DecodeState: [B, ...] arrays over `batch`, the KV cache over batch and kv_heads,
-        everything else replicated."""
-        B = state.tokens.shape[0]
-        batch = self.axis("batch")
+    def tree_shardings(self, tree, rows: int, mesh: Mesh | None = None) -> Any:
+        """Shardings of a pytree of batch arrays (a DecodeState, a Rollout, logits): [rows, ...] arrays
+        over `batch` (when it divides them), a KV cache over batch and kv_heads, everything else
+        replicated; on `mesh` (default: the placement's)."""
+        mesh = self.mesh if mesh is None else mesh
+        batch = self.axis("batch") if rows % self.batch_multiple() == 0 else None
 
         def one(path, x):
             keys = [getattr(k, "name", getattr(k, "key", None)) for k in path]
             shape = np.shape(x)
             if "cache" in keys and keys[-1] in ("k", "v"):
-                return self.sharding(CACHE_AXES, shape, f"KV cache {keys[-1]} {shape}")
-            if len(shape) and shape[0] == B:
-                return NamedSharding(self.mesh, P(batch))
-            return self.replicated()
+                return NamedSharding(mesh, self.spec(CACHE_AXES, shape, f"KV cache {keys[-1]} {shape}"))
+            if len(shape) and shape[0] == rows:
+                return NamedSharding(mesh, P(batch))
+            return NamedSharding(mesh, P())
 
-        return jax.tree_util.tree_map_with_path(one, state)
+        return jax.tree_util.tree_map_with_path(one, tree)
+
+    def state_shardings(self, state, mesh: Mesh | None = None) -> Any:
+        """Shardings of a DecodeState: [B, ...] arrays over `batch`, the KV cache over batch and kv_heads,
+        everything else replicated."""
+        return self.tree_shardings(state, state.tokens.shape[0], mesh)
 
     def place_state(self, state):
         return jax.tree.map(put, state, self.state_shardings(state))
 
     def constrain_state(self, state):
-        """Inside jit: pin the state (and its KV cache) to its shardings."""
-        return jax.lax.with_sharding_constraint(state, self.state_shardings(state))
+        """Inside jit: pin the state (and its KV cache) to its shardings (of the Auto mesh: jdllm's
+        computations run with every axis Auto, see `auto_axes`)."""
+        return jax.lax.with_sharding_constraint(state, self.state_shardings(state, self.auto_mesh))
 
     # ------------------------------------------------------------------ attention
     def attention_impl(self, impl: str):
@@ -232,8 +286,95 @@ class Placement:
 
         if resolve_impl(impl) == "xla":
             return impl
-        return ShardedAttention(impl=resolve_impl(impl), mesh=self.mesh, batch=self.axis("batch"),
+        return ShardedAttention(impl=resolve_impl(impl), mesh=self.auto_mesh, batch=self.axis("batch"),
                                 heads=self.axis("q_heads"), kv_heads=self.axis("kv_heads"))
+
+
+def _axes(target) -> tuple:
+    """A rule's target as a tuple of mesh axis names (None: none)."""
+    return () if target is None else tuple(target) if isinstance(target, tuple) else (target,)
+
+
+def _suggest(target, axis: str):
+    """`target` with `axis` added (the rule that splits rows over it too)."""
+    both = (*_axes(target), axis)
+    return both if len(both) > 1 else axis
+
+
+def _mesh_api(name: str):
+    """`jax.sharding.<name>`, or `jax.<name>` where a JAX release moved it (None when neither has it)."""
+    return getattr(jax.sharding, name, None) or getattr(jax, name, None)
+
+
+def explicit_mesh(tree):
+    """The (abstract) mesh of the first array in `tree` whose type names Explicit mesh axes, else None."""
+    for x in jax.tree.leaves(tree):
+        if not isinstance(x, jax.Array):  # tracers too
+            continue
+        mesh = getattr(getattr(jax.typeof(x), "sharding", None), "mesh", None)
+        if mesh is not None and not mesh.empty and any(t == AxisType.Explicit for t in mesh.axis_types):
+            return mesh
+    return None
+
+
+def _placement_in(kwargs: Mapping[str, Any]):
+    """The Placement a jdllm function's static arguments carry (ctx=, spec=, placement=), or None."""
+    for v in (kwargs.get("placement"), getattr(kwargs.get("ctx"), "placement", None),
+              getattr(getattr(kwargs.get("spec"), "ctx", None), "placement", None)):
+        if v is not None:
+            return v
+    return None
+
+
+def _row_shardings(tree, mesh, rows: int, row_axis) -> Any:
+    """Without a placement: [rows, ...] leaves split like the input rows were, the rest replicated."""
+    return jax.tree.map(lambda x: NamedSharding(mesh, P(row_axis) if np.ndim(x) and np.shape(x)[0] == rows
+                                                else P()), tree)
+
+
+def auto_axes(fn, placement=None):
+    """`fn` (a jdllm computation: params, decode state, rollout, rewards -> pytree of batch arrays)
+    that also takes arrays typed on a mesh with Explicit axes (`jax.make_mesh`'s default).
+
+    With such an input, `fn` runs with those axes treated as Auto (as `jax.sharding.auto_axes`
+    does: XLA's sharding propagation from the placed arrays, jdllm's `with_sharding_constraint`s
+    on the Auto mesh) and its outputs come back typed on that mesh: under the rules of the
+    placement its `ctx=` / `spec=` / `placement=` argument carries (or `placement`) by
+    `Placement.tree_shardings` ([B, ...] over `batch`, the KV cache over batch and kv_heads);
+    with none, [B, ...] outputs split like the first explicit input's rows and the rest replicated.
+    Without Explicit inputs it is `fn` itself. Usable inside the user's `jax.jit`, where the inputs
+    are tracers typed on the user's mesh, and differentiable."""
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        mesh = explicit_mesh((args, kwargs))
+        if mesh is None:
+            return fn(*args, **kwargs)
+        use, reshard = _mesh_api("use_abstract_mesh"), _mesh_api("reshard")
+        if use is None or reshard is None:  # pragma: no cover (JAX releases without them)
+            raise errors.ShardingError(
+                f"this JAX ({jax.__version__}) lacks use_abstract_mesh / reshard, which jdllm needs for a mesh with "
+                f"Explicit axes {mesh.explicit_axes}; make the mesh with Auto axes: jax.make_mesh(shape, names, "
+                "axis_types=(jax.sharding.AxisType.Auto,) * len(names))")
+        auto = mesh.update_axis_types({a: AxisType.Auto for a in mesh.explicit_axes})
+        rows = next((a.tokens.shape[0] for a in list(args) + list(kwargs.values()) if hasattr(a, "tokens")), None)
+        first = next(x for x in jax.tree.leaves((args, kwargs)) if explicit_mesh([x]) is not None)
+
+        def to_auto(x):
+            return reshard(x, P()) if explicit_mesh([x]) is not None else x
+
+        with use(auto):
+            out = fn(*jax.tree.map(to_auto, args), **jax.tree.map(to_auto, kwargs))
+        where = placement if placement is not None else _placement_in(kwargs)
+        if where is None:
+            spec = jax.typeof(first).sharding.spec
+            rows = np.shape(first)[0] if np.ndim(first) else -1
+            return reshard(out, _row_shardings(out, mesh, rows, spec[0] if len(spec) else None))
+        if rows is None:  # no state or rollout among the inputs: the outputs' leading axis is the batch
+            rows = next((np.shape(x)[0] for x in jax.tree.leaves(out) if np.ndim(x)), 0)
+        return reshard(out, where.tree_shardings(out, rows))
+
+    return call
 
 
 def put(x, sharding: NamedSharding):
@@ -250,5 +391,5 @@ def put(x, sharding: NamedSharding):
     return jax.make_array_from_callback(x.shape, sharding, lambda idx: x[idx])
 
 
-__all__ = ["Placement", "make_mesh", "initialize_distributed", "make_rules", "parse_mesh_spec", "DEFAULT_RULES", "LOGICAL_AXES",
-           "MESH_AXES", "CACHE_AXES", "put"]
+__all__ = ["Placement", "make_mesh", "auto_axes", "explicit_mesh", "initialize_distributed", "make_rules",
+           "parse_mesh_spec", "DEFAULT_RULES", "LOGICAL_AXES", "MESH_AXES", "CACHE_AXES", "put"]

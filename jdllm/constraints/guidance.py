@@ -104,6 +104,7 @@ from jdllm import api
 from jdllm.constraints import Constraint, lark_language
 from jdllm.decode import common, loop
 from jdllm.errors import ConstraintError
+from jdllm.sharding import auto_axes
 from jdllm.state import LENGTH, RUNNING, STOP, slot_index
 
 
@@ -516,10 +517,11 @@ def _compiled(options: tuple) -> dict:
     def catch_up(params, state, plan, *, width, paradigm, ctx):
         return paradigm.catch_up_forward(params, ctx, state, plan, width)
 
-    return dict(apply_edits=jax.jit(apply_edits, static_argnames=("fill", "paradigm", "ctx"),
+    return dict(apply_edits=jax.jit(auto_axes(apply_edits), static_argnames=("fill", "paradigm", "ctx"),
                                     donate_argnames=("state",),
                                     compiler_options=opts),
-                catch_up=jax.jit(catch_up, static_argnames=("width", "paradigm", "ctx"), donate_argnames=("state",),
+                catch_up=jax.jit(auto_axes(catch_up), static_argnames=("width", "paradigm", "ctx"),
+                                 donate_argnames=("state",),
                                  compiler_options=opts))
 
 

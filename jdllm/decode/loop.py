@@ -36,6 +36,10 @@ donate the state they take: keep the one they return.
 The paradigm protocol (what `paradigm` must provide: `layout`, `prefill`, `plan`,
 `forward`, `reveal` and the optional members) is `jdllm.decode.protocol.Paradigm`;
 the registry of names is `protocol.PARADIGMS`.
+
+Each entry point taking `ctx` also takes arrays typed on a mesh with Explicit axes (`jax.make_mesh`'s
+default): it then runs with those axes treated as Auto and returns arrays typed on that mesh
+(`jdllm.sharding.auto_axes`).
 """
 
 from __future__ import annotations
@@ -51,9 +55,11 @@ from jdllm.decode import common
 from jdllm.decode.common import DecodeCtx
 from jdllm.decode.protocol import PARADIGMS, available_paradigms, paradigm_class  # noqa: F401 (re-exported)
 from jdllm.model import unstack_layers
+from jdllm.sharding import auto_axes
 from jdllm.state import DecodeState
 
 
+@auto_axes
 def prefill(params, state: DecodeState, bitmask=None, *, paradigm, ctx: DecodeCtx) -> DecodeState:
     """Allocate the KV cache (parameters' dtype) and run the paradigm's prefill (bitmask: for the
     slots `plan(state)` names, where the prefill also takes the first step)."""
@@ -62,22 +68,26 @@ def prefill(params, state: DecodeState, bitmask=None, *, paradigm, ctx: DecodeCt
     return common.constrain(ctx, paradigm.prefill(params, ctx, state, bitmask))
 
 
+@auto_axes
 def plan(state: DecodeState, *, paradigm, ctx: DecodeCtx) -> tuple[DecodeState, common.Plan]:
     """The state the next step starts from and the slots it chooses tokens for (no forward)."""
     return paradigm.plan(ctx, state)
 
 
+@auto_axes
 def forward(params, state: DecodeState, plan: common.Plan, *, paradigm, ctx: DecodeCtx):
     """The step's forward: (state, logits [B, N, V] predicting `plan.slots`)."""
     return paradigm.forward(layers_for(params, ctx), ctx, state, plan)
 
 
+@auto_axes
 def reveal(state: DecodeState, plan: common.Plan, logits, bitmask=None, *, paradigm, ctx: DecodeCtx) -> DecodeState:
     """Sample and reveal the planned slots (bitmask [B, N, ceil(V/32)] optional); ends the iteration."""
     state = paradigm.reveal(ctx, state, plan, logits, bitmask)
     return state.replace(iteration=state.iteration + 1)
 
 
+@auto_axes
 def step(params, state: DecodeState, bitmask=None, *, paradigm, ctx: DecodeCtx) -> DecodeState:
     """One iteration: plan -> forward -> reveal (what the on-device loop runs)."""
     state, p = plan(state, paradigm=paradigm, ctx=ctx)
@@ -93,6 +103,7 @@ def _loop(params, state: DecodeState, paradigm, ctx: DecodeCtx, bound) -> Decode
                               state)
 
 
+@auto_axes
 def step_n(params, state: DecodeState, n, *, paradigm, ctx: DecodeCtx) -> DecodeState:
     """Up to n more iterations on the device (fewer when every row is done or the guard is hit)."""
     bound = jnp.minimum(state.iteration + jnp.asarray(n, jnp.int32), paradigm.max_iterations(state))
@@ -104,6 +115,7 @@ def finalize(state: DecodeState) -> DecodeState:
     return common.abort_running(state)
 
 
+@auto_axes
 def run(params, state: DecodeState, *, paradigm, ctx: DecodeCtx) -> DecodeState:
     """Prefill, then step until every row is done, then finalize. Pure: usable inside a user's jit / vmap.
 

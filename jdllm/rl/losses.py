@@ -15,10 +15,12 @@ import jax
 import jax.numpy as jnp
 
 from jdllm import errors
+from jdllm.sharding import auto_axes
 
 AGGREGATES = ("sequence", "token")
 
 
+@auto_axes
 def group_advantages(rewards, group: int, *, normalize_std: bool = True, eps: float = 1e-6,
                      active=None) -> jax.Array:
     """GRPO advantages [B]: each reward minus its group's mean (divided by the group's std).
@@ -61,6 +63,7 @@ def _aggregate(per_token, mask, aggregate: str):
     return jnp.sum(per_row) / jnp.maximum(jnp.sum(rows), 1.0)
 
 
+@auto_axes
 def pg_loss(logprobs, advantages, mask, *, aggregate: str = "sequence") -> jax.Array:
     """REINFORCE: -mean(A * log p) over the masked tokens."""
     logprobs, mask, advantages = jnp.asarray(logprobs), jnp.asarray(mask), jnp.asarray(advantages)
@@ -68,6 +71,7 @@ def pg_loss(logprobs, advantages, mask, *, aggregate: str = "sequence") -> jax.A
     return -_aggregate(advantages[:, None] * logprobs, mask, aggregate)
 
 
+@auto_axes
 def grpo_loss(logprobs, old_logprobs, advantages, mask, *, clip_eps: float = 0.2, clip_eps_high: float | None = None,
               ref_logprobs=None, kl_coef: float = 0.0, aggregate: str = "sequence", return_stats: bool = False):
     """GRPO's clipped surrogate (+ kl_coef * KL to a reference policy), to minimise.

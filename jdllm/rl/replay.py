@@ -58,6 +58,7 @@ from jdllm import errors
 from jdllm.model import default_positions, forward, lm_head, predicts_next, shape_mismatch
 from jdllm.rl.rollouts import Rollout, RolloutSpec
 from jdllm.sampling import exclude_token, filter_logits, per_row
+from jdllm.sharding import auto_axes
 
 METHODS = ("auto", "teacher_forcing", "packed", "per_step")
 
@@ -190,6 +191,7 @@ def replay_copies(ro: Rollout, shrink: int = 1, multiple: int | None = None) -> 
     return max(m, -(-need // m) * m)
 
 
+@auto_axes
 def trajectory_logprobs(params, ro: Rollout, *, spec: RolloutSpec, shrink: int = 1, method: str = "auto",
                         attn_impl: str = "xla", cached_as_exact: bool = False, copies: int | None = None) -> jax.Array:
     """[B, S] float32: log-prob of each generated token under `params`, replaying `ro.step_map`
@@ -204,6 +206,7 @@ def trajectory_logprobs(params, ro: Rollout, *, spec: RolloutSpec, shrink: int =
 
     A rollout decoded with an approximate cache raises InputError unless
     cached_as_exact=True (replay the exact no-cache forward instead); CFG always raises.
+    On a mesh with Explicit axes it runs with them treated as Auto (`jdllm.sharding.auto_axes`).
     """
     if method not in METHODS:
         raise errors.InputError(f"method={method!r} is not one of {METHODS}")

@@ -22,6 +22,7 @@ from jdllm import errors
 from jdllm.api import prepare, tokenize
 from jdllm.decode import common, loop
 from jdllm.sampling import RowSampling
+from jdllm.sharding import auto_axes
 from jdllm.state import DecodeState, slot_index
 
 
@@ -115,11 +116,14 @@ def row_stream_keys(key, batch: int) -> jax.Array:
     return jax.vmap(lambda b: jax.random.fold_in(key, b))(jnp.arange(batch, dtype=jnp.uint32))
 
 
+@auto_axes
 def rollout(params, state: DecodeState, key, *, spec: RolloutSpec) -> Rollout:
     """Decode `state` (from `prepare_rollout`) with `params`; row b samples from fold_in(key, b).
 
     Pure: jit it with `spec` static (or call it inside a jitted training step);
-    params and key are data, so new values never recompile.
+    params and key are data, so new values never recompile. On a mesh with Explicit axes
+    (`jax.make_mesh`'s default) the decode runs with them treated as Auto and the Rollout comes back
+    typed on that mesh, rows over `batch` (`jdllm.sharding.auto_axes`).
     """
     if state.batch < spec.rows:
         raise errors.InputError(f"state has {state.batch} rows but spec wants {spec.rows} "

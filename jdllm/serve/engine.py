@@ -62,7 +62,8 @@ class Engine:
     and free requests share one compiled step; each step then also runs the constraint's
     reachability pass for every row (a cost the default, 0, does not pay).
 
-    mesh / rules: serve on a device mesh (`jdllm.sharding.make_mesh`): the model's params are placed
+    mesh / rules: serve on a device mesh (`jdllm.sharding.make_mesh` or any `jax.sharding.Mesh` the
+    rules cover, see `jdllm.sharding`): the model's params are placed
     on it under `rules` (as `jdllm.load(path, mesh=, rules=)` does; a model loaded that way needs
     neither), the pool's rows split over `data` (max_batch must be a multiple of its size), heads /
     MLP over `model`, and every round runs under those shardings.

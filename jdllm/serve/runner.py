@@ -33,6 +33,7 @@ from jdllm.api import params_for, prepare, trace_arrays
 from jdllm.constraints.dfa_device import stack
 from jdllm.decode import common, loop
 from jdllm.model import KVCache
+from jdllm.sharding import auto_axes
 from jdllm.state import ABORT, DecodeState
 
 STOP_WIDTH = 8  # stop ids a request may carry (the pool's stop_ids width)
@@ -84,7 +85,7 @@ def _idle_extra(params, pool: DecodeState, paradigm, ctx) -> dict:
     """Zeros shaped like the `extra` the paradigm's prefill sets (ar_spec: counters, draft cache),
     so a row's merge finds the same structure in the pool (traced only, nothing runs)."""
     ctx1 = dataclasses.replace(ctx, prefill_len=1)
-    shapes = jax.eval_shape(lambda p, s: paradigm.prefill(p, ctx1, s).extra, params, pool)
+    shapes = jax.eval_shape(auto_axes(lambda p, s: paradigm.prefill(p, ctx1, s).extra, ctx.placement), params, pool)
     return jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shapes)
 
 
@@ -92,8 +93,10 @@ def _idle_extra(params, pool: DecodeState, paradigm, ctx) -> dict:
 def _compiled(compiler_options: tuple = ()):
     opts = dict(compiler_options) or None
     static = ("paradigm", "ctx")
-    return dict(admit=jax.jit(admit_row, static_argnames=static, donate_argnames=("pool",), compiler_options=opts),
-                round=jax.jit(run_round, static_argnames=static, donate_argnames=("pool",), compiler_options=opts),
+    return dict(admit=jax.jit(auto_axes(admit_row), static_argnames=static, donate_argnames=("pool",),
+                              compiler_options=opts),
+                round=jax.jit(auto_axes(run_round), static_argnames=static, donate_argnames=("pool",),
+                              compiler_options=opts),
                 close=jax.jit(abort_rows, donate_argnames=("pool",), compiler_options=opts),
                 buffers=jax.jit(common.with_buffers, static_argnums=(1,), compiler_options=opts),
                 prefill=loop.compiled_steps(compiler_options)["prefill"])
