@@ -70,9 +70,9 @@ def timed(fn, marks: list[float]):
 
 
 def one_device_mesh():
-    """tunix's mesh axis names on one device, Auto axes (tunix enters the mesh around every role's
-    work; jdllm's decode loop takes Auto axes, see the README's "Scaling out")."""
-    return jax.make_mesh((1, 1), ("fsdp", "tp"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    """tunix's mesh axis names on one device, with `jax.make_mesh`'s default Explicit axes (tunix
+    enters the mesh around every role's work; jdllm runs Explicit axes as Auto, see "Scaling out")."""
+    return jax.make_mesh((1, 1), ("fsdp", "tp"))
 
 
 def tunix_cluster(actor, reference, tokenizer, engine, *, steps, lr, max_new, prompt_len):

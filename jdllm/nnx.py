@@ -34,6 +34,7 @@ from flax import nnx
 from jdllm import errors
 from jdllm.config import ATTENTION_KINDS, ModelConfig
 from jdllm.model import Params, default_positions, forward, is_param_spec, layer_layout, param_specs
+from jdllm.sharding import auto_axes
 
 
 def _is_param(x) -> bool:
@@ -143,8 +144,14 @@ class Model(nnx.Module):
             at = offset if offset is not None else (0 if cache is None else cache.length)
             positions = default_positions(start, at, T)
         impl = self._handle.forward_impl if attn_impl is None else attn_impl
-        return forward(self.params(), cfg, tokens, positions, start=start, cache=cache, offset=offset,
-                       attn_impl=impl, return_hidden=return_hidden, attn_mask=attention_mask, logits_at=logits_at)
+
+        # tokens first: on a mesh with Explicit axes (tunix's role meshes from jax.make_mesh), auto_axes
+        # runs the forward with them treated as Auto and splits the outputs' rows like the tokens'
+        def run(tokens, positions, start, params, cache, offset, attn_mask, logits_at):
+            return forward(params, cfg, tokens, positions, start=start, cache=cache, offset=offset, attn_impl=impl,
+                           return_hidden=return_hidden, attn_mask=attn_mask, logits_at=logits_at)
+
+        return auto_axes(run)(tokens, positions, start, self.params(), cache, offset, attention_mask, logits_at)
 
 
 def params_of(weights: Any) -> Params:

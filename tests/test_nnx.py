@@ -274,3 +274,31 @@ def test_view_of_a_diffusion_model_trains_with_its_own_attention():
     out = jdllm.generate(view.as_model(), [[5, 6, 7]], jdllm.MaskedDiffusion(steps=4, gen_length=4, block_length=4),
                          jdllm.Sampling(max_new_tokens=4))
     assert len(out[0].token_ids) == 4
+
+
+def test_view_on_a_mesh_with_explicit_axes():
+    """tunix enters role meshes from `jax.make_mesh` (Explicit axes) and splits the batch over them:
+    the view's forward and its gradient run there (an embedding gather of explicitly sharded token
+    ids was a ShardingTypeError), equal to no mesh, with the logits' rows split like the tokens'."""
+    from jax.sharding import AxisType, NamedSharding, PartitionSpec as P  # noqa: PLC0415
+
+    view = jdllm.nnx.Model(_tiny_ar())
+    tokens = jnp.asarray(np.random.default_rng(0).integers(3, 40, size=(2, 9)), jnp.int32)
+    start = jnp.zeros((2,), jnp.int32)
+
+    def loss(v, t):
+        return jnp.mean(v(t, start=start)[0][..., 5] ** 2)
+
+    want = view_logits(view, tokens, start)
+    want_grad = nnx.jit(nnx.grad(loss))(view, tokens)
+    mesh = jax.make_mesh((1,), ("data",), axis_types=(AxisType.Explicit,))
+    with jax.sharding.use_mesh(mesh) if hasattr(jax.sharding, "use_mesh") else jax.set_mesh(mesh):
+        on_mesh = jdllm.nnx.Model(dataclasses.replace(_tiny_ar(), params=jax.device_put(
+            _tiny_ar().params, NamedSharding(mesh, P()))))
+        t = jax.device_put(tokens, NamedSharding(mesh, P("data")))
+        got = view_logits(on_mesh, t, start)
+        grad = nnx.jit(nnx.grad(loss))(on_mesh, t)
+    assert jax.typeof(got).sharding.spec[0] == "data"
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5)
+    for a, b in zip(jax.tree.leaves(nnx.state(grad)), jax.tree.leaves(nnx.state(want_grad))):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)
