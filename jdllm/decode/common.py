@@ -230,7 +230,8 @@ def head_index(ctx: DecodeCtx, slots: jax.Array, offset) -> jax.Array:
 
 def forward_window(params, ctx: DecodeCtx, state: DecodeState, offset, width: int, *, at: jax.Array,
                    commit=None, also: jax.Array | None = None, kv_len=None,
-                   use_prev: bool = False, keep_below=None) -> tuple[DecodeState, jax.Array]:
+                   use_prev: bool = False, keep_below=None, write_cache: bool = True
+                   ) -> tuple[DecodeState, jax.Array]:
     """One model forward over slots [offset, offset + width) against the cache.
 
     at [B, N]: the canvas slots whose tokens this step chooses. Returns (state,
@@ -254,7 +255,7 @@ def forward_window(params, ctx: DecodeCtx, state: DecodeState, offset, width: in
         idx = jnp.concatenate([idx, jnp.clip(also - off[:, None], 0, width - 1)], axis=1)
     logits, cache = forward(params, ctx.model, tokens, positions, start=state.start, cache=state.cache,
                             offset=offset, attn_impl=ctx.attn_impl, logits_at=idx, kv_len=kv_len,
-                            keep_below=keep_below)
+                            keep_below=keep_below, write_cache=write_cache)
     N = at.shape[1]
     if use_prev and predicts_next(ctx.model):
         head = jnp.where((src < 0)[..., None], state.prev_logits[:, None], logits[:, :N])

@@ -314,13 +314,18 @@ class MaskedDiffusion(Paradigm):
         return state.replace(cache=cache, forwards=state.forwards + 1), raw
 
     def _window_logits(self, params, ctx, state: DecodeState, lo, width: int, n: int, kv_len=None):
-        """(state, logits [B, n, V] of the first n slots) of a forward over [lo, lo + width) against the cache."""
+        """(state, logits [B, n, V] of the first n slots) of a forward over [lo, lo + width) against the cache.
+
+        The window's K/V are not written back: the block's next step recomputes them and the next
+        block's first step refreshes the whole cache, so nobody reads them. (Written, they would sit
+        in the branch of a `lax.cond` whose other branch also writes the cache, and XLA would copy
+        the whole cache on every step: a cost that grows with the canvas.)"""
         toks = common.window(state.tokens, lo, width)
         pos = default_positions(state.start, lo, width)
         at = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), (state.batch, n))
-        raw, cache = forward(params, ctx.model, toks, pos, start=state.start, cache=state.cache, offset=lo,
-                             attn_impl=ctx.attn_impl, kv_len=kv_len, logits_at=at)
-        return state.replace(cache=cache, forwards=state.forwards + 1), raw
+        raw, _ = forward(params, ctx.model, toks, pos, start=state.start, cache=state.cache, offset=lo,
+                         attn_impl=ctx.attn_impl, kv_len=kv_len, logits_at=at, write_cache=False)
+        return state.replace(forwards=state.forwards + 1), raw
 
     def _block_logits(self, params, ctx, state: DecodeState, blk, i, Bl: int, nb: int):
         """(state, aligned logits [B, Bl, V] predicting the tokens of block `blk`), per the cache mode."""
