@@ -26,7 +26,13 @@ here from the published algorithms (not copied from their repositories):
   block added per step once the newest reaches block_add_threshold), one
   bidirectional forward over prompt + gen per step, the lowest-entropy mask
   plus every one with entropy <= threshold, forced progress in the first
-  Fully-Activated block.
+  Fully-Activated block. `d3llm_kv`: the same with d3LLM's delayed prefix KV
+  cache (`generate_multi_block_kv_cache`, delay 1): each forward runs the
+  suffix from the cache edge against the cached K/V, or a full refresh while a
+  complete block waits to be cached (jdllm: `MultiBlock(cache_mode="approx")`).
+- `sdar_dynamic_t1`: SDAR dynamic at temperature 1 (a draw from softmax(logits)
+  and its probability as confidence): sampled, so tokens and NFE differ between
+  the engines; compare time per forward.
 
 Every pair is run interleaved (jdllm, baseline, jdllm, baseline, ...) after a
 warm-up / compile call of each, medians are compared (speed-up = baseline
@@ -40,6 +46,7 @@ its own CPU affinity.
 
     python benchmarks/vs_pytorch.py --quick          # a few minutes
     python benchmarks/vs_pytorch.py                  # gen 128 and 256, AR batch 1/4/8
+    python benchmarks/vs_pytorch.py --only fastdllm_dual sdar_dynamic sdar_dynamic_t1 d3llm_kv --gens 128 256 512
     python benchmarks/vs_pytorch.py --large --quick   # hidden 1024, 16 layers, vocab 32k
 """
 
@@ -194,7 +201,7 @@ def torch_llada(hf, prompt, *, gen, steps, block, mask_id, threshold=None, cache
     return x[0, n:].tolist()
 
 
-def torch_sdar(hf, prompt, *, gen, block, steps, mask_id, strategy="static", threshold=0.9):
+def torch_sdar(hf, prompt, *, gen, block, steps, mask_id, strategy="static", threshold=0.9, temperature=0.0):
     """SDAR block_diffusion_generate, batch 1, greedy: KV-cached prefix, denoising steps that do not
     keep their K/V, one commit forward per filled block. Returns the generated tokens."""
     import torch  # noqa: PLC0415
@@ -205,6 +212,7 @@ def torch_sdar(hf, prompt, *, gen, block, steps, mask_id, strategy="static", thr
     pre = n // block * block
     x = torch.tensor([list(prompt)])
     kv = DynamicCache(config=hf.config)
+    torch.manual_seed(0)
     with torch.no_grad():
         if pre:
             m = torch.arange(pre)
@@ -225,7 +233,14 @@ def torch_sdar(hf, prompt, *, gen, block, steps, mask_id, strategy="static", thr
                 logits = hf(input_ids=cur, attention_mask=vis, position_ids=pos, past_key_values=kv,
                             use_cache=True).logits[0]
                 kv.crop(-block)  # store_kv=False: the step's K/V are dropped
-                tok, conf = _pick(logits, mask_id)
+                if temperature > 0:  # SDAR's sampler: a draw from softmax(logits / T), its probability
+                    z = logits.double() / temperature
+                    z[..., mask_id] = -torch.inf
+                    p = torch.softmax(z, dim=-1)
+                    tok = torch.multinomial(p, 1)[:, 0]
+                    conf = p.gather(-1, tok[:, None])[:, 0]
+                else:
+                    tok, conf = _pick(logits, mask_id)
                 conf = torch.where(masked, conf, -torch.inf)
                 if strategy == "static":
                     sel = _topk_stable(conf, k)
@@ -242,13 +257,21 @@ def torch_sdar(hf, prompt, *, gen, block, steps, mask_id, strategy="static", thr
 
 
 def torch_multi_block(hf, prompt, *, gen, block, mask_id, entropy_threshold, add_threshold=0.5,
-                      decoded_threshold=0.5):
+                      decoded_threshold=0.5, cache_delay=None):
     """d3LLM multi-block decoding (`generate_multi_block`, LLaDA family, no cache), batch 1, greedy,
     no stop token: blocks Inactive -> Activated -> Fully-Activated -> Completed; each step one
     bidirectional forward over prompt + gen_length; among the masks before the active end, the
     lowest-entropy one plus every one with entropy <= threshold; if the first Fully-Activated block
-    with masks got none, its lowest-entropy mask. Returns the generated tokens."""
+    with masks got none, its lowest-entropy mask. Returns the generated tokens.
+
+    cache_delay (an int): d3LLM's delayed prefix KV cache (`generate_multi_block_kv_cache`, LLaDA
+    version, no refresh interval): the prompt, then each block once it has been complete for
+    `cache_delay` forwards, joins a prefix cache (the scan over the blocks stops at the first one
+    that has masks or is not ripe); each forward then runs only the suffix [cache edge, end) against
+    the cached K/V (the edge's K/V from the forward that cached them), or, while a complete block
+    waits to be cached, a full forward whose K/V up to the edge replace the cached ones."""
     import torch  # noqa: PLC0415
+    from transformers import DynamicCache  # noqa: PLC0415
 
     INACTIVE, ACTIVATED, FULLY, COMPLETED = range(4)
     n = len(prompt)
@@ -266,6 +289,61 @@ def torch_multi_block(hf, prompt, *, gen, block, mask_id, entropy_threshold, add
         a, b = span(k)
         return float((x[0, a:b] != mask_id).float().mean())
 
+    # delayed prefix cache (cache_delay set): the prompt is pseudo-block -1, complete at forward 0
+    kv = {"edge": 0, "keys": None, "nfe": 0, "done_at": {-1: 0}, "cached": set()}
+
+    def spans_scanned():
+        yield -1, 0, n
+        for k, st in enumerate(state):
+            if st != INACTIVE:
+                yield (k, *span(k))
+
+    def run(lo, keep):
+        """Forward over [lo, T) against the cached K/V of [0, lo); K/V of [0, keep) returned."""
+        past = None
+        if lo:
+            past = DynamicCache(config=hf.config)
+            for li, (k_, v_) in enumerate(kv["keys"]):
+                past.update(k_, v_, li)
+        W = T - lo
+        out = hf(input_ids=x[:, lo:], attention_mask=_mask4d(torch.ones(W, lo + W, dtype=torch.bool)),
+                 position_ids=torch.arange(lo, T)[None], past_key_values=past if lo else DynamicCache(config=hf.config),
+                 use_cache=True)
+        kept = [(layer.keys[:, :, :keep], layer.values[:, :, :keep]) for layer in out.past_key_values.layers]
+        return out.logits[0], kept
+
+    def cached_logits(end):
+        kv["nfe"] += 1
+        t = kv["nfe"]
+        ripe_end = None
+        for k, a, b in spans_scanned():  # the caching scan
+            if b <= kv["edge"]:
+                continue
+            if bool((x[0, a:b] == mask_id).any()):
+                break
+            kv["done_at"].setdefault(k, t)
+            if t - kv["done_at"][k] >= cache_delay and k not in kv["cached"]:
+                kv["cached"].add(k)
+                ripe_end = b
+            elif t - kv["done_at"][k] < cache_delay:
+                break
+        stabilising = any(k not in kv["cached"] and k in kv["done_at"] for k, _, _ in spans_scanned())
+        edge = kv["edge"]
+        if ripe_end is not None:  # the suffix from the old edge; its K/V up to the new edge join the cache
+            logits, kv["keys"] = run(edge, ripe_end)
+            kv["edge"] = ripe_end
+        elif kv["keys"] is not None and not stabilising:
+            logits, _ = run(edge, 0)
+        elif kv["keys"] is not None:  # refresh: a full forward, its K/V up to the edge replace the cache
+            logits, kv["keys"] = run(0, edge)
+            edge = 0
+        else:
+            logits, _ = run(0, 0)
+            edge = 0
+        out = torch.zeros(end - n, logits.shape[-1])  # slots before the edge: complete, never chosen
+        out[max(edge - n, 0):] = logits[max(n - edge, 0):end - edge].float()
+        return out
+
     with torch.no_grad():
         while bool((x[0, n:] == mask_id).any()):
             for k, st in enumerate(state):  # activation
@@ -276,7 +354,10 @@ def torch_multi_block(hf, prompt, *, gen, block, mask_id, entropy_threshold, add
                 state[last + 1] = FULLY if progress(last) >= decoded_threshold else ACTIVATED
             live = [k for k, st in enumerate(state) if st in (ACTIVATED, FULLY)]
             end = span(max(live))[1]
-            logits = hf(input_ids=x, attention_mask=full, use_cache=False).logits[0, n:end].float()
+            if cache_delay is None:
+                logits = hf(input_ids=x, attention_mask=full, use_cache=False).logits[0, n:end].float()
+            else:
+                logits = cached_logits(end)
             logits[:, mask_id] = -torch.inf
             logp = torch.log_softmax(logits, dim=-1)
             ent = -(logp.exp() * torch.where(torch.isfinite(logp), logp, 0.0)).sum(-1)
@@ -320,8 +401,9 @@ def interleaved(fns: dict, pairs: int):
     return {name: (statistics.median(ts), ts, out[name], statistics.median(walls[name])) for name, ts in times.items()}
 
 
-def jd_tokens(model, prompts, dec, new):
-    outs = jdllm.generate(model, prompts, dec, jdllm.Sampling(max_new_tokens=new, stop_token_ids=()))
+def jd_tokens(model, prompts, dec, new, temperature=0.0):
+    outs = jdllm.generate(model, prompts, dec, jdllm.Sampling(max_new_tokens=new, stop_token_ids=(),
+                                                              temperature=temperature))
     return [list(o.token_ids) for o in outs], [o.nfe for o in outs]
 
 
@@ -364,7 +446,8 @@ def main(argv=None) -> int:
     ap.add_argument("--weight-scale", type=float, default=1.0,
                     help="weight std times sqrt(fan-in): > 1 gives peaked (confident) distributions")
     ap.add_argument("--only", nargs="*", default=None,
-                    help="subset of: ar llada fastdllm_prefix fastdllm_dual sdar_static sdar_dynamic d3llm")
+                    help="subset of: ar llada fastdllm_prefix fastdllm_dual sdar_static sdar_dynamic "
+                         "sdar_dynamic_t1 d3llm d3llm_kv")
     ap.add_argument("--cpu", type=int, default=None, help="pin this process to one CPU core")
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "out", "vs_pytorch.json"))
     args = ap.parse_args(argv)
@@ -377,7 +460,7 @@ def main(argv=None) -> int:
     import torch  # noqa: PLC0415
     torch.set_num_threads(1)
     want = set(args.only or ["ar", "llada", "fastdllm_prefix", "fastdllm_dual", "sdar_static", "sdar_dynamic",
-                             "d3llm"])
+                             "sdar_dynamic_t1", "d3llm", "d3llm_kv"])
     rng = np.random.default_rng(0)
     V, mask = args.vocab, args.vocab - 1
     rows = []
@@ -415,20 +498,22 @@ def main(argv=None) -> int:
                                                             cache=cache)]}, args.pairs)
                 rows.append(compare(f"Fast-dLLM {cache} cache, threshold {args.threshold}", gen, 1, r["jd"],
                                     r["pt"], args.pairs))
-            for strat in ("static", "dynamic"):
-                if f"sdar_{strat}" not in want:
+            for strat, temp in (("static", 0.0), ("dynamic", 0.0), ("dynamic", 1.0)):
+                if f"sdar_{strat}" + ("_t1" if temp else "") not in want:
                     continue
                 dec = jdllm.BlockDiffusion(
                     block_length=args.block, denoising_steps=args.steps_per_block,
                     strategy="low_confidence_static" if strat == "static" else "low_confidence_dynamic",
                     confidence_threshold=args.threshold, dynamic_minimum="sdar")
-                r = interleaved({"jd": lambda: jd_tokens(sdar, [prompt], dec, gen),
+                r = interleaved({"jd": lambda: jd_tokens(sdar, [prompt], dec, gen, temperature=temp),
                                  "pt": lambda: [torch_sdar(qwen_hf, prompt, gen=gen, block=args.block,
                                                            steps=args.steps_per_block, mask_id=mask,
-                                                           strategy=strat, threshold=args.threshold)]},
+                                                           strategy=strat, threshold=args.threshold,
+                                                           temperature=temp)]},
                                 args.pairs)
-                rows.append(compare(f"SDAR block_diffusion_generate {strat}, {args.steps_per_block} steps", gen, 1,
-                                    r["jd"], r["pt"], args.pairs))
+                label = f", temperature {temp:g} (sampled: tokens differ)" if temp else ""
+                rows.append(compare(f"SDAR block_diffusion_generate {strat}, {args.steps_per_block} steps{label}",
+                                    gen, 1, r["jd"], r["pt"], args.pairs))
             if "d3llm" in want:
                 dec = jdllm.MultiBlock(block_size=args.block, entropy_threshold=args.entropy_threshold,
                                        cache_mode="none")
@@ -439,6 +524,16 @@ def main(argv=None) -> int:
                                 args.pairs)
                 rows.append(compare(f"d3LLM multi-block (LLaDA, no cache), entropy {args.entropy_threshold}", gen, 1,
                                     r["jd"], r["pt"], args.pairs))
+            if "d3llm_kv" in want:
+                dec = jdllm.MultiBlock(block_size=args.block, entropy_threshold=args.entropy_threshold,
+                                       cache_mode="approx", cache_delay_iter=1)
+                r = interleaved({"jd": lambda: jd_tokens(llada, [prompt], dec, gen),
+                                 "pt": lambda: [torch_multi_block(llama_hf, prompt, gen=gen, block=args.block,
+                                                                  mask_id=mask, cache_delay=1,
+                                                                  entropy_threshold=args.entropy_threshold)]},
+                                args.pairs)
+                rows.append(compare(f"d3LLM multi-block KV cache (approx, delay 1), entropy {args.entropy_threshold}",
+                                    gen, 1, r["jd"], r["pt"], args.pairs))
     load = os.getloadavg()
     result = dict(machine=f"{platform.machine()} CPU, {os.cpu_count()} cores", load_average=load,
                   backend=jax.default_backend(), jax=jax.__version__, torch=torch.__version__,

@@ -305,7 +305,7 @@ def apply_rope(x, positions, inv_freq, scale):
 # --------------------------------------------------------------------------- forward
 def forward(params: Params, cfg: ModelConfig, tokens, positions, *, start, cache: KVCache | None = None,
             offset=None, attn_impl: str = "auto", return_hidden: bool = False, attn_mask=None, kv_len=None,
-            logits_at=None, keep_below=None, keep_from=None):
+            logits_at=None, keep_below=None, keep_from=None, write_cache: bool = True):
     """Run the window `tokens` [B, T] at absolute slots [offset, offset + T).
 
     positions [B, T]: RoPE positions (slot - start for left-padded rows).
@@ -330,6 +330,13 @@ def forward(params: Params, cfg: ModelConfig, tokens, positions, *, start, cache
     keep_from (with a cache), optional, [B] int32: likewise for slots at or after it, so a row
     may recompute only [keep_below, keep_from) of a wider window (a row running its dual-cache
     block beside rows that refresh the whole canvas).
+
+    write_cache (with a cache): False attends exactly as True does (the window's fresh K/V in place of
+    the cached ones) but leaves the cache as it was: the window's K/V go into a copy of each layer's
+    slice only. For windows whose K/V nobody reads later (a denoising step that the next step
+    recomputes): inside a `lax.cond` / `lax.switch`, only a branch that writes the cache in place
+    makes XLA copy the whole cache (every layer) on each pass, so the branches that run on most
+    steps should not write.
 
     attn_mask [B, T, S] (bool), optional: replaces the masking rule (training
     objectives such as BD3-LM's noisy/clean pairing; XLA path only).
@@ -372,7 +379,10 @@ def forward(params: Params, cfg: ModelConfig, tokens, positions, *, start, cache
     bucket, sizes = None, ()
     if cache is not None and attn_mask is None and isinstance(attn_impl, str) and resolve_impl(attn_impl) == "xla":
         sizes = kv_buckets(cache.max_len)
-        if len(sizes) > 1:
+        if len(sizes) > 1 and not isinstance(kv_len, jax.core.Tracer):  # known now (dual cache: S): no switch
+            live = int(np.max(np.asarray(kv_len)))
+            sizes = (next((n for n in sizes if n >= live), sizes[-1]),)
+        elif len(sizes) > 1:
             live = jnp.max(jnp.broadcast_to(jnp.asarray(kv_len, jnp.int32), (B,)))
             bucket = jnp.minimum(jnp.searchsorted(jnp.asarray(sizes, jnp.int32), live), len(sizes) - 1)
 
@@ -406,20 +416,23 @@ def forward(params: Params, cfg: ModelConfig, tokens, positions, *, start, cache
             if keep_below is not None or keep_from is not None:  # keep the cached K/V outside [below, from)
                 k, v = (jnp.where(keep[:, :, None, None], window_of(c[i]), x.astype(c.dtype))
                         for c, x in ((ck, k), (cv, v)))
-            ck, cv = write_rows(ck, k, q_offset, layer=i), write_rows(cv, v, q_offset, layer=i)
+            # this layer's cache [B, S, KV, D] with the window written, sliced once; a bucket branch
+            # takes only it, not the whole cache of every layer (a conditional's operands may be copied)
+            if write_cache:
+                ck, cv = write_rows(ck, k, q_offset, layer=i), write_rows(cv, v, q_offset, layer=i)
+                kl = jax.lax.dynamic_index_in_dim(ck, i, 0, keepdims=False)
+                vl = jax.lax.dynamic_index_in_dim(cv, i, 0, keepdims=False)
+            else:  # the window's K/V go into this layer's slice only
+                kl = write_rows(jax.lax.dynamic_index_in_dim(ck, i, 0, keepdims=False), k, q_offset)
+                vl = write_rows(jax.lax.dynamic_index_in_dim(cv, i, 0, keepdims=False), v, q_offset)
 
             def upto(n):  # attention over this layer's cache slots [0, n)
-                def f(ck, cv):
-                    first = (i, 0, 0, 0, 0)
-                    size = (1, ck.shape[1], n) + ck.shape[3:]
-                    return attend(jax.lax.dynamic_slice(ck, first, size)[0],
-                                  jax.lax.dynamic_slice(cv, first, size)[0])
-                return f
+                return lambda kl, vl: attend(kl[:, :n], vl[:, :n])
 
             if bucket is None:
-                a = upto(ck.shape[2])(ck, cv)
+                a = upto(sizes[0] if sizes else ck.shape[2])(kl, vl)
             else:
-                a = jax.lax.switch(bucket, [upto(n) for n in sizes], ck, cv)
+                a = jax.lax.switch(bucket, [upto(n) for n in sizes], kl, vl)
         h = h + mm("bthk,hkd->btd", a, lp["o"])
         x = rms_norm(h, lp["mlp_norm"], cfg.rms_norm_eps)
         if "gate_up" in lp:

@@ -242,3 +242,32 @@ def test_window_attention_is_the_reference_attention(kind, T, H, KV):
         k0 = jnp.broadcast_to(k[:, :, :1], k.shape)
         v0 = jnp.broadcast_to(v[:, :, :1], v.shape)
         assert np.max(np.abs(np.asarray(attention_reference(q, k0, v0, **kw)) - ref)) > 1e-3
+
+
+@pytest.mark.parametrize("kind", ["bidirectional", pytest.param("block_causal", marks=slow)])
+def test_write_cache_false_attends_alike_and_leaves_the_cache(kind):
+    """forward(write_cache=False) (the denoising windows whose K/V nobody reads later) gives the logits
+    of the writing forward and returns the cache untouched; a kv_len known at trace time (one bucket, no
+    switch) gives those of a traced one (the bucket switch). The cache is long enough for kv buckets."""
+    cfg, params, _ = _setup(kind)
+    S = 160  # >= KV_BUCKETS_FROM: the XLA path cuts the keys to a bucket
+    big = KVCache.empty(cfg, B, S)
+    k1, k2 = jax.random.split(jax.random.key(3))
+    cache = KVCache(k=jax.random.normal(k1, big.k.shape), v=jax.random.normal(k2, big.v.shape), length=big.length)
+    toks = jnp.asarray(np.random.default_rng(4).integers(0, cfg.vocab_size, (B, 8)), jnp.int32)
+    off = 40  # a block boundary (block_causal: block_size 4)
+
+    def run(write, kv_len):
+        pos = default_positions(START, off, 8)
+        return forward(params, cfg, toks, pos, start=START, cache=cache, offset=off, attn_impl="xla",
+                       kv_len=kv_len, write_cache=write)
+
+    for kv in (S, off + 8):  # the whole cache (dual cache), the window end (a bucket below S)
+        ref, written = jax.jit(lambda c, kv=kv: run(True, c))(jnp.int32(kv))  # traced kv_len: the switch
+        got, kept = jax.jit(lambda kv=kv: run(False, kv))()  # static kv_len: one bucket
+        static_w, _ = jax.jit(lambda kv=kv: run(True, kv))()
+        np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(np.asarray(static_w), np.asarray(ref), rtol=1e-5, atol=1e-5)
+        np.testing.assert_array_equal(np.asarray(kept.k), np.asarray(cache.k))
+        np.testing.assert_array_equal(np.asarray(kept.v), np.asarray(cache.v))
+        assert not np.array_equal(np.asarray(written.k), np.asarray(cache.k))

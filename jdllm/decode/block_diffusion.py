@@ -231,8 +231,13 @@ class BlockDiffusion(Paradigm):
         shift = int(ctx.model.logit_shift)  # a shifted model predicts slot c from c - 1: keep it in the window
 
         def window_forward(width):  # the wide window starts at the previous block, the narrow one at this block
-            lo = c - W if width == 2 * W else c - shift
-            return lambda st: common.forward_window(params, ctx, st, lo, width, at=plan.slots, commit=c)
+            wide = width == 2 * W
+            lo = c - W if wide else c - shift
+            # the narrow window's K/V (the block's, uncommitted) are recomputed by the block's next step
+            # or by the wide window that commits it: not written, so only the wide branch of the switch
+            # writes the cache in place (two writing branches make XLA copy the whole cache every step)
+            return lambda st: common.forward_window(params, ctx, st, lo, width, at=plan.slots, commit=c,
+                                                    write_cache=wide)
 
         commits = jnp.any((state.cache.length < c) & ~state.done)
         # on a GPU at small batch both shapes cost one read of the weights: only the wide one compiles

@@ -248,7 +248,8 @@ def head_index(ctx: DecodeCtx, slots: jax.Array, offset) -> jax.Array:
 
 def forward_window(params, ctx: DecodeCtx, state: DecodeState, offset, width: int, *, at: jax.Array,
                    commit=None, also: jax.Array | None = None, kv_len=None,
-                   use_prev: bool = False, keep_below=None, keep_from=None) -> tuple[DecodeState, jax.Array]:
+                   use_prev: bool = False, keep_below=None, keep_from=None, write_cache: bool = True
+                   ) -> tuple[DecodeState, jax.Array]:
     """One model forward over slots [offset, offset + width) against the cache.
 
     at [B, N]: the canvas slots whose tokens this step chooses. Returns (state,
@@ -272,7 +273,7 @@ def forward_window(params, ctx: DecodeCtx, state: DecodeState, offset, width: in
         idx = jnp.concatenate([idx, jnp.clip(also - off[:, None], 0, width - 1)], axis=1)
     logits, cache = forward(params, ctx.model, tokens, positions, start=state.start, cache=state.cache,
                             offset=offset, attn_impl=ctx.attn_impl, logits_at=idx, kv_len=kv_len,
-                            keep_below=keep_below, keep_from=keep_from)
+                            keep_below=keep_below, keep_from=keep_from, write_cache=write_cache)
     N = at.shape[1]
     if use_prev and predicts_next(ctx.model):
         head = jnp.where((src < 0)[..., None], state.prev_logits[:, None], logits[:, :N])
@@ -516,8 +517,9 @@ def abort_running(state: DecodeState) -> DecodeState:
     return close_rows(state, ~state.done, ABORT)
 
 
-__all__ = ["DecodeCtx", "Layout", "Plan", "right_aligned", "make_plan", "bucket", "fill_token", "new_state", "with_buffers", "window",
-           "set_window", "forward_window", "suffix_widths", "count_forward", "sample_window", "allowed_logits", "advance_keys",
+__all__ = ["DecodeCtx", "Layout", "Plan", "right_aligned", "make_plan", "bucket", "fill_token", "new_state",
+           "with_buffers", "window", "set_window", "forward_window", "suffix_widths", "count_forward",
+           "sample_window", "allowed_logits", "advance_keys",
            "constrain_logits", "candidates", "rank",
            "select_top_k", "select_first_k", "select_threshold", "select_entropy_bounded", "reveal",
            "is_stop_token", "stop_end", "close_rows", "finish_rows", "abort_running", "RUNNING", "STOP",

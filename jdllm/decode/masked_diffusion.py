@@ -66,7 +66,8 @@ noise relative to its own block, so sampled rows, too, decode exactly as
 alone. The prefix and dual caches refresh per row (see `_refresh_or_window`):
 a step where some row starts a block runs one whole-canvas forward for the
 batch, in which the other rows keep their cached K/V outside their window.
-Rows stop at the first stop token (tokens after it are not returned). Supported models: bidirectional with a mask token (LLaDA, Dream);
+Rows stop at the first stop token (tokens after it are not returned).
+Supported models: bidirectional with a mask token (LLaDA, Dream);
 block-causal models (SDAR, Fast-dLLM v2) use `BlockDiffusion` / `MultiBlock`.
 """
 
@@ -293,7 +294,8 @@ class MaskedDiffusion(Paradigm):
 
     def replay_approximation(self) -> str | None:
         if self.cfg_scale > 0:
-            return f"MaskedDiffusion(cfg_scale={self.cfg_scale}) samples from a classifier-free-guidance mix of two forwards"
+            return (f"MaskedDiffusion(cfg_scale={self.cfg_scale}) samples from a classifier-free-guidance mix of "
+                    "two forwards")
         if self.cache_mode in ("prefix", "dual"):
             return f"MaskedDiffusion(cache_mode={self.cache_mode!r}) is Fast-dLLM's approximate cache"
         return None
@@ -384,16 +386,17 @@ class MaskedDiffusion(Paradigm):
         return state.replace(forwards=state.forwards + 1), raw
 
     def _cached_logits(self, params, ctx, state: DecodeState, lo, width: int, at, *, kv_len=None,
-                       keep_below=None, keep_from=None):
+                       keep_below=None, keep_from=None, write_cache: bool = True):
         """(state, logits [B, N, V] at canvas slots `at`) of a forward over [lo, lo + width) (lo:
-        scalar or [B]) against the cache, writing the window's K/V except where kept."""
+        scalar or [B]) against the cache, writing the window's K/V except where kept (write_cache=False:
+        nothing written, for a window nobody reads back; see `_refresh_or_window`)."""
         toks = common.window(state.tokens, lo, width)
         pos = default_positions(state.start, lo, width)
         idx = jnp.clip(at - jnp.asarray(lo, jnp.int32).reshape(-1, 1), 0, width - 1)
         raw, cache = forward(params, ctx.model, toks, pos, start=state.start, cache=state.cache, offset=lo,
                              attn_impl=ctx.attn_impl, kv_len=kv_len, logits_at=idx, keep_below=keep_below,
-                             keep_from=keep_from)
-        return state.replace(cache=cache, forwards=state.forwards + 1), raw
+                             keep_from=keep_from, write_cache=write_cache)
+        return state.replace(cache=cache if write_cache else state.cache, forwards=state.forwards + 1), raw
 
     def plan(self, ctx, state: DecodeState):
         """Each row's current block; a row moves to its next block once it has no masked slot left in
@@ -437,7 +440,12 @@ class MaskedDiffusion(Paradigm):
         row's block at its own offset); when some row refreshes, the whole canvas. Every row keeps its
         cached K/V outside what it recomputes alone (`forward(keep_below=, keep_from=)`), so each row
         computes what it computes alone. The cost: rows that joined at other times refresh at other
-        steps, and each refresh makes that step's forward a whole-canvas one for the batch."""
+        steps, and each refresh makes that step's forward a whole-canvas one for the batch.
+
+        A step where no row refreshes writes nothing back: its window's K/V are recomputed by the
+        row's next step or its next block's refresh, so nobody reads them, and a branch of the
+        refresh / window conditional that writes the cache in place makes XLA copy the whole cache
+        (every layer) on every step, a cost that grows with the canvas."""
         S, W = state.slots, plan.width
         shift = int(ctx.model.logit_shift)
         refresh = work & (state.extra["i"] == 0)  # [B]
@@ -455,10 +463,18 @@ class MaskedDiffusion(Paradigm):
             # one row alone recomputes its whole window: nothing in it to keep (and no per-layer select)
             keep = floor if state.batch > 1 or ctx.own_layouts else None
 
-            def suffix(width):
-                return lambda st: self._cached_logits(params, ctx, st, S - width, width, at, keep_below=keep)
+            def suffix(width, write):
+                return lambda st: self._cached_logits(params, ctx, st, S - width, width, at, keep_below=keep,
+                                                      write_cache=write)
 
-            return common.switch_width(ctx, state, widths, S - jnp.min(floor), suffix)
+            def refreshing(st):  # some row refreshes: the window's K/V are written (generate: the whole canvas)
+                return common.switch_width(ctx, st, widths if ctx.own_layouts else [S], S - jnp.min(floor),
+                                           lambda w: suffix(w, True))
+
+            def windows(st):  # every row in its window: K/V the next step recomputes, not written back
+                return common.switch_width(ctx, st, widths, S - jnp.min(floor), lambda w: suffix(w, False))
+
+            return jax.lax.cond(jnp.any(refresh), refreshing, windows, state)
 
         hi = b0 + self._rows(state)[0]  # [B] the block's end (one block: the canvas end)
 
@@ -473,10 +489,11 @@ class MaskedDiffusion(Paradigm):
         def blocks(st):  # dual, every row in its block: the block alone, the cached suffix visible
             if self.block_length is not None:  # each row's block at its own offset
                 # one row: a scalar offset (a window slice and update, not a per-row gather / scatter)
-                return self._cached_logits(params, ctx, st, lo[0] if st.batch == 1 else lo, W + shift, at, kv_len=S)
+                return self._cached_logits(params, ctx, st, lo[0] if st.batch == 1 else lo, W + shift, at, kv_len=S,
+                                           write_cache=False)
             # one block per row, ending at the canvas end: the widest row's, the others keep their prefix
             return self._cached_logits(params, ctx, st, S - W - shift, W + shift, at,
-                                       keep_below=jnp.where(work, lo, S).astype(jnp.int32))
+                                       keep_below=jnp.where(work, lo, S).astype(jnp.int32), write_cache=False)
 
         return jax.lax.cond(jnp.any(refresh), full, blocks, state)
 

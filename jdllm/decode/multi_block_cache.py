@@ -187,12 +187,23 @@ class ApproxCache(CacheStrategy):
         if ctx.model.logit_shift:  # Dream shifts within the forward: a suffix's first slot predicts itself
             own = (running & suffix)[:, None] & (at == floor[:, None])
             at = jnp.where(own, at + 1, at)  # the head then reads slot `floor`'s own output
-        # window widths: blocks 1, 2, 4, ... and the whole canvas; the narrowest that reaches every floor
-        widths = sorted({S} | {Bs * 2 ** i for i in range(S.bit_length()) if Bs * 2 ** i < S})
+        # window widths: blocks 1, 2, 3, 4, 6, 8, 12, ... (two per octave: a suffix pays at most a third
+        # more than its length, not twice) and the whole canvas; the narrowest that reaches every floor
+        widths = sorted({S} | {w for i in range(S.bit_length()) for w in (Bs * 2 ** i, Bs * 3 * 2 ** i // 2)
+                               if Bs <= w < S and w % Bs == 0})
+        N = at.shape[1]
 
         def suffix_forward(width):
-            return lambda s_: common.forward_window(params, ctx, s_, S - width, width, at=at, kv_len=S,
-                                                    keep_below=floor, commit=commit)
+            if N != S or width >= S:  # the planned slots are not the canvas: the head runs at all of them
+                return lambda s_: common.forward_window(params, ctx, s_, S - width, width, at=at, kv_len=S,
+                                                        keep_below=floor, commit=commit)
+
+            def run(s_):  # the head runs only inside the window: every candidate is there (>= its row's floor)
+                s_, logits = common.forward_window(params, ctx, s_, S - width, width, at=at[:, S - width:],
+                                                   kv_len=S, keep_below=floor, commit=commit)
+                pad = jnp.zeros((s_.batch, S - width, logits.shape[-1]), logits.dtype)
+                return s_, jnp.concatenate([pad, logits], axis=1)
+            return run
 
         return common.switch_width(ctx, state, widths, S - jnp.min(floor), suffix_forward)
 
