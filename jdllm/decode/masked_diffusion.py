@@ -63,7 +63,7 @@ slot P; a serving pool (`jdllm.serve`) places each request on its own layout,
 moved right so its canvas ends at the pool canvas's end as it ends alone
 (`row_layout`), and rows join a running batch at any step. Each row draws its
 noise relative to its own block, so sampled rows, too, decode exactly as
-alone. The prefix and dual caches refresh per row (see `_refresh_or_window`):
+alone. The prefix and dual caches refresh per row (see `masked_diffusion_cache.refresh_or_window`):
 a step where some row starts a block runs one whole-canvas forward for the
 batch, in which the other rows keep their cached K/V outside their window.
 Rows stop at the first stop token (tokens after it are not returned).
@@ -82,10 +82,10 @@ import numpy as np
 
 from jdllm import errors
 from jdllm.decode import common
+from jdllm.decode import masked_diffusion_cache as cache_forwards
 from jdllm.decode.protocol import Paradigm
-from jdllm.model import default_positions, forward
 from jdllm.sampling import apply_token_bitmask, distribution_stats, exclude_token, filter_logits, per_row, split_rows
-from jdllm.state import DecodeState, slot_index
+from jdllm.state import DecodeState
 
 REMASKING = ("low_confidence", "random")
 CACHE_MODES = ("auto", "none", "prefix", "dual")
@@ -365,39 +365,6 @@ class MaskedDiffusion(Paradigm):
         zero = jnp.zeros((state.batch,), jnp.int32)
         return state.replace(extra={"block": zero, "i": zero})
 
-    def _full_logits(self, params, ctx, state: DecodeState, at, lo: int = 0):
-        """(state, logits [B, N, V] at canvas slots `at` [B, N]) of a forward over slots [lo, S) alone,
-        no cache (with classifier-free guidance: the mix of the two forwards). lo > 0 only where every
-        row that matters starts at or after it (slots before a row's start are padding it never sees)."""
-        S = state.slots
-        toks = state.tokens[:, lo:]
-        pos = default_positions(state.start, lo, S - lo)
-        start = jnp.maximum(state.start - lo, 0)
-        at = jnp.clip(at - lo, 0, S - lo - 1)
-        if self.cfg_scale > 0:
-            prompt = slot_index(state)[:, lo:] < state.gen_start[:, None]
-            un = jnp.where(prompt, jnp.int32(ctx.model.mask_token_id), toks)
-            both, _ = forward(params, ctx.model, jnp.concatenate([toks, un]), jnp.concatenate([pos, pos]),
-                              start=jnp.concatenate([start, start]), attn_impl=ctx.attn_impl,
-                              logits_at=jnp.concatenate([at, at]))
-            cond, unc = both[:state.batch], both[state.batch:]
-            return state.replace(forwards=state.forwards + 2), unc + (self.cfg_scale + 1.0) * (cond - unc)
-        raw, _ = forward(params, ctx.model, toks, pos, start=start, attn_impl=ctx.attn_impl, logits_at=at)
-        return state.replace(forwards=state.forwards + 1), raw
-
-    def _cached_logits(self, params, ctx, state: DecodeState, lo, width: int, at, *, kv_len=None,
-                       keep_below=None, keep_from=None, write_cache: bool = True):
-        """(state, logits [B, N, V] at canvas slots `at`) of a forward over [lo, lo + width) (lo:
-        scalar or [B]) against the cache, writing the window's K/V except where kept (write_cache=False:
-        nothing written, for a window nobody reads back; see `_refresh_or_window`)."""
-        toks = common.window(state.tokens, lo, width)
-        pos = default_positions(state.start, lo, width)
-        idx = jnp.clip(at - jnp.asarray(lo, jnp.int32).reshape(-1, 1), 0, width - 1)
-        raw, cache = forward(params, ctx.model, toks, pos, start=state.start, cache=state.cache, offset=lo,
-                             attn_impl=ctx.attn_impl, kv_len=kv_len, logits_at=idx, keep_below=keep_below,
-                             keep_from=keep_from, write_cache=write_cache)
-        return state.replace(cache=cache if write_cache else state.cache, forwards=state.forwards + 1), raw
-
     def plan(self, ctx, state: DecodeState):
         """Each row's current block; a row moves to its next block once it has no masked slot left in
         this one (rows of a batch sit in different blocks and steps, none waits for another)."""
@@ -413,7 +380,7 @@ class MaskedDiffusion(Paradigm):
     def forward(self, params, ctx, state: DecodeState, plan: common.Plan):
         """The forward per cache mode (module docstring), one for the batch; a row whose block starts
         (its step 0) refreshes its cache while the others run their own window (see
-        `_refresh_or_window`)."""
+        `masked_diffusion_cache.refresh_or_window`)."""
         shift = int(ctx.model.logit_shift)
         at = plan.slots - shift  # [B, W] the slots whose logits predict the window
         work = jnp.any(plan.valid, axis=-1)  # [B]
@@ -422,80 +389,13 @@ class MaskedDiffusion(Paradigm):
             need = S - jnp.min(jnp.where(work, state.start, S))
             state, logits = common.switch_width(
                 ctx, state, common.suffix_widths(ctx, S), need,
-                lambda w: lambda st: self._full_logits(params, ctx, st, at, S - w))
+                lambda w: lambda st: cache_forwards.full_logits(self, params, ctx, st, at, S - w))
         else:
-            state, logits = self._refresh_or_window(params, ctx, state, plan, at, work)
+            state, logits = cache_forwards.refresh_or_window(self, params, ctx, state, plan, at, work)
         state = common.count_forward(state, work)
         if self.cfg_scale > 0:
             state = common.count_forward(state, work)
         return state, logits
-
-    def _refresh_or_window(self, params, ctx, state: DecodeState, plan: common.Plan, at, work):
-        """prefix / dual cache, per row: a working row at its block's first step refreshes (its whole
-        canvas: K/V written, logits from the full forward), the others run [block start - shift, S)
-        (prefix) or their block alone with the cached suffix visible (dual) against their own cache.
-
-        One forward serves the batch: when every working row runs its window, the narrowest one that
-        holds them (prefix: the static widths of a batch whose rows share the prompt bucket; dual: each
-        row's block at its own offset); when some row refreshes, the whole canvas. Every row keeps its
-        cached K/V outside what it recomputes alone (`forward(keep_below=, keep_from=)`), so each row
-        computes what it computes alone. The cost: rows that joined at other times refresh at other
-        steps, and each refresh makes that step's forward a whole-canvas one for the batch.
-
-        A step where no row refreshes writes nothing back: its window's K/V are recomputed by the
-        row's next step or its next block's refresh, so nobody reads them, and a branch of the
-        refresh / window conditional that writes the cache in place makes XLA copy the whole cache
-        (every layer) on every step, a cost that grows with the canvas."""
-        S, W = state.slots, plan.width
-        shift = int(ctx.model.logit_shift)
-        refresh = work & (state.extra["i"] == 0)  # [B]
-        b0 = self._block_start(state)  # [B]
-        lo = b0 - shift  # [B] a window row's first recomputed slot
-        # a refreshing row rewrites [its start, S) (a serving pool), or the whole canvas (padding included)
-        fresh = state.start if ctx.own_layouts else jnp.zeros_like(state.start)
-        if self.cache_mode == "prefix":
-            floor = jnp.where(work, jnp.where(refresh, fresh, lo), S).astype(jnp.int32)
-            P = ctx.prefill_len
-            widths = sorted(set(common.suffix_widths(ctx, S)) | {S - (P + k * W - shift) for k in
-                                                                  range(max((S - P) // W, 1))
-                                                                  if 0 < S - (P + k * W - shift) <= S})
-
-            # one row alone recomputes its whole window: nothing in it to keep (and no per-layer select)
-            keep = floor if state.batch > 1 or ctx.own_layouts else None
-
-            def suffix(width, write):
-                return lambda st: self._cached_logits(params, ctx, st, S - width, width, at, keep_below=keep,
-                                                      write_cache=write)
-
-            def refreshing(st):  # some row refreshes: the window's K/V are written (generate: the whole canvas)
-                return common.switch_width(ctx, st, widths if ctx.own_layouts else [S], S - jnp.min(floor),
-                                           lambda w: suffix(w, True))
-
-            def windows(st):  # every row in its window: K/V the next step recomputes, not written back
-                return common.switch_width(ctx, st, widths, S - jnp.min(floor), lambda w: suffix(w, False))
-
-            return jax.lax.cond(jnp.any(refresh), refreshing, windows, state)
-
-        hi = b0 + self._rows(state)[0]  # [B] the block's end (one block: the canvas end)
-
-        below = jnp.where(refresh, fresh, jnp.where(work, lo, S)).astype(jnp.int32)
-        above = jnp.where(refresh, S, jnp.where(work, hi, S)).astype(jnp.int32)
-
-        def full(st):  # dual, some row refreshes: the others keep everything outside their block
-            return common.switch_width(ctx, st, common.suffix_widths(ctx, S), S - jnp.min(below),
-                                       lambda w: lambda s_: self._cached_logits(params, ctx, s_, S - w, w, at,
-                                                                                keep_below=below, keep_from=above))
-
-        def blocks(st):  # dual, every row in its block: the block alone, the cached suffix visible
-            if self.block_length is not None:  # each row's block at its own offset
-                # one row: a scalar offset (a window slice and update, not a per-row gather / scatter)
-                return self._cached_logits(params, ctx, st, lo[0] if st.batch == 1 else lo, W + shift, at, kv_len=S,
-                                           write_cache=False)
-            # one block per row, ending at the canvas end: the widest row's, the others keep their prefix
-            return self._cached_logits(params, ctx, st, S - W - shift, W + shift, at,
-                                       keep_below=jnp.where(work, lo, S).astype(jnp.int32), write_cache=False)
-
-        return jax.lax.cond(jnp.any(refresh), full, blocks, state)
 
     def reveal(self, ctx, state: DecodeState, plan: common.Plan, logits, bitmask=None) -> DecodeState:
         W = plan.width
