@@ -4,7 +4,6 @@ compile, said so, not 1e9 optimizer steps/s)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import re
@@ -13,15 +12,13 @@ import sys
 import pytest
 
 from tests.quick import slow
+from tests.scripts import load_script
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _rl_grpo():
-    spec = importlib.util.spec_from_file_location("rl_grpo", os.path.join(ROOT, "examples", "rl_grpo.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("examples/rl_grpo.py")
 
 
 @slow

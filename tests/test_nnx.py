@@ -27,6 +27,7 @@ import jdllm.nnx
 from jdllm import errors
 from jdllm.model import default_positions, forward, to_layout
 from tests.quick import slow, slow_except
+from tests.scripts import load_script
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 TOL = 1e-4
@@ -232,11 +233,7 @@ def test_bad_input():
 
 @slow
 def test_nnx_train_example_runs(capsys):
-    import importlib.util  # noqa: PLC0415
-
-    spec = importlib.util.spec_from_file_location("nnx_train", os.path.join(ROOT, "examples", "nnx_train.py"))
-    ex = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(ex)
+    ex = load_script("examples/nnx_train.py")
     assert ex.main(["--steps", "3", "--batch", "4"]) == 0
     printed = capsys.readouterr().out
     first, last = (float(x) for x in re.search(r"loss ([0-9.]+) -> ([0-9.]+)", printed).groups())

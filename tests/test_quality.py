@@ -1,9 +1,7 @@
 """AUP against hand-computed values, and quality floors on the shipped tiny models (models/tiny-*)."""
 
-import importlib.util
 import math
 import os
-import sys
 
 import numpy as np
 import pytest
@@ -11,17 +9,14 @@ import pytest
 import jdllm
 from jdllm import tasks
 from tests.quick import slow
+from tests.scripts import load_script
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODELS = os.path.join(ROOT, "models")
 
 
 def _quality():
-    spec = importlib.util.spec_from_file_location("quality", os.path.join(ROOT, "benchmarks", "quality.py"))
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("quality", mod)  # dataclasses look their module up by name
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("benchmarks/quality.py")
 
 
 # --------------------------------------------------------------------------- AUP

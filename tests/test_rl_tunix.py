@@ -28,6 +28,7 @@ from jdllm import errors, tasks
 from jdllm.rl import tunix_bridge
 from jdllm.rl.tunix_bridge import JdllmRollout
 from tests.quick import slow
+from tests.scripts import load_script
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 FIELDS = ("text", "logits", "tokens", "left_padded_prompt_tokens", "logprobs")
@@ -207,13 +208,9 @@ def test_speculative_rollouts_with_a_draft_model():
 def test_tunix_grpo_learner_trains_the_nnx_view_with_jdllm_rollouts():
     """tunix's own GRPOLearner for 2 steps on tiny-ar (examples/rl_tunix.py): the actor's weights
     move, and the engine's rollouts and scores are those of the trained weights."""
-    import importlib.util  # noqa: PLC0415
-
     from tunix.rl.rollout.base_rollout import BaseRollout  # noqa: PLC0415
 
-    spec = importlib.util.spec_from_file_location("rl_tunix", os.path.join(ROOT, "examples", "rl_tunix.py"))
-    ex = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(ex)
+    ex = load_script("examples/rl_tunix.py")
     path = os.path.join(ROOT, "models/tiny-ar")
     cluster, times = ex.run_jdllm(path, steps=2, batch=2, group=2, max_new=6, lr=3e-3)
     assert len(times["step"]) == 2 and len(times["rollout"]) == 2

@@ -1,8 +1,6 @@
 """examples/train_tiny.py's noisy-context term against the BD3-LM objective it extends."""
 
-import importlib.util
 import os
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -11,6 +9,7 @@ import numpy as np
 from jdllm import objectives, tasks
 from jdllm.model import init_params
 from tests.quick import slow
+from tests.scripts import load_script
 
 pytestmark = slow  # its one test compiles two training losses (~4 s); the quick tier has test_objectives.py
 
@@ -18,11 +17,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _train_tiny():
-    spec = importlib.util.spec_from_file_location("train_tiny", os.path.join(ROOT, "examples", "train_tiny.py"))
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("train_tiny", mod)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("examples/train_tiny.py")
 
 
 def test_noisy_context_loss_is_bd3_when_earlier_blocks_are_clean():

@@ -1,6 +1,5 @@
 """examples/train_tiny.py: a few steps per family produce loadable Hugging Face directories, deterministically."""
 
-import importlib.util
 import json
 import os
 
@@ -11,15 +10,13 @@ from safetensors.numpy import load_file
 from jdllm import tasks
 from jdllm.config import ModelConfig
 from tests.quick import slow
+from tests.scripts import load_script
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _train_tiny():
-    spec = importlib.util.spec_from_file_location("train_tiny", os.path.join(ROOT, "examples", "train_tiny.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("examples/train_tiny.py")
 
 
 # Each family's own published names (SDAR/Qwen3: model.layers.N.*, LLaDA: model.transformer.blocks.N.*).

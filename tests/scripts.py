@@ -1,0 +1,21 @@
+"""One of the repository's scripts (examples/, benchmarks/) loaded as a module, for tests that call its
+functions or its main()."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def load_script(relpath: str):
+    """The script at `relpath` (from the repository root) as a module named after its file, registered
+    in sys.modules under that name first (dataclasses look their module up by name)."""
+    name = os.path.splitext(os.path.basename(relpath))[0]
+    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, relpath))
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault(name, mod)
+    spec.loader.exec_module(mod)
+    return mod
