@@ -51,7 +51,7 @@ timeout -k 10 "$T_CP" python3 benchmarks/compile_profile.py --shape 8b --budget 
 status=$(( status ? status : ${PIPESTATUS[0]} ))
 
 note "2. GPU test tier (timeout ${T_TESTS}s)"
-timeout -k 10 "$T_TESTS" python3 -m pytest -q -m gpu tests/ 2>&1 | tee "$out/gpu_tests.log"
+timeout -k 10 "$T_TESTS" python3 -m pytest -v --tb=short -rfE -m gpu tests/ 2>&1 | tee "$out/gpu_tests.log"
 status=$(( status ? status : ${PIPESTATUS[0]} ))
 
 note "3. benchmarks/gpu.py --quick (budget ${BUDGET}s, timeout ${T_BENCH}s)"
