@@ -151,6 +151,9 @@ def plan_rows(paradigms, layers, full: int, probe: int, groups) -> list[Spec]:
     for L in small:  # (a)
         for p in pair:
             add(Spec("layers", p, L, cached=True, time_run=(p == focus and L == probe)))
+    # the Pallas kernels without Mosaic GPU: does the persistent cache then hit (H200, 2026-11-26: bd, whose
+    # prefill runs the Mosaic kernel, missed it; ar, Triton kernels only, hit)
+    add(Spec("attn", focus, probe, attn="triton", cached=True))
     add(Spec("options", focus, probe, options="autotune0"))  # (b)
     add(Spec("options", focus, probe, options="no_triton_gemm"))
     add(Spec("layout", focus, probe, layout="stacked", time_run=True))  # (c)
@@ -159,6 +162,9 @@ def plan_rows(paradigms, layers, full: int, probe: int, groups) -> list[Spec]:
     for L in deep:  # (a) at depth, the pair's cheaper member first
         for p in pair[:1]:
             add(Spec("layers", p, L, cached=True))
+        # one scanned layer body that reads the stacked weights in place (no copy at 4 layers on the H200):
+        # its compile and run at full depth against the per-layer program's
+        add(Spec("layout", focus, L, layout="stacked", options="dsf_no_triton", cached=True, time_run=True))
     add(Spec("attn", focus, probe, attn="xla"))
     add(Spec("options", focus, probe, options="backend_O0"))
     for p in others:
@@ -284,6 +290,58 @@ class Events:
         return out
 
 
+class CacheLog:
+    """What JAX's compiler says about the persistent cache while a row compiles (an entry not written:
+    host callbacks, an executable that does not serialize, a compile under the minimum time; its
+    DEBUG lines, which `jax_explain_cache_misses` would raise to warnings along with every tracing-cache
+    miss), and Python warnings (a failed cache write is one), as strings."""
+
+    NAMES = ("jax._src.compiler", "jax._src.compilation_cache")
+
+    def __init__(self):
+        import logging  # noqa: PLC0415
+        import warnings  # noqa: PLC0415
+
+        self.lines: list[str] = []
+        outer = self
+
+        class Handler(logging.Handler):
+            def emit(self, record):
+                msg = record.getMessage()
+                low = msg.lower()
+                if "cache" in low and ("jit_run" in msg or "not writing" in low or "error" in low
+                                       or record.levelno >= logging.WARNING):
+                    outer.lines.append(f"{record.levelname} {record.name}: {msg}"[:600])
+                if record.levelno >= logging.WARNING:
+                    print(f"{record.levelname} {record.name}: {msg}", file=sys.stderr, flush=True)
+
+        h = Handler(logging.DEBUG)
+        for name in self.NAMES:
+            lg = logging.getLogger(name)
+            lg.setLevel(logging.DEBUG)
+            lg.propagate = False  # its DEBUG lines go to this list, not to the console
+            lg.addHandler(h)
+        shown = warnings.showwarning
+
+        def show(message, category, filename, lineno, file=None, line=None):
+            outer.lines.append(f"{category.__name__}: {message}"[:600])
+            shown(message, category, filename, lineno, file, line)
+
+        warnings.showwarning = show
+
+    def take(self) -> list[str]:
+        out, self.lines = self.lines[:16], []
+        return out
+
+
+def cache_entries(path: str | None) -> list:
+    """(name, bytes) of the persistent cache's files: an entry the cold compile did not write is missing."""
+    if not path or not os.path.isdir(path):
+        return []
+    return sorted((n, os.path.getsize(os.path.join(path, n))) for n in os.listdir(path)
+                  if os.path.isfile(os.path.join(path, n)))
+
+
 def write_json(path: str, obj) -> None:
     tmp = f"{path}.tmp{os.getpid()}"
     with open(tmp, "w") as f:
@@ -377,7 +435,14 @@ def child_row(task: dict) -> int:
     dtype = jnp.bfloat16
     params = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, dtype), param_specs(cfg, layout),
                           is_leaf=is_param_spec)
-    model = jdllm.Model(config=cfg, params=params, attn_impl=spec.attn)
+    attn = spec.attn
+    if attn == "triton":  # the Pallas kernels, Triton only: no Mosaic GPU prefill kernel on Hopper
+        from pallas_kernels.common import BACKEND_ENV  # noqa: PLC0415
+
+        os.environ[BACKEND_ENV] = "triton"
+        attn = "pallas" if row["backend"] == "gpu" else "auto"
+    row["pallas_backend"] = os.environ.get("JDLLM_PALLAS_BACKEND") or "default"
+    model = jdllm.Model(config=cfg, params=params, attn_impl=attn)
     dec = G.decoding_for(case, task["gen"], task["block"])
     prompts = G.prompts_for(case, task["prompt"], cfg.vocab_size, task["seed"])
     prep = prepare(model, prompts, dec, jdllm.Sampling(max_new_tokens=task["gen"], stop_token_ids=()))
@@ -388,7 +453,7 @@ def child_row(task: dict) -> int:
         ctx = dataclasses.replace(ctx, merge_tokens=n)
     run_params = params_for(model, dec)
     row.update(param_layout=layout, layers_run="scan" if layout == "stacked" else "straight-line",
-               attn_resolved=resolve_impl(spec.attn), merge_tokens=common.weight_bound_tokens(ctx),
+               attn_resolved=resolve_impl(attn), merge_tokens=common.weight_bound_tokens(ctx),
                options_set=opts, weight_bytes=param_bytes(cfg, dtype), canvas=int(prep.state.slots),
                prefill_len=ctx.prefill_len, batch=int(prep.state.batch))
     fn = loop.compiled(tuple(sorted(opts.items())))
@@ -417,6 +482,7 @@ def child_row(task: dict) -> int:
         row[f"{tag}total_s"] = row[f"{tag}trace_s"] + row[f"{tag}lower_s"] + row[f"{tag}compile_s"]
         return traced, lowered, compiled
 
+    log = CacheLog()
     try:
         traced, lowered, compiled = phases("")
     except Exception as e:  # noqa: BLE001 (a rejected option, a failed compile: reported in the row)
@@ -427,6 +493,9 @@ def child_row(task: dict) -> int:
         write_json(out, row)
         traceback.print_exc()
         return 0
+    if task["cache"] == "fresh":
+        row["cache_entries_after_cold"] = cache_entries(task["cache_dir"])
+    row["cache_log"] = log.take()
     write_json(out, row)
     # what the program holds
     names = ("rsqrt", "pallas_call", "while", "cond", "scan")
@@ -453,6 +522,7 @@ def child_row(task: dict) -> int:
             phases("cached_")
         except Exception as e:  # noqa: BLE001
             row["cached_error"] = "".join(traceback.format_exception_only(type(e), e)).strip()[-800:]
+        row["cached_cache_log"] = log.take()
         write_json(out, row)
     return 0
 
@@ -578,6 +648,22 @@ def timer_split(timers: dict) -> tuple:
     return pick(r"RunHloPasses for|Running HLO passes on"), pick(r"RunBackend for|for CPU using JIT")
 
 
+def miss_reason(r: dict) -> str:
+    """Why the cached pass missed: the decode program's entry was not written by the cold compile (JAX's
+    reason, where it gave one), or it was written under another key than the cached pass looked up
+    (the lowered program or its options differ between two traces)."""
+    key_re = re.compile(r"'(jit_run-[0-9a-f]+)'")
+    written = [n for n, _ in r.get("cache_entries_after_cold", []) if n.startswith("jit_run-")]
+    looked = [m.group(1) for ln in r.get("cached_cache_log") or [] if "MISS" in ln for m in [key_re.search(ln)] if m]
+    said = [ln for ln in (r.get("cache_log") or []) + (r.get("cached_cache_log") or [])
+            if "not writing" in ln.lower() or "error" in ln.lower() or ln.startswith(("WARNING", "ERROR"))]
+    if not written:
+        return "the cold compile wrote no jit_run entry" + (f": {said[0][:240]}" if said else "")
+    if looked and not any(w.startswith(looked[0]) for w in written):
+        return f"written as {written[0][:24]}..., looked up as {looked[0][:24]}...: the key changed between traces"
+    return f"{len(written)} jit_run entr{'y' if len(written) == 1 else 'ies'} written" + (f"; {said[0][:200]}" if said else "")
+
+
 def progress_line(r: dict, elapsed: float) -> str:
     head = (f"[{elapsed:5.0f}s] {r['shape']} {r['paradigm']:<4} L{r['layers']:<2} {r['layout']:<9} "
             f"attn={r['attn']:<4} merge={r.get('merge_tokens', r['merge'])!s:<7} {r['options']:<14}")
@@ -595,6 +681,8 @@ def progress_line(r: dict, elapsed: float) -> str:
     if "cached_total_s" in r:
         hit = r.get("cached_events", {}).get("cache_hits", 0)
         s += f" | cached {fmt_s(r['cached_total_s'])} s ({'hit' if hit else 'MISS'})"
+        if not hit:  # why: did the cold compile write the program's entry, under which key, and what JAX said
+            s += f" [{miss_reason(r)}]"
     h, m = r.get("hlo", {}), r.get("memory", {})
     kernels = r.get("jaxpr_counts", {}).get("pallas_call", 0)
     s += (f" | {r.get('forwards_in_program')} fwd, {kernels} pallas_call | HLO {h.get('lines', '-')} lines "
@@ -899,7 +987,7 @@ def parent_main(args) -> int:
             elif backend and backend != "gpu" and not args.force_options and \
                     any(k.startswith("xla_gpu_") for k in OPTIONS[spec.options]):
                 skip = f"GPU-only options on {backend}"
-            elif backend and backend != "gpu" and spec.attn == "xla":
+            elif backend and backend != "gpu" and spec.attn in ("xla", "triton"):
                 skip = f"attn=auto is xla on {backend}: the default row's program"
             elif args.budget is not None and spec.layers > probe:
                 pred = predicted_total(spec, done, probe)

@@ -24,8 +24,9 @@ How it runs. The parent process never touches the device: it starts one child pr
 piece of work (this script again, `--_child TASK`), so that each XLA_FLAGS variant gets its own
 process, each group of cases its own peak-memory counter, and a first call can be timed against
 an empty and then a filled persistent compilation cache:
-  1. a probe child: device, versions, the device-to-device copy bandwidth (a large `x + 1`,
-     bytes read + written over the median time) and a bf16 matmul rate, once;
+  1. a probe child: device, versions, the device-to-device copy bandwidth (bytes read + written),
+     the read bandwidth (the floor's) and a bf16 matmul rate, each timed as 10 passes in one
+     compiled loop, once;
   2. per (XLA flags variant, weight layout): a child that builds the weights on the device
      (each weight generated in place, one layer at a time: never two copies) and runs the
      priority cases (AR b1, block_diffusion static b1, Fast-dLLM dual, multi_block approx),
@@ -50,7 +51,9 @@ Columns. tok/s: generated tokens of the whole batch / median seconds. NFE: model
 row (prefill and KV-commit passes included). TPF: tokens per row / NFE. ms/fwd: seconds /
 forwards of the batch. x floor: ms/fwd over the floor, the time to read the weights a forward
 reads (every parameter except an untied input embedding, of which a forward gathers only its
-window's rows) at the copy bandwidth measured in the same run. first call: seconds of the
+window's rows) at the read bandwidth measured in the same run (a max-reduction over 4 GiB,
+timed in a compiled loop; rows of the first GPU session, which measured only a copy timed one pass
+per call, use that copy figure, which read low). first call: seconds of the
 first `generate` in a process whose persistent cache is empty (cold) / filled by an earlier
 process (cached). peak: `peak_bytes_in_use` of the device when the case ended; JAX cannot reset
 it, so it is the process's running peak: exact for the case when the case raised it (the row
@@ -349,21 +352,39 @@ def probe(task) -> dict:
     except Exception:  # noqa: BLE001
         pass
     info.update(nvidia_smi())
-    # a device-to-device pass over a buffer far larger than any cache: read + write bytes / time
-    n = (1 << 29) if gpu else (1 << 24)  # 2 GiB / 64 MiB of float32
+    # Bandwidth and matmul rate, each timed as R passes inside one compiled loop (one dispatch, so host
+    # overhead and the clock ramp of a first launch stay out; the first session timed one pass per call
+    # and read 2,641 GB/s and 487 TFLOP/s on an H200 that other probes put at ~4.3 TB/s and ~790):
+    # copy: x <- x * a + b over 2 GiB of float32 (bytes read + written); read: a max-reduction of a
+    # 4 GiB bf16 array that depends on the loop's carry (bytes read; what a decode step does to the
+    # weights, so the floor below uses it); matmul: a chain of 8192^3 bf16 products.
+    R = 10 if gpu else 2
+    n = (1 << 29) if gpu else (1 << 22)  # 2 GiB / 16 MiB of float32
     x = jax.random.uniform(jax.random.key(0), (n,), jnp.float32)
-    f = jax.jit(lambda x: x + 1.0)
-    t = median_time(f, x, iters=20 if gpu else 5)
-    info["copy_gbs"] = 2 * x.nbytes / t / 1e9
+    copy = jax.jit(lambda x: jax.lax.fori_loop(0, R, lambda i, x: x * 0.999 + 0.001, x), donate_argnums=0)
+    x = jax.block_until_ready(copy(x))
+    ts = []
+    for _ in range(5 if gpu else 2):
+        t0 = time.perf_counter()
+        x = jax.block_until_ready(copy(x))
+        ts.append(time.perf_counter() - t0)
+    info["copy_gbs"] = 2 * x.nbytes * R / statistics.median(ts) / 1e9
     del x
+    w = jax.random.normal(jax.random.key(3), ((2 if gpu else 1) * n,), jnp.bfloat16)
+    read = jax.jit(lambda w: jax.lax.fori_loop(
+        0, R, lambda i, acc: acc + jnp.max(w.astype(jnp.float32) + acc * 1e-9), jnp.float32(0)))
+    t = median_time(read, w, iters=5 if gpu else 2)
+    info["read_gbs"] = w.nbytes * R / t / 1e9
+    del w
     m = 8192 if gpu else 256
     a = jax.random.normal(jax.random.key(1), (m, m), jnp.bfloat16)
-    b = jax.random.normal(jax.random.key(2), (m, m), jnp.bfloat16)
-    t = median_time(jax.jit(lambda a, b: a @ b), a, b, iters=10 if gpu else 3)
-    info["matmul_tflops_bf16"] = 2 * m ** 3 / t / 1e12
+    b = (jax.random.normal(jax.random.key(2), (m, m), jnp.float32) / m ** 0.5).astype(jnp.bfloat16)
+    chain = jax.jit(lambda a, b: jax.lax.fori_loop(0, R, lambda i, a: a @ b, a))
+    t = median_time(chain, a, b, iters=5 if gpu else 2)
+    info["matmul_tflops_bf16"] = 2 * m ** 3 * R / t / 1e12
     print(f"# device {info['device']} ({info['backend']}), jax {info['jax']}, jaxlib {info.get('jaxlib')}, "
           f"CUDA {info.get('cuda_version_smi') or info.get('cuda_runtime') or '-'}; copy {info['copy_gbs']:.0f} GB/s "
-          f"(read + write), bf16 matmul {info['matmul_tflops_bf16']:.1f} TFLOP/s", flush=True)
+          f"(read + write), read {info['read_gbs']:.0f} GB/s, bf16 matmul {info['matmul_tflops_bf16']:.1f} TFLOP/s", flush=True)
     return info
 
 
@@ -558,7 +579,8 @@ def child_main(task_path: str) -> int:
     params = build_params(base, task["layout"], task["seed"], task["std"], task["head_std"])
     build_s = time.perf_counter() - t0
     total, read = weight_bytes(params, base)
-    bw = task.get("copy_gbs")
+    bw = task.get("read_gbs") or task.get("copy_gbs")  # sessions before 2026-11-26 measured only a copy
+    floor_basis = "read" if task.get("read_gbs") else "copy"
     floor_ms = 1e3 * read / (bw * 1e9) if bw else None
     peak, _ = device_peak()
     print(f"# {task['shape']} {task['layout']} weights: {total / GIB:.2f} GiB ({total / 2 / 1e9:.2f}B params) built "
@@ -584,7 +606,8 @@ def child_main(task_path: str) -> int:
                        attention=case.attention, batch=case.batch, layout=task["layout"], impl=impl,
                        impl_resolved=resolve_impl(impl), flags=task["flags"], prompt=task["prompt"], gen=task["gen"],
                        block=task["block"], session=task["session"], device=task.get("device"),
-                       backend=jax.default_backend(), weight_bytes=total, read_bytes=read, copy_gbs=bw,
+                       backend=jax.default_backend(), weight_bytes=total, read_bytes=read,
+                       copy_gbs=task.get("copy_gbs"), read_gbs=task.get("read_gbs"), floor_basis=floor_basis,
                        floor_ms=floor_ms, window=case.window, repeats=task["repeats"])
             try:
                 if task["mode"] == "first_call":
@@ -943,7 +966,8 @@ def parent_main(args) -> int:
         if key not in cache_dirs:
             cache_dirs[key] = tempfile.mkdtemp(prefix="cache_", dir=tmp)
         task = dict(common, kind="cases", mode="run", cases=todo, layout=layout, flags=flags,
-                    copy_gbs=meta.get("copy_gbs"), device=meta.get("device"), cache_dir=cache_dirs[key])
+                    copy_gbs=meta.get("copy_gbs"), read_gbs=meta.get("read_gbs"), device=meta.get("device"),
+                    cache_dir=cache_dirs[key])
         launch(task, flags, cache_dirs[key])
 
     def first_call_child(flags, layout, group):
@@ -951,7 +975,8 @@ def parent_main(args) -> int:
         if not todo:
             return
         base = dict(common, kind="cases", mode="first_call", cases=todo, layout=layout, flags=flags,
-                    device=meta.get("device"), copy_gbs=meta.get("copy_gbs"), impls=args.impls[:1])
+                    device=meta.get("device"), copy_gbs=meta.get("copy_gbs"), read_gbs=meta.get("read_gbs"),
+                    impls=args.impls[:1])
         if args.cold_separate:
             d = tempfile.mkdtemp(prefix="cold_", dir=tmp)
             launch(dict(base, cache_dir=d, which="cold", source="a fresh process, empty persistent cache"), flags, d)
@@ -1042,15 +1067,19 @@ def render(db: dict, sessions_of=None, gpu_only: bool = False) -> str:
                         f"{(m.get('nvidia_smi') or '-').split(',')[1].strip() if m.get('nvidia_smi') else '-'}, "
                         f"commit {str(m.get('git_commit') or '-')[:10]}{' (dirty)' if m.get('git_dirty') else ''}, "
                         f"tree {m.get('tree_digest', '-')}, copy {f1(m.get('copy_gbs'), '{:.0f}')} GB/s, "
+                        + (f"read {f1(m.get('read_gbs'), '{:.0f}')} GB/s, " if m.get("read_gbs") else "") +
                         f"bf16 matmul {f1(m.get('matmul_tflops_bf16'), '{:.0f}')} TFLOP/s")
         dec = sorted([r for r in rs if r.get("kind") in ("decode", "first_call")],
                      key=lambda r: (CASE_ORDER.get(r["case"], 99), r.get("layout"), r.get("impl"), r.get("flags"),
                                     r.get("prompt"), r.get("gen")))
         fl = next((r.get("floor_ms") for r in dec if r.get("floor_ms")), None)
+        basis = next((r.get("floor_basis", "copy") for r in dec if r.get("floor_ms")), "copy")
         wb = next((r.get("weight_bytes") for r in dec if r.get("weight_bytes")), None)
         out.append(f"### {shape} on {device}\n")
         out.append(f"Weights {f1(wb and wb / GIB, '{:.2f}')} GiB bf16; floor {f1(fl, '{:.2f}')} ms per forward "
-                   f"(weights a forward reads / measured copy bandwidth). Sessions:\n")
+                   f"(weights a forward reads / measured {basis} bandwidth"
+                   + ("; the copy was timed one pass per call, which reads low: see RESULTS.md" if basis == "copy" else "")
+                   + "). Sessions:\n")
         out.extend(f"- {v}" for v in vers)
         out.append("")
         if dec:
