@@ -132,3 +132,39 @@ def test_decode_program_allocates_no_copy_of_the_weights():
 
     assert temp(model.params) < 0.1 * weights
     assert temp(stack_layers(model.params, model.config)) > weights  # the check can fail
+
+
+def test_per_layer_forward_traces_one_layer_body(monkeypatch):
+    """Per-layer weights run one jitted layer body for every layer (XLA inlines the calls): the
+    lowered program defines the layer once and calls it per layer, so tracing and lowering (Python
+    work paid on every new trace, before the persistent cache is consulted) do not grow with the
+    depth; the logits and the written cache equal those of the body traced once per layer."""
+    from jdllm import model as model_mod
+    from jdllm.config import ModelConfig
+    from jdllm.model import KVCache
+
+    V = 256
+    cfg = ModelConfig(model_type="llama", vocab_size=V, hidden_size=64, intermediate_size=128, num_layers=3,
+                      num_heads=4, num_kv_heads=2, head_dim=16, attention="block_causal", mask_token_id=V - 1,
+                      block_size=4)
+    model = jdllm.Model.random(cfg, seed=3, std=0.2)
+    assert layer_layout(model.params) == "per_layer_fused"
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, V, (2, 8)), jnp.int32)
+    cache = KVCache.empty(cfg, 2, 16)
+
+    outs = {}
+    for once in (True, False):
+        monkeypatch.setattr(model_mod, "_TRACE_LAYER_ONCE", once)
+
+        def run(p, c):  # a new function per setting: jit's trace cache keys on the function
+            pos = jnp.broadcast_to(jnp.arange(8, dtype=jnp.int32), (2, 8))
+            logits, c = forward(p, cfg, tokens, pos, start=jnp.zeros((2,), jnp.int32), cache=c)
+            return logits, c.k, c.v
+
+        text = jax.jit(run).lower(model.params, cache).as_text()
+        defs = re.findall(r"func\.func private @(layer[\w.]*)", text)
+        calls = re.findall(r"call @(layer[\w.]*)\(", text)
+        assert (len(defs), len(calls)) == ((1, 3) if once else (0, 0)), (defs, calls)
+        outs[once] = jax.jit(run)(model.params, cache)
+    for a, b in zip(outs[True], outs[False]):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
