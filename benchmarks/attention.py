@@ -11,7 +11,12 @@ bytes the mask lets it read) against a measured device-to-device copy.
     python benchmarks/attention.py --quick    # tiny sizes; on the CPU the kernels run in
                                               # Pallas interpret mode (a smoke run, not a speed)
 
-Prints a table and writes JSON to benchmarks/out/attention.json.
+Prints one progress line per case as it runs, then a table; writes JSON to
+benchmarks/results/attention.json (each row with its fraction of the device limit:
+prefill TFLOP/s over the measured bf16 matmul rate, window GB/s over the measured
+copy bandwidth; both measured in the same run, timed as 10 passes inside one
+compiled loop on random data). `--markdown` prints the table of that JSON,
+`--markdown --write-results-md` puts it into benchmarks/RESULTS.md.
 """
 
 from __future__ import annotations
@@ -59,16 +64,22 @@ def bench(fn, *args, iters: int, warmup: int = 1) -> float:
     return statistics.median(times)
 
 
+LOOP = 10  # passes per compiled loop in the device-limit probes
+
+
 def matmul_tflops(n: int, dtype, iters: int) -> float:
-    a = jnp.ones((n, n), dtype)
-    f = jax.jit(lambda a: a @ a)
-    return 2 * n ** 3 / bench(f, a, iters=iters) / 1e12
+    """A chain of LOOP n^3 products on random data in one compiled loop (no dispatch per pass)."""
+    a = jax.random.normal(jax.random.key(1), (n, n), dtype)
+    b = (jax.random.normal(jax.random.key(2), (n, n), jnp.float32) / n ** 0.5).astype(dtype)
+    f = jax.jit(lambda a, b: jax.lax.fori_loop(0, LOOP, lambda i, a: a @ b, a))
+    return 2 * n ** 3 * LOOP / bench(f, a, b, iters=iters) / 1e12
 
 
 def copy_gbps(nbytes: int, iters: int) -> float:
-    x = jnp.ones((nbytes // 4,), jnp.float32)
-    f = jax.jit(lambda x: x + 1.0)  # one read + one write of the buffer
-    return 2 * x.size * 4 / bench(f, x, iters=iters) / 1e9
+    """Bytes read + written by LOOP passes of x <- x * a + b in one compiled loop."""
+    x = jax.random.uniform(jax.random.key(0), (nbytes // 4,), jnp.float32)
+    f = jax.jit(lambda x: jax.lax.fori_loop(0, LOOP, lambda i, x: x * 0.999 + 0.001, x))
+    return 2 * x.size * 4 * LOOP / bench(f, x, iters=iters) / 1e9
 
 
 def _inputs(B, T, S, H, KV, D, dtype, seed=0):
@@ -121,7 +132,20 @@ def _xla_fits(B, H, T, S, budget_bytes) -> bool:
     return 3 * B * H * T * S * 4 <= budget_bytes  # f32 scores, probabilities and a temporary
 
 
+def progress(t0: float, part: str, row: dict) -> None:
+    """One line per case as it finishes (a full run takes minutes)."""
+    what = " ".join(f"{k}={row[k]}" for k in ("mask", "T", "S", "impl") if k in row)
+    if "skipped" in row:
+        fig = f"skipped: {row['skipped'][:100]}"
+    elif "gbps" in row:
+        fig = f"{row['ms']:.3f} ms, {row['gbps']:.1f} GB/s = {100 * row['frac_of_copy']:.1f}% of copy"
+    else:
+        fig = f"{row['ms']:.3f} ms, {row['tflops']:.2f} TFLOP/s = {100 * row['frac_of_matmul']:.1f}% of matmul"
+    print(f"[{time.perf_counter() - t0:7.1f}s] {part:<8} {what:<55} {fig}", flush=True)
+
+
 def run(args) -> dict:
+    t0 = time.perf_counter()
     dev = jax.devices()[0]
     on_gpu = jax.default_backend() == "gpu"
     dtype = jnp.dtype(args.dtype)
@@ -142,6 +166,8 @@ def run(args) -> dict:
     n_mm = 512 if args.quick else 8192
     result["matmul_tflops"] = matmul_tflops(n_mm, dtype, args.iters)
     result["copy_gbps"] = copy_gbps((16 << 20) if args.quick else (1 << 30), args.iters)
+    print(f"[{time.perf_counter() - t0:7.1f}s] device {result['device']}: matmul {result['matmul_tflops']:.1f} "
+          f"TFLOP/s, copy {result['copy_gbps']:.0f} GB/s (read + write)", flush=True)
 
     rows = []
     B, H, KV, D = args.batch, args.heads, args.kv_heads, args.head_dim
@@ -158,9 +184,11 @@ def run(args) -> dict:
                     try:
                         fn = _attn_fn(impl, kind=kind, block_size=bs, q_offset=0, kv_len=S, tiles=tiles)
                         sec = bench(fn, q, k, v, iters=args.iters)
-                        row.update(ms=sec * 1e3, tflops=flops / sec / 1e12)
+                        row.update(ms=sec * 1e3, tflops=flops / sec / 1e12,
+                                   frac_of_matmul=flops / sec / 1e12 / result["matmul_tflops"])
                     except Exception as e:  # noqa: BLE001 (a baseline that cannot run is recorded, not fatal)
                         row["skipped"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
+                progress(t0, "prefill", row)
                 rows.append(row)
     result["prefill"] = rows
 
@@ -179,30 +207,35 @@ def run(args) -> dict:
                     try:
                         sec = bench(_grad_fn(impl, kind=kind, block_size=bs, tiles=tiles), q, k, v, w,
                                     iters=args.iters)
-                        row.update(ms=sec * 1e3, tflops=flops / sec / 1e12)
+                        row.update(ms=sec * 1e3, tflops=flops / sec / 1e12,
+                                   frac_of_matmul=flops / sec / 1e12 / result["matmul_tflops"])
                     except Exception as e:  # noqa: BLE001
                         row["skipped"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
+                progress(t0, "fwd+bwd", row)
                 brows.append(row)
     result["forward_backward"] = brows
 
     wrows = []
-    for S in seqs:
-        T = args.window
-        q, k, v = _inputs(B, T, S, H, KV, D, dtype, seed=1)
-        nbytes = 2 * B * KV * S * D * dtype.itemsize  # K and V of every visible slot
-        for impl in ("pallas", "xla"):
-            if impl not in impls:
+    for T in args.window:
+        for S in seqs:
+            if S <= T:
                 continue
-            row = dict(mask=f"block_causal(B={T})", T=T, S=S, impl=impl)
-            try:
-                fn = _attn_fn(impl, kind="block_causal", block_size=T, q_offset=S - T, kv_len=S,
-                              tiles=tiles)
-                sec = bench(fn, q, k, v, iters=args.iters)
-                gbps = nbytes / sec / 1e9
-                row.update(ms=sec * 1e3, gbps=gbps, frac_of_copy=gbps / result["copy_gbps"])
-            except Exception as e:  # noqa: BLE001
-                row["skipped"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
-            wrows.append(row)
+            q, k, v = _inputs(B, T, S, H, KV, D, dtype, seed=1)
+            nbytes = 2 * B * KV * S * D * dtype.itemsize  # K and V of every visible slot
+            for impl in ("pallas", "xla"):
+                if impl not in impls:
+                    continue
+                row = dict(mask=f"block_causal(B={T})", T=T, S=S, impl=impl)
+                try:
+                    fn = _attn_fn(impl, kind="block_causal", block_size=T, q_offset=S - T, kv_len=S,
+                                  tiles=tiles)
+                    sec = bench(fn, q, k, v, iters=args.iters)
+                    gbps = nbytes / sec / 1e9
+                    row.update(ms=sec * 1e3, gbps=gbps, frac_of_copy=gbps / result["copy_gbps"])
+                except Exception as e:  # noqa: BLE001
+                    row["skipped"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
+                progress(t0, "window", row)
+                wrows.append(row)
     result["window"] = wrows
     return result
 
@@ -229,6 +262,56 @@ def print_table(res: dict) -> None:
               f"{100 * r['frac_of_copy']:>9.1f}%")
 
 
+RESULTS_MD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "RESULTS.md")
+BEGIN = "<!-- benchmarks/attention.py:begin (generated by `python benchmarks/attention.py --markdown --write-results-md`) -->"
+END = "<!-- benchmarks/attention.py:end -->"
+
+
+def markdown(res: dict) -> str:
+    """The JSON's rows as tables, each figure with its fraction of the device limit measured in the run."""
+    out = [f"Device {res['device']} ({res['platform']}, Pallas backend {res['pallas_backend']}), jax {res['jax']}, "
+           f"{res['mode']} mode, {res['dtype']}, shape {res['shape']}; measured bf16 matmul "
+           f"{res['matmul_tflops']:.1f} TFLOP/s, copy {res['copy_gbps']:.0f} GB/s (read + write)"
+           + (f"; {res['when']}" if res.get("when") else "") + ".\n"]
+    if res["platform"] != "gpu":
+        out.append("**Not a GPU run**: on the CPU the Pallas kernels are interpreted; these rows prove the script "
+                   "runs and say nothing about speed.\n")
+    pre = res["prefill"] + res.get("forward_backward", [])
+    if pre:
+        out += ["| mask | S | impl | ms | TFLOP/s | of matmul |", "|---|---:|---|---:|---:|---:|"]
+        for r in pre:
+            if "skipped" in r:
+                out.append(f"| {r['mask']} | {r['S']} | {r['impl']} | skipped: {r['skipped'][:80]} | | |")
+            else:
+                out.append(f"| {r['mask']} | {r['S']} | {r['impl']} | {r['ms']:.3f} | {r['tflops']:.2f} | "
+                           f"{100 * r['frac_of_matmul']:.1f}% |")
+        out.append("")
+    if res["window"]:
+        out += ["| window | T | S | impl | ms | GB/s | of copy |", "|---|---:|---:|---|---:|---:|---:|"]
+        for r in res["window"]:
+            if "skipped" in r:
+                out.append(f"| {r['mask']} | {r['T']} | {r['S']} | {r['impl']} | skipped: {r['skipped'][:80]} | | |")
+            else:
+                out.append(f"| {r['mask']} | {r['T']} | {r['S']} | {r['impl']} | {r['ms']:.3f} | {r['gbps']:.1f} | "
+                           f"{100 * r['frac_of_copy']:.1f}% |")
+        out.append("")
+    return "\n".join(out)
+
+
+def write_results_md(text: str, path: str = RESULTS_MD) -> None:
+    """Put `text` between the markers in RESULTS.md (after the section's heading if they are missing)."""
+    with open(path) as f:
+        md = f.read()
+    block = f"{BEGIN}\n{text}\n{END}"
+    if BEGIN in md and END in md:
+        md = md[:md.index(BEGIN)] + block + md[md.index(END) + len(END):]
+    else:
+        head = "## Attention kernels (`benchmarks/attention.py`)\n"
+        md = md.replace(head, f"{head}\n{block}\n", 1) if head in md else md + f"\n{block}\n"
+    with open(path, "w") as f:
+        f.write(md)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true",
@@ -239,7 +322,8 @@ def main(argv=None) -> int:
     ap.add_argument("--heads", type=int, default=None)
     ap.add_argument("--kv-heads", type=int, default=None)
     ap.add_argument("--head-dim", type=int, default=128)
-    ap.add_argument("--window", type=int, default=32, help="window length T (its block size too)")
+    ap.add_argument("--window", type=int, nargs="+", default=[32, 128],
+                    help="window lengths T (each its block size too; default 32 128)")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--impls", default="pallas,pallas-mosaic,pallas-triton,pallas-packed,cudnn,xla",
                     help="prefill implementations to time (window: pallas and xla); pallas-mosaic "
@@ -247,16 +331,28 @@ def main(argv=None) -> int:
     ap.add_argument("--iters", type=int, default=None)
     ap.add_argument("--backward", action="store_true",
                     help="also time forward+backward (jax.grad) for Pallas and XLA")
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "out",
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
                                                    "attention.json"))
+    ap.add_argument("--markdown", action="store_true", help="print the tables of --out and exit")
+    ap.add_argument("--write-results-md", action="store_true", help="with --markdown: also into RESULTS.md")
     args = ap.parse_args(argv)
+    if args.markdown:
+        with open(args.out) as f:
+            text = markdown(json.load(f))
+        print(text)
+        if args.write_results_md:
+            write_results_md(text)
+            print(f"# wrote the tables into {RESULTS_MD}")
+        return 0
     args.batch = args.batch or 1
     args.heads = args.heads or (2 if args.quick else 32)
     args.kv_heads = args.kv_heads or (1 if args.quick else 8)
     args.iters = args.iters or (2 if args.quick else 10)
     if args.quick:
-        args.window = min(args.window, 16)
+        args.window = sorted({min(t, 16) for t in args.window})
     res = run(args)
+    res["when"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    print()
     print_table(res)
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:

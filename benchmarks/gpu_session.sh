@@ -6,10 +6,12 @@
 #      trace / lower / XLA compile seconds per depth, option, layout; issue 27 item 2)
 #                                                                       -> compile_profile.log, compile_profile.json
 #   2. the GPU test tier (`pytest -m gpu`)                              -> gpu_tests.log
-#   3. benchmarks/gpu.py --quick (8B shape, priority cases, HF baseline) -> gpu.log, gpu.json, gpu_table.md
-#   4. benchmarks/attention.py at two sizes (Pallas, cuDNN, XLA), only with ATTN_S > 0 -> attention.log
-# Everything goes to $OUT (the device tool's folder: at most 8 files come back; these are 7, 8 with the
-# attention step, whose JSON stays out of $OUT) or benchmarks/out. Each step runs under `timeout`, so the
+#   3. benchmarks/gpu.py --quick (8B shape, priority cases, HF baseline) -> gpu.log, gpu.json (its table
+#      is printed at the end of the step: `gpu.py --markdown` remakes it from gpu.json)
+#   4. benchmarks/attention.py at two sizes (Pallas, cuDNN, XLA), only with ATTN_S > 0
+#                                                                       -> attention.log, attention.json
+# Everything goes to $OUT (the device tool's folder: at most 8 files come back; these are 6, 8 with the
+# attention step) or benchmarks/out. Each step runs under `timeout`, so the
 # whole script ends within ~9 minutes by default; steps run on after a failure; the exit status is the
 # first failing step's (124: a step timed out).
 # gpu.json and compile_profile.json start as copies of benchmarks/results/{gpu,compile_profile}.json, so
@@ -62,12 +64,12 @@ note "3. benchmarks/gpu.py --quick (budget ${BUDGET}s, timeout ${T_BENCH}s)"
 timeout -k 15 "$T_BENCH" python3 benchmarks/gpu.py --quick --budget "$BUDGET" --out "$out/gpu.json" \
   ${GPU_BENCH_ARGS:-} 2>&1 | tee "$out/gpu.log"
 status=$(( status ? status : ${PIPESTATUS[0]} ))
-[ -f "$out/gpu.json" ] && python3 benchmarks/gpu.py --markdown --out "$out/gpu.json" > "$out/gpu_table.md" 2>&1
+[ -f "$out/gpu.json" ] && python3 benchmarks/gpu.py --markdown --out "$out/gpu.json" 2>&1 | tail -40
 
 if [ "$T_ATTN" -gt 0 ]; then
   note "4. benchmarks/attention.py (timeout ${T_ATTN}s)"
   timeout -k 10 "$T_ATTN" python3 benchmarks/attention.py --seq 4096 16384 --impls pallas,cudnn,xla --iters 5 \
-    --out "${TMPDIR:-/tmp}/attention.json" 2>&1 | tee "$out/attention.log"
+    --window 32 128 --out "$out/attention.json" 2>&1 | tee "$out/attention.log"
   status=$(( status ? status : ${PIPESTATUS[0]} ))
 else
   note "4. benchmarks/attention.py skipped (ATTN_S=0)"
