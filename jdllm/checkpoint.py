@@ -57,6 +57,10 @@ def _safetensors_error(path: str, e: Exception) -> errors.CorruptCheckpointError
         "re-download or re-export this file")
 
 
+_ST_ITEMSIZE = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2, "I16": 2,
+                "U16": 2, "I8": 1, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
+
+
 class SafetensorsDir(Mapping):
     """Lazy {tensor name: NumPy array} over a HF directory's single or sharded safetensors.
 
@@ -95,13 +99,16 @@ class SafetensorsDir(Mapping):
         self._open = safe_open
         self._where: dict[str, str] = {}
         self._shapes: dict[str, tuple[int, ...]] = {}
+        self._dtypes: dict[str, str] = {}
         for fn in files:
             path = os.path.join(self.dir, fn)
             try:
                 with safe_open(path, framework="numpy") as h:
                     for n in h.keys():
+                        info = h.get_slice(n)
                         self._where[n] = fn
-                        self._shapes[n] = tuple(h.get_slice(n).get_shape())
+                        self._shapes[n] = tuple(info.get_shape())
+                        self._dtypes[n] = info.get_dtype()
             except Exception as e:  # noqa: BLE001 (safetensors raises its own error types)
                 raise _safetensors_error(path, e) from e
         if weight_map is not None:
@@ -121,6 +128,10 @@ class SafetensorsDir(Mapping):
 
     def shape(self, name: str) -> tuple[int, ...]:
         return self._shapes[name]
+
+    def nbytes(self, name: str) -> int:
+        """Bytes of tensor `name` on disk, from the header (nothing read)."""
+        return int(np.prod(self._shapes[name], dtype=np.int64)) * _ST_ITEMSIZE.get(self._dtypes[name], 4)
 
     def __iter__(self):
         return iter(self._where)
