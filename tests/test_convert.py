@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
+import signal
+import socket
 import subprocess
 import sys
 
@@ -446,3 +449,96 @@ def test_chunk_shape():
     assert cio.chunk_shape((28, 2048, 6144), ("layers", "embed", "mlp"), 2) == (1, 2048, 1536)
     assert cio.chunk_shape((151936, 1024), ("vocab", "embed"), 2) == (2374, 1024)
     assert cio.chunk_shape((1024,), ("embed",), 2) == (1024,)
+
+
+# --------------------------------------------------------------------------- the per-tensor pipeline
+class _AbsMax(cio.Transform):
+    """A stand-in for quantization: halves q and stores each layer's per-head |q| max beside it."""
+
+    def specs(self, specs):
+        q = specs[("layers", "q")]
+        extra = dataclasses.replace(q, shape=(q.shape[0], q.shape[2]), axes=("layers", "q_heads"))
+        return {**specs, ("layers", "q_absmax"): extra}
+
+    def __call__(self, path, layer, x):
+        if path != ("layers", "q"):
+            return ((path, x),)
+        return ((path, x / 2), (("layers", "q_absmax"), np.abs(x).max(axis=(0, 2)).astype(np.float32)))
+
+    def marker(self):
+        return {"transform": "absmax"}
+
+
+def test_transform_hook_sees_each_tensor_once(tmp_path):
+    """A Transform gets each converted slice once (layer by layer) and may add parameters: the
+    checkpoint holds exactly what it returned, with its marker keys; without one, the streamed
+    checkpoint equals the whole-tree reference tensor for tensor (test_conversion_streams_...)."""
+    import orbax.checkpoint as ocp  # noqa: PLC0415
+
+    hf_dir, _ = fx.build_transformers_model("qwen3", str(tmp_path / "hf"), seed=3)
+    cfg = ModelConfig.from_hf(hf_dir)
+    want = hf_layout.params_from_hf_tensors(_hf_tensors(hf_dir), cfg)
+    out = cio.convert_checkpoint(hf_dir, str(tmp_path / "out"), dtype="float32", progress=False,
+                                 transform=_AbsMax())
+    with ocp.StandardCheckpointer() as c:
+        got = c.restore(os.path.join(out, ckpt.PARAMS_DIR))
+    q = want["layers"]["q"]
+    want["layers"]["q"] = q / 2
+    want["layers"]["q_absmax"] = np.abs(q).max(axis=(1, 3)).astype(np.float32)
+    _assert_bit_equal(got, want)
+    assert json.load(open(os.path.join(out, ckpt.MARKER_FILE)))["transform"] == "absmax"
+    assert not os.path.exists(os.path.join(out, cio.OWNER_FILE))
+
+
+_SLOW_CONVERT = r"""
+import sys, time
+from convert import io as cio
+class Slow(cio.Transform):
+    def __call__(self, path, layer, x):
+        print("converting", flush=True)
+        time.sleep(0.2)
+        return ((path, x),)
+cio.convert_checkpoint(sys.argv[1], sys.argv[2], dtype="float32", progress=False, transform=Slow())
+"""
+
+
+def _digest(directory) -> dict[str, str]:
+    import hashlib  # noqa: PLC0415
+    return {f: hashlib.sha256(open(os.path.join(directory, f), "rb").read()).hexdigest()
+            for f in sorted(os.listdir(directory))}
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGKILL])
+def test_killed_conversion_leaves_nothing(signum, tmp_path):
+    """SIGTERM mid-conversion: the process removes its temporary directory on the way out; SIGKILL
+    cannot be caught, so the next conversion to the same OUT_DIR removes what it left. Either way
+    nothing appears at OUT_DIR and the source is untouched."""
+    hf_dir, _ = fx.build_transformers_model("qwen2", str(tmp_path / "hf"), seed=1)
+    before = _digest(hf_dir)
+    out = str(tmp_path / "out")
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
+    proc = subprocess.Popen([sys.executable, "-c", _SLOW_CONVERT, hf_dir, out], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "converting"  # the temporary directory exists now
+        proc.send_signal(signum)
+        proc.wait(timeout=120)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert proc.returncode != 0
+    assert _digest(hf_dir) == before
+    assert not os.path.lexists(out)
+    left = [f for f in os.listdir(tmp_path) if "out" in f]
+    if signum == signal.SIGTERM:
+        assert left == []
+        return
+    assert len(left) == 1 and left[0].startswith(".out.tmp-")
+    live = tmp_path / ".out.tmp-live"  # a running conversion's (this process's parent) stays
+    live.mkdir()
+    (live / cio.OWNER_FILE).write_text(f"{socket.gethostname()} {os.getppid()}\n")
+    mine = tmp_path / ".out.tmp-unowned"  # no owner file: not ours to judge, stays
+    mine.mkdir()
+    cio.convert_checkpoint(hf_dir, out, dtype="float32", progress=False)
+    assert ckpt.is_jdllm_dir(out)
+    assert sorted(f for f in os.listdir(tmp_path) if "out" in f) == [".out.tmp-live", ".out.tmp-unowned", "out"]
