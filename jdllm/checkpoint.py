@@ -191,7 +191,8 @@ def read_jdllm_meta(path: str) -> dict[str, Any]:
 
 
 def restore_params(path: str, dtype=None, shardings=None):
-    """Restore a jdllm checkpoint's params as jax Arrays.
+    """Restore a jdllm checkpoint's params as jax Arrays, one parameter at a time (Orbax's
+    partial restore), so the host stages one parameter, never the whole model beside its copy.
 
     dtype: cast on restore (None keeps the stored dtype, bit for bit).
     shardings: optional pytree of `jax.sharding.Sharding` matching the params,
@@ -207,17 +208,28 @@ def restore_params(path: str, dtype=None, shardings=None):
     try:
         with ocp.StandardCheckpointer() as ckpt:
             stored = ckpt.metadata(params_dir).item_metadata.tree
-            bad = shape_mismatch(stored, cfg)
-            if bad is not None:
-                raise errors.CorruptCheckpointError(
-                    f"{params_dir} disagrees with {MARKER_FILE} at parameter {bad[0]} "
-                    f"(stored {bad[1]}, config implies {bad[2]}); re-run `jdllm convert`")
-            default = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-            shard_tree = shardings if shardings is not None else jax.tree.map(lambda _: default, stored)
-            abstract = jax.tree.map(
-                lambda m, s: jax.ShapeDtypeStruct(tuple(m.shape), want if want is not None else m.dtype, sharding=s),
-                stored, shard_tree)
-            return ckpt.restore(params_dir, abstract)
+        bad = shape_mismatch(stored, cfg)
+        if bad is not None:
+            raise errors.CorruptCheckpointError(
+                f"{params_dir} disagrees with {MARKER_FILE} at parameter {bad[0]} "
+                f"(stored {bad[1]}, config implies {bad[2]}); re-run `jdllm convert`")
+        default = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        shard_tree = shardings if shardings is not None else jax.tree.map(lambda _: default, stored)
+        abstract = jax.tree.map(
+            lambda m, s: jax.ShapeDtypeStruct(tuple(m.shape), want if want is not None else m.dtype, sharding=s),
+            stored, shard_tree)
+        out: dict[str, Any] = {}
+        with ocp.Checkpointer(ocp.PyTreeCheckpointHandler()) as ckpt:
+            for keys, leaf in jax.tree_util.tree_flatten_with_path(abstract)[0]:
+                keys = tuple(k.key for k in keys)
+                item = hf_layout.set_param({}, keys, leaf)
+                got = ckpt.restore(params_dir, args=ocp.args.PyTreeRestore(
+                    item=item, restore_args=ocp.checkpoint_utils.construct_restore_args(item),
+                    partial_restore=True))
+                for k in keys:
+                    got = got[k]
+                hf_layout.set_param(out, keys, got)
+        return out
     except errors.JdllmError:
         raise
     except Exception as e:  # noqa: BLE001 (orbax / tensorstore raise many types)
