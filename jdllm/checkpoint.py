@@ -126,6 +126,15 @@ class SafetensorsDir(Mapping):
         except Exception as e:  # noqa: BLE001
             raise _safetensors_error(path, e) from e
 
+    def rows(self, name: str, start: int, stop: int) -> np.ndarray:
+        """Rows [start, stop) of tensor `name` (along its first axis), read without the rest."""
+        path = os.path.join(self.dir, self._where[name])
+        try:
+            with self._open(path, framework="numpy") as h:
+                return h.get_slice(name)[start:stop]
+        except Exception as e:  # noqa: BLE001
+            raise _safetensors_error(path, e) from e
+
     def shape(self, name: str) -> tuple[int, ...]:
         return self._shapes[name]
 

@@ -247,20 +247,46 @@ def iter_hf_slices(tensors: Mapping[str, Any], cfg: ModelConfig, dtype=None,
     order = sorted(table.items(), key=lambda kv: (first[tuple(kv[1].path)],
                                                    -1 if kv[1].layer is None else kv[1].layer))
     for name, slot in order:
-        x = np.asarray(tensors[name])
-        check_tensor_shape(name, x.shape, slot, cfg, source)
-        check_tensor_dtype(name, x.dtype, source)
         full = shapes
         for key in slot.path:
             full = full[key]
         jd_shape = tuple(full[1:]) if slot.layer is not None else tuple(full)
-        y = _to_jdllm(x, slot, jd_shape)
-        del x
-        y = np.ascontiguousarray(y, dtype=np.dtype(dtype) if dtype is not None else y.dtype)
+        if slot.kind in ("linear", "heads_in", "heads_out") and hasattr(tensors, "rows"):
+            y = _read_transposed(tensors, name, slot, cfg, jd_shape, dtype, source)
+        else:
+            x = np.asarray(tensors[name])
+            check_tensor_shape(name, x.shape, slot, cfg, source)
+            check_tensor_dtype(name, x.dtype, source)
+            y = _to_jdllm(x, slot, jd_shape)
+            del x
+            y = np.ascontiguousarray(y, dtype=np.dtype(dtype) if dtype is not None else y.dtype)
         yield tuple(slot.path), slot.layer, tuple(full), y
         del y
         if progress is not None:
             progress(name)
+
+
+TRANSPOSE_SLAB_BYTES = 64 << 20  # a transposed tensor is read this many bytes of rows at a time
+
+
+def _read_transposed(tensors, name: str, slot: TensorSlot, cfg: ModelConfig, jd_shape, dtype, source: str):
+    """A [out, in] tensor read a slab of rows at a time straight into its transposed jdllm array
+    (`_to_jdllm`'s x.T.reshape), so the host holds the result and one slab, never the tensor
+    twice (the source and its transposed copy: 2 GB for an 8B model's 1 GB lm_head)."""
+    shape = tuple(tensors.shape(name))
+    check_tensor_shape(name, shape, slot, cfg, source)
+    rows, cols = shape
+    step = max(1, TRANSPOSE_SLAB_BYTES // max(1, tensors.nbytes(name) // rows))
+    y = flat = None
+    for r in range(0, rows, step):
+        part = tensors.rows(name, r, min(rows, r + step))
+        if y is None:
+            check_tensor_dtype(name, part.dtype, source)
+            y = np.empty(jd_shape, np.dtype(dtype) if dtype is not None else part.dtype)
+            flat = y.reshape(cols, rows)  # a view: y is [in, out] with out split into heads
+        flat[:, r:r + part.shape[0]] = part.T
+        del part
+    return y
 
 
 def iter_params_from_hf_tensors(tensors: Mapping[str, Any], cfg: ModelConfig, dtype=None,

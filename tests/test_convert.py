@@ -408,14 +408,16 @@ def test_damaged_jdllm_checkpoint(tmp_path):
 
 # --------------------------------------------------------------------------- streaming layout
 def test_conversion_streams_one_tensor_at_a_time(tmp_path, monkeypatch):
-    """The converter hands the writer one HF tensor's worth at a time (never a stacked parameter),
+    """The converter hands the writer one HF tensor's worth at a time (never a stacked parameter;
+    transposed ones assembled from slabs of rows equal the whole-tensor reference bit for bit),
     the result is an ordinary Orbax checkpoint (Orbax's own restore reads it, one zarr chunk per
     layer), and a checkpoint written the former way (Orbax saving the whole tree) still loads."""
     import orbax.checkpoint as ocp  # noqa: PLC0415
     import tensorstore as ts  # noqa: PLC0415
 
     hf_dir, _ = fx.build_transformers_model("qwen3", str(tmp_path / "hf"), seed=2, max_shard_size="20KB")
-    src = _hf_tensors(hf_dir)
+    monkeypatch.setattr(hf_layout, "TRANSPOSE_SLAB_BYTES", 1000)  # transposed tensors read in several slabs
+    src = _hf_tensors(hf_dir)  # a plain dict: the reference reads each tensor whole
     largest = max(x.nbytes for x in src.values())
     sizes, real_write = [], cio.OrbaxStreamWriter.write
 
