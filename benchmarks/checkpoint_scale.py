@@ -12,6 +12,9 @@ process), then measures each step in a fresh subprocess:
                   Orbax StandardCheckpointer.save (for the before/after comparison)
   load_ckpt_1dev  jdllm.load(ckpt) onto one CPU device
   load_ckpt_mesh  jdllm.load(ckpt, mesh=1x8): Orbax restore straight into the shardings
+  restore_staging jdllm's checkpoint restore, each parameter freed once restored: the host
+                  memory a load needs beyond the weights (what a GPU host holds), measurable
+                  for models whose weights do not fit this machine
 
 Peak RSS is the process's VmHWM (/proc/self/status): unlike ru_maxrss it is not
 inherited from the parent across fork + exec. On CPU "devices" the loaded
@@ -20,10 +23,10 @@ the host overhead is peak - baseline - model bytes.
 
 The streaming converter's target: peak RSS <= 3 x the largest tensor + 1 GB (the
 `bound_gb` column). An 8B model's load onto CPU devices holds its 16 GB in the
-process, so for that shape run only the conversion:
+process, so for that shape run the conversion and the restore's staging only:
 
     python benchmarks/checkpoint_scale.py --shape qwen3-0.6b --dir /tmp/ckpt_scale
-    python benchmarks/checkpoint_scale.py --shape llama3-8b --steps baseline,convert --dir /tmp/ckpt8b
+    python benchmarks/checkpoint_scale.py --shape llama3-8b --steps baseline,convert,restore_staging --dir /tmp/ckpt8b
 """
 
 from __future__ import annotations
@@ -123,6 +126,11 @@ if what.startswith("load_"):
     m = jdllm.load(dst if what.startswith("load_ckpt") else src, dtype="bfloat16", mesh=mesh)
     jax.block_until_ready(m.params)
     biggest = max(max(s.data.nbytes for s in x.addressable_shards) for x in jax.tree.leaves(m.params))
+elif what == "restore_staging":
+    from jdllm.checkpoint import iter_restored_params
+    for keys, x in iter_restored_params(dst, dtype="bfloat16"):
+        biggest = max(biggest, x.block_until_ready().nbytes)
+        x.delete()
 elif what == "convert":
     from convert.io import convert_checkpoint
     convert_checkpoint(src, dst, dtype="bfloat16", overwrite=True, progress=False)

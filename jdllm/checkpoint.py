@@ -200,13 +200,22 @@ def read_jdllm_meta(path: str) -> dict[str, Any]:
 
 
 def restore_params(path: str, dtype=None, shardings=None):
-    """Restore a jdllm checkpoint's params as jax Arrays, one parameter at a time (Orbax's
-    partial restore), so the host stages one parameter, never the whole model beside its copy.
+    """Restore a jdllm checkpoint's params as jax Arrays (`iter_restored_params`, collected).
 
     dtype: cast on restore (None keeps the stored dtype, bit for bit).
     shardings: optional pytree of `jax.sharding.Sharding` matching the params,
     so each device reads only its own shards; default: the first device.
     """
+    out: dict[str, Any] = {}
+    for keys, x in iter_restored_params(path, dtype, shardings):
+        hf_layout.set_param(out, keys, x)
+    return out
+
+
+def iter_restored_params(path: str, dtype=None, shardings=None):
+    """Yield (param path, jax Array) for each parameter of a jdllm checkpoint, restored one at a
+    time (Orbax's partial restore): the host stages one parameter, never the whole model beside
+    its device copy. Arguments: `restore_params`."""
     import jax  # noqa: PLC0415 (startup: `jdllm convert --help` and config reads stay free of JAX)
     import orbax.checkpoint as ocp  # noqa: PLC0415 (startup: `jdllm convert --help` and config reads stay free of JAX)
     from jdllm.model import shape_mismatch  # noqa: PLC0415 (startup: `jdllm convert --help` and config reads stay free of JAX)
@@ -227,7 +236,6 @@ def restore_params(path: str, dtype=None, shardings=None):
         abstract = jax.tree.map(
             lambda m, s: jax.ShapeDtypeStruct(tuple(m.shape), want if want is not None else m.dtype, sharding=s),
             stored, shard_tree)
-        out: dict[str, Any] = {}
         with ocp.Checkpointer(ocp.PyTreeCheckpointHandler()) as ckpt:
             for keys, leaf in jax.tree_util.tree_flatten_with_path(abstract)[0]:
                 keys = tuple(k.key for k in keys)
@@ -237,8 +245,8 @@ def restore_params(path: str, dtype=None, shardings=None):
                     partial_restore=True))
                 for k in keys:
                     got = got[k]
-                hf_layout.set_param(out, keys, got)
-        return out
+                yield keys, got
+                del got
     except errors.JdllmError:
         raise
     except Exception as e:  # noqa: BLE001 (orbax / tensorstore raise many types)
