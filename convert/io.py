@@ -44,14 +44,15 @@ from jdllm.process import interrupt_outside_gc
 
 # --------------------------------------------------------------------------- streaming Orbax writer
 CHUNK_BYTES = 8 << 20  # zarr chunk target: a device restoring its slice decompresses little else
-SLAB_BYTES = 64 << 20  # an unstacked parameter (the embedding) is handed to tensorstore in slabs this size
+SLAB_BYTES = 64 << 20  # a slice is handed to tensorstore in slabs of whole chunks about this size
 
 
 def chunk_shape(shape: tuple[int, ...], axes: tuple[str, ...], itemsize: int,
-                target: int = CHUNK_BYTES) -> tuple[int, ...]:
+                target: int | None = None) -> tuple[int, ...]:
     """zarr chunk shape of a parameter: one layer per chunk, then the axes a mesh splits (vocab,
     heads, MLP) halved until a chunk holds <= `target` bytes, so a device restoring its slices
     reads (and decompresses) only chunks it needs, for any mesh size that is a power of two."""
+    target = CHUNK_BYTES if target is None else target
     chunk = list(shape)
     if axes and axes[0] == "layers":
         chunk[0] = 1
@@ -61,6 +62,20 @@ def chunk_shape(shape: tuple[int, ...], axes: tuple[str, ...], itemsize: int,
         while np.prod(chunk) * itemsize > target and chunk[i] % 2 == 0:
             chunk[i] //= 2
     return tuple(int(c) for c in chunk)
+
+
+def slabs(shape: tuple[int, ...], chunks: tuple[int, ...], itemsize: int, target: int | None = None):
+    """Index tuples cutting an array of `shape` into whole-chunk slabs of about `target` bytes
+    along its first chunked axis (one slab when no axis is), so tensorstore stages one slab at a
+    time: the lm_head [D, V], chunked along V, goes in column slabs, not all at once."""
+    target = SLAB_BYTES if target is None else target
+    axis = next((a for a, (n, c) in enumerate(zip(shape, chunks)) if c < n), None)
+    if axis is None:
+        return [tuple(slice(None) for _ in shape)]
+    per_chunk = int(np.prod([n if a != axis else chunks[a] for a, n in enumerate(shape)])) * itemsize
+    step = chunks[axis] * max(1, target // max(1, per_chunk))
+    return [tuple(slice(r, min(r + step, shape[axis])) if a == axis else slice(None) for a in range(len(shape)))
+            for r in range(0, shape[axis], step)]
 
 
 class OrbaxStreamWriter:
@@ -107,15 +122,11 @@ class OrbaxStreamWriter:
         if arr is None:
             arr = self._open(path, np.dtype(x.dtype))
         x = x.astype(self.dtypes[path], copy=False)
+        chunks = tuple(arr.chunk_layout.write_chunk.shape)
         if layer is not None:
-            arr[layer].write(x).result()
-        else:
-            rows = max(1, SLAB_BYTES // max(1, x[:1].nbytes))
-            step = arr.chunk_layout.write_chunk.shape[0]
-            rows = max(step, rows // step * step)
-            for r in range(0, x.shape[0], rows):
-                end = min(r + rows, x.shape[0])
-                arr[r:end].write(x[r:end]).result()
+            arr, chunks = arr[layer], chunks[1:]
+        for index in slabs(x.shape, chunks, x.dtype.itemsize):
+            arr[index].write(x[index]).result()
         self.written[path] = self.written.get(path, 0) + 1
 
     def finish(self) -> set[str]:

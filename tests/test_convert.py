@@ -246,7 +246,7 @@ def test_out_dir_exists(tmp_path):
 def test_interrupted_conversion_leaves_nothing(where, exc, tmp_path, monkeypatch):
     hf_dir, _ = fx.build_transformers_model("qwen2", str(tmp_path / "hf"), seed=1)
     if where == "tensors":  # half-way through the tensors
-        real, calls = hf_layout._to_jdllm, []
+        real, calls = ckpt.SafetensorsDir.rows, []
 
         def flaky(*a):
             calls.append(1)
@@ -254,7 +254,7 @@ def test_interrupted_conversion_leaves_nothing(where, exc, tmp_path, monkeypatch
                 raise exc("interrupted")
             return real(*a)
 
-        monkeypatch.setattr(hf_layout, "_to_jdllm", flaky)
+        monkeypatch.setattr(ckpt.SafetensorsDir, "rows", flaky)
     else:  # after every array of the Orbax checkpoint is written
         real_finish = cio.OrbaxStreamWriter.finish
 
@@ -284,13 +284,13 @@ def test_non_finite_weights_are_refused_while_streaming(tmp_path, monkeypatch):
     bad = "model.layers.0.mlp.up_proj.weight"
     _poison(hf_dir, bad, np.nan)
     cfg = ModelConfig.from_hf(hf_dir)
-    converted, real = [], hf_layout._to_jdllm
+    converted, real = set(), ckpt.SafetensorsDir.rows
 
-    def spy(*a):
-        converted.append(1)
-        return real(*a)
+    def spy(self, name, *a):
+        converted.add(name)
+        return real(self, name, *a)
 
-    monkeypatch.setattr(hf_layout, "_to_jdllm", spy)
+    monkeypatch.setattr(ckpt.SafetensorsDir, "rows", spy)
     _convert_fails(hf_dir, tmp_path, errors.NonFiniteWeightsError, repr(bad), "1 NaN/inf", "--no-check-finite")
     assert 0 < len(converted) < len(hf_layout.hf_tensor_names(cfg))  # stopped at the bad tensor, not after all
     out = cio.convert_checkpoint(hf_dir, str(tmp_path / "out"), dtype="float32", progress=False, check_finite=False)
@@ -409,14 +409,16 @@ def test_damaged_jdllm_checkpoint(tmp_path):
 # --------------------------------------------------------------------------- streaming layout
 def test_conversion_streams_one_tensor_at_a_time(tmp_path, monkeypatch):
     """The converter hands the writer one HF tensor's worth at a time (never a stacked parameter;
-    transposed ones assembled from slabs of rows equal the whole-tensor reference bit for bit),
+    tensors read and written in slabs equal the whole-tensor reference bit for bit),
     the result is an ordinary Orbax checkpoint (Orbax's own restore reads it, one zarr chunk per
     layer), and a checkpoint written the former way (Orbax saving the whole tree) still loads."""
     import orbax.checkpoint as ocp  # noqa: PLC0415
     import tensorstore as ts  # noqa: PLC0415
 
     hf_dir, _ = fx.build_transformers_model("qwen3", str(tmp_path / "hf"), seed=2, max_shard_size="20KB")
-    monkeypatch.setattr(hf_layout, "TRANSPOSE_SLAB_BYTES", 1000)  # transposed tensors read in several slabs
+    monkeypatch.setattr(hf_layout, "READ_SLAB_BYTES", 1000)  # tensors read in several slabs of rows
+    monkeypatch.setattr(cio, "CHUNK_BYTES", 2048)  # and written in several slabs of several chunks
+    monkeypatch.setattr(cio, "SLAB_BYTES", 4096)
     src = _hf_tensors(hf_dir)  # a plain dict: the reference reads each tensor whole
     largest = max(x.nbytes for x in src.values())
     sizes, real_write = [], cio.OrbaxStreamWriter.write
@@ -434,7 +436,7 @@ def test_conversion_streams_one_tensor_at_a_time(tmp_path, monkeypatch):
         _assert_bit_equal(c.restore(os.path.join(out, ckpt.PARAMS_DIR)), want)
     q = ts.open({"driver": "zarr", "kvstore": {"driver": "ocdbt", "base": f"file://{out}/params/"},
                  "path": "layers.q"}).result()
-    assert q.chunk_layout.read_chunk.shape == (1,) + tuple(q.shape[1:])
+    assert q.chunk_layout.read_chunk.shape == (1,) + cio.chunk_shape(q.shape[1:], ("embed", "q_heads", "head_dim"), 4)
     # the former layout: the whole tree saved by Orbax
     old = tmp_path / "old"
     shutil.copytree(out, old)
@@ -451,6 +453,9 @@ def test_chunk_shape():
     assert cio.chunk_shape((28, 2048, 6144), ("layers", "embed", "mlp"), 2) == (1, 2048, 1536)
     assert cio.chunk_shape((151936, 1024), ("vocab", "embed"), 2) == (2374, 1024)
     assert cio.chunk_shape((1024,), ("embed",), 2) == (1024,)
+    # slabs of whole chunks along the first chunked axis: the lm_head [D, V] in column slabs
+    assert cio.slabs((4, 10), (4, 2), 1, target=16) == [(slice(None), slice(r, min(r + 4, 10))) for r in (0, 4, 8)]
+    assert cio.slabs((4, 10), (4, 10), 1, target=16) == [(slice(None), slice(None))]
 
 
 # --------------------------------------------------------------------------- the per-tensor pipeline
