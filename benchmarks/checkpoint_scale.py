@@ -12,9 +12,11 @@ process), then measures each step in a fresh subprocess:
                   Orbax StandardCheckpointer.save (for the before/after comparison)
   load_ckpt_1dev  jdllm.load(ckpt) onto one CPU device
   load_ckpt_mesh  jdllm.load(ckpt, mesh=1x8): Orbax restore straight into the shardings
-  restore_staging jdllm's checkpoint restore, each parameter freed once restored: the host
-                  memory a load needs beyond the weights (what a GPU host holds), measurable
-                  for models whose weights do not fit this machine
+  load_staging    jdllm.load's read of a checkpoint (one layer's slice at a time), each slice
+                  freed once placed: the host memory a load needs beyond the weights (what a
+                  GPU host holds), measurable for models whose weights do not fit this machine
+  restore_staging the same through Orbax (one stacked parameter at a time: the fallback for
+                  layouts the per-layer reader does not open)
 
 Peak RSS is the process's VmHWM (/proc/self/status): unlike ru_maxrss it is not
 inherited from the parent across fork + exec. On CPU "devices" the loaded
@@ -26,7 +28,7 @@ The streaming converter's target: peak RSS <= 3 x the largest tensor + 1 GB (the
 process, so for that shape run the conversion and the restore's staging only:
 
     python benchmarks/checkpoint_scale.py --shape qwen3-0.6b --dir /tmp/ckpt_scale
-    python benchmarks/checkpoint_scale.py --shape llama3-8b --steps baseline,convert,restore_staging --dir /tmp/ckpt8b
+    python benchmarks/checkpoint_scale.py --shape llama3-8b --steps baseline,convert,load_staging --dir /tmp/ckpt8b
 """
 
 from __future__ import annotations
@@ -129,6 +131,13 @@ if what.startswith("load_"):
 elif what == "restore_staging":
     from jdllm.checkpoint import iter_restored_params
     for keys, x in iter_restored_params(dst, dtype="bfloat16"):
+        biggest = max(biggest, x.block_until_ready().nbytes)
+        x.delete()
+elif what == "load_staging":
+    from jdllm.checkpoint import iter_layer_slices, read_jdllm_meta
+    slices = iter_layer_slices(dst, read_jdllm_meta(dst)["config"], dtype="bfloat16")
+    assert next(slices)
+    for _, _, x in slices:
         biggest = max(biggest, x.block_until_ready().nbytes)
         x.delete()
 elif what == "convert":

@@ -254,6 +254,72 @@ def iter_restored_params(path: str, dtype=None, shardings=None):
             f"cannot restore {params_dir} ({type(e).__name__}: {one_line(e)}); re-run `jdllm convert`") from e
 
 
+def restore_per_layer(path: str, cfg: ModelConfig, dtype=None, placement=None):
+    """A jdllm checkpoint's params in the "per_layer" layout (`iter_layer_slices`, collected), or
+    None when its arrays cannot be opened directly (then `restore_params`, Orbax, reads them)."""
+    slices = iter_layer_slices(path, cfg, dtype, placement)
+    if next(slices) is None:
+        return None
+    params: dict[str, Any] = {"layers": tuple({} for _ in range(cfg.num_layers))}
+    for p, layer, x in slices:
+        if layer is None:
+            params[p[0]] = x
+        else:
+            params["layers"][layer][p[1]] = x
+    return params
+
+
+def iter_layer_slices(path: str, cfg: ModelConfig, dtype=None, placement=None):
+    """Read a jdllm checkpoint with tensorstore one layer's slice at a time, each placed on the
+    first device (or, under `placement`, each device reading only its own part), so the host never
+    holds a stacked parameter, let alone the model twice: a load peaks at the weights plus one
+    slice. Yields first True (readable) or None (a layout this reader does not open: use
+    `restore_params`), then (param path, layer or None, jax Array)."""
+    import jax  # noqa: PLC0415 (startup: `jdllm convert --help` and config reads stay free of JAX)
+    import tensorstore as ts  # noqa: PLC0415 (startup: `jdllm convert --help` and config reads stay free of JAX)
+    from jdllm.model import flat_param_specs  # noqa: PLC0415 (startup: `jdllm convert --help` and config reads stay free of JAX)
+    params_dir = os.path.abspath(os.path.join(path, PARAMS_DIR))
+    want = np_dtype(dtype)
+    specs = flat_param_specs(cfg)
+    context = ts.Context({"cache_pool": {"total_bytes_limit": 0}})
+    kvstore = {"driver": "ocdbt", "base": f"file://{params_dir}/"}
+    try:
+        arrays = {p: ts.open({"driver": "zarr", "kvstore": kvstore, "path": ".".join(p)}, open=True, read=True,
+                             context=context).result() for p in specs}
+    except Exception:  # noqa: BLE001 (not this layout: Orbax reads it, or says what is wrong)
+        yield None
+        return
+    if any(tuple(a.shape) != specs[p].shape for p, a in arrays.items()):
+        yield None  # restore_params names the parameter
+        return
+    yield True
+    shardings = None if placement is None else placement.param_shardings(cfg, "per_layer")
+    device = jax.devices()[0]
+
+    def read(view):
+        x = view.read().result()
+        return x if want is None else x.astype(want, copy=False)
+
+    def place(view, sharding):
+        if sharding is None:
+            return jax.device_put(read(view), device)
+        return jax.make_array_from_callback(tuple(view.shape), sharding, lambda idx: read(view[idx]))
+
+    for p, arr in arrays.items():
+        try:
+            if p[0] == "layers":
+                for i in range(cfg.num_layers):
+                    yield p, i, place(arr[i], None if shardings is None else shardings["layers"][i][p[1]])
+            else:
+                yield p, None, place(arr, None if shardings is None else shardings[p[0]])
+        except errors.JdllmError:
+            raise
+        except Exception as e:  # noqa: BLE001 (tensorstore raises many types)
+            raise errors.CorruptCheckpointError(
+                f"cannot read {params_dir} at {'/'.join(p)} ({type(e).__name__}: {one_line(e)}); "
+                "re-run `jdllm convert`") from e
+
+
 # --------------------------------------------------------------------------- load
 ATTN_IMPLS = ("auto", "xla", "pallas", "cudnn")
 
@@ -372,7 +438,11 @@ def load_model(path: str, dtype="bfloat16", attn_impl: str = "auto", shardings=N
         if placement is not None:
             shardings = placement.param_shardings(cfg)
         check_params_fit(cfg, dtype, shardings, source=path)  # before any weight is placed
-        params = restore_params(path, dtype=dtype, shardings=shardings)
+        params = None
+        if placement is not None or shardings is None:  # read layer by layer (the caller's own
+            params = restore_per_layer(path, cfg, dtype, placement)  # stacked shardings: Orbax)
+        if params is None:
+            params = restore_params(path, dtype=dtype, shardings=shardings)
         layout = default_layout(placement)  # split per layer, each stacked array freed once split
         params = to_layout(params, cfg, layout, consume=True,
                            shardings=None if placement is None else placement.param_shardings(cfg, layout))

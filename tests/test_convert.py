@@ -445,6 +445,11 @@ def test_conversion_streams_one_tensor_at_a_time(tmp_path, monkeypatch):
         c.save(str(old / ckpt.PARAMS_DIR), want)
         c.wait_until_finished()
     _assert_bit_equal(ckpt.restore_params(str(old)), want)
+    # jdllm.load reads both layer slice by layer slice (tensorstore), as the HF directory loads
+    monkeypatch.setattr(ckpt, "restore_params", None)  # not through Orbax's whole-parameter restore
+    ref = jdllm.load(hf_dir, dtype="float32").params
+    for d in (out, str(old)):
+        _assert_bit_equal(jdllm.load(d, dtype="float32").params, ref)
 
 
 def test_chunk_shape():
