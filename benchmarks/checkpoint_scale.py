@@ -12,10 +12,10 @@ process), then measures each step in a fresh subprocess:
                   Orbax StandardCheckpointer.save (for the before/after comparison)
   load_ckpt_1dev  jdllm.load(ckpt) onto one CPU device
   load_ckpt_mesh  jdllm.load(ckpt, mesh=1x8): Orbax restore straight into the shardings
-  load_staging    jdllm.load's read of a checkpoint (one layer's slice at a time), each slice
+  staging_ckpt    jdllm.load's read of a checkpoint (one layer's slice at a time), each slice
                   freed once placed: the host memory a load needs beyond the weights (what a
                   GPU host holds), measurable for models whose weights do not fit this machine
-  restore_staging the same through Orbax (one stacked parameter at a time: the fallback for
+  staging_orbax   the same through Orbax (one stacked parameter at a time: the fallback for
                   layouts the per-layer reader does not open)
 
 Peak RSS is the process's VmHWM (/proc/self/status): unlike ru_maxrss it is not
@@ -28,7 +28,7 @@ The streaming converter's target: peak RSS <= 3 x the largest tensor + 1 GB (the
 process, so for that shape run the conversion and the restore's staging only:
 
     python benchmarks/checkpoint_scale.py --shape qwen3-0.6b --dir /tmp/ckpt_scale
-    python benchmarks/checkpoint_scale.py --shape llama3-8b --steps baseline,convert,load_staging --dir /tmp/ckpt8b
+    python benchmarks/checkpoint_scale.py --shape llama3-8b --steps baseline,convert,staging_ckpt --dir /tmp/ckpt8b
 """
 
 from __future__ import annotations
@@ -128,12 +128,12 @@ if what.startswith("load_"):
     m = jdllm.load(dst if what.startswith("load_ckpt") else src, dtype="bfloat16", mesh=mesh)
     jax.block_until_ready(m.params)
     biggest = max(max(s.data.nbytes for s in x.addressable_shards) for x in jax.tree.leaves(m.params))
-elif what == "restore_staging":
+elif what == "staging_orbax":
     from jdllm.checkpoint import iter_restored_params
     for keys, x in iter_restored_params(dst, dtype="bfloat16"):
         biggest = max(biggest, x.block_until_ready().nbytes)
         x.delete()
-elif what == "load_staging":
+elif what == "staging_ckpt":
     from jdllm.checkpoint import iter_layer_slices, read_jdllm_meta
     slices = iter_layer_slices(dst, read_jdllm_meta(dst)["config"], dtype="bfloat16")
     assert next(slices)

@@ -35,7 +35,7 @@ import numpy as np
 from convert import hf
 from jdllm import errors
 from jdllm.checkpoint import (CONFIG_FILE, FORMAT_VERSION, HF_CONFIG_COPY, MARKER_FILE, PARAMS_DIR,
-                              SafetensorsDir, is_hf_dir, is_jdllm_dir, np_dtype)
+                              SafetensorsDir, is_hf_dir, is_jdllm_dir, np_dtype, slabs)
 from jdllm.config import ModelConfig
 from jdllm.hf_layout import check_tensor_names, hf_tensor_names, iter_hf_slices
 from jdllm.inputs import check_output_path
@@ -62,20 +62,6 @@ def chunk_shape(shape: tuple[int, ...], axes: tuple[str, ...], itemsize: int,
         while np.prod(chunk) * itemsize > target and chunk[i] % 2 == 0:
             chunk[i] //= 2
     return tuple(int(c) for c in chunk)
-
-
-def slabs(shape: tuple[int, ...], chunks: tuple[int, ...], itemsize: int, target: int | None = None):
-    """Index tuples cutting an array of `shape` into whole-chunk slabs of about `target` bytes
-    along its first chunked axis (one slab when no axis is), so tensorstore stages one slab at a
-    time: the lm_head [D, V], chunked along V, goes in column slabs, not all at once."""
-    target = SLAB_BYTES if target is None else target
-    axis = next((a for a, (n, c) in enumerate(zip(shape, chunks)) if c < n), None)
-    if axis is None:
-        return [tuple(slice(None) for _ in shape)]
-    per_chunk = int(np.prod([n if a != axis else chunks[a] for a, n in enumerate(shape)])) * itemsize
-    step = chunks[axis] * max(1, target // max(1, per_chunk))
-    return [tuple(slice(r, min(r + step, shape[axis])) if a == axis else slice(None) for a in range(len(shape)))
-            for r in range(0, shape[axis], step)]
 
 
 class OrbaxStreamWriter:
@@ -125,7 +111,7 @@ class OrbaxStreamWriter:
         chunks = tuple(arr.chunk_layout.write_chunk.shape)
         if layer is not None:
             arr, chunks = arr[layer], chunks[1:]
-        for index in slabs(x.shape, chunks, x.dtype.itemsize):
+        for index in slabs(x.shape, chunks, x.dtype.itemsize, SLAB_BYTES):
             arr[index].write(x[index]).result()
         self.written[path] = self.written.get(path, 0) + 1
 

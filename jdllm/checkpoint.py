@@ -254,6 +254,23 @@ def iter_restored_params(path: str, dtype=None, shardings=None):
             f"cannot restore {params_dir} ({type(e).__name__}: {one_line(e)}); re-run `jdllm convert`") from e
 
 
+SLAB_BYTES = 64 << 20  # checkpoint arrays are read and written in slabs of whole chunks about this size
+
+
+def slabs(shape: tuple[int, ...], chunks: tuple[int, ...], itemsize: int, target: int | None = None):
+    """Index tuples cutting an array of `shape` into whole-chunk slabs of about `target` bytes
+    along its first chunked axis (one slab when no axis is), so tensorstore stages one slab at a
+    time: the lm_head [D, V], chunked along V, goes in column slabs, not all at once."""
+    target = SLAB_BYTES if target is None else target
+    axis = next((a for a, (n, c) in enumerate(zip(shape, chunks)) if c < n), None)
+    if axis is None:
+        return [tuple(slice(None) for _ in shape)]
+    per_chunk = int(np.prod([n if a != axis else chunks[a] for a, n in enumerate(shape)])) * itemsize
+    step = chunks[axis] * max(1, target // max(1, per_chunk))
+    return [tuple(slice(r, min(r + step, shape[axis])) if a == axis else slice(None) for a in range(len(shape)))
+            for r in range(0, shape[axis], step)]
+
+
 def restore_per_layer(path: str, cfg: ModelConfig, dtype=None, placement=None):
     """A jdllm checkpoint's params in the "per_layer" layout (`iter_layer_slices`, collected), or
     None when its arrays cannot be opened directly (then `restore_params`, Orbax, reads them)."""
@@ -296,22 +313,30 @@ def iter_layer_slices(path: str, cfg: ModelConfig, dtype=None, placement=None):
     shardings = None if placement is None else placement.param_shardings(cfg, "per_layer")
     device = jax.devices()[0]
 
-    def read(view):
-        x = view.read().result()
-        return x if want is None else x.astype(want, copy=False)
+    def read(view, chunks):
+        """The view's values (cast to `want`), read a slab of chunks at a time into one array."""
+        view, x = view.translate_to[0], None  # a device's part keeps its offsets: index from 0
+        for index in slabs(tuple(view.shape), chunks, view.dtype.numpy_dtype.itemsize):
+            part = view[index].read().result()
+            if x is None:
+                x = np.empty(tuple(view.shape), want if want is not None else part.dtype)
+            x[index] = part
+            del part
+        return x
 
-    def place(view, sharding):
+    def place(view, chunks, sharding):
         if sharding is None:
-            return jax.device_put(read(view), device)
-        return jax.make_array_from_callback(tuple(view.shape), sharding, lambda idx: read(view[idx]))
+            return jax.device_put(read(view, chunks), device)
+        return jax.make_array_from_callback(tuple(view.shape), sharding, lambda idx: read(view[idx], chunks))
 
     for p, arr in arrays.items():
+        chunks = tuple(arr.chunk_layout.read_chunk.shape)
         try:
             if p[0] == "layers":
                 for i in range(cfg.num_layers):
-                    yield p, i, place(arr[i], None if shardings is None else shardings["layers"][i][p[1]])
+                    yield p, i, place(arr[i], chunks[1:], None if shardings is None else shardings["layers"][i][p[1]])
             else:
-                yield p, None, place(arr, None if shardings is None else shardings[p[0]])
+                yield p, None, place(arr, chunks, None if shardings is None else shardings[p[0]])
         except errors.JdllmError:
             raise
         except Exception as e:  # noqa: BLE001 (tensorstore raises many types)

@@ -419,6 +419,7 @@ def test_conversion_streams_one_tensor_at_a_time(tmp_path, monkeypatch):
     monkeypatch.setattr(hf_layout, "READ_SLAB_BYTES", 1000)  # tensors read in several slabs of rows
     monkeypatch.setattr(cio, "CHUNK_BYTES", 2048)  # and written in several slabs of several chunks
     monkeypatch.setattr(cio, "SLAB_BYTES", 4096)
+    monkeypatch.setattr(ckpt, "SLAB_BYTES", 4096)  # jdllm.load reads them in slabs too
     src = _hf_tensors(hf_dir)  # a plain dict: the reference reads each tensor whole
     largest = max(x.nbytes for x in src.values())
     sizes, real_write = [], cio.OrbaxStreamWriter.write
