@@ -11,8 +11,11 @@ directory (written by `convert`) holds
   hf_config.json      the source config.json, kept for reference
   tokenizer files     copied from the source (tokenizer.json, tokenizer_config.json, ...)
 
-`load` reads either kind into a `jdllm.loading.Model`. The tensor-name mapping
-lives in `jdllm.hf_layout`; writing checkpoints is `convert`'s job.
+`load` reads either kind into a `jdllm.loading.Model`, never holding the model twice on the
+host: safetensors a slab of rows at a time (`SafetensorsDir.rows`), one parameter at a time;
+jdllm checkpoints one layer's slice at a time with tensorstore (`iter_layer_slices`), Orbax one
+parameter at a time as the fallback (`iter_restored_params`). The tensor-name mapping lives in
+`jdllm.hf_layout`; writing checkpoints is `convert`'s job.
 """
 
 from __future__ import annotations
