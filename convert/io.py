@@ -3,43 +3,56 @@
 The checkpoint layout and everything that reads it live in `jdllm.checkpoint`;
 this module writes it.
 
-`convert_checkpoint` streams: each Hugging Face tensor is converted to jdllm's
-layout and written (`OrbaxStreamWriter`) as soon as it is read, so the host
-holds about one tensor at a time. It builds the checkpoint in a temporary
-directory beside OUT_DIR and renames it into place only when everything is
-written, so a failed or interrupted conversion leaves nothing at OUT_DIR.
+`convert_checkpoint` streams, one Hugging Face tensor at a time, through a pipeline:
+
+    read (safetensors) -> rename / transpose / cast to jdllm's layout (`iter_hf_slices`)
+      -> finiteness check -> `Transform` (per tensor; identity by default, e.g. quantization)
+      -> write (`OrbaxStreamWriter`, as one layer's slice of its stacked parameter)
+
+so the host holds about one tensor at a time, never the model (peak RSS <= 3 x the largest
+tensor + 1 GB: `benchmarks/checkpoint_scale.py`). It builds the checkpoint in a temporary
+directory beside OUT_DIR and renames it into place only when everything is written, so a
+failed or interrupted conversion (an exception, Ctrl-C, SIGTERM) leaves nothing at OUT_DIR;
+a temporary directory a killed conversion (SIGKILL, power loss) left is removed by the next
+conversion to the same OUT_DIR. The source is only ever read.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
+import signal
+import socket
 import tempfile
+import threading
 import time
-from typing import Any
+from typing import Any, Iterable
 
 import numpy as np
 
 from convert import hf
 from jdllm import errors
 from jdllm.checkpoint import (CONFIG_FILE, FORMAT_VERSION, HF_CONFIG_COPY, MARKER_FILE, PARAMS_DIR,
-                              SafetensorsDir, is_hf_dir, is_jdllm_dir, np_dtype)
+                              SafetensorsDir, is_hf_dir, is_jdllm_dir, np_dtype, slabs)
 from jdllm.config import ModelConfig
 from jdllm.hf_layout import check_tensor_names, hf_tensor_names, iter_hf_slices
 from jdllm.inputs import check_output_path
+from jdllm.process import interrupt_outside_gc
 
 
 # --------------------------------------------------------------------------- streaming Orbax writer
 CHUNK_BYTES = 8 << 20  # zarr chunk target: a device restoring its slice decompresses little else
-SLAB_BYTES = 64 << 20  # an unstacked parameter (the embedding) is handed to tensorstore in slabs this size
+SLAB_BYTES = 64 << 20  # a slice is handed to tensorstore in slabs of whole chunks about this size
 
 
 def chunk_shape(shape: tuple[int, ...], axes: tuple[str, ...], itemsize: int,
-                target: int = CHUNK_BYTES) -> tuple[int, ...]:
+                target: int | None = None) -> tuple[int, ...]:
     """zarr chunk shape of a parameter: one layer per chunk, then the axes a mesh splits (vocab,
     heads, MLP) halved until a chunk holds <= `target` bytes, so a device restoring its slices
     reads (and decompresses) only chunks it needs, for any mesh size that is a power of two."""
+    target = CHUNK_BYTES if target is None else target
     chunk = list(shape)
     if axes and axes[0] == "layers":
         chunk[0] = 1
@@ -61,13 +74,13 @@ class OrbaxStreamWriter:
     as it is read, so the host holds about one tensor at a time. Chunks: `chunk_shape`.
     """
 
-    def __init__(self, params_dir: str, cfg: ModelConfig):
+    def __init__(self, params_dir: str, cfg: ModelConfig, specs: dict | None = None):
         import tensorstore as ts  # noqa: PLC0415 (startup: `jdllm convert --help` stays free of JAX / tensorstore)
         from jdllm.model import flat_param_specs  # noqa: PLC0415 (startup: `jdllm convert --help` stays free of JAX / tensorstore)
         self.ts = ts
         self.dir = os.path.abspath(params_dir)
         os.makedirs(self.dir)
-        self.specs = flat_param_specs(cfg)
+        self.specs = flat_param_specs(cfg) if specs is None else specs
         # one context: every array shares the one OCDBT store; no chunk cache (write and forget)
         self.context = ts.Context({"cache_pool": {"total_bytes_limit": 0}})
         self.kvstore = {"driver": "ocdbt", "base": f"file://{self.dir}/",
@@ -95,15 +108,11 @@ class OrbaxStreamWriter:
         if arr is None:
             arr = self._open(path, np.dtype(x.dtype))
         x = x.astype(self.dtypes[path], copy=False)
+        chunks = tuple(arr.chunk_layout.write_chunk.shape)
         if layer is not None:
-            arr[layer].write(x).result()
-        else:
-            rows = max(1, SLAB_BYTES // max(1, x[:1].nbytes))
-            step = arr.chunk_layout.write_chunk.shape[0]
-            rows = max(step, rows // step * step)
-            for r in range(0, x.shape[0], rows):
-                end = min(r + rows, x.shape[0])
-                arr[r:end].write(x[r:end]).result()
+            arr, chunks = arr[layer], chunks[1:]
+        for index in slabs(x.shape, chunks, x.dtype.itemsize, SLAB_BYTES):
+            arr[index].write(x[index]).result()
         self.written[path] = self.written.get(path, 0) + 1
 
     def finish(self) -> set[str]:
@@ -134,14 +143,48 @@ def _zarr_dtype(dtype: np.dtype) -> str:
     return "bfloat16" if dtype.name == "bfloat16" else dtype.str
 
 
+# --------------------------------------------------------------------------- per-tensor transform
+Path = tuple[str, ...]
+
+
+class Transform:
+    """One step of the conversion pipeline, applied to each tensor as it streams by: after the
+    rename / transpose / cast to `dtype` and the finiteness check, before the write. This one
+    passes every slice through unchanged; a subclass (weight quantization) overrides what it needs.
+
+    A slice is one Hugging Face tensor in jdllm's layout: parameter `path` (e.g. ("layers", "q")),
+    `layer` (its index in the stacked parameter, None for unstacked ones such as the embedding).
+    """
+
+    def specs(self, specs: dict[Path, Any]) -> dict[Path, Any]:
+        """The stored parameters' {path: `jdllm.model.ParamSpec`} (stacked shapes, logical axes)
+        given the model's: a transform that reshapes parameters or adds some (scales) says so
+        here; the writer creates each array from its spec (its dtype from its first slice) and
+        checks every one is complete."""
+        return specs
+
+    def __call__(self, path: Path, layer: int | None, x: np.ndarray) -> Iterable[tuple[Path, np.ndarray]]:
+        """The slices to write for one converted tensor, as (path, array) pairs; each goes to
+        `layer` of its parameter (or the whole parameter when layer is None)."""
+        return ((path, x),)
+
+    def marker(self) -> dict[str, Any]:
+        """Keys added to the checkpoint's jdllm_config.json (e.g. {"quantization": {...}}), so a
+        loader can tell how the stored weights were transformed."""
+        return {}
+
+
 # --------------------------------------------------------------------------- convert
 def convert_checkpoint(hf_dir: str, out_dir: str, dtype="bfloat16", overwrite: bool = False,
-                       progress: bool = True, check_finite: bool = True) -> str:
+                       progress: bool = True, check_finite: bool = True,
+                       transform: Transform | None = None) -> str:
     """Hugging Face directory -> jdllm checkpoint at out_dir (atomic: all or nothing).
 
     dtype: 'bfloat16' | 'float16' | 'float32', or None to keep the source dtypes.
     check_finite: refuse (`errors.NonFiniteWeightsError`, naming the tensor) weights that hold NaN / inf
     in the source or once cast to `dtype`; each slice is checked as it streams by, before it is written.
+    progress: a progress bar on stderr, in bytes of the source read and converted.
+    transform: a per-tensor `Transform` between the cast and the write (default: none).
     Returns the absolute out_dir.
     """
     from tqdm.auto import tqdm  # noqa: PLC0415 (startup: `jdllm convert --help` stays free of JAX / tensorstore)
@@ -163,40 +206,124 @@ def convert_checkpoint(hf_dir: str, out_dir: str, dtype="bfloat16", overwrite: b
     tensors = SafetensorsDir(hf_dir)
     check_tensor_names(tensors.keys(), cfg, source=hf_dir)
 
+    transform = Transform() if transform is None else transform
+    from jdllm.model import flat_param_specs  # noqa: PLC0415 (startup: `jdllm convert --help` stays free of JAX)
+    specs = transform.specs(flat_param_specs(cfg))
+
     parent = os.path.dirname(out_dir)
     try:
         os.makedirs(parent, exist_ok=True)
-        tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.tmp-", dir=parent)
+        remove_stale_temporaries(out_dir)
+        tmp = tempfile.mkdtemp(prefix=_tmp_prefix(out_dir), dir=parent)
     except OSError as e:
         raise errors.OutputPathError(
             f"cannot create OUT_DIR {out_dir} ({e.strerror or e}); choose a writable location") from None
     try:
-        os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes it 0700; OUT_DIR gets ordinary permissions
-        writer = OrbaxStreamWriter(os.path.join(tmp, PARAMS_DIR), cfg)
-        table = hf_tensor_names(cfg)
-        name_of = {(tuple(slot.path), slot.layer): name for name, slot in table.items()}
-        with tqdm(total=len(table), desc=f"convert {os.path.basename(hf_dir.rstrip('/'))}",
-                  unit="tensor", disable=not progress) as bar:
-            for path, layer, _, x in iter_hf_slices(tensors, cfg, dtype=want, source=hf_dir,
-                                                    progress=lambda name: bar.update(1)):
-                if check_finite:
-                    where = "/".join(path) + (f"[{layer}]" if layer is not None else "")
-                    _check_finite(x, name_of[(path, layer)], where, tensors, hf_dir)
-                writer.write(path, layer, x)
-                del x
-        stored = writer.finish()
-        meta = {"format": "jdllm", "version": FORMAT_VERSION,
-                "dtype": stored.pop() if len(stored) == 1 else "mixed",
-                "source": os.path.abspath(hf_dir), "config": cfg.to_dict()}
-        with open(os.path.join(tmp, MARKER_FILE), "w") as f:
-            json.dump(meta, f, indent=2)
-        shutil.copyfile(os.path.join(hf_dir, CONFIG_FILE), os.path.join(tmp, HF_CONFIG_COPY))
-        hf.copy_tokenizer_files(hf_dir, tmp)
-        _move_into_place(tmp, out_dir, overwrite)
+        with _terminate_as_interrupt():
+            _claim(tmp)
+            os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes it 0700; OUT_DIR gets ordinary permissions
+            writer = OrbaxStreamWriter(os.path.join(tmp, PARAMS_DIR), cfg, specs)
+            table = hf_tensor_names(cfg)
+            name_of = {(tuple(slot.path), slot.layer): name for name, slot in table.items()}
+            total = sum(tensors.nbytes(name) for name in table)
+            with tqdm(total=total, desc=f"convert {os.path.basename(hf_dir.rstrip('/'))}", unit="B",
+                      unit_scale=True, unit_divisor=1024, disable=not progress) as bar:
+                for path, layer, _, x in iter_hf_slices(tensors, cfg, dtype=want, source=hf_dir):
+                    name = name_of[(path, layer)]
+                    if check_finite:
+                        where = "/".join(path) + (f"[{layer}]" if layer is not None else "")
+                        _check_finite(x, name, where, tensors, hf_dir)
+                    for out_path, y in transform(path, layer, x):
+                        writer.write(out_path, layer, y)
+                        del y
+                    del x
+                    bar.update(tensors.nbytes(name))
+            stored = writer.finish()
+            meta = {"format": "jdllm", "version": FORMAT_VERSION,
+                    "dtype": stored.pop() if len(stored) == 1 else "mixed",
+                    "source": os.path.abspath(hf_dir), "config": cfg.to_dict()}
+            extra = transform.marker()
+            if set(extra) & set(meta):
+                raise ValueError(f"Transform.marker() may not replace {sorted(set(extra) & set(meta))}")
+            meta.update(extra)
+            _write_marker(tmp, meta, hf_dir)
+            _move_into_place(tmp, out_dir, overwrite)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out_dir
+
+
+def _write_marker(tmp: str, meta: dict, hf_dir: str) -> None:
+    """jdllm_config.json, the source config.json and the tokenizer files; the owner file goes."""
+    with open(os.path.join(tmp, MARKER_FILE), "w") as f:
+        json.dump(meta, f, indent=2)
+    shutil.copyfile(os.path.join(hf_dir, CONFIG_FILE), os.path.join(tmp, HF_CONFIG_COPY))
+    hf.copy_tokenizer_files(hf_dir, tmp)
+    os.remove(os.path.join(tmp, OWNER_FILE))
+
+
+# --------------------------------------------------------------------------- interruption
+OWNER_FILE = ".jdllm-convert-owner"  # "host pid" of the conversion writing a temporary directory
+
+
+def _tmp_prefix(out_dir: str) -> str:
+    return f".{os.path.basename(out_dir)}.tmp-"
+
+
+def _claim(tmp: str) -> None:
+    with open(os.path.join(tmp, OWNER_FILE), "w") as f:
+        f.write(f"{socket.gethostname()} {os.getpid()}\n")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def remove_stale_temporaries(out_dir: str) -> list[str]:
+    """Remove the temporary directories beside `out_dir` that a conversion killed outright
+    (SIGKILL, out of memory, power loss) left: those whose owner, on this host, is no longer
+    running. A running conversion's, another host's (a shared file system) and anything without
+    an owner file stay. Returns the paths removed."""
+    parent, prefix = os.path.dirname(out_dir), _tmp_prefix(out_dir)
+    removed = []
+    try:
+        names = [n for n in os.listdir(parent) if n.startswith(prefix)]
+    except OSError:
+        return removed
+    for n in names:
+        path = os.path.join(parent, n)
+        try:
+            with open(os.path.join(path, OWNER_FILE)) as f:
+                host, pid = f.read().split()
+            pid = int(pid)
+        except (OSError, ValueError):
+            continue
+        if host == socket.gethostname() and pid != os.getpid() and not _alive(pid):
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed
+
+
+@contextlib.contextmanager
+def _terminate_as_interrupt():
+    """SIGTERM (a `kill`, a job scheduler, a container stopping) raises KeyboardInterrupt here,
+    as Ctrl-C does, so the conversion removes its temporary directory on the way out instead of
+    dying with it in place. Only from the main thread, where Python delivers signals."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = interrupt_outside_gc(signal.SIGTERM)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 CHECK_BYTES = 16 << 20  # the finiteness check widens this much of a tensor to float32 at a time

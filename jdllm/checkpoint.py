@@ -11,8 +11,11 @@ directory (written by `convert`) holds
   hf_config.json      the source config.json, kept for reference
   tokenizer files     copied from the source (tokenizer.json, tokenizer_config.json, ...)
 
-`load` reads either kind into a `jdllm.loading.Model`. The tensor-name mapping
-lives in `jdllm.hf_layout`; writing checkpoints is `convert`'s job.
+`load` reads either kind into a `jdllm.loading.Model`, never holding the model twice on the
+host: safetensors a slab of rows at a time (`SafetensorsDir.rows`), one parameter at a time;
+jdllm checkpoints one layer's slice at a time with tensorstore (`iter_layer_slices`), Orbax one
+parameter at a time as the fallback (`iter_restored_params`). The tensor-name mapping lives in
+`jdllm.hf_layout`; writing checkpoints is `convert`'s job.
 """
 
 from __future__ import annotations
@@ -57,6 +60,10 @@ def _safetensors_error(path: str, e: Exception) -> errors.CorruptCheckpointError
         "re-download or re-export this file")
 
 
+_ST_ITEMSIZE = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2, "I16": 2,
+                "U16": 2, "I8": 1, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
+
+
 class SafetensorsDir(Mapping):
     """Lazy {tensor name: NumPy array} over a HF directory's single or sharded safetensors.
 
@@ -95,13 +102,16 @@ class SafetensorsDir(Mapping):
         self._open = safe_open
         self._where: dict[str, str] = {}
         self._shapes: dict[str, tuple[int, ...]] = {}
+        self._dtypes: dict[str, str] = {}
         for fn in files:
             path = os.path.join(self.dir, fn)
             try:
                 with safe_open(path, framework="numpy") as h:
                     for n in h.keys():
+                        info = h.get_slice(n)
                         self._where[n] = fn
-                        self._shapes[n] = tuple(h.get_slice(n).get_shape())
+                        self._shapes[n] = tuple(info.get_shape())
+                        self._dtypes[n] = info.get_dtype()
             except Exception as e:  # noqa: BLE001 (safetensors raises its own error types)
                 raise _safetensors_error(path, e) from e
         if weight_map is not None:
@@ -119,8 +129,21 @@ class SafetensorsDir(Mapping):
         except Exception as e:  # noqa: BLE001
             raise _safetensors_error(path, e) from e
 
+    def rows(self, name: str, start: int, stop: int) -> np.ndarray:
+        """Rows [start, stop) of tensor `name` (along its first axis), read without the rest."""
+        path = os.path.join(self.dir, self._where[name])
+        try:
+            with self._open(path, framework="numpy") as h:
+                return h.get_slice(name)[start:stop]
+        except Exception as e:  # noqa: BLE001
+            raise _safetensors_error(path, e) from e
+
     def shape(self, name: str) -> tuple[int, ...]:
         return self._shapes[name]
+
+    def nbytes(self, name: str) -> int:
+        """Bytes of tensor `name` on disk, from the header (nothing read)."""
+        return int(np.prod(self._shapes[name], dtype=np.int64)) * _ST_ITEMSIZE.get(self._dtypes[name], 4)
 
     def __iter__(self):
         return iter(self._where)
@@ -180,12 +203,22 @@ def read_jdllm_meta(path: str) -> dict[str, Any]:
 
 
 def restore_params(path: str, dtype=None, shardings=None):
-    """Restore a jdllm checkpoint's params as jax Arrays.
+    """Restore a jdllm checkpoint's params as jax Arrays (`iter_restored_params`, collected).
 
     dtype: cast on restore (None keeps the stored dtype, bit for bit).
     shardings: optional pytree of `jax.sharding.Sharding` matching the params,
     so each device reads only its own shards; default: the first device.
     """
+    out: dict[str, Any] = {}
+    for keys, x in iter_restored_params(path, dtype, shardings):
+        hf_layout.set_param(out, keys, x)
+    return out
+
+
+def iter_restored_params(path: str, dtype=None, shardings=None):
+    """Yield (param path, jax Array) for each parameter of a jdllm checkpoint, restored one at a
+    time (Orbax's partial restore): the host stages one parameter, never the whole model beside
+    its device copy. Arguments: `restore_params`."""
     import jax  # noqa: PLC0415 (startup: `jdllm convert --help` and config reads stay free of JAX)
     import orbax.checkpoint as ocp  # noqa: PLC0415 (startup: `jdllm convert --help` and config reads stay free of JAX)
     from jdllm.model import shape_mismatch  # noqa: PLC0415 (startup: `jdllm convert --help` and config reads stay free of JAX)
@@ -196,22 +229,123 @@ def restore_params(path: str, dtype=None, shardings=None):
     try:
         with ocp.StandardCheckpointer() as ckpt:
             stored = ckpt.metadata(params_dir).item_metadata.tree
-            bad = shape_mismatch(stored, cfg)
-            if bad is not None:
-                raise errors.CorruptCheckpointError(
-                    f"{params_dir} disagrees with {MARKER_FILE} at parameter {bad[0]} "
-                    f"(stored {bad[1]}, config implies {bad[2]}); re-run `jdllm convert`")
-            default = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-            shard_tree = shardings if shardings is not None else jax.tree.map(lambda _: default, stored)
-            abstract = jax.tree.map(
-                lambda m, s: jax.ShapeDtypeStruct(tuple(m.shape), want if want is not None else m.dtype, sharding=s),
-                stored, shard_tree)
-            return ckpt.restore(params_dir, abstract)
+        bad = shape_mismatch(stored, cfg)
+        if bad is not None:
+            raise errors.CorruptCheckpointError(
+                f"{params_dir} disagrees with {MARKER_FILE} at parameter {bad[0]} "
+                f"(stored {bad[1]}, config implies {bad[2]}); re-run `jdllm convert`")
+        default = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        shard_tree = shardings if shardings is not None else jax.tree.map(lambda _: default, stored)
+        abstract = jax.tree.map(
+            lambda m, s: jax.ShapeDtypeStruct(tuple(m.shape), want if want is not None else m.dtype, sharding=s),
+            stored, shard_tree)
+        with ocp.Checkpointer(ocp.PyTreeCheckpointHandler()) as ckpt:
+            for keys, leaf in jax.tree_util.tree_flatten_with_path(abstract)[0]:
+                keys = tuple(k.key for k in keys)
+                item = hf_layout.set_param({}, keys, leaf)
+                got = ckpt.restore(params_dir, args=ocp.args.PyTreeRestore(
+                    item=item, restore_args=ocp.checkpoint_utils.construct_restore_args(item),
+                    partial_restore=True))
+                for k in keys:
+                    got = got[k]
+                yield keys, got
+                del got
     except errors.JdllmError:
         raise
     except Exception as e:  # noqa: BLE001 (orbax / tensorstore raise many types)
         raise errors.CorruptCheckpointError(
             f"cannot restore {params_dir} ({type(e).__name__}: {one_line(e)}); re-run `jdllm convert`") from e
+
+
+SLAB_BYTES = 64 << 20  # checkpoint arrays are read and written in slabs of whole chunks about this size
+
+
+def slabs(shape: tuple[int, ...], chunks: tuple[int, ...], itemsize: int, target: int | None = None):
+    """Index tuples cutting an array of `shape` into whole-chunk slabs of about `target` bytes
+    along its first chunked axis (one slab when no axis is), so tensorstore stages one slab at a
+    time: the lm_head [D, V], chunked along V, goes in column slabs, not all at once."""
+    target = SLAB_BYTES if target is None else target
+    axis = next((a for a, (n, c) in enumerate(zip(shape, chunks)) if c < n), None)
+    if axis is None:
+        return [tuple(slice(None) for _ in shape)]
+    per_chunk = int(np.prod([n if a != axis else chunks[a] for a, n in enumerate(shape)])) * itemsize
+    step = chunks[axis] * max(1, target // max(1, per_chunk))
+    return [tuple(slice(r, min(r + step, shape[axis])) if a == axis else slice(None) for a in range(len(shape)))
+            for r in range(0, shape[axis], step)]
+
+
+def restore_per_layer(path: str, cfg: ModelConfig, dtype=None, placement=None):
+    """A jdllm checkpoint's params in the "per_layer" layout (`iter_layer_slices`, collected), or
+    None when its arrays cannot be opened directly (then `restore_params`, Orbax, reads them)."""
+    slices = iter_layer_slices(path, cfg, dtype, placement)
+    if next(slices) is None:
+        return None
+    params: dict[str, Any] = {"layers": tuple({} for _ in range(cfg.num_layers))}
+    for p, layer, x in slices:
+        if layer is None:
+            params[p[0]] = x
+        else:
+            params["layers"][layer][p[1]] = x
+    return params
+
+
+def iter_layer_slices(path: str, cfg: ModelConfig, dtype=None, placement=None):
+    """Read a jdllm checkpoint with tensorstore one layer's slice at a time, each placed on the
+    first device (or, under `placement`, each device reading only its own part), so the host never
+    holds a stacked parameter, let alone the model twice: a load peaks at the weights plus one
+    slice. Yields first True (readable) or None (a layout this reader does not open: use
+    `restore_params`), then (param path, layer or None, jax Array)."""
+    import jax  # noqa: PLC0415 (startup: `jdllm convert --help` and config reads stay free of JAX)
+    import tensorstore as ts  # noqa: PLC0415 (startup: `jdllm convert --help` and config reads stay free of JAX)
+    from jdllm.model import flat_param_specs  # noqa: PLC0415 (startup: `jdllm convert --help` and config reads stay free of JAX)
+    params_dir = os.path.abspath(os.path.join(path, PARAMS_DIR))
+    want = np_dtype(dtype)
+    specs = flat_param_specs(cfg)
+    context = ts.Context({"cache_pool": {"total_bytes_limit": 0}})
+    kvstore = {"driver": "ocdbt", "base": f"file://{params_dir}/"}
+    try:
+        arrays = {p: ts.open({"driver": "zarr", "kvstore": kvstore, "path": ".".join(p)}, open=True, read=True,
+                             context=context).result() for p in specs}
+    except Exception:  # noqa: BLE001 (not this layout: Orbax reads it, or says what is wrong)
+        yield None
+        return
+    if any(tuple(a.shape) != specs[p].shape for p, a in arrays.items()):
+        yield None  # restore_params names the parameter
+        return
+    yield True
+    shardings = None if placement is None else placement.param_shardings(cfg, "per_layer")
+    device = jax.devices()[0]
+
+    def read(view, chunks):
+        """The view's values (cast to `want`), read a slab of chunks at a time into one array."""
+        view, x = view.translate_to[0], None  # a device's part keeps its offsets: index from 0
+        for index in slabs(tuple(view.shape), chunks, view.dtype.numpy_dtype.itemsize):
+            part = view[index].read().result()
+            if x is None:
+                x = np.empty(tuple(view.shape), want if want is not None else part.dtype)
+            x[index] = part
+            del part
+        return x
+
+    def place(view, chunks, sharding):
+        if sharding is None:
+            return jax.device_put(read(view, chunks), device)
+        return jax.make_array_from_callback(tuple(view.shape), sharding, lambda idx: read(view[idx], chunks))
+
+    for p, arr in arrays.items():
+        chunks = tuple(arr.chunk_layout.read_chunk.shape)
+        try:
+            if p[0] == "layers":
+                for i in range(cfg.num_layers):
+                    yield p, i, place(arr[i], chunks[1:], None if shardings is None else shardings["layers"][i][p[1]])
+            else:
+                yield p, None, place(arr, chunks, None if shardings is None else shardings[p[0]])
+        except errors.JdllmError:
+            raise
+        except Exception as e:  # noqa: BLE001 (tensorstore raises many types)
+            raise errors.CorruptCheckpointError(
+                f"cannot read {params_dir} at {'/'.join(p)} ({type(e).__name__}: {one_line(e)}); "
+                "re-run `jdllm convert`") from e
 
 
 # --------------------------------------------------------------------------- load
@@ -332,7 +466,11 @@ def load_model(path: str, dtype="bfloat16", attn_impl: str = "auto", shardings=N
         if placement is not None:
             shardings = placement.param_shardings(cfg)
         check_params_fit(cfg, dtype, shardings, source=path)  # before any weight is placed
-        params = restore_params(path, dtype=dtype, shardings=shardings)
+        params = None
+        if placement is not None or shardings is None:  # read layer by layer (the caller's own
+            params = restore_per_layer(path, cfg, dtype, placement)  # stacked shardings: Orbax)
+        if params is None:
+            params = restore_params(path, dtype=dtype, shardings=shardings)
         layout = default_layout(placement)  # split per layer, each stacked array freed once split
         params = to_layout(params, cfg, layout, consume=True,
                            shardings=None if placement is None else placement.param_shardings(cfg, layout))

@@ -247,20 +247,52 @@ def iter_hf_slices(tensors: Mapping[str, Any], cfg: ModelConfig, dtype=None,
     order = sorted(table.items(), key=lambda kv: (first[tuple(kv[1].path)],
                                                    -1 if kv[1].layer is None else kv[1].layer))
     for name, slot in order:
-        x = np.asarray(tensors[name])
-        check_tensor_shape(name, x.shape, slot, cfg, source)
-        check_tensor_dtype(name, x.dtype, source)
         full = shapes
         for key in slot.path:
             full = full[key]
         jd_shape = tuple(full[1:]) if slot.layer is not None else tuple(full)
-        y = _to_jdllm(x, slot, jd_shape)
-        del x
-        y = np.ascontiguousarray(y, dtype=np.dtype(dtype) if dtype is not None else y.dtype)
+        if hasattr(tensors, "rows"):
+            y = _read_in_slabs(tensors, name, slot, cfg, jd_shape, dtype, source)
+        else:
+            x = np.asarray(tensors[name])
+            check_tensor_shape(name, x.shape, slot, cfg, source)
+            check_tensor_dtype(name, x.dtype, source)
+            y = _to_jdllm(x, slot, jd_shape)
+            del x
+            y = np.ascontiguousarray(y, dtype=np.dtype(dtype) if dtype is not None else y.dtype)
         yield tuple(slot.path), slot.layer, tuple(full), y
         del y
         if progress is not None:
             progress(name)
+
+
+READ_SLAB_BYTES = 64 << 20  # a tensor is read this many bytes of rows at a time
+
+
+def _read_in_slabs(tensors, name: str, slot: TensorSlot, cfg: ModelConfig, jd_shape, dtype, source: str):
+    """Tensor `name` read a slab of rows at a time straight into its jdllm array (transposed for
+    a [out, in] weight: `_to_jdllm`'s x.T.reshape), so the host holds the result and one slab:
+    never the tensor twice (the source and its transposed copy, or the file's mapped pages and
+    their copy: 2 GB for an 8B model's 1 GB embedding or lm_head)."""
+    shape = tuple(tensors.shape(name))
+    check_tensor_shape(name, shape, slot, cfg, source)
+    rows = shape[0]
+    step = max(1, READ_SLAB_BYTES // max(1, tensors.nbytes(name) // max(1, rows)))
+    transposed = slot.kind in ("linear", "heads_in", "heads_out")
+    y = flat = None
+    for r in range(0, rows, step):
+        part = tensors.rows(name, r, min(rows, r + step))
+        if y is None:
+            check_tensor_dtype(name, part.dtype, source)
+            y = np.empty(jd_shape, np.dtype(dtype) if dtype is not None else part.dtype)
+            # views of y: [in, out] with out split into heads, or the on-disk shape
+            flat = y.reshape(shape[::-1]) if transposed else y.reshape(shape)
+        if transposed:
+            flat[:, r:r + part.shape[0]] = part.T
+        else:
+            flat[r:r + part.shape[0]] = part
+        del part
+    return y
 
 
 def iter_params_from_hf_tensors(tensors: Mapping[str, Any], cfg: ModelConfig, dtype=None,

@@ -32,23 +32,24 @@ def exit_on_interrupt(command: str) -> None:
     signal.signal(signal.SIGINT, handler)
 
 
-def interrupt_outside_gc() -> None:
-    """Make Ctrl-C raise KeyboardInterrupt, but never inside a garbage-collector callback (JAX
-    registers one), where Python would print the exception and drop it: there the signal is
-    sent again a moment later, so the command still stops and cleans up."""
+def interrupt_outside_gc(signum: int = signal.SIGINT):
+    """Make Ctrl-C (or signal `signum`, e.g. SIGTERM) raise KeyboardInterrupt, but never inside a
+    garbage-collector callback (JAX registers one), where Python would print the exception and
+    drop it: there the signal is sent again a moment later, so the command still stops and cleans
+    up. Returns the handler it replaced."""
     def handler(signum, frame):
         callbacks = {getattr(cb, "__code__", None) for cb in gc.callbacks} - {None}
         f = frame
         while f is not None:
             if f.f_code in callbacks:
-                again = threading.Timer(0.05, os.kill, (os.getpid(), signal.SIGINT))
+                again = threading.Timer(0.05, os.kill, (os.getpid(), signum))
                 again.daemon = True
                 again.start()
                 return
             f = f.f_back
         raise KeyboardInterrupt
 
-    signal.signal(signal.SIGINT, handler)
+    return signal.signal(signum, handler)
 
 
 def exit_with(code: int):

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
+import signal
+import socket
 import subprocess
 import sys
 
@@ -243,7 +246,7 @@ def test_out_dir_exists(tmp_path):
 def test_interrupted_conversion_leaves_nothing(where, exc, tmp_path, monkeypatch):
     hf_dir, _ = fx.build_transformers_model("qwen2", str(tmp_path / "hf"), seed=1)
     if where == "tensors":  # half-way through the tensors
-        real, calls = hf_layout._to_jdllm, []
+        real, calls = ckpt.SafetensorsDir.rows, []
 
         def flaky(*a):
             calls.append(1)
@@ -251,7 +254,7 @@ def test_interrupted_conversion_leaves_nothing(where, exc, tmp_path, monkeypatch
                 raise exc("interrupted")
             return real(*a)
 
-        monkeypatch.setattr(hf_layout, "_to_jdllm", flaky)
+        monkeypatch.setattr(ckpt.SafetensorsDir, "rows", flaky)
     else:  # after every array of the Orbax checkpoint is written
         real_finish = cio.OrbaxStreamWriter.finish
 
@@ -281,13 +284,13 @@ def test_non_finite_weights_are_refused_while_streaming(tmp_path, monkeypatch):
     bad = "model.layers.0.mlp.up_proj.weight"
     _poison(hf_dir, bad, np.nan)
     cfg = ModelConfig.from_hf(hf_dir)
-    converted, real = [], hf_layout._to_jdllm
+    converted, real = set(), ckpt.SafetensorsDir.rows
 
-    def spy(*a):
-        converted.append(1)
-        return real(*a)
+    def spy(self, name, *a):
+        converted.add(name)
+        return real(self, name, *a)
 
-    monkeypatch.setattr(hf_layout, "_to_jdllm", spy)
+    monkeypatch.setattr(ckpt.SafetensorsDir, "rows", spy)
     _convert_fails(hf_dir, tmp_path, errors.NonFiniteWeightsError, repr(bad), "1 NaN/inf", "--no-check-finite")
     assert 0 < len(converted) < len(hf_layout.hf_tensor_names(cfg))  # stopped at the bad tensor, not after all
     out = cio.convert_checkpoint(hf_dir, str(tmp_path / "out"), dtype="float32", progress=False, check_finite=False)
@@ -341,7 +344,7 @@ def test_python_m_convert(tmp_path):
     ok = subprocess.run([sys.executable, "-m", "convert", hf_dir, out, "--dtype", "float32"],
                         capture_output=True, text=True, env=env, cwd=str(tmp_path), timeout=300)
     assert ok.returncode == 0, ok.stderr
-    assert "tensor" in ok.stderr  # the progress bar
+    assert "B/s" in ok.stderr and "100%" in ok.stderr  # the progress bar, in bytes
     assert ckpt.is_jdllm_dir(out)
     os.remove(os.path.join(hf_dir, ckpt.SINGLE_FILE))
     bad = subprocess.run([sys.executable, "-m", "convert", hf_dir, str(tmp_path / "out2")],
@@ -405,14 +408,19 @@ def test_damaged_jdllm_checkpoint(tmp_path):
 
 # --------------------------------------------------------------------------- streaming layout
 def test_conversion_streams_one_tensor_at_a_time(tmp_path, monkeypatch):
-    """The converter hands the writer one HF tensor's worth at a time (never a stacked parameter),
+    """The converter hands the writer one HF tensor's worth at a time (never a stacked parameter;
+    tensors read and written in slabs equal the whole-tensor reference bit for bit),
     the result is an ordinary Orbax checkpoint (Orbax's own restore reads it, one zarr chunk per
     layer), and a checkpoint written the former way (Orbax saving the whole tree) still loads."""
     import orbax.checkpoint as ocp  # noqa: PLC0415
     import tensorstore as ts  # noqa: PLC0415
 
     hf_dir, _ = fx.build_transformers_model("qwen3", str(tmp_path / "hf"), seed=2, max_shard_size="20KB")
-    src = _hf_tensors(hf_dir)
+    monkeypatch.setattr(hf_layout, "READ_SLAB_BYTES", 1000)  # tensors read in several slabs of rows
+    monkeypatch.setattr(cio, "CHUNK_BYTES", 2048)  # and written in several slabs of several chunks
+    monkeypatch.setattr(cio, "SLAB_BYTES", 4096)
+    monkeypatch.setattr(ckpt, "SLAB_BYTES", 4096)  # jdllm.load reads them in slabs too
+    src = _hf_tensors(hf_dir)  # a plain dict: the reference reads each tensor whole
     largest = max(x.nbytes for x in src.values())
     sizes, real_write = [], cio.OrbaxStreamWriter.write
 
@@ -429,7 +437,7 @@ def test_conversion_streams_one_tensor_at_a_time(tmp_path, monkeypatch):
         _assert_bit_equal(c.restore(os.path.join(out, ckpt.PARAMS_DIR)), want)
     q = ts.open({"driver": "zarr", "kvstore": {"driver": "ocdbt", "base": f"file://{out}/params/"},
                  "path": "layers.q"}).result()
-    assert q.chunk_layout.read_chunk.shape == (1,) + tuple(q.shape[1:])
+    assert q.chunk_layout.read_chunk.shape == (1,) + cio.chunk_shape(q.shape[1:], ("embed", "q_heads", "head_dim"), 4)
     # the former layout: the whole tree saved by Orbax
     old = tmp_path / "old"
     shutil.copytree(out, old)
@@ -438,6 +446,11 @@ def test_conversion_streams_one_tensor_at_a_time(tmp_path, monkeypatch):
         c.save(str(old / ckpt.PARAMS_DIR), want)
         c.wait_until_finished()
     _assert_bit_equal(ckpt.restore_params(str(old)), want)
+    # jdllm.load reads both layer slice by layer slice (tensorstore), as the HF directory loads
+    monkeypatch.setattr(ckpt, "restore_params", None)  # not through Orbax's whole-parameter restore
+    ref = jdllm.load(hf_dir, dtype="float32").params
+    for d in (out, str(old)):
+        _assert_bit_equal(jdllm.load(d, dtype="float32").params, ref)
 
 
 def test_chunk_shape():
@@ -446,3 +459,99 @@ def test_chunk_shape():
     assert cio.chunk_shape((28, 2048, 6144), ("layers", "embed", "mlp"), 2) == (1, 2048, 1536)
     assert cio.chunk_shape((151936, 1024), ("vocab", "embed"), 2) == (2374, 1024)
     assert cio.chunk_shape((1024,), ("embed",), 2) == (1024,)
+    # slabs of whole chunks along the first chunked axis: the lm_head [D, V] in column slabs
+    assert cio.slabs((4, 10), (4, 2), 1, target=16) == [(slice(None), slice(r, min(r + 4, 10))) for r in (0, 4, 8)]
+    assert cio.slabs((4, 10), (4, 10), 1, target=16) == [(slice(None), slice(None))]
+
+
+# --------------------------------------------------------------------------- the per-tensor pipeline
+class _AbsMax(cio.Transform):
+    """A stand-in for quantization: halves q and stores each layer's per-head |q| max beside it."""
+
+    def specs(self, specs):
+        q = specs[("layers", "q")]
+        extra = dataclasses.replace(q, shape=(q.shape[0], q.shape[2]), axes=("layers", "q_heads"))
+        return {**specs, ("layers", "q_absmax"): extra}
+
+    def __call__(self, path, layer, x):
+        if path != ("layers", "q"):
+            return ((path, x),)
+        return ((path, x / 2), (("layers", "q_absmax"), np.abs(x).max(axis=(0, 2)).astype(np.float32)))
+
+    def marker(self):
+        return {"transform": "absmax"}
+
+
+def test_transform_hook_sees_each_tensor_once(tmp_path):
+    """A Transform gets each converted slice once (layer by layer) and may add parameters: the
+    checkpoint holds exactly what it returned, with its marker keys; without one, the streamed
+    checkpoint equals the whole-tree reference tensor for tensor (test_conversion_streams_...)."""
+    import orbax.checkpoint as ocp  # noqa: PLC0415
+
+    hf_dir, _ = fx.build_transformers_model("qwen3", str(tmp_path / "hf"), seed=3)
+    cfg = ModelConfig.from_hf(hf_dir)
+    want = hf_layout.params_from_hf_tensors(_hf_tensors(hf_dir), cfg)
+    out = cio.convert_checkpoint(hf_dir, str(tmp_path / "out"), dtype="float32", progress=False,
+                                 transform=_AbsMax())
+    with ocp.StandardCheckpointer() as c:
+        got = c.restore(os.path.join(out, ckpt.PARAMS_DIR))
+    q = want["layers"]["q"]
+    want["layers"]["q"] = q / 2
+    want["layers"]["q_absmax"] = np.abs(q).max(axis=(1, 3)).astype(np.float32)
+    _assert_bit_equal(got, want)
+    assert json.load(open(os.path.join(out, ckpt.MARKER_FILE)))["transform"] == "absmax"
+    assert not os.path.exists(os.path.join(out, cio.OWNER_FILE))
+
+
+_SLOW_CONVERT = r"""
+import sys, time
+from convert import io as cio
+class Slow(cio.Transform):
+    def __call__(self, path, layer, x):
+        print("converting", flush=True)
+        time.sleep(0.2)
+        return ((path, x),)
+cio.convert_checkpoint(sys.argv[1], sys.argv[2], dtype="float32", progress=False, transform=Slow())
+"""
+
+
+def _digest(directory) -> dict[str, str]:
+    import hashlib  # noqa: PLC0415
+    return {f: hashlib.sha256(open(os.path.join(directory, f), "rb").read()).hexdigest()
+            for f in sorted(os.listdir(directory))}
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGKILL])
+def test_killed_conversion_leaves_nothing(signum, tmp_path):
+    """SIGTERM mid-conversion: the process removes its temporary directory on the way out; SIGKILL
+    cannot be caught, so the next conversion to the same OUT_DIR removes what it left. Either way
+    nothing appears at OUT_DIR and the source is untouched."""
+    hf_dir, _ = fx.build_transformers_model("qwen2", str(tmp_path / "hf"), seed=1)
+    before = _digest(hf_dir)
+    out = str(tmp_path / "out")
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
+    proc = subprocess.Popen([sys.executable, "-c", _SLOW_CONVERT, hf_dir, out], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "converting"  # the temporary directory exists now
+        proc.send_signal(signum)
+        proc.wait(timeout=120)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert proc.returncode != 0
+    assert _digest(hf_dir) == before
+    assert not os.path.lexists(out)
+    left = [f for f in os.listdir(tmp_path) if "out" in f]
+    if signum == signal.SIGTERM:
+        assert left == []
+        return
+    assert len(left) == 1 and left[0].startswith(".out.tmp-")
+    live = tmp_path / ".out.tmp-live"  # a running conversion's (this process's parent) stays
+    live.mkdir()
+    (live / cio.OWNER_FILE).write_text(f"{socket.gethostname()} {os.getppid()}\n")
+    mine = tmp_path / ".out.tmp-unowned"  # no owner file: not ours to judge, stays
+    mine.mkdir()
+    cio.convert_checkpoint(hf_dir, out, dtype="float32", progress=False)
+    assert ckpt.is_jdllm_dir(out)
+    assert sorted(f for f in os.listdir(tmp_path) if "out" in f) == [".out.tmp-live", ".out.tmp-unowned", "out"]
