@@ -268,11 +268,15 @@ def check_params_finite(params, cfg: ModelConfig, source: str) -> None:
                 "(check_finite=False / --no-check-finite loads them anyway)")
 
 
-def _load_hf_params(path: str, cfg: ModelConfig, dtype, placement, check_finite: bool, stacked_shardings=None):
+def _load_hf_params(path: str, cfg: ModelConfig, dtype, placement, check_finite: bool, stacked_shardings=None,
+                    quantize=None):
     """HF safetensors -> params on the device (or the mesh of `placement`) in the layout jdllm runs
     (`jdllm.model.default_layout`), one parameter at a time: the host holds at most one stacked
     parameter, and each layer's slice goes to the device on its own, so the device never holds a
-    stacked copy beside the per-layer one."""
+    stacked copy beside the per-layer one.
+    quantize (a `jdllm.quant.Quantization`): each weight it selects is quantized on the host as it
+    is read (one layer slice at a time, off a mesh), so its full-precision copy never reaches the
+    device."""
     import jax.numpy as jnp  # noqa: PLC0415 (startup: `jdllm convert --help` and config reads stay free of JAX)
     from jdllm.model import default_layout, to_layout  # noqa: PLC0415 (startup: `jdllm convert --help` and config reads stay free of JAX)
     from jdllm.sharding import put  # noqa: PLC0415 (startup: `jdllm convert --help` and config reads stay free of JAX)
@@ -293,17 +297,37 @@ def _load_hf_params(path: str, cfg: ModelConfig, dtype, placement, check_finite:
         elif p[0] == "layers":
             for i, lp in enumerate(params["layers"]):
                 x = host[i]
-                lp[p[1]] = jnp.asarray(x) if shardings is None else put(x, shardings["layers"][i][p[1]])
+                if quantize is not None and shardings is None:
+                    lp[p[1]] = _quantized_on_host(x, p[1], quantize)
+                else:
+                    lp[p[1]] = jnp.asarray(x) if shardings is None else put(x, shardings["layers"][i][p[1]])
         else:
             target = None if shardings is None else shardings[p[0]]
-            params[p[0]] = jnp.asarray(host) if target is None else put(host, target)
+            if quantize is not None and target is None:
+                params[p[0]] = _quantized_on_host(host, p[0], quantize)
+            else:
+                params[p[0]] = jnp.asarray(host) if target is None else put(host, target)
         del host
     final = None if placement is None else placement.param_shardings(cfg, layout)
-    return to_layout(params, cfg, layout, shardings=final, consume=True)
+    params = to_layout(params, cfg, layout, shardings=final, consume=True)
+    if quantize is not None and (placement is not None or stacked_shardings is not None):
+        from jdllm.quant import quantize_params  # noqa: PLC0415 (startup: `jdllm convert --help` and config reads stay free of JAX)
+        params = quantize_params(params, quantize, consume=True)  # on the mesh: each scale sharded as XLA places it
+    return params
+
+
+def _quantized_on_host(x: np.ndarray, name: str, quantize):
+    """One weight quantized with NumPy (or left as it is when `quantize` does not select it), then put on the device."""
+    import jax.numpy as jnp  # noqa: PLC0415 (startup: `jdllm convert --help` and config reads stay free of JAX)
+    from jdllm import quant  # noqa: PLC0415 (startup: `jdllm convert --help` and config reads stay free of JAX)
+    if not quantize.wants(name):
+        return jnp.asarray(x)
+    qa = quant.quantize_array(x, quantize.scheme, quant.CONTRACTED[name], xp=np)
+    return quant.QArray(jnp.asarray(qa.q), jnp.asarray(qa.scale), qa.dtype_name)
 
 
 def load_model(path: str, dtype="bfloat16", attn_impl: str = "auto", shardings=None,
-               check_finite: bool = False, mesh=None, rules=None):
+               check_finite: bool = False, mesh=None, rules=None, quantize=None):
     """A `jdllm.loading.Model` from a Hugging Face directory or a jdllm checkpoint directory
     (with `mesh`: params placed on it under `rules`, each device reading only its slices)."""
     import jax  # noqa: PLC0415 (jax and the model stay unimported until a model is read)
@@ -315,6 +339,8 @@ def load_model(path: str, dtype="bfloat16", attn_impl: str = "auto", shardings=N
         raise errors.ArgumentTypeError(
             f"load(path={path!r}): expected a directory path (str or os.PathLike), got {type(path).__name__}")
     check_attn_impl(attn_impl)
+    from jdllm import quant  # noqa: PLC0415 (startup: `jdllm convert --help` and config reads stay free of JAX)
+    quantize = quant.as_quantization(quantize)  # an unknown scheme fails here, before any weight is read
     path = os.fspath(path)
     if not os.path.isdir(path):
         raise errors.CheckpointError(
@@ -336,26 +362,28 @@ def load_model(path: str, dtype="bfloat16", attn_impl: str = "auto", shardings=N
         layout = default_layout(placement)  # split per layer, each stacked array freed once split
         params = to_layout(params, cfg, layout, consume=True,
                            shardings=None if placement is None else placement.param_shardings(cfg, layout))
+        params = quant.quantize_params(params, quantize, consume=True)
     elif is_hf_dir(path):
         cfg = ModelConfig.from_hf(path)
         check_special_ids(cfg, os.path.join(path, CONFIG_FILE))
         stacked = placement.param_shardings(cfg) if placement is not None else shardings
         check_params_fit(cfg, dtype, stacked, source=path)
         params = _load_hf_params(path, cfg, np_dtype(dtype), placement, check_finite,
-                                 stacked_shardings=shardings if placement is None else None)
+                                 stacked_shardings=shardings if placement is None else None, quantize=quantize)
         check_finite = False  # checked on the host, before the copy to the device
     else:
         raise errors.CheckpointError(
             f"{path} has neither {CONFIG_FILE} (Hugging Face) nor {MARKER_FILE} (jdllm): "
             "point at a model directory")
     if check_finite:
-        check_params_finite(params, cfg, source=path)
+        check_params_finite(quant.dequantize_params(params) if quantize is not None else params, cfg, source=path)
+    quant.check_fp8_device(quantize)
     return Model(config=cfg, params=params, tokenizer=load_tokenizer(path), attn_impl=attn_impl, path=path,
                  placement=placement)
 
 
 def load(path: str, dtype: str | Any = "bfloat16", attn_impl: str = "auto", check_finite: bool = False,
-         mesh=None, rules=None):
+         mesh=None, rules=None, quantize=None):
     """Load a Hugging Face model directory or a jdllm checkpoint directory (`jdllm.load`).
 
     mesh: a `jax.sharding.Mesh` (`jdllm.sharding.make_mesh`, or your own `jax.make_mesh`, Auto or
@@ -369,8 +397,12 @@ def load(path: str, dtype: str | Any = "bfloat16", attn_impl: str = "auto", chec
     check_finite: scan every weight for NaN/inf first and raise
     `errors.NonFiniteWeightsError` naming the tensor (one pass over the weights;
     the `jdllm` command line does it by default).
+    quantize: None (the weights in `dtype`), "int8" or "fp8" (weight-only, one scale per output
+    channel; `dtype` stays the activation dtype) or a `jdllm.quant.Quantization` choosing whether
+    the embedding and LM head are quantized too. Each weight is quantized as it is read.
     """
     from jdllm import compile_cache  # noqa: PLC0415
 
     compile_cache.enable()  # JAX's persistent compilation cache (a bad JDLLM_CACHE_DIR fails here, early)
-    return load_model(path, dtype=dtype, attn_impl=attn_impl, check_finite=check_finite, mesh=mesh, rules=rules)
+    return load_model(path, dtype=dtype, attn_impl=attn_impl, check_finite=check_finite, mesh=mesh, rules=rules,
+                      quantize=quantize)

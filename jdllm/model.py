@@ -23,6 +23,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from jdllm import quant
 from jdllm.config import ModelConfig
 from pallas_kernels import attention as attention_op
 from pallas_kernels import resolve_impl
@@ -230,7 +231,9 @@ def kv_buckets(max_len: int) -> tuple[int, ...]:
 def mm(spec: str, x, w, **kw):
     """`jnp.einsum(spec, x, w)` at full float32 precision when an operand is float32 (XLA:GPU would
     run it in TF32 by default: a float32 model is exact on every backend), the backend's default
-    (the tensor cores) for bfloat16."""
+    (the tensor cores) for bfloat16. A `jdllm.quant.QArray` weight runs as `quant.einsum`."""
+    if isinstance(w, quant.QArray):  # weight-only quantized: q converted inside the dot, output channels scaled
+        return quant.einsum(spec, x, w, precision=dot_precision(x.dtype, x.dtype), **kw)
     return jnp.einsum(spec, x, w, precision=dot_precision(x.dtype, w.dtype), **kw)
 
 
@@ -350,7 +353,7 @@ def forward(params: Params, cfg: ModelConfig, tokens, positions, *, start, cache
     """
     B, T = tokens.shape
     inv_freq, rope_scale = rope_frequencies(cfg)
-    h = jnp.take(params["embed"], tokens, axis=0)  # [B, T, D]
+    h = quant.take_rows(params["embed"], tokens)  # [B, T, D]
     start = jnp.asarray(start, jnp.int32)
 
     if cache is None:
@@ -485,7 +488,7 @@ def stack_layers(params: Params, cfg: ModelConfig | None = None) -> Params:
     if not isinstance(params["layers"], (tuple, list)):
         return params
     layers = [split_projections(lp, cfg) for lp in params["layers"]]
-    stacked = {k: jnp.stack([lp[k] for lp in layers]) for k in layers[0]}
+    stacked = {k: quant.stack([lp[k] for lp in layers]) for k in layers[0]}
     return dict(params, layers=stacked)
 
 
@@ -586,8 +589,8 @@ def fuse_projections(lp: Params) -> Params:
     CPU thread a small-M matmul pays a fixed cost per call (see benchmarks/RESULTS.md), on a GPU a
     kernel launch."""
     lp = dict(lp)
-    lp["qkv"] = jnp.concatenate([lp.pop("q"), lp.pop("k"), lp.pop("v")], axis=1)
-    lp["gate_up"] = jnp.concatenate([lp.pop("gate"), lp.pop("up")], axis=1)
+    lp["qkv"] = quant.concat([lp.pop("q"), lp.pop("k"), lp.pop("v")], axis=1)
+    lp["gate_up"] = quant.concat([lp.pop("gate"), lp.pop("up")], axis=1)
     return lp
 
 
