@@ -183,6 +183,17 @@ def describe(params) -> str | None:
     return None
 
 
+def config_of(params) -> Quantization | None:
+    """The Quantization that made `params` (scheme and whether the embedding / LM head are
+    quantized), or None for plain params: what re-quantizing new weights (RL's `update_params`)
+    must repeat."""
+    scheme = describe(params)
+    if scheme is None:
+        return None
+    head = params.get("lm_head")
+    return Quantization(scheme, embed=is_quantized(params["embed"]), lm_head=head is None or is_quantized(head))
+
+
 # --------------------------------------------------------------------------- in the forward
 def concat(parts, axis: int):
     """jnp.concatenate that also joins QArrays (fusing q / k / v or gate / up along a
@@ -252,4 +263,4 @@ def check_fp8_device(quantize) -> None:
 
 
 __all__ = ["Quantization", "QArray", "SCHEMES", "quantize_array", "quantize_params", "dequantize",
-           "dequantize_params", "describe", "is_quantized"]
+           "dequantize_params", "describe", "is_quantized", "config_of"]

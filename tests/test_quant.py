@@ -1,0 +1,130 @@
+"""Weight-only int8 / fp8 (`jdllm.quant`, `jdllm.load(..., quantize=)`).
+
+References independent of the fused path: a NumPy absmax quantizer and a NumPy
+dequantize-then-einsum for every projection shape the forward uses, and each paradigm run
+on the quantized weights against itself on the explicitly dequantized ones (the same numbers
+through the plain path: tokens must agree under greedy decoding).
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jdllm
+from jdllm import errors, quant
+from jdllm.model import mm
+from tests.decode_fixtures import fast_compile  # noqa: F401 (fixture)
+
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+MODELS = os.path.join(ROOT, "models")
+PROMPTS = ["sort:3 1 2=", "add:12+34=", "rev:abc="]
+
+
+def np_quantize(w: np.ndarray, scheme: str, axes: tuple[int, ...]):
+    """The reference: absmax over the contracted axes, q = round(w / scale) (int8) or the
+    nearest e4m3 value (fp8, through ml_dtypes' cast)."""
+    qmax = {"int8": 127.0, "fp8": 448.0}[scheme]
+    amax = np.abs(w).max(axis=axes, keepdims=True)
+    scale = np.where(amax > 0, amax / qmax, 1.0).astype(np.float32)
+    y = np.clip(w / scale, -qmax, qmax)
+    q = np.round(y).astype(np.int8) if scheme == "int8" else y.astype(jnp.float8_e4m3fn)
+    return q, scale
+
+
+# (einsum spec, x shape, weight name, weight shape): every projection the forward runs
+SHAPES = [("btd,dhk->bthk", (2, 3, 16), "qkv", (16, 6, 8)), ("bthk,hkd->btd", (2, 3, 4, 8), "o", (4, 8, 16)),
+          ("btd,df->btf", (2, 3, 16), "gate_up", (16, 24)), ("btf,fd->btd", (2, 3, 12), "down", (12, 16)),
+          ("...d,vd->...v", (2, 3, 16), "embed", (40, 16)), ("...d,dv->...v", (2, 3, 16), "lm_head", (16, 40))]
+
+
+@pytest.mark.parametrize("scheme", ["int8", "fp8"])
+def test_matmul_matches_numpy_dequantize_then_einsum(scheme):
+    rng = np.random.default_rng(0)
+    for spec, xs, name, ws in SHAPES:
+        w = rng.normal(size=ws).astype(np.float32) * rng.uniform(0.1, 3, size=ws[-1]).astype(np.float32)
+        x = rng.normal(size=xs).astype(np.float32)
+        qa = quant.quantize_array(jnp.asarray(w), scheme, quant.CONTRACTED[name])
+        q, scale = np_quantize(w, scheme, quant.CONTRACTED[name])
+        np.testing.assert_array_equal(np.asarray(qa.q).astype(np.float32), q.astype(np.float32), err_msg=name)
+        np.testing.assert_allclose(np.asarray(qa.scale), scale, rtol=1e-6, err_msg=name)  # XLA may divide by 127 as a multiply
+        want = np.einsum(spec, x, q.astype(np.float32) * scale)
+        got = np.asarray(mm(spec, jnp.asarray(x), qa))
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5, err_msg=f"{name} {spec}")
+        # int8 keeps each weight within half a step of its channel's scale
+        if scheme == "int8":
+            assert np.all(np.abs(q * scale - w) <= scale / 2 + 1e-6)
+    ids = jnp.asarray([[0, 5, 39]])
+    qa = quant.quantize_array(jnp.asarray(w.T), scheme, quant.CONTRACTED["embed"])  # [V, D], a row per token
+    np.testing.assert_allclose(np.asarray(quant.take_rows(qa, ids)),
+                               np.asarray(quant.dequantize(qa))[np.asarray(ids)], rtol=1e-6)
+
+
+def test_load_quantized_logits_close_and_exact_against_dequantized():
+    """tiny-ar loaded with quantize=: its logits equal the plain forward on the dequantized
+    weights, within int8 / fp8's error of the float32 model; the embedding and head can stay."""
+    path = os.path.join(MODELS, "tiny-ar")
+    ids = [[int(t) for t in np.arange(3, 15)]]
+    ref = np.asarray(jdllm.logits(jdllm.load(path, dtype="float32"), ids))
+    for scheme, bound in (("int8", 0.02), ("fp8", 0.08)):
+        m = jdllm.load(path, dtype="float32", quantize=scheme)
+        assert quant.describe(m.params) == scheme and m.dtype == jnp.float32
+        assert m.params["layers"][0]["qkv"].q.dtype == quant.STORAGE[scheme]
+        got = np.asarray(jdllm.logits(m, ids))
+        plain = jdllm.Model(m.config, quant.dequantize_params(m.params), attn_impl=m.attn_impl)
+        np.testing.assert_allclose(got, np.asarray(jdllm.logits(plain, ids)), rtol=1e-4, atol=1e-4)
+        rel = np.linalg.norm(got - ref) / np.linalg.norm(ref)
+        assert 0 < rel < bound, (scheme, rel)
+    keep = jdllm.load(path, dtype="float32", quantize=jdllm.Quantization("int8", embed=False, lm_head=False))
+    assert not quant.is_quantized(keep.params["embed"]) and not quant.is_quantized(keep.params["lm_head"])
+    assert quant.is_quantized(keep.params["layers"][0]["down"])
+
+
+def _dequantized(model):
+    return jdllm.Model(model.config, quant.dequantize_params(model.params), tokenizer=model.tokenizer,
+                       attn_impl=model.attn_impl)
+
+
+# The forward is the only place weights are read, so two paradigms cover what differs: speculative
+# (an AR target verifying and an AR draft proposing, both quantized; the draft rides along through
+# `bind_params`) and masked_diffusion (a bidirectional model, a cache refreshed in place). Two
+# compiles each on a shared 2-core CI; block_diffusion and multi_block run in
+# benchmarks/quant_quality.py (accuracy and agreement with the dequantized run).
+CASES = {
+    "masked_diffusion": ("tiny-llada", lambda: jdllm.MaskedDiffusion(gen_length=8, block_length=4, steps=8,
+                                                                      cache_mode="dual")),
+    "speculative": ("tiny-ar", None),
+}
+
+
+@pytest.mark.parametrize("paradigm", list(CASES))
+def test_every_paradigm_int8_matches_itself_on_dequantized_weights(paradigm, fast_compile):  # noqa: F811
+    name, make = CASES[paradigm]
+    model = jdllm.load(os.path.join(MODELS, name), dtype="float32", quantize="int8")
+    if make is None:  # target and draft both quantized; the reference runs both dequantized
+        draft = jdllm.load(os.path.join(MODELS, "tiny-ar-draft"), dtype="float32", quantize="int8")
+        dec, ref_dec = (jdllm.Speculative(proposer="draft_model", draft=draft, num_draft_tokens=3),
+                        jdllm.Speculative(proposer="draft_model", draft=_dequantized(draft), num_draft_tokens=3))
+    else:
+        dec = ref_dec = make()
+    sampling = jdllm.Sampling(max_new_tokens=8)
+    got = jdllm.generate(model, PROMPTS, dec, sampling)
+    want = jdllm.generate(_dequantized(model), PROMPTS, ref_dec, sampling)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert [o.step_map for o in got] == [o.step_map for o in want]
+    assert any(o.token_ids for o in got)
+
+
+def test_errors_before_anything_compiles():
+    path = os.path.join(MODELS, "tiny-ar")
+    with pytest.raises(errors.QuantizationError, match="'int3'"):
+        jdllm.load(path, quantize="int3")
+    with pytest.raises(errors.QuantizationError, match="int4"):
+        jdllm.Quantization("int4")
+    m = jdllm.load(path, dtype="float32", quantize="fp8")
+    with pytest.raises(errors.QuantizationError, match="already quantized.*fp8"):
+        quant.quantize_params(m.params, "int8")
