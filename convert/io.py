@@ -61,13 +61,14 @@ class OrbaxStreamWriter:
     as it is read, so the host holds about one tensor at a time. Chunks: `chunk_shape`.
     """
 
-    def __init__(self, params_dir: str, cfg: ModelConfig):
+    def __init__(self, params_dir: str, cfg: ModelConfig, quantize=None):
         import tensorstore as ts  # noqa: PLC0415 (startup: `jdllm convert --help` stays free of JAX / tensorstore)
         from jdllm.model import flat_param_specs  # noqa: PLC0415 (startup: `jdllm convert --help` stays free of JAX / tensorstore)
         self.ts = ts
         self.dir = os.path.abspath(params_dir)
         os.makedirs(self.dir)
-        self.specs = flat_param_specs(cfg)
+        from jdllm.quant import checkpoint_specs  # noqa: PLC0415
+        self.specs = checkpoint_specs(flat_param_specs(cfg), quantize)  # a quantized weight: its q and scale
         # one context: every array shares the one OCDBT store; no chunk cache (write and forget)
         self.context = ts.Context({"cache_pool": {"total_bytes_limit": 0}})
         self.kvstore = {"driver": "ocdbt", "base": f"file://{self.dir}/",
@@ -131,17 +132,20 @@ class OrbaxStreamWriter:
 
 
 def _zarr_dtype(dtype: np.dtype) -> str:
-    return "bfloat16" if dtype.name == "bfloat16" else dtype.str
+    return dtype.name if dtype.name in ("bfloat16", "float8_e4m3fn") else dtype.str
 
 
 # --------------------------------------------------------------------------- convert
 def convert_checkpoint(hf_dir: str, out_dir: str, dtype="bfloat16", overwrite: bool = False,
-                       progress: bool = True, check_finite: bool = True) -> str:
+                       progress: bool = True, check_finite: bool = True, quantize=None) -> str:
     """Hugging Face directory -> jdllm checkpoint at out_dir (atomic: all or nothing).
 
     dtype: 'bfloat16' | 'float16' | 'float32', or None to keep the source dtypes.
     check_finite: refuse (`errors.NonFiniteWeightsError`, naming the tensor) weights that hold NaN / inf
     in the source or once cast to `dtype`; each slice is checked as it streams by, before it is written.
+    quantize: None, "int8" / "fp8" or a `jdllm.quant.Quantization`: each weight slice is quantized
+    on the host as it streams by (`jdllm.quant.checkpoint_parts`) and stored as its q and scale, so
+    loading it never builds the full-precision weights; `dtype` is then the activation dtype.
     Returns the absolute out_dir.
     """
     from tqdm.auto import tqdm  # noqa: PLC0415 (startup: `jdllm convert --help` stays free of JAX / tensorstore)
@@ -159,6 +163,10 @@ def convert_checkpoint(hf_dir: str, out_dir: str, dtype="bfloat16", overwrite: b
         _check_replaceable(out_dir)
     check_output_path(out_dir, "OUT_DIR", create_parents=True)
     want = np_dtype(dtype)
+    from jdllm import quant  # noqa: PLC0415 (startup: `jdllm convert --help` stays free of JAX / tensorstore)
+    from jdllm.checkpoint import check_not_prequantized  # noqa: PLC0415
+    qc = quant.as_quantization(quantize)
+    check_not_prequantized(hf_dir, qc)
     cfg = ModelConfig.from_hf(hf_dir)
     tensors = SafetensorsDir(hf_dir)
     check_tensor_names(tensors.keys(), cfg, source=hf_dir)
@@ -172,7 +180,7 @@ def convert_checkpoint(hf_dir: str, out_dir: str, dtype="bfloat16", overwrite: b
             f"cannot create OUT_DIR {out_dir} ({e.strerror or e}); choose a writable location") from None
     try:
         os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes it 0700; OUT_DIR gets ordinary permissions
-        writer = OrbaxStreamWriter(os.path.join(tmp, PARAMS_DIR), cfg)
+        writer = OrbaxStreamWriter(os.path.join(tmp, PARAMS_DIR), cfg, quantize=qc)
         table = hf_tensor_names(cfg)
         name_of = {(tuple(slot.path), slot.layer): name for name, slot in table.items()}
         with tqdm(total=len(table), desc=f"convert {os.path.basename(hf_dir.rstrip('/'))}",
@@ -182,12 +190,15 @@ def convert_checkpoint(hf_dir: str, out_dir: str, dtype="bfloat16", overwrite: b
                 if check_finite:
                     where = "/".join(path) + (f"[{layer}]" if layer is not None else "")
                     _check_finite(x, name_of[(path, layer)], where, tensors, hf_dir)
-                writer.write(path, layer, x)
+                for part, y in quant.checkpoint_parts(path, x, qc):
+                    writer.write(part, layer, y)
                 del x
         stored = writer.finish()
         meta = {"format": "jdllm", "version": FORMAT_VERSION,
                 "dtype": stored.pop() if len(stored) == 1 else "mixed",
                 "source": os.path.abspath(hf_dir), "config": cfg.to_dict()}
+        if qc is not None:
+            meta.update(quantization=quant.to_meta(qc), activation_dtype=want.name if want is not None else "bfloat16")
         with open(os.path.join(tmp, MARKER_FILE), "w") as f:
             json.dump(meta, f, indent=2)
         shutil.copyfile(os.path.join(hf_dir, CONFIG_FILE), os.path.join(tmp, HF_CONFIG_COPY))

@@ -189,6 +189,8 @@ def restore_params(path: str, dtype=None, shardings=None):
     import jax  # noqa: PLC0415 (startup: `jdllm convert --help` and config reads stay free of JAX)
     import orbax.checkpoint as ocp  # noqa: PLC0415 (startup: `jdllm convert --help` and config reads stay free of JAX)
     from jdllm.model import shape_mismatch  # noqa: PLC0415 (startup: `jdllm convert --help` and config reads stay free of JAX)
+    from jdllm import quant  # noqa: PLC0415 (startup: `jdllm convert --help` and config reads stay free of JAX)
+    QUANT_DTYPES = {jax.numpy.dtype(d) for d in quant.STORAGE.values()}
     meta = read_jdllm_meta(path)
     cfg = meta["config"]
     params_dir = os.path.abspath(os.path.join(path, PARAMS_DIR))
@@ -196,17 +198,25 @@ def restore_params(path: str, dtype=None, shardings=None):
     try:
         with ocp.StandardCheckpointer() as ckpt:
             stored = ckpt.metadata(params_dir).item_metadata.tree
-            bad = shape_mismatch(stored, cfg)
+            bad = shape_mismatch(quant.plain_view(stored), cfg)  # a quantized weight: its q's shape
             if bad is not None:
                 raise errors.CorruptCheckpointError(
                     f"{params_dir} disagrees with {MARKER_FILE} at parameter {bad[0]} "
                     f"(stored {bad[1]}, config implies {bad[2]}); re-run `jdllm convert`")
             default = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-            shard_tree = shardings if shardings is not None else jax.tree.map(lambda _: default, stored)
-            abstract = jax.tree.map(
-                lambda m, s: jax.ShapeDtypeStruct(tuple(m.shape), want if want is not None else m.dtype, sharding=s),
-                stored, shard_tree)
-            return ckpt.restore(params_dir, abstract)
+            shard_tree = (quant.checkpoint_shardings(shardings, stored) if shardings is not None
+                          else jax.tree.map(lambda _: default, stored))
+
+            def spec(m, s):  # quantized q / scale keep their stored dtypes
+                keep = want is None or jax.numpy.dtype(m.dtype) in QUANT_DTYPES
+                return jax.ShapeDtypeStruct(tuple(m.shape), m.dtype if keep else want, sharding=s)
+
+            restored = ckpt.restore(params_dir, jax.tree.map(spec, stored, shard_tree))
+            qmeta = quant.from_meta(meta.get("quantization"))
+            if qmeta is None:
+                return restored
+            act = want.name if want is not None else meta.get("activation_dtype", "bfloat16")
+            return quant.from_checkpoint(restored, act)
     except errors.JdllmError:
         raise
     except Exception as e:  # noqa: BLE001 (orbax / tensorstore raise many types)
@@ -326,6 +336,23 @@ def _quantized_on_host(x: np.ndarray, name: str, quantize):
     return quant.QArray(jnp.asarray(qa.q), jnp.asarray(qa.scale), qa.dtype_name)
 
 
+def check_not_prequantized(path: str, quantize) -> None:
+    """A Hugging Face directory already quantized (config.json's `quantization_config`: GPTQ, AWQ,
+    fp8, ...) is not read by jdllm, and quantizing it again would compound the error."""
+    try:
+        with open(os.path.join(path, CONFIG_FILE)) as f:
+            qcfg = json.load(f).get("quantization_config")
+    except (OSError, ValueError, AttributeError):
+        return
+    if qcfg:
+        method = qcfg.get("quant_method", "?") if isinstance(qcfg, dict) else qcfg
+        raise errors.QuantizationError(
+            f"{os.path.join(path, CONFIG_FILE)} has quantization_config (quant_method={method!r}): these "
+            f"weights are already quantized{'' if quantize is None else f', quantize={quantize.scheme!r} would quantize them twice'}; "
+            "jdllm reads full-precision Hugging Face weights: use the unquantized model "
+            "(then quantize=\"int8\" or \"fp8\")")
+
+
 def load_model(path: str, dtype="bfloat16", attn_impl: str = "auto", shardings=None,
                check_finite: bool = False, mesh=None, rules=None, quantize=None):
     """A `jdllm.loading.Model` from a Hugging Face directory or a jdllm checkpoint directory
@@ -353,8 +380,17 @@ def load_model(path: str, dtype="bfloat16", attn_impl: str = "auto", shardings=N
     elif rules is not None:
         raise errors.ShardingError("rules= needs a mesh=: pass jdllm.load(path, mesh=mesh, rules=rules)")
     if is_jdllm_dir(path):
-        cfg = read_jdllm_meta(path)["config"]
+        meta = read_jdllm_meta(path)
+        cfg = meta["config"]
         check_special_ids(cfg, path)
+        stored_q = quant.from_meta(meta.get("quantization"))
+        if stored_q is not None:  # a quantized checkpoint: quantize= may only repeat what it holds
+            if quantize is not None and quantize != stored_q:
+                raise errors.QuantizationError(
+                    f"{path} is already quantized as {stored_q} (by `jdllm convert --quantize`); "
+                    f"quantize={quantize} disagrees: drop quantize= (or pass the same), or convert "
+                    "the Hugging Face directory again with the scheme you want")
+            quantize = None
         if placement is not None:
             shardings = placement.param_shardings(cfg)
         check_params_fit(cfg, dtype, shardings, source=path)  # before any weight is placed
@@ -365,6 +401,7 @@ def load_model(path: str, dtype="bfloat16", attn_impl: str = "auto", shardings=N
         params = quant.quantize_params(params, quantize, consume=True)
     elif is_hf_dir(path):
         cfg = ModelConfig.from_hf(path)
+        check_not_prequantized(path, quantize)
         check_special_ids(cfg, os.path.join(path, CONFIG_FILE))
         stacked = placement.param_shardings(cfg) if placement is not None else shardings
         check_params_fit(cfg, dtype, stacked, source=path)

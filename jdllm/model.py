@@ -521,6 +521,8 @@ def to_layout(params: Params, cfg: ModelConfig, layout: str, *, shardings=None, 
         s = shardings
         for k in path:
             s = s[k]
+        if isinstance(x, quant.QArray):  # q as the weight, its scale along the same output axes
+            return quant.put(x, s)
         return x if getattr(x, "sharding", None) == s else jax.device_put(x, s)
 
     def drop(x):

@@ -194,6 +194,101 @@ def config_of(params) -> Quantization | None:
     return Quantization(scheme, embed=is_quantized(params["embed"]), lm_head=head is None or is_quantized(head))
 
 
+# --------------------------------------------------------------------------- placement and checkpoints
+def scale_sharding(sharding, q_shape, scale_shape):
+    """The sharding of a scale whose weight has `sharding`: the same mesh axes, except the
+    axes the scale reduced (size 1 there), which are replicated."""
+    from jax.sharding import NamedSharding, PartitionSpec  # noqa: PLC0415
+
+    if not isinstance(sharding, NamedSharding):
+        return sharding
+    spec = tuple(sharding.spec) + (None,) * (len(q_shape) - len(sharding.spec))
+    return NamedSharding(sharding.mesh, PartitionSpec(*[None if n == 1 and m != 1 else a
+                                                        for a, n, m in zip(spec, scale_shape, q_shape)]))
+
+
+def put(x: QArray, sharding) -> QArray:
+    """A QArray on `sharding` (its weight's): q split as the weight is, the scale along the same
+    output axes."""
+    return QArray(jax.device_put(x.q, sharding),
+                  jax.device_put(x.scale, scale_sharding(sharding, x.q.shape, x.scale.shape)), x.dtype_name)
+
+
+def checkpoint_parts(path: tuple[str, ...], x, qc: Quantization | None):
+    """One slice of a weight as a checkpoint stores it: [(path, x)] plain, or [(path + ("q",), q),
+    (path + ("scale",), scale)] quantized with NumPy (convert's per-tensor step: no JAX array, one
+    slice at a time). `x` is one layer's slice or a whole non-layer weight."""
+    name = path[-1]
+    if qc is None or not qc.wants(name):
+        return [(path, x)]
+    qa = quantize_array(np.asarray(x), qc.scheme, CONTRACTED[name], xp=np)
+    return [(path + ("q",), qa.q), (path + ("scale",), qa.scale)]
+
+
+def checkpoint_specs(specs: dict, qc: Quantization | None) -> dict:
+    """`jdllm.model.flat_param_specs` (stacked) with each weight `qc` quantizes split into its q
+    (the weight's shape) and scale (size 1 on the contracted axes) entries."""
+    if qc is None:
+        return specs
+    out = {}
+    for path, spec in specs.items():
+        if not qc.wants(path[-1]):
+            out[path] = spec
+            continue
+        lead = 1 if spec.axes[:1] == ("layers",) else 0
+        red = {a + lead for a in CONTRACTED[path[-1]]}
+        out[path + ("q",)] = spec
+        out[path + ("scale",)] = dataclasses.replace(
+            spec, shape=tuple(1 if i in red else n for i, n in enumerate(spec.shape)))
+    return out
+
+
+def to_meta(qc: Quantization | None):
+    return None if qc is None else dataclasses.asdict(qc)
+
+
+def from_meta(meta) -> Quantization | None:
+    return None if not meta else Quantization(**meta)
+
+
+def is_quantized_entry(x) -> bool:
+    """A checkpoint tree's node for a quantized weight: a dict holding exactly q and scale."""
+    return isinstance(x, dict) and set(x) == {"q", "scale"} and not isinstance(x["q"], dict)
+
+
+def plain_view(tree):
+    """A checkpoint tree (metadata or arrays) with each quantized {q, scale} node replaced by its
+    q: the shapes `jdllm.model.shape_mismatch` checks against the config."""
+    if is_quantized_entry(tree):
+        return tree["q"]
+    if isinstance(tree, dict):
+        return {k: plain_view(v) for k, v in tree.items()}
+    if isinstance(tree, (tuple, list)):
+        return type(tree)(plain_view(v) for v in tree)
+    return tree
+
+
+def from_checkpoint(tree, dtype_name: str):
+    """Restored arrays with each {q, scale} node as a QArray dequantizing to `dtype_name`."""
+    if is_quantized_entry(tree):
+        return QArray(tree["q"], tree["scale"], dtype_name)
+    if isinstance(tree, dict):
+        return {k: from_checkpoint(v, dtype_name) for k, v in tree.items()}
+    if isinstance(tree, (tuple, list)):
+        return type(tree)(from_checkpoint(v, dtype_name) for v in tree)
+    return tree
+
+
+def checkpoint_shardings(shardings, stored):
+    """Shardings (of the plain params) laid over a checkpoint tree that may hold {q, scale} nodes."""
+    if is_quantized_entry(stored):
+        return {"q": shardings, "scale": scale_sharding(shardings, tuple(stored["q"].shape),
+                                                        tuple(stored["scale"].shape))}
+    if isinstance(stored, dict):
+        return {k: checkpoint_shardings(shardings[k], v) for k, v in stored.items()}
+    return shardings
+
+
 # --------------------------------------------------------------------------- in the forward
 def concat(parts, axis: int):
     """jnp.concatenate that also joins QArrays (fusing q / k / v or gate / up along a

@@ -128,3 +128,33 @@ def test_errors_before_anything_compiles():
     m = jdllm.load(path, dtype="float32", quantize="fp8")
     with pytest.raises(errors.QuantizationError, match="already quantized.*fp8"):
         quant.quantize_params(m.params, "int8")
+
+
+def test_convert_quantize_writes_q_and_scale_that_load_as_they_are(tmp_path):
+    """`convert --quantize` stores each weight's q and scale (quantized slice by slice as it
+    streams): loading gives the very arrays `load(hf, quantize=)` builds; a quantized checkpoint
+    refuses another scheme, and a Hugging Face directory already quantized is refused."""
+    from convert.cli import main as convert_main
+
+    src = os.path.join(MODELS, "tiny-ar")
+    out = str(tmp_path / "ar-fp8")
+    assert convert_main([src, out, "--dtype", "float32", "--quantize", "fp8", "--quiet"]) == 0
+    got = jdllm.load(out, dtype="float32")
+    want = jdllm.load(src, dtype="float32", quantize="fp8")
+    assert quant.describe(got.params) == "fp8"
+    for a, b in zip(jax.tree.leaves(got.params), jax.tree.leaves(want.params)):
+        np.testing.assert_array_equal(np.asarray(a).astype(np.float32), np.asarray(b).astype(np.float32))
+    assert jdllm.load(out, dtype="float32", quantize="fp8").params["embed"].scheme == "fp8"
+    with pytest.raises(errors.QuantizationError, match="already quantized as .*'fp8'.*'int8'"):
+        jdllm.load(out, quantize="int8")
+    pre = tmp_path / "hf-gptq"
+    pre.mkdir()
+    for f in os.listdir(src):
+        os.symlink(os.path.join(src, f), pre / f) if f != "config.json" else None
+    import json
+    with open(os.path.join(src, "config.json")) as f:
+        cfg = json.load(f)
+    (pre / "config.json").write_text(json.dumps({**cfg, "quantization_config": {"quant_method": "gptq"}}))
+    with pytest.raises(errors.QuantizationError, match="'gptq'"):
+        jdllm.load(str(pre), quantize="int8")
+    assert convert_main([str(pre), str(tmp_path / "x"), "--quantize", "int8", "--quiet"]) == 2
