@@ -163,6 +163,9 @@ def quantize_params(params, quantize, consume: bool = False):
             return x
         axes = tuple(a + lead for a in CONTRACTED[name])
         out = _quantize_jit(x, scheme=qc.scheme, axes=axes)
+        sharding = getattr(x, "sharding", None)
+        if isinstance(sharding, jax.sharding.NamedSharding):  # on a mesh: the scale beside its weight's shards
+            out = put(out, sharding)
         if consume and isinstance(x, jax.Array) and not x.is_deleted():
             x.delete()
         return out
@@ -212,6 +215,17 @@ def put(x: QArray, sharding) -> QArray:
     output axes."""
     return QArray(jax.device_put(x.q, sharding),
                   jax.device_put(x.scale, scale_sharding(sharding, x.q.shape, x.scale.shape)), x.dtype_name)
+
+
+def shardings_like(params, shardings):
+    """`shardings` (one per plain weight) with each quantized weight's entry split into a QArray
+    of shardings: q's the weight's, the scale's from `scale_sharding`. Plain params: unchanged."""
+    def one(x, s):
+        if isinstance(x, QArray):
+            return QArray(s, scale_sharding(s, x.q.shape, x.scale.shape), x.dtype_name)
+        return s
+
+    return jax.tree.map(one, params, shardings, is_leaf=is_quantized)
 
 
 def checkpoint_parts(path: tuple[str, ...], x, qc: Quantization | None):
