@@ -10,7 +10,7 @@ Logits: relative error ||l_q - l_ref|| / ||l_ref|| of the full-sequence logits o
 prompts + answers, against bfloat16 and against float32.
 
 Speed (CPU): AR decode at batch 1 on a random Qwen3-shaped model large enough that weights
-dominate (hidden 512, 8 layers, MLP 1536, vocabulary 8192: 25M parameters), bfloat16 vs int8 vs
+dominate (hidden 512, 8 layers, MLP 1536, vocabulary 8192: 34M parameters), bfloat16 vs int8 vs
 fp8 weights, best of `--repeats` after a compile run.
 
     python benchmarks/quant.py                # writes benchmarks/quant.json, prints markdown
@@ -131,7 +131,7 @@ def markdown(result: dict) -> str:
     for r in result["logits"]:
         lines.append(f"| {r['model']} | {r['scheme']} | {r['rel_err_vs_bf16']:.4f} | {r['rel_err_vs_f32']:.4f} |")
     if result.get("speed"):
-        lines += ["", "AR decode, batch 1, random 25M-parameter Qwen3 shape, bfloat16 activations:", "",
+        lines += ["", "AR decode, batch 1, random 34M-parameter Qwen3 shape, bfloat16 activations:", "",
                   "| weights | MiB | tok/s | ms/token |", "|---|---:|---:|---:|"]
         for r in result["speed"]:
             lines.append(f"| {r['weights']} | {r['param_mb']:.1f} | {r['tokens_per_s']:.1f} | {r['ms_per_token']:.2f} |")

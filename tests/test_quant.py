@@ -158,3 +158,19 @@ def test_convert_quantize_writes_q_and_scale_that_load_as_they_are(tmp_path):
     with pytest.raises(errors.QuantizationError, match="'gptq'"):
         jdllm.load(str(pre), quantize="int8")
     assert convert_main([str(pre), str(tmp_path / "x"), "--quantize", "int8", "--quiet"]) == 2
+
+
+def test_command_lines_offer_the_schemes_quant_implements():
+    """`--quantize` of generate / serve / convert spells out jdllm.quant.SCHEMES (so --help stays
+    free of JAX): the lists must agree."""
+    import argparse
+
+    from convert import cli as convert_cli
+    from jdllm import generate_cli
+    from jdllm.serve import cli as serve_cli
+
+    for module in (generate_cli, serve_cli, convert_cli):
+        p = argparse.ArgumentParser()
+        module.add_arguments(p)
+        action = next(a for a in p._actions if a.dest == "quantize")
+        assert tuple(action.choices) == quant.SCHEMES and action.default is None, module.__name__
