@@ -174,3 +174,18 @@ def test_command_lines_offer_the_schemes_quant_implements():
         module.add_arguments(p)
         action = next(a for a in p._actions if a.dest == "quantize")
         assert tuple(action.choices) == quant.SCHEMES and action.default is None, module.__name__
+
+
+def test_rl_update_params_quantizes_the_trainers_weights_like_the_rollout_model():
+    from jdllm.rl.tunix_bridge import JdllmRollout
+
+    path = os.path.join(MODELS, "tiny-ar")
+    qc = jdllm.Quantization("int8", lm_head=False)
+    rollout = JdllmRollout(model=jdllm.load(path, dtype="float32", quantize=qc))
+    plain = jdllm.load(path, dtype="float32")
+    scaled = jax.tree.map(lambda x: 2 * x, plain.params)
+    rollout.update_params(scaled)
+    got = rollout.params()
+    assert quant.config_of(got) == qc and not quant.is_quantized(got["lm_head"])
+    want = quant.quantize_params(scaled, qc)["layers"][1]["gate_up"]
+    np.testing.assert_array_equal(np.asarray(got["layers"][1]["gate_up"].q), np.asarray(want.q))
