@@ -128,6 +128,9 @@ def test_errors_before_anything_compiles():
     m = jdllm.load(path, dtype="float32", quantize="fp8")
     with pytest.raises(errors.QuantizationError, match="already quantized.*fp8"):
         quant.quantize_params(m.params, "int8")
+    from jdllm import nnx as jnnx
+    with pytest.raises(errors.QuantizationError, match="quantized"):
+        jnnx.Model(m)
 
 
 def test_convert_quantize_writes_q_and_scale_that_load_as_they_are(tmp_path):
@@ -166,10 +169,10 @@ def test_command_lines_offer_the_schemes_quant_implements():
     import argparse
 
     from convert import cli as convert_cli
-    from jdllm import generate_cli
+    from jdllm import bench_cli, generate_cli
     from jdllm.serve import cli as serve_cli
 
-    for module in (generate_cli, serve_cli, convert_cli):
+    for module in (generate_cli, serve_cli, convert_cli, bench_cli):
         p = argparse.ArgumentParser()
         module.add_arguments(p)
         action = next(a for a in p._actions if a.dest == "quantize")
