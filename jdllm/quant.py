@@ -102,6 +102,10 @@ class QArray:
         return jnp.dtype(self.dtype_name)
 
     @property
+    def nbytes(self) -> int:
+        return self.q.nbytes + self.scale.nbytes
+
+    @property
     def scheme(self) -> str:
         return "int8" if jnp.dtype(self.q.dtype) == jnp.int8 else "fp8"
 
