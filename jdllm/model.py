@@ -137,7 +137,8 @@ def shape_mismatch(tree, cfg: ModelConfig):
     layout = layer_layout(tree) if layers is not None else "stacked"
     flat_w = {jax.tree_util.keystr(k): tuple(s.shape) for k, s in
               jax.tree_util.tree_flatten_with_path(param_specs(cfg, layout), is_leaf=is_param_spec)[0]}
-    flat_t = {jax.tree_util.keystr(k): tuple(v.shape) for k, v in jax.tree_util.tree_flatten_with_path(tree)[0]}
+    flat_t = {jax.tree_util.keystr(k): tuple(v.shape)  # a quantized weight (`quant.QArray`) has its weight's shape
+              for k, v in jax.tree_util.tree_flatten_with_path(tree, is_leaf=quant.is_quantized)[0]}
     for name, want in flat_w.items():
         if flat_t.get(name) != want:
             return name, flat_t.get(name), want
