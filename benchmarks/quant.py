@@ -36,7 +36,8 @@ import jdllm  # noqa: E402
 from jdllm import quant, tasks  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SCHEMES = [("float32", None), ("bfloat16", None), ("bfloat16", "int8"), ("bfloat16", "fp8")]
+SCHEMES = [("float32", None, None), ("bfloat16", None, None), ("bfloat16", "int8", None), ("bfloat16", "fp8", None),
+           ("bfloat16", "int8", "int8")]  # (activation dtype, weights, KV cache)
 PARADIGMS = {
     "tiny-ar": [("ar", lambda: jdllm.AR())],
     "tiny-sdar": [("block_diffusion", lambda: jdllm.BlockDiffusion(block_length=4, denoising_steps=4,
@@ -48,8 +49,8 @@ PARADIGMS = {
 }
 
 
-def label(dtype, scheme):
-    return scheme or dtype
+def label(dtype, scheme, kv=None):
+    return (scheme or dtype) + ("+kv8" if kv else "")
 
 
 def quality(n: int, seed: int, log=print) -> tuple[list[dict], list[dict]]:
@@ -59,11 +60,12 @@ def quality(n: int, seed: int, log=print) -> tuple[list[dict], list[dict]]:
     acc_rows, err_rows = [], []
     for name, paradigms in PARADIGMS.items():
         path = os.path.join(ROOT, "models", name)
-        models = {label(d, s): jdllm.load(path, dtype=d, quantize=s) for d, s in SCHEMES}
+        models = {label(d, s, kv): jdllm.load(path, dtype=d, quantize=s, kv_cache=kv) for d, s, kv in SCHEMES}
         full = [tasks.encode(ex.prompt + ex.answer) for ex in examples[:64]]
         L = max(len(r) for r in full)
         full = [r + [0] * (L - len(r)) for r in full]  # right-padded: every row sees its own prefix
-        logits = {k: np.asarray(jdllm.logits(m, full), np.float32) for k, m in models.items()}
+        logits = {k: np.asarray(jdllm.logits(m, full), np.float32) for k, m in models.items()
+                  if not k.endswith("+kv8")}  # full-sequence logits use no KV cache
         for k in logits:
             if k in ("float32",):
                 continue
@@ -98,8 +100,9 @@ def speed(repeats: int, new: int, log=print) -> list[dict]:
                             max_position_embeddings=512, eos_token_ids=())
     base = jdllm.Model.random(cfg, seed=0, dtype=jnp.bfloat16, attn_impl="xla")
     rows = []
-    for scheme in (None, "int8", "fp8"):
-        m = base if scheme is None else jdllm.Model(cfg, quant.quantize_params(base.params, scheme), attn_impl="xla")
+    for scheme, kv in ((None, None), ("int8", None), ("fp8", None), ("int8", "int8")):
+        c = cfg.replace(kv_cache_dtype=kv)
+        m = base if scheme is None else jdllm.Model(c, quant.quantize_params(base.params, scheme), attn_impl="xla")
         nbytes = sum(x.nbytes for x in jax.tree.leaves(m.params))
         prompt = [[int(t) for t in np.arange(1, 33)]]
         sampling = jdllm.Sampling(max_new_tokens=new)
@@ -109,7 +112,7 @@ def speed(repeats: int, new: int, log=print) -> list[dict]:
             t0 = time.perf_counter()
             out = jdllm.generate(m, prompt, jdllm.AR(), sampling)
             best = min(best, time.perf_counter() - t0)
-        rows.append({"weights": scheme or "bfloat16", "param_mb": nbytes / 2**20, "tokens": len(out[0].token_ids),
+        rows.append({"weights": label("bfloat16", scheme, kv), "param_mb": nbytes / 2**20, "tokens": len(out[0].token_ids),
                      "tokens_per_s": len(out[0].token_ids) / best, "ms_per_token": 1e3 * best / len(out[0].token_ids)})
         log(f"speed {rows[-1]['weights']}: {rows[-1]['param_mb']:.1f} MiB, {rows[-1]['tokens_per_s']:.1f} tok/s")
     return rows
@@ -119,13 +122,15 @@ def markdown(result: dict) -> str:
     lines = [f"{result['items']} held-out items of `jdllm.tasks` (seed {result['seed']}), greedy, {result['machine']}; "
              "int8 / fp8 = weight-only, one scale per output channel, bfloat16 activations; agree = outputs "
              "identical to bfloat16's.", "",
-             "| model | paradigm | float32 | bfloat16 | int8 (agree) | fp8 (agree) |", "|---|---|---:|---:|---:|---:|"]
+             "| model | paradigm | float32 | bfloat16 | int8 (agree) | fp8 (agree) | int8 + int8 KV (agree) |",
+             "|---|---|---:|---:|---:|---:|---:|"]
     keyed = {(r["model"], r["paradigm"], r["scheme"]): r for r in result["accuracy"]}
     for (m, p) in dict.fromkeys((r["model"], r["paradigm"]) for r in result["accuracy"]):
-        a = {s: keyed[(m, p, s)] for s in ("float32", "bfloat16", "int8", "fp8")}
+        a = {s: keyed[(m, p, s)] for s in ("float32", "bfloat16", "int8", "fp8", "int8+kv8")}
         lines.append(f"| {m} | {p} | {a['float32']['accuracy']:.1f} | {a['bfloat16']['accuracy']:.1f} | "
                      f"{a['int8']['accuracy']:.1f} ({a['int8']['agree_with_bf16']:.0f}%) | "
-                     f"{a['fp8']['accuracy']:.1f} ({a['fp8']['agree_with_bf16']:.0f}%) |")
+                     f"{a['fp8']['accuracy']:.1f} ({a['fp8']['agree_with_bf16']:.0f}%) | "
+                     f"{a['int8+kv8']['accuracy']:.1f} ({a['int8+kv8']['agree_with_bf16']:.0f}%) |")
     lines += ["", "Logits' relative error (64 prompts + answers, full sequence):", "",
               "| model | weights | vs bfloat16 | vs float32 |", "|---|---|---:|---:|"]
     for r in result["logits"]:

@@ -354,7 +354,7 @@ def check_not_prequantized(path: str, quantize) -> None:
 
 
 def load_model(path: str, dtype="bfloat16", attn_impl: str = "auto", shardings=None,
-               check_finite: bool = False, mesh=None, rules=None, quantize=None):
+               check_finite: bool = False, mesh=None, rules=None, quantize=None, kv_cache=None):
     """A `jdllm.loading.Model` from a Hugging Face directory or a jdllm checkpoint directory
     (with `mesh`: params placed on it under `rules`, each device reading only its slices)."""
     import jax  # noqa: PLC0415 (jax and the model stay unimported until a model is read)
@@ -368,6 +368,8 @@ def load_model(path: str, dtype="bfloat16", attn_impl: str = "auto", shardings=N
     check_attn_impl(attn_impl)
     from jdllm import quant  # noqa: PLC0415 (startup: `jdllm convert --help` and config reads stay free of JAX)
     quantize = quant.as_quantization(quantize)  # an unknown scheme fails here, before any weight is read
+    if kv_cache not in quant.KV_CACHE_DTYPES:
+        raise errors.QuantizationError(f"kv_cache={kv_cache!r} is not one of {quant.KV_CACHE_DTYPES}")
     path = os.fspath(path)
     if not os.path.isdir(path):
         raise errors.CheckpointError(
@@ -415,12 +417,14 @@ def load_model(path: str, dtype="bfloat16", attn_impl: str = "auto", shardings=N
     if check_finite:
         check_params_finite(quant.dequantize_params(params) if quantize is not None else params, cfg, source=path)
     quant.check_fp8_device(quantize)
+    if kv_cache is not None:
+        cfg = cfg.replace(kv_cache_dtype=kv_cache)
     return Model(config=cfg, params=params, tokenizer=load_tokenizer(path), attn_impl=attn_impl, path=path,
                  placement=placement)
 
 
 def load(path: str, dtype: str | Any = "bfloat16", attn_impl: str = "auto", check_finite: bool = False,
-         mesh=None, rules=None, quantize=None):
+         mesh=None, rules=None, quantize=None, kv_cache=None):
     """Load a Hugging Face model directory or a jdllm checkpoint directory (`jdllm.load`).
 
     mesh: a `jax.sharding.Mesh` (`jdllm.sharding.make_mesh`, or your own `jax.make_mesh`, Auto or
@@ -437,9 +441,11 @@ def load(path: str, dtype: str | Any = "bfloat16", attn_impl: str = "auto", chec
     quantize: None (the weights in `dtype`), "int8" or "fp8" (weight-only, one scale per output
     channel; `dtype` stays the activation dtype) or a `jdllm.quant.Quantization` choosing whether
     the embedding and LM head are quantized too. Each weight is quantized as it is read.
+    kv_cache: None (the KV cache in the activation dtype) or "int8" (one absmax scale per token
+    and KV head; K / V dequantized where attention reads them): `config.kv_cache_dtype`.
     """
     from jdllm import compile_cache  # noqa: PLC0415
 
     compile_cache.enable()  # JAX's persistent compilation cache (a bad JDLLM_CACHE_DIR fails here, early)
     return load_model(path, dtype=dtype, attn_impl=attn_impl, check_finite=check_finite, mesh=mesh, rules=rules,
-                      quantize=quantize)
+                      quantize=quantize, kv_cache=kv_cache)

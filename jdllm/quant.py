@@ -38,6 +38,7 @@ import numpy as np
 from jdllm import errors
 
 SCHEMES = ("int8", "fp8")
+KV_CACHE_DTYPES = (None, "int8")  # load(kv_cache=): the KV cache in the activation dtype, or int8 (jdllm.model.KVCache)
 QMAX = {"int8": 127.0, "fp8": 448.0}  # largest magnitude: int8 symmetric, float8_e4m3fn's max
 STORAGE = {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn}
 

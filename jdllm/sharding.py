@@ -259,7 +259,7 @@ class Placement:
         def one(path, x):
             keys = [getattr(k, "name", getattr(k, "key", None)) for k in path]
             shape = np.shape(x)
-            if "cache" in keys and keys[-1] in ("k", "v"):
+            if "cache" in keys and keys[-1] in ("k", "v", "k_scale", "v_scale"):
                 return NamedSharding(mesh, self.spec(CACHE_AXES, shape, f"KV cache {keys[-1]} {shape}"))
             if len(shape) and shape[0] == rows:
                 return NamedSharding(mesh, P(batch))

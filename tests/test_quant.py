@@ -85,15 +85,18 @@ def test_load_quantized_logits_close_and_exact_against_dequantized():
 
 
 def _dequantized(model):
-    return jdllm.Model(model.config, quant.dequantize_params(model.params), tokenizer=model.tokenizer,
-                       attn_impl=model.attn_impl)
+    return jdllm.Model(model.config.replace(kv_cache_dtype=None), quant.dequantize_params(model.params),
+                       tokenizer=model.tokenizer, attn_impl=model.attn_impl)
 
 
 # The forward is the only place weights are read, so two paradigms cover what differs: speculative
 # (an AR target verifying and an AR draft proposing, both quantized; the draft rides along through
 # `bind_params`) and masked_diffusion (a bidirectional model, a cache refreshed in place). Two
 # compiles each on a shared 2-core CI; block_diffusion and multi_block run in
-# benchmarks/quant_quality.py (accuracy and agreement with the dequantized run).
+# benchmarks/quant.py (accuracy and agreement with bfloat16). masked_diffusion also runs an int8 KV
+# cache (its dual cache rewrites kept slots: the path that re-quantizes), so its reference, the
+# dequantized weights with a float cache, differs by the cache's rounding: tokens must still agree
+# (they do on every paradigm and all 256 held-out items, benchmarks/RESULTS.md).
 CASES = {
     "masked_diffusion": ("tiny-llada", lambda: jdllm.MaskedDiffusion(gen_length=8, block_length=4, steps=8,
                                                                       cache_mode="dual")),
@@ -104,7 +107,8 @@ CASES = {
 @pytest.mark.parametrize("paradigm", list(CASES))
 def test_every_paradigm_int8_matches_itself_on_dequantized_weights(paradigm, fast_compile):  # noqa: F811
     name, make = CASES[paradigm]
-    model = jdllm.load(os.path.join(MODELS, name), dtype="float32", quantize="int8")
+    kv = "int8" if paradigm == "masked_diffusion" else None
+    model = jdllm.load(os.path.join(MODELS, name), dtype="float32", quantize="int8", kv_cache=kv)
     if make is None:  # target and draft both quantized; the reference runs both dequantized
         draft = jdllm.load(os.path.join(MODELS, "tiny-ar-draft"), dtype="float32", quantize="int8")
         dec, ref_dec = (jdllm.Speculative(proposer="draft_model", draft=draft, num_draft_tokens=3),
@@ -125,6 +129,8 @@ def test_errors_before_anything_compiles():
         jdllm.load(path, quantize="int3")
     with pytest.raises(errors.QuantizationError, match="int4"):
         jdllm.Quantization("int4")
+    with pytest.raises(errors.QuantizationError, match="kv_cache='fp8'"):
+        jdllm.load(path, kv_cache="fp8")
     m = jdllm.load(path, dtype="float32", quantize="fp8")
     with pytest.raises(errors.QuantizationError, match="already quantized.*fp8"):
         quant.quantize_params(m.params, "int8")
@@ -192,3 +198,20 @@ def test_rl_update_params_quantizes_the_trainers_weights_like_the_rollout_model(
     assert quant.config_of(got) == qc and not quant.is_quantized(got["lm_head"])
     want = quant.quantize_params(scaled, qc)["layers"][1]["gate_up"]
     np.testing.assert_array_equal(np.asarray(got["layers"][1]["gate_up"].q), np.asarray(want.q))
+
+
+def test_int8_kv_cache_layout_and_rounding():
+    """An int8 cache: int8 K / V with a float32 scale per (token, KV head); quantize_kv keeps each
+    value within half a step of its row's scale (the paradigm test above decodes with it)."""
+    from jdllm.model import KVCache, dequantize_kv, quantize_kv
+
+    cfg = jdllm.ModelConfig(model_type="qwen3", vocab_size=32, hidden_size=16, intermediate_size=32, num_layers=2,
+                            num_heads=2, num_kv_heads=2, head_dim=8, kv_cache_dtype="int8")
+    c = KVCache.empty(cfg, 3, 5)
+    assert c.k.dtype == jnp.int8 and c.k_scale.shape == (2, 3, 5, 2, 1) and c.v_scale.dtype == jnp.float32
+    assert KVCache.empty(cfg.replace(kv_cache_dtype=None), 3, 5).k_scale is None
+    x = np.random.default_rng(1).normal(size=(2, 4, 2, 8)).astype(np.float32)
+    q, sc = quantize_kv(jnp.asarray(x))
+    want = np.abs(x).max(-1, keepdims=True) / 127
+    np.testing.assert_allclose(np.asarray(sc), want, rtol=1e-6)
+    assert np.all(np.abs(np.asarray(dequantize_kv(q, sc, jnp.float32)) - x) <= want / 2 + 1e-7)
