@@ -395,7 +395,8 @@ def load_model(path: str, dtype="bfloat16", attn_impl: str = "auto", shardings=N
             quantize = None
         if placement is not None:
             shardings = placement.param_shardings(cfg)
-        check_params_fit(cfg, dtype, shardings, source=path)  # before any weight is placed
+        check_params_fit(cfg, dtype, shardings, source=path,  # before any weight is placed
+                         quantize=stored_q or quantize)
         params = restore_params(path, dtype=dtype, shardings=shardings)
         layout = default_layout(placement)  # split per layer, each stacked array freed once split
         params = to_layout(params, cfg, layout, consume=True,
@@ -406,7 +407,7 @@ def load_model(path: str, dtype="bfloat16", attn_impl: str = "auto", shardings=N
         check_not_prequantized(path, quantize)
         check_special_ids(cfg, os.path.join(path, CONFIG_FILE))
         stacked = placement.param_shardings(cfg) if placement is not None else shardings
-        check_params_fit(cfg, dtype, stacked, source=path)
+        check_params_fit(cfg, dtype, stacked, source=path, quantize=quantize)
         params = _load_hf_params(path, cfg, np_dtype(dtype), placement, check_finite,
                                  stacked_shardings=shardings if placement is None else None, quantize=quantize)
         check_finite = False  # checked on the host, before the copy to the device
