@@ -265,6 +265,8 @@ def check_params_finite(params, cfg: ModelConfig, source: str) -> None:
             x = weight(params, slot.path, slot.layer, cfg)
         except (KeyError, IndexError):
             continue
+        from jdllm.quant import dequantize  # noqa: PLC0415 (startup: `jdllm convert --help` and config reads stay free of JAX)
+        x = dequantize(x)  # a quantized weight: checked as it computes (one weight at a time)
         if isinstance(x, np.ndarray):
             bad = ~np.isfinite(x.astype(np.float32))
             count = int(bad.sum())
@@ -416,7 +418,7 @@ def load_model(path: str, dtype="bfloat16", attn_impl: str = "auto", shardings=N
             f"{path} has neither {CONFIG_FILE} (Hugging Face) nor {MARKER_FILE} (jdllm): "
             "point at a model directory")
     if check_finite:
-        check_params_finite(quant.dequantize_params(params) if quantize is not None else params, cfg, source=path)
+        check_params_finite(params, cfg, source=path)
     quant.check_fp8_device(quantize)
     if kv_cache is not None:
         cfg = cfg.replace(kv_cache_dtype=kv_cache)
