@@ -37,7 +37,7 @@ from jdllm import quant, tasks  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCHEMES = [("float32", None, None), ("bfloat16", None, None), ("bfloat16", "int8", None), ("bfloat16", "fp8", None),
-           ("bfloat16", "int8", "int8")]  # (activation dtype, weights, KV cache)
+           ("bfloat16", "int8", "int8"), ("bfloat16", "int4/32", None)]  # (activation dtype, weights, KV cache)
 PARADIGMS = {
     "tiny-ar": [("ar", lambda: jdllm.AR())],
     "tiny-sdar": [("block_diffusion", lambda: jdllm.BlockDiffusion(block_length=4, denoising_steps=4,
@@ -47,6 +47,14 @@ PARADIGMS = {
     "tiny-llada": [("masked_diffusion", lambda: jdllm.MaskedDiffusion(gen_length=12, block_length=4, steps=12)),
                    ("multi_block", lambda: jdllm.MultiBlock(block_size=4, entropy_threshold=0.5))],
 }
+
+
+def as_quantization(scheme):
+    """"int4/32" -> int4 with groups of 32 (the tiny models' head_dim is 32); others as they are."""
+    if scheme and "/" in scheme:
+        name, group = scheme.split("/")
+        return jdllm.Quantization(name, group_size=int(group))
+    return scheme
 
 
 def label(dtype, scheme, kv=None):
@@ -60,7 +68,8 @@ def quality(n: int, seed: int, log=print) -> tuple[list[dict], list[dict]]:
     acc_rows, err_rows = [], []
     for name, paradigms in PARADIGMS.items():
         path = os.path.join(ROOT, "models", name)
-        models = {label(d, s, kv): jdllm.load(path, dtype=d, quantize=s, kv_cache=kv) for d, s, kv in SCHEMES}
+        models = {label(d, s, kv): jdllm.load(path, dtype=d, quantize=as_quantization(s), kv_cache=kv)
+                  for d, s, kv in SCHEMES}
         full = [tasks.encode(ex.prompt + ex.answer) for ex in examples[:64]]
         L = max(len(r) for r in full)
         full = [r + [0] * (L - len(r)) for r in full]  # right-padded: every row sees its own prefix
@@ -100,9 +109,10 @@ def speed(repeats: int, new: int, log=print) -> list[dict]:
                             max_position_embeddings=512, eos_token_ids=())
     base = jdllm.Model.random(cfg, seed=0, dtype=jnp.bfloat16, attn_impl="xla")
     rows = []
-    for scheme, kv in ((None, None), ("int8", None), ("fp8", None), ("int8", "int8")):
+    for scheme, kv in ((None, None), ("int8", None), ("fp8", None), ("int8", "int8"), ("int4/64", None)):
         c = cfg.replace(kv_cache_dtype=kv)
-        m = base if scheme is None else jdllm.Model(c, quant.quantize_params(base.params, scheme), attn_impl="xla")
+        m = base if scheme is None else jdllm.Model(c, quant.quantize_params(base.params, as_quantization(scheme)),
+                                                    attn_impl="xla")
         nbytes = sum(x.nbytes for x in jax.tree.leaves(m.params))
         prompt = [[int(t) for t in np.arange(1, 33)]]
         sampling = jdllm.Sampling(max_new_tokens=new)
@@ -122,15 +132,16 @@ def markdown(result: dict) -> str:
     lines = [f"{result['items']} held-out items of `jdllm.tasks` (seed {result['seed']}), greedy, {result['machine']}; "
              "int8 / fp8 = weight-only, one scale per output channel, bfloat16 activations; agree = outputs "
              "identical to bfloat16's.", "",
-             "| model | paradigm | float32 | bfloat16 | int8 (agree) | fp8 (agree) | int8 + int8 KV (agree) |",
-             "|---|---|---:|---:|---:|---:|---:|"]
+             "| model | paradigm | float32 | bfloat16 | int8 (agree) | fp8 (agree) | int8 + int8 KV (agree) | int4/32 (agree) |",
+             "|---|---|---:|---:|---:|---:|---:|---:|"]
     keyed = {(r["model"], r["paradigm"], r["scheme"]): r for r in result["accuracy"]}
     for (m, p) in dict.fromkeys((r["model"], r["paradigm"]) for r in result["accuracy"]):
-        a = {s: keyed[(m, p, s)] for s in ("float32", "bfloat16", "int8", "fp8", "int8+kv8")}
+        a = {s: keyed[(m, p, s)] for s in ("float32", "bfloat16", "int8", "fp8", "int8+kv8", "int4/32")}
         lines.append(f"| {m} | {p} | {a['float32']['accuracy']:.1f} | {a['bfloat16']['accuracy']:.1f} | "
                      f"{a['int8']['accuracy']:.1f} ({a['int8']['agree_with_bf16']:.0f}%) | "
                      f"{a['fp8']['accuracy']:.1f} ({a['fp8']['agree_with_bf16']:.0f}%) | "
-                     f"{a['int8+kv8']['accuracy']:.1f} ({a['int8+kv8']['agree_with_bf16']:.0f}%) |")
+                     f"{a['int8+kv8']['accuracy']:.1f} ({a['int8+kv8']['agree_with_bf16']:.0f}%) | "
+                     f"{a['int4/32']['accuracy']:.1f} ({a['int4/32']['agree_with_bf16']:.0f}%) |")
     lines += ["", "Logits' relative error (64 prompts + answers, full sequence):", "",
               "| model | weights | vs bfloat16 | vs float32 |", "|---|---|---:|---:|"]
     for r in result["logits"]:

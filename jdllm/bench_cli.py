@@ -31,7 +31,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", default="float32", choices=DTYPES)
-    p.add_argument("--quantize", default=None, choices=("int8", "fp8"),  # jdllm.quant.SCHEMES
+    p.add_argument("--quantize", default=None, choices=("int8", "fp8", "int4"),  # jdllm.quant.SCHEMES
                    help="weight-only int8 / fp8 weights (--dtype stays the activation dtype)")
     p.add_argument("--kv-cache", default=None, choices=("int8",),  # jdllm.quant.KV_CACHE_DTYPES
                    help="int8: the KV cache in int8, one scale per token and KV head (default: the activation dtype)")

@@ -334,7 +334,8 @@ def _quantized_on_host(x: np.ndarray, name: str, quantize):
     from jdllm import quant  # noqa: PLC0415 (startup: `jdllm convert --help` and config reads stay free of JAX)
     if not quantize.wants(name):
         return jnp.asarray(x)
-    qa = quant.quantize_array(x, quantize.scheme, quant.CONTRACTED[name], xp=np)
+    axes, group = quantize.axes_for(name, x.shape)
+    qa = quant.quantize_array(x, quantize.scheme, axes, xp=np, group=group)
     return quant.QArray(jnp.asarray(qa.q), jnp.asarray(qa.scale), qa.dtype_name)
 
 

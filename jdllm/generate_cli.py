@@ -59,7 +59,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chat", action="store_true", help="wrap each prompt in the tokenizer's chat template")
     p.add_argument("--dtype", default="float32", choices=DTYPES, help="parameter dtype (default: float32)")
     # choices: jdllm.quant.SCHEMES, spelled out so --help stays free of JAX
-    p.add_argument("--quantize", default=None, choices=("int8", "fp8"),
+    p.add_argument("--quantize", default=None, choices=("int8", "fp8", "int4"),
                    help="weight-only quantization of the matmul weights, one scale per output channel "
                         "(--dtype stays the activation dtype; default: none)")
     p.add_argument("--kv-cache", default=None, choices=("int8",),  # jdllm.quant.KV_CACHE_DTYPES

@@ -29,6 +29,7 @@ qwix's weight-only channelwise int8 / fp8 (absmax scale over the contracted axes
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import jax
@@ -37,10 +38,11 @@ import numpy as np
 
 from jdllm import errors
 
-SCHEMES = ("int8", "fp8")
+SCHEMES = ("int8", "fp8", "int4")
 KV_CACHE_DTYPES = (None, "int8")  # load(kv_cache=): the KV cache in the activation dtype, or int8 (jdllm.model.KVCache)
-QMAX = {"int8": 127.0, "fp8": 448.0}  # largest magnitude: int8 symmetric, float8_e4m3fn's max
-STORAGE = {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn}
+QMAX = {"int8": 127.0, "fp8": 448.0, "int4": 7.0}  # largest magnitude: symmetric ints, float8_e4m3fn's max
+STORAGE = {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn, "int4": jnp.int4}
+DEFAULT_GROUP = 128  # int4: contraction elements sharing a scale
 
 # the axes each weight's matmul contracts (per-layer layout; a stacked weight has `layers` first)
 CONTRACTED = {"q": (0,), "k": (0,), "v": (0,), "qkv": (0,), "o": (0, 1), "gate": (0,), "up": (0,),
@@ -49,18 +51,38 @@ CONTRACTED = {"q": (0,), "k": (0,), "v": (0,), "qkv": (0,), "o": (0, 1), "gate":
 
 @dataclasses.dataclass(frozen=True)
 class Quantization:
-    """What `jdllm.load(..., quantize=)` quantizes. scheme: "int8" | "fp8". embed / lm_head: also
-    quantize the embedding and the LM head (a tied head is the embedding: `embed` decides).
-    A string `quantize="int8"` means Quantization("int8") (everything quantized)."""
+    """What `jdllm.load(..., quantize=)` quantizes. scheme: "int8" | "fp8" (one scale per output
+    channel) | "int4" (one scale per `group_size` contraction elements and output channel, groups
+    along each weight's last contracted axis; the weight is dequantized before its dot).
+    embed / lm_head: also quantize the embedding and the LM head (a tied head is the embedding:
+    `embed` decides). A string `quantize="int8"` means Quantization("int8") (everything quantized)."""
 
     scheme: str = "int8"
     embed: bool = True
     lm_head: bool = True
+    group_size: int = DEFAULT_GROUP  # int4 only
 
     def __post_init__(self):
         if self.scheme not in SCHEMES:
+            raise errors.QuantizationError(f"quantize scheme {self.scheme!r} is not one of {SCHEMES}")
+        if isinstance(self.group_size, bool) or not isinstance(self.group_size, int) or self.group_size < 1:
+            raise errors.QuantizationError(f"group_size={self.group_size!r}: give a positive int (int4's default: "
+                                           f"{DEFAULT_GROUP})")
+
+    def axes_for(self, name: str, shape, lead: int = 0):
+        """(axes the scale reduces, group size or None) of weight `name` of `shape` (a stacked one
+        has `lead` = 1 leading layers axis); int4: QuantizationError when the group size does not
+        divide the last contracted axis."""
+        axes = tuple(a + lead for a in CONTRACTED[name])
+        if self.scheme != "int4":
+            return axes, None
+        n = shape[axes[-1]]
+        if n % self.group_size:
             raise errors.QuantizationError(
-                f"quantize scheme {self.scheme!r} is not one of {SCHEMES}; int4 is not implemented yet")
+                f"int4 group_size={self.group_size} does not divide the contracted axis of size {n} of "
+                f"weight {name!r} (shape {tuple(shape)}); pick a group size that divides it (e.g. "
+                f"{math.gcd(n, self.group_size)}) or quantize with int8")
+        return (axes[-1],), self.group_size
 
     def wants(self, name: str) -> bool:
         if name == "embed":
@@ -108,7 +130,7 @@ class QArray:
 
     @property
     def scheme(self) -> str:
-        return "int8" if jnp.dtype(self.q.dtype) == jnp.int8 else "fp8"
+        return {"int8": "int8", "int4": "int4"}.get(jnp.dtype(self.q.dtype).name, "fp8")
 
     def __getitem__(self, idx) -> "QArray":
         """The same index on q and scale: a layer of a stacked weight, or a slice of
@@ -120,17 +142,34 @@ def is_quantized(x) -> bool:
     return isinstance(x, QArray)
 
 
-def quantize_array(x, scheme: str, axes: tuple[int, ...], xp=jnp) -> QArray:
+def quantize_array(x, scheme: str, axes: tuple[int, ...], xp=jnp, group: int | None = None) -> QArray:
     """x (any float array, numpy with xp=np or jax) -> QArray with one absmax scale per slice over
-    `axes`. Rounds to nearest (int8) / the nearest e4m3 value (fp8)."""
+    `axes`, or (group) per `group` consecutive elements of the one axis in `axes` (the scale then
+    has that axis's size / group there). Rounds to nearest (int8, int4) / the nearest e4m3 value (fp8)."""
     dtype_name = jnp.dtype(x.dtype).name
     xf = x.astype(np.float32)
+    shape = xf.shape
+    if group is not None:  # [.., n, ..] -> [.., n / group, group, ..]: reduce the group axis
+        (a,) = axes
+        xf = xf.reshape(shape[:a] + (shape[a] // group, group) + shape[a + 1:])
+        axes = (a + 1,)
     amax = xp.max(xp.abs(xf), axis=axes, keepdims=True)
     scale = xp.where(amax > 0, amax / QMAX[scheme], 1.0).astype(np.float32)
     y = xp.clip(xf / scale, -QMAX[scheme], QMAX[scheme])
-    if scheme == "int8":
+    if scheme != "fp8":
         y = xp.round(y)
+    if group is not None:
+        y, scale = y.reshape(shape), scale.reshape(scale.shape[:a + 1] + scale.shape[a + 2:])
     return QArray(y.astype(STORAGE[scheme]), scale, dtype_name)
+
+
+def full_scale(w: QArray):
+    """w's scale repeated to q's shape where it is grouped (int4); broadcastable elsewhere."""
+    s = w.scale
+    for i, (n, m) in enumerate(zip(w.q.shape, s.shape)):
+        if m not in (1, n):
+            s = jnp.repeat(s, n // m, axis=i)
+    return s
 
 
 def dequantize(w) -> Any:
@@ -138,16 +177,16 @@ def dequantize(w) -> Any:
     fused path is tested against, and what code that needs plain weights (training) calls."""
     if not isinstance(w, QArray):
         return w
-    return (w.q.astype(jnp.float32) * w.scale).astype(w.dtype)
+    return (w.q.astype(jnp.float32) * full_scale(w)).astype(w.dtype)
 
 
 def dequantize_params(params):
     return jax.tree.map(dequantize, params, is_leaf=is_quantized)
 
 
-@jax.jit(static_argnames=("scheme", "axes"))
-def _quantize_jit(x, *, scheme, axes):
-    return quantize_array(x, scheme, axes)
+@jax.jit(static_argnames=("scheme", "axes", "group"))
+def _quantize_jit(x, *, scheme, axes, group):
+    return quantize_array(x, scheme, axes, group=group)
 
 
 def quantize_params(params, quantize, consume: bool = False):
@@ -166,8 +205,8 @@ def quantize_params(params, quantize, consume: bool = False):
     def one(name, x, lead):
         if not qc.wants(name) or not jnp.issubdtype(x.dtype, jnp.floating):
             return x
-        axes = tuple(a + lead for a in CONTRACTED[name])
-        out = _quantize_jit(x, scheme=qc.scheme, axes=axes)
+        axes, group = qc.axes_for(name, x.shape, lead)
+        out = _quantize_jit(x, scheme=qc.scheme, axes=axes, group=group)
         sharding = getattr(x, "sharding", None)
         if isinstance(sharding, jax.sharding.NamedSharding):  # on a mesh: the scale beside its weight's shards
             out = put(out, sharding)
@@ -199,7 +238,14 @@ def config_of(params) -> Quantization | None:
     if scheme is None:
         return None
     head = params.get("lm_head")
-    return Quantization(scheme, embed=is_quantized(params["embed"]), lm_head=head is None or is_quantized(head))
+    group = DEFAULT_GROUP
+    for x in jax.tree.leaves(params, is_leaf=is_quantized):
+        if is_quantized(x) and scheme == "int4":
+            group = next(n // m for n, m in zip(x.q.shape, x.scale.shape) if m not in (1, n)) \
+                if any(m not in (1, n) for n, m in zip(x.q.shape, x.scale.shape)) else group
+            break
+    return Quantization(scheme, embed=is_quantized(params["embed"]), lm_head=head is None or is_quantized(head),
+                        group_size=group)
 
 
 # --------------------------------------------------------------------------- placement and checkpoints
@@ -240,6 +286,9 @@ def checkpoint_parts(path: tuple[str, ...], x, qc: Quantization | None):
     name = path[-1]
     if qc is None or not qc.wants(name):
         return [(path, x)]
+    if qc.scheme == "int4":
+        raise errors.QuantizationError("int4 checkpoints are not written yet: convert with --quantize int8 or "
+                                       "fp8, or load the Hugging Face directory with quantize='int4'")
     qa = quantize_array(np.asarray(x), qc.scheme, CONTRACTED[name], xp=np)
     return [(path + ("q",), qa.q), (path + ("scale",), qa.scale)]
 
@@ -346,6 +395,11 @@ def output_scale(spec: str, scale, out_ndim: int):
 def einsum(spec: str, x, w: QArray, precision=None, preferred_element_type=None):
     """einsum(spec, x, dequantize(w)) computed as einsum(spec, x, q) * scale per output channel:
     q converts to x's dtype exactly and the product accumulates in float32."""
+    ins, out = spec.replace(" ", "").split("->")
+    wsub = ins.split(",")[1]
+    if any(c not in out and m != 1 for c, m in zip(wsub, w.scale.shape)):  # int4 groups: dequantize, then the dot
+        return jnp.einsum(spec, x, dequantize(w).astype(x.dtype), precision=precision,
+                          preferred_element_type=preferred_element_type)
     y = jnp.einsum(spec, x, w.q.astype(x.dtype), precision=precision, preferred_element_type=jnp.float32)
     y = y * output_scale(spec, w.scale, y.ndim)
     return y.astype(preferred_element_type or x.dtype)
@@ -355,8 +409,7 @@ def take_rows(table, ids):
     """jnp.take(table, ids, axis=0) for a plain or quantized [V, D] table."""
     if not isinstance(table, QArray):
         return jnp.take(table, ids, axis=0)
-    rows = jnp.take(table.q, ids, axis=0).astype(jnp.float32) * jnp.take(table.scale, ids, axis=0)
-    return rows.astype(table.dtype)
+    return dequantize(QArray(jnp.take(table.q, ids, axis=0), jnp.take(table.scale, ids, axis=0), table.dtype_name))
 
 
 def check_fp8_device(quantize) -> None:

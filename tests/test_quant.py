@@ -42,12 +42,29 @@ SHAPES = [("btd,dhk->bthk", (2, 3, 16), "qkv", (16, 6, 8)), ("bthk,hkd->btd", (2
           ("...d,vd->...v", (2, 3, 16), "embed", (40, 16)), ("...d,dv->...v", (2, 3, 16), "lm_head", (16, 40))]
 
 
-@pytest.mark.parametrize("scheme", ["int8", "fp8"])
+def np_quantize_groups(w: np.ndarray, axis: int, group: int):
+    """int4 reference: absmax over each `group` consecutive elements of `axis`, round, clip to +-7."""
+    g = np.moveaxis(w, axis, -1)
+    g = g.reshape(g.shape[:-1] + (g.shape[-1] // group, group))
+    amax = np.abs(g).max(-1, keepdims=True)
+    scale = np.where(amax > 0, amax / 7, 1.0).astype(np.float32)
+    deq = (np.clip(np.round(g / scale), -7, 7) * scale).reshape(g.shape[:-2] + (-1,))
+    return np.moveaxis(deq, -1, axis)
+
+
+@pytest.mark.parametrize("scheme", ["int8", "fp8", "int4"])
 def test_matmul_matches_numpy_dequantize_then_einsum(scheme):
     rng = np.random.default_rng(0)
     for spec, xs, name, ws in SHAPES:
         w = rng.normal(size=ws).astype(np.float32) * rng.uniform(0.1, 3, size=ws[-1]).astype(np.float32)
         x = rng.normal(size=xs).astype(np.float32)
+        if scheme == "int4":  # groups of 4 along the last contracted axis
+            axes, group = jdllm.Quantization("int4", group_size=4).axes_for(name, w.shape)
+            qa = quant.quantize_array(jnp.asarray(w), scheme, axes, group=group)
+            assert qa.q.dtype == jnp.int4
+            want = np.einsum(spec, x, np_quantize_groups(w, axes[0], 4))
+            np.testing.assert_allclose(np.asarray(mm(spec, jnp.asarray(x), qa)), want, rtol=1e-5, atol=1e-5)
+            continue
         qa = quant.quantize_array(jnp.asarray(w), scheme, quant.CONTRACTED[name])
         q, scale = np_quantize(w, scheme, quant.CONTRACTED[name])
         np.testing.assert_array_equal(np.asarray(qa.q).astype(np.float32), q.astype(np.float32), err_msg=name)
@@ -59,7 +76,9 @@ def test_matmul_matches_numpy_dequantize_then_einsum(scheme):
         if scheme == "int8":
             assert np.all(np.abs(q * scale - w) <= scale / 2 + 1e-6)
     ids = jnp.asarray([[0, 5, 39]])
-    qa = quant.quantize_array(jnp.asarray(w.T), scheme, quant.CONTRACTED["embed"])  # [V, D], a row per token
+    group = 4 if scheme == "int4" else None
+    qa = quant.quantize_array(jnp.asarray(w.T), scheme, (1,) if group else quant.CONTRACTED["embed"],
+                              group=group)  # [V, D], a row per token
     np.testing.assert_allclose(np.asarray(quant.take_rows(qa, ids)),
                                np.asarray(quant.dequantize(qa))[np.asarray(ids)], rtol=1e-6)
 
@@ -127,8 +146,10 @@ def test_errors_before_anything_compiles():
     path = os.path.join(MODELS, "tiny-ar")
     with pytest.raises(errors.QuantizationError, match="'int3'"):
         jdllm.load(path, quantize="int3")
-    with pytest.raises(errors.QuantizationError, match="int4"):
-        jdllm.Quantization("int4")
+    with pytest.raises(errors.QuantizationError, match="'int2'"):
+        jdllm.Quantization("int2")
+    with pytest.raises(errors.QuantizationError, match="group_size=128 does not divide .* size 32 of weight 'o'"):
+        jdllm.load(path, quantize="int4")  # tiny-ar's head_dim is 32
     with pytest.raises(errors.QuantizationError, match="kv_cache='fp8'"):
         jdllm.load(path, kv_cache="fp8")
     m = jdllm.load(path, dtype="float32", quantize="fp8")
@@ -182,7 +203,8 @@ def test_command_lines_offer_the_schemes_quant_implements():
         p = argparse.ArgumentParser()
         module.add_arguments(p)
         action = next(a for a in p._actions if a.dest == "quantize")
-        assert tuple(action.choices) == quant.SCHEMES and action.default is None, module.__name__
+        want = quant.SCHEMES if module is not convert_cli else ("int8", "fp8")  # no int4 checkpoints yet
+        assert tuple(action.choices) == want and action.default is None, module.__name__
 
 
 def test_rl_update_params_quantizes_the_trainers_weights_like_the_rollout_model():

@@ -58,7 +58,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="token classes a constraint's DFA may have (with --constraint-states; default: 64)")
     p.add_argument("--dtype", default="float32", choices=DTYPES, help="parameter dtype (default: float32)")
     # choices: jdllm.quant.SCHEMES, spelled out so --help stays free of JAX
-    p.add_argument("--quantize", default=None, choices=("int8", "fp8"),
+    p.add_argument("--quantize", default=None, choices=("int8", "fp8", "int4"),
                    help="weight-only quantization of the matmul weights, one scale per output channel "
                         "(--dtype stays the activation dtype; default: none)")
     p.add_argument("--kv-cache", default=None, choices=("int8",),  # jdllm.quant.KV_CACHE_DTYPES
