@@ -577,6 +577,10 @@ def child_main(task_path: str) -> int:
     base = base_config(task["shape"])
     t0 = time.perf_counter()
     params = build_params(base, task["layout"], task["seed"], task["std"], task["head_std"])
+    if task.get("quantize"):  # weight-only int8 / fp8 (jdllm.quant), one weight at a time: never two copies
+        from jdllm.quant import quantize_params  # noqa: PLC0415
+
+        params = quantize_params(params, task["quantize"], consume=True)
     build_s = time.perf_counter() - t0
     total, read = weight_bytes(params, base)
     bw = task.get("read_gbs") or task.get("copy_gbs")  # sessions before 2026-11-26 measured only a copy
@@ -608,7 +612,8 @@ def child_main(task_path: str) -> int:
                        block=task["block"], session=task["session"], device=task.get("device"),
                        backend=jax.default_backend(), weight_bytes=total, read_bytes=read,
                        copy_gbs=task.get("copy_gbs"), read_gbs=task.get("read_gbs"), floor_basis=floor_basis,
-                       floor_ms=floor_ms, window=case.window, repeats=task["repeats"])
+                       floor_ms=floor_ms, window=case.window, repeats=task["repeats"],
+                       quantize=task.get("quantize"))
             try:
                 if task["mode"] == "first_call":
                     row = first_call_row(case, models[mk], task, row)
@@ -847,7 +852,8 @@ def git_commit() -> dict:
 
 
 def row_key(r: dict) -> str:
-    return "|".join(str(r.get(k, "")) for k in ("shape", "case", "batch", "layout", "impl", "flags", "prompt", "gen"))
+    key = "|".join(str(r.get(k, "")) for k in ("shape", "case", "batch", "layout", "impl", "flags", "prompt", "gen"))
+    return key + (f"|{r['quantize']}" if r.get("quantize") else "")  # bf16 rows keep their keys
 
 
 def merge_rows(db: dict, new_rows: list[dict]) -> None:
@@ -918,7 +924,7 @@ def parent_main(args) -> int:
           f"{args.xla_flags_variants}, budget {args.budget}s; cases {ids + (['hf'] if want_hf else [])}", flush=True)
     common = dict(shape=args.shape, prompt=args.prompt, gen=args.gen, block=block, repeats=args.repeats,
                   seed=args.seed, std=args.std, head_std=args.head_std, impls=args.impls, session=session,
-                  deadline=deadline, t_start=t_start, steps_per_round=args.steps_per_round)
+                  deadline=deadline, t_start=t_start, steps_per_round=args.steps_per_round, quantize=args.quantize)
     cache_dirs: dict = {}
     state = dict(interrupted=False)
 
@@ -1259,6 +1265,9 @@ def parse(argv=None):
                     help="weight layouts: per_layer (one dict per layer, fused qkv / gate_up) and/or stacked "
                          "(one [layers, ...] array per weight, lax.scan)")
     ap.add_argument("--impls", nargs="+", default=["auto"], help="attention impls (auto, pallas, xla, cudnn)")
+    ap.add_argument("--quantize", default=None, choices=("int8", "fp8"),
+                    help="weight-only int8 / fp8 weights (jdllm.quant; issue 29): rows keyed apart from bf16's, "
+                         "floor from the quantized bytes")
     ap.add_argument("--xla-flags-variants", nargs="+", default=None, metavar="FLAGS",
                     help="XLA_FLAGS strings, each run in processes of its own ('' = none added); default '' "
                          "(tiny shape: '' and '--xla_cpu_enable_fast_math=false')")

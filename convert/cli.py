@@ -17,6 +17,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--overwrite", action="store_true",
                         help="replace OUT_DIR if it is a jdllm checkpoint or an empty directory")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    parser.add_argument("--quantize", default=None, choices=("int8", "fp8"),  # jdllm.quant.SCHEMES
+                        help="store the matmul weights quantized (weight-only, one scale per output channel; "
+                             "--dtype is then the activation dtype); `jdllm.load` reads them as they are")
     parser.add_argument("--check-finite", action=argparse.BooleanOptionalAction, default=True,
                         help="refuse weights holding NaN / inf, in the source or once cast to --dtype; each "
                              "tensor is checked as it streams by (default: on)")
@@ -26,7 +29,7 @@ def run_command(args: argparse.Namespace) -> int:
     from convert.io import convert_checkpoint  # noqa: PLC0415 (keeps --help free of JAX)
 
     out = convert_checkpoint(args.hf_dir, args.out_dir, dtype=args.dtype, overwrite=args.overwrite,
-                             progress=not args.quiet, check_finite=args.check_finite)
+                             progress=not args.quiet, check_finite=args.check_finite, quantize=args.quantize)
     print(f"wrote {out}", file=sys.stderr)
     return 0
 

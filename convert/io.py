@@ -140,7 +140,7 @@ class OrbaxStreamWriter:
 
 
 def _zarr_dtype(dtype: np.dtype) -> str:
-    return "bfloat16" if dtype.name == "bfloat16" else dtype.str
+    return dtype.name if dtype.name in ("bfloat16", "float8_e4m3fn") else dtype.str
 
 
 # --------------------------------------------------------------------------- per-tensor transform
@@ -174,10 +174,32 @@ class Transform:
         return {}
 
 
+class QuantizeTransform(Transform):
+    """Weight-only quantization as the conversion streams (`jdllm convert --quantize`): each weight
+    slice the scheme covers is quantized on the host (`jdllm.quant.checkpoint_parts`) and stored
+    as its q and scale, so loading the checkpoint never builds the full-precision weights."""
+
+    def __init__(self, qc, activation_dtype=None):
+        self.qc, self.act = qc, activation_dtype
+
+    def specs(self, specs):
+        from jdllm.quant import checkpoint_specs  # noqa: PLC0415 (startup: `jdllm convert --help` stays free of JAX)
+        return checkpoint_specs(specs, self.qc)
+
+    def __call__(self, path, layer, x):
+        from jdllm import quant  # noqa: PLC0415 (startup: `jdllm convert --help` stays free of JAX)
+        return quant.checkpoint_parts(path, x, self.qc)
+
+    def marker(self):
+        from jdllm import quant  # noqa: PLC0415 (startup: `jdllm convert --help` stays free of JAX)
+        return {"quantization": quant.to_meta(self.qc),
+                "activation_dtype": self.act.name if self.act is not None else "bfloat16"}
+
+
 # --------------------------------------------------------------------------- convert
 def convert_checkpoint(hf_dir: str, out_dir: str, dtype="bfloat16", overwrite: bool = False,
                        progress: bool = True, check_finite: bool = True,
-                       transform: Transform | None = None) -> str:
+                       transform: Transform | None = None, quantize=None) -> str:
     """Hugging Face directory -> jdllm checkpoint at out_dir (atomic: all or nothing).
 
     dtype: 'bfloat16' | 'float16' | 'float32', or None to keep the source dtypes.
@@ -185,6 +207,9 @@ def convert_checkpoint(hf_dir: str, out_dir: str, dtype="bfloat16", overwrite: b
     in the source or once cast to `dtype`; each slice is checked as it streams by, before it is written.
     progress: a progress bar on stderr, in bytes of the source read and converted.
     transform: a per-tensor `Transform` between the cast and the write (default: none).
+    quantize: None, "int8" / "fp8" or a `jdllm.quant.Quantization`: each weight slice is quantized
+    on the host as it streams by (`jdllm.quant.checkpoint_parts`) and stored as its q and scale, so
+    loading it never builds the full-precision weights; `dtype` is then the activation dtype.
     Returns the absolute out_dir.
     """
     from tqdm.auto import tqdm  # noqa: PLC0415 (startup: `jdllm convert --help` stays free of JAX / tensorstore)
@@ -202,11 +227,17 @@ def convert_checkpoint(hf_dir: str, out_dir: str, dtype="bfloat16", overwrite: b
         _check_replaceable(out_dir)
     check_output_path(out_dir, "OUT_DIR", create_parents=True)
     want = np_dtype(dtype)
+    from jdllm import quant  # noqa: PLC0415 (startup: `jdllm convert --help` stays free of JAX / tensorstore)
+    from jdllm.checkpoint import check_not_prequantized  # noqa: PLC0415
+    qc = quant.as_quantization(quantize)
+    check_not_prequantized(hf_dir, qc)
     cfg = ModelConfig.from_hf(hf_dir)
     tensors = SafetensorsDir(hf_dir)
     check_tensor_names(tensors.keys(), cfg, source=hf_dir)
 
-    transform = Transform() if transform is None else transform
+    if transform is not None and qc is not None:
+        raise ValueError("pass either transform or quantize, not both")
+    transform = (QuantizeTransform(qc, want) if qc is not None else Transform()) if transform is None else transform
     from jdllm.model import flat_param_specs  # noqa: PLC0415 (startup: `jdllm convert --help` stays free of JAX)
     specs = transform.specs(flat_param_specs(cfg))
 

@@ -34,6 +34,8 @@ _EXPORTS = {
     "rl": "jdllm.rl",  # rollouts, trajectory log-likelihoods, RL losses
     "sharding": "jdllm.sharding",  # device meshes: make_mesh, rules, Placement
     "nnx": "jdllm.nnx",  # a flax nnx view of a model, for training loops
+    "quant": "jdllm.quant",  # weight-only int8 / fp8: load(path, quantize="int8")
+    "Quantization": "jdllm.quant",
 }
 
 # Named in the design's public contract but not built yet: a clear error, not an ImportError.
@@ -48,7 +50,7 @@ def __getattr__(name: str):
         raise AttributeError(f"jdllm.{name}: {_PLANNED[name]} is not implemented yet")
     if mod is None:
         raise AttributeError(f"module 'jdllm' has no attribute {name!r}")
-    if name in ("errors", "constraints", "rl", "sharding", "nnx"):
+    if name in ("errors", "constraints", "rl", "sharding", "nnx", "quant"):
         return importlib.import_module(mod)
     return getattr(importlib.import_module(mod), name)
 

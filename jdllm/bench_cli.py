@@ -31,6 +31,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", default="float32", choices=DTYPES)
+    p.add_argument("--quantize", default=None, choices=("int8", "fp8", "int4"),  # jdllm.quant.SCHEMES
+                   help="weight-only int8 / fp8 weights (--dtype stays the activation dtype)")
+    p.add_argument("--kv-cache", default=None, choices=("int8",),  # jdllm.quant.KV_CACHE_DTYPES
+                   help="int8: the KV cache in int8, one scale per token and KV head (default: the activation dtype)")
     p.add_argument("--attn-impl", default="auto", choices=ATTN_IMPLS)
     add_check_finite_argument(p)
     p.add_argument("--json", default=None, help="write the rows to this JSON file (its directory must exist)")
@@ -70,7 +74,8 @@ def run_command(args) -> int:
         raise jdllm.errors.InputError(f"--batch {args.batch} and --repeats {args.repeats} must be >= 1")
     if args.json:
         check_output_path(args.json, "--json", create_parents=False)  # before the benchmark, not after
-    model = jdllm.load(args.model, dtype=args.dtype, attn_impl=args.attn_impl, check_finite=args.check_finite)
+    model = jdllm.load(args.model, dtype=args.dtype, attn_impl=args.attn_impl, check_finite=args.check_finite,
+                       quantize=args.quantize, kv_cache=args.kv_cache)
     cfg = model.config
     args.prompt_len, args.max_new_tokens = lengths(args, cfg.max_position_embeddings)
     decoding = decoding_from_args(args, cfg, command="bench")

@@ -209,10 +209,52 @@ def restore_params(path: str, dtype=None, shardings=None):
     shardings: optional pytree of `jax.sharding.Sharding` matching the params,
     so each device reads only its own shards; default: the first device.
     """
+    from jdllm import quant  # noqa: PLC0415 (startup: `jdllm convert --help` and config reads stay free of JAX)
+
+    meta = read_jdllm_meta(path)
+    if quant.from_meta(meta.get("quantization")) is not None:
+        return restore_quantized(path, meta, dtype, shardings)
     out: dict[str, Any] = {}
     for keys, x in iter_restored_params(path, dtype, shardings):
         hf_layout.set_param(out, keys, x)
     return out
+
+
+def restore_quantized(path: str, meta: dict, dtype=None, shardings=None):
+    """A quantized checkpoint (`jdllm convert --quantize`), restored as one tree: q / scale keep their
+    stored dtypes (dtype casts the rest) and pair up into `jdllm.quant` arrays."""
+    import jax  # noqa: PLC0415 (startup: `jdllm convert --help` and config reads stay free of JAX)
+    import orbax.checkpoint as ocp  # noqa: PLC0415 (startup: `jdllm convert --help` and config reads stay free of JAX)
+    from jdllm.model import shape_mismatch  # noqa: PLC0415 (startup: `jdllm convert --help` and config reads stay free of JAX)
+    from jdllm import quant  # noqa: PLC0415 (startup: `jdllm convert --help` and config reads stay free of JAX)
+    QUANT_DTYPES = {jax.numpy.dtype(d) for d in quant.STORAGE.values()}
+    cfg = meta["config"]
+    params_dir = os.path.abspath(os.path.join(path, PARAMS_DIR))
+    want = np_dtype(dtype)
+    try:
+        with ocp.StandardCheckpointer() as ckpt:
+            stored = ckpt.metadata(params_dir).item_metadata.tree
+            bad = shape_mismatch(quant.plain_view(stored), cfg)  # a quantized weight: its q's shape
+            if bad is not None:
+                raise errors.CorruptCheckpointError(
+                    f"{params_dir} disagrees with {MARKER_FILE} at parameter {bad[0]} "
+                    f"(stored {bad[1]}, config implies {bad[2]}); re-run `jdllm convert`")
+            default = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+            shard_tree = (quant.checkpoint_shardings(shardings, stored) if shardings is not None
+                          else jax.tree.map(lambda _: default, stored))
+
+            def spec(m, s):  # quantized q / scale keep their stored dtypes
+                keep = want is None or jax.numpy.dtype(m.dtype) in QUANT_DTYPES
+                return jax.ShapeDtypeStruct(tuple(m.shape), m.dtype if keep else want, sharding=s)
+
+            restored = ckpt.restore(params_dir, jax.tree.map(spec, stored, shard_tree))
+            act = want.name if want is not None else meta.get("activation_dtype", "bfloat16")
+            return quant.from_checkpoint(restored, act)
+    except errors.JdllmError:
+        raise
+    except Exception as e:  # noqa: BLE001 (orbax / tensorstore raise many types)
+        raise errors.CorruptCheckpointError(
+            f"cannot restore {params_dir} ({type(e).__name__}: {one_line(e)}); re-run `jdllm convert`") from e
 
 
 def iter_restored_params(path: str, dtype=None, shardings=None):
@@ -222,6 +264,7 @@ def iter_restored_params(path: str, dtype=None, shardings=None):
     import jax  # noqa: PLC0415 (startup: `jdllm convert --help` and config reads stay free of JAX)
     import orbax.checkpoint as ocp  # noqa: PLC0415 (startup: `jdllm convert --help` and config reads stay free of JAX)
     from jdllm.model import shape_mismatch  # noqa: PLC0415 (startup: `jdllm convert --help` and config reads stay free of JAX)
+    from jdllm import quant  # noqa: PLC0415 (startup: `jdllm convert --help` and config reads stay free of JAX)
     meta = read_jdllm_meta(path)
     cfg = meta["config"]
     params_dir = os.path.abspath(os.path.join(path, PARAMS_DIR))
@@ -229,7 +272,7 @@ def iter_restored_params(path: str, dtype=None, shardings=None):
     try:
         with ocp.StandardCheckpointer() as ckpt:
             stored = ckpt.metadata(params_dir).item_metadata.tree
-        bad = shape_mismatch(stored, cfg)
+        bad = shape_mismatch(quant.plain_view(stored), cfg)  # a quantized weight: its q's shape
         if bad is not None:
             raise errors.CorruptCheckpointError(
                 f"{params_dir} disagrees with {MARKER_FILE} at parameter {bad[0]} "
@@ -389,6 +432,8 @@ def check_params_finite(params, cfg: ModelConfig, source: str) -> None:
             x = weight(params, slot.path, slot.layer, cfg)
         except (KeyError, IndexError):
             continue
+        from jdllm.quant import dequantize  # noqa: PLC0415 (startup: `jdllm convert --help` and config reads stay free of JAX)
+        x = dequantize(x)  # a quantized weight: checked as it computes (one weight at a time)
         if isinstance(x, np.ndarray):
             bad = ~np.isfinite(x.astype(np.float32))
             count = int(bad.sum())
@@ -402,11 +447,15 @@ def check_params_finite(params, cfg: ModelConfig, source: str) -> None:
                 "(check_finite=False / --no-check-finite loads them anyway)")
 
 
-def _load_hf_params(path: str, cfg: ModelConfig, dtype, placement, check_finite: bool, stacked_shardings=None):
+def _load_hf_params(path: str, cfg: ModelConfig, dtype, placement, check_finite: bool, stacked_shardings=None,
+                    quantize=None):
     """HF safetensors -> params on the device (or the mesh of `placement`) in the layout jdllm runs
     (`jdllm.model.default_layout`), one parameter at a time: the host holds at most one stacked
     parameter, and each layer's slice goes to the device on its own, so the device never holds a
-    stacked copy beside the per-layer one."""
+    stacked copy beside the per-layer one.
+    quantize (a `jdllm.quant.Quantization`): each weight it selects is quantized on the host as it
+    is read (one layer slice at a time, off a mesh), so its full-precision copy never reaches the
+    device."""
     import jax.numpy as jnp  # noqa: PLC0415 (startup: `jdllm convert --help` and config reads stay free of JAX)
     from jdllm.model import default_layout, to_layout  # noqa: PLC0415 (startup: `jdllm convert --help` and config reads stay free of JAX)
     from jdllm.sharding import put  # noqa: PLC0415 (startup: `jdllm convert --help` and config reads stay free of JAX)
@@ -427,17 +476,55 @@ def _load_hf_params(path: str, cfg: ModelConfig, dtype, placement, check_finite:
         elif p[0] == "layers":
             for i, lp in enumerate(params["layers"]):
                 x = host[i]
-                lp[p[1]] = jnp.asarray(x) if shardings is None else put(x, shardings["layers"][i][p[1]])
+                if quantize is not None and shardings is None:
+                    lp[p[1]] = _quantized_on_host(x, p[1], quantize)
+                else:
+                    lp[p[1]] = jnp.asarray(x) if shardings is None else put(x, shardings["layers"][i][p[1]])
         else:
             target = None if shardings is None else shardings[p[0]]
-            params[p[0]] = jnp.asarray(host) if target is None else put(host, target)
+            if quantize is not None and target is None:
+                params[p[0]] = _quantized_on_host(host, p[0], quantize)
+            else:
+                params[p[0]] = jnp.asarray(host) if target is None else put(host, target)
         del host
     final = None if placement is None else placement.param_shardings(cfg, layout)
-    return to_layout(params, cfg, layout, shardings=final, consume=True)
+    params = to_layout(params, cfg, layout, shardings=final, consume=True)
+    if quantize is not None and (placement is not None or stacked_shardings is not None):
+        from jdllm.quant import quantize_params  # noqa: PLC0415 (startup: `jdllm convert --help` and config reads stay free of JAX)
+        params = quantize_params(params, quantize, consume=True)  # on the mesh: each scale sharded as XLA places it
+    return params
+
+
+def _quantized_on_host(x: np.ndarray, name: str, quantize):
+    """One weight quantized with NumPy (or left as it is when `quantize` does not select it), then put on the device."""
+    import jax.numpy as jnp  # noqa: PLC0415 (startup: `jdllm convert --help` and config reads stay free of JAX)
+    from jdllm import quant  # noqa: PLC0415 (startup: `jdllm convert --help` and config reads stay free of JAX)
+    if not quantize.wants(name):
+        return jnp.asarray(x)
+    axes, group = quantize.axes_for(name, x.shape)
+    qa = quant.quantize_array(x, quantize.scheme, axes, xp=np, group=group)
+    return quant.QArray(jnp.asarray(qa.q), jnp.asarray(qa.scale), qa.dtype_name)
+
+
+def check_not_prequantized(path: str, quantize) -> None:
+    """A Hugging Face directory already quantized (config.json's `quantization_config`: GPTQ, AWQ,
+    fp8, ...) is not read by jdllm, and quantizing it again would compound the error."""
+    try:
+        with open(os.path.join(path, CONFIG_FILE)) as f:
+            qcfg = json.load(f).get("quantization_config")
+    except (OSError, ValueError, AttributeError):
+        return
+    if qcfg:
+        method = qcfg.get("quant_method", "?") if isinstance(qcfg, dict) else qcfg
+        raise errors.QuantizationError(
+            f"{os.path.join(path, CONFIG_FILE)} has quantization_config (quant_method={method!r}): these "
+            f"weights are already quantized{'' if quantize is None else f', quantize={quantize.scheme!r} would quantize them twice'}; "
+            "jdllm reads full-precision Hugging Face weights: use the unquantized model "
+            "(then quantize=\"int8\" or \"fp8\")")
 
 
 def load_model(path: str, dtype="bfloat16", attn_impl: str = "auto", shardings=None,
-               check_finite: bool = False, mesh=None, rules=None):
+               check_finite: bool = False, mesh=None, rules=None, quantize=None, kv_cache=None):
     """A `jdllm.loading.Model` from a Hugging Face directory or a jdllm checkpoint directory
     (with `mesh`: params placed on it under `rules`, each device reading only its slices)."""
     import jax  # noqa: PLC0415 (jax and the model stay unimported until a model is read)
@@ -449,6 +536,10 @@ def load_model(path: str, dtype="bfloat16", attn_impl: str = "auto", shardings=N
         raise errors.ArgumentTypeError(
             f"load(path={path!r}): expected a directory path (str or os.PathLike), got {type(path).__name__}")
     check_attn_impl(attn_impl)
+    from jdllm import quant  # noqa: PLC0415 (startup: `jdllm convert --help` and config reads stay free of JAX)
+    quantize = quant.as_quantization(quantize)  # an unknown scheme fails here, before any weight is read
+    if kv_cache not in quant.KV_CACHE_DTYPES:
+        raise errors.QuantizationError(f"kv_cache={kv_cache!r} is not one of {quant.KV_CACHE_DTYPES}")
     path = os.fspath(path)
     if not os.path.isdir(path):
         raise errors.CheckpointError(
@@ -461,26 +552,38 @@ def load_model(path: str, dtype="bfloat16", attn_impl: str = "auto", shardings=N
     elif rules is not None:
         raise errors.ShardingError("rules= needs a mesh=: pass jdllm.load(path, mesh=mesh, rules=rules)")
     if is_jdllm_dir(path):
-        cfg = read_jdllm_meta(path)["config"]
+        meta = read_jdllm_meta(path)
+        cfg = meta["config"]
         check_special_ids(cfg, path)
+        stored_q = quant.from_meta(meta.get("quantization"))
+        if stored_q is not None:  # a quantized checkpoint: quantize= may only repeat what it holds
+            if quantize is not None and quantize != stored_q:
+                raise errors.QuantizationError(
+                    f"{path} is already quantized as {stored_q} (by `jdllm convert --quantize`); "
+                    f"quantize={quantize} disagrees: drop quantize= (or pass the same), or convert "
+                    "the Hugging Face directory again with the scheme you want")
+            quantize = None
         if placement is not None:
             shardings = placement.param_shardings(cfg)
-        check_params_fit(cfg, dtype, shardings, source=path)  # before any weight is placed
+        check_params_fit(cfg, dtype, shardings, source=path,  # before any weight is placed
+                         quantize=stored_q or quantize)
         params = None
-        if placement is not None or shardings is None:  # read layer by layer (the caller's own
-            params = restore_per_layer(path, cfg, dtype, placement)  # stacked shardings: Orbax)
+        if stored_q is None and (placement is not None or shardings is None):  # read layer by layer (the
+            params = restore_per_layer(path, cfg, dtype, placement)  # caller's own stacked shardings: Orbax)
         if params is None:
             params = restore_params(path, dtype=dtype, shardings=shardings)
         layout = default_layout(placement)  # split per layer, each stacked array freed once split
         params = to_layout(params, cfg, layout, consume=True,
                            shardings=None if placement is None else placement.param_shardings(cfg, layout))
+        params = quant.quantize_params(params, quantize, consume=True)
     elif is_hf_dir(path):
         cfg = ModelConfig.from_hf(path)
+        check_not_prequantized(path, quantize)
         check_special_ids(cfg, os.path.join(path, CONFIG_FILE))
         stacked = placement.param_shardings(cfg) if placement is not None else shardings
-        check_params_fit(cfg, dtype, stacked, source=path)
+        check_params_fit(cfg, dtype, stacked, source=path, quantize=quantize)
         params = _load_hf_params(path, cfg, np_dtype(dtype), placement, check_finite,
-                                 stacked_shardings=shardings if placement is None else None)
+                                 stacked_shardings=shardings if placement is None else None, quantize=quantize)
         check_finite = False  # checked on the host, before the copy to the device
     else:
         raise errors.CheckpointError(
@@ -488,12 +591,15 @@ def load_model(path: str, dtype="bfloat16", attn_impl: str = "auto", shardings=N
             "point at a model directory")
     if check_finite:
         check_params_finite(params, cfg, source=path)
+    quant.check_fp8_device(quantize)
+    if kv_cache is not None:
+        cfg = cfg.replace(kv_cache_dtype=kv_cache)
     return Model(config=cfg, params=params, tokenizer=load_tokenizer(path), attn_impl=attn_impl, path=path,
                  placement=placement)
 
 
 def load(path: str, dtype: str | Any = "bfloat16", attn_impl: str = "auto", check_finite: bool = False,
-         mesh=None, rules=None):
+         mesh=None, rules=None, quantize=None, kv_cache=None):
     """Load a Hugging Face model directory or a jdllm checkpoint directory (`jdllm.load`).
 
     mesh: a `jax.sharding.Mesh` (`jdllm.sharding.make_mesh`, or your own `jax.make_mesh`, Auto or
@@ -507,8 +613,14 @@ def load(path: str, dtype: str | Any = "bfloat16", attn_impl: str = "auto", chec
     check_finite: scan every weight for NaN/inf first and raise
     `errors.NonFiniteWeightsError` naming the tensor (one pass over the weights;
     the `jdllm` command line does it by default).
+    quantize: None (the weights in `dtype`), "int8" or "fp8" (weight-only, one scale per output
+    channel; `dtype` stays the activation dtype) or a `jdllm.quant.Quantization` choosing whether
+    the embedding and LM head are quantized too. Each weight is quantized as it is read.
+    kv_cache: None (the KV cache in the activation dtype) or "int8" (one absmax scale per token
+    and KV head; K / V dequantized where attention reads them): `config.kv_cache_dtype`.
     """
     from jdllm import compile_cache  # noqa: PLC0415
 
     compile_cache.enable()  # JAX's persistent compilation cache (a bad JDLLM_CACHE_DIR fails here, early)
-    return load_model(path, dtype=dtype, attn_impl=attn_impl, check_finite=check_finite, mesh=mesh, rules=rules)
+    return load_model(path, dtype=dtype, attn_impl=attn_impl, check_finite=check_finite, mesh=mesh, rules=rules,
+                      quantize=quantize, kv_cache=kv_cache)

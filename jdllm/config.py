@@ -46,6 +46,7 @@ class ModelConfig:
     pad_token_id: int | None = None
     bos_token_id: int | None = None
     weight_layout: str = "hf"  # "hf" (model.layers.N.*) | "llada" (model.transformer.blocks.N.*)
+    kv_cache_dtype: str | None = None  # "int8": KV cache in int8, a scale per (token, KV head) (load(kv_cache=))
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",

@@ -96,11 +96,12 @@ def stored_dtype(source: str | None) -> str | None:
 
 
 def check_params_fit(cfg, dtype, shardings=None, *, source: str | None = None, devices=None,
-                     memory_stats: Callable | None = None) -> None:
+                     memory_stats: Callable | None = None, quantize=None) -> None:
     """Before loading `cfg`'s weights in `dtype` (None: the dtype `source` stores, see
     `stored_dtype`; unknown -> no check) placed with `shardings` (a pytree of shardings like the
     params, or None: all on `devices[0]`, default the first device): raise
-    `errors.DeviceMemoryError` where they cannot fit (see `check_fits`)."""
+    `errors.DeviceMemoryError` where they cannot fit (see `check_fits`). quantize (a
+    `jdllm.quant.Quantization`): the weights it selects count one byte per value."""
     import jax  # noqa: PLC0415
 
     from jdllm.model import param_shapes  # noqa: PLC0415
@@ -116,9 +117,15 @@ def check_params_fit(cfg, dtype, shardings=None, *, source: str | None = None, d
             return
     shapes = param_shapes(cfg)
     leaves = []  # (shape, dtype, sharding) per parameter, paired by position in the tree
-    jax.tree.map(lambda s, p: leaves.append((s, dt, p)), shapes,
-                 jax.tree.map(lambda _: None, shapes, is_leaf=_is_shape) if shardings is None else shardings,
-                 is_leaf=_is_shape)
+    one_byte = np.dtype(np.int8)
+
+    def add(path, s, p):
+        name = getattr(path[-1], "key", None)
+        leaves.append((s, one_byte if quantize is not None and quantize.wants(name) else dt, p))
+
+    jax.tree_util.tree_map_with_path(
+        add, shapes, jax.tree.map(lambda _: None, shapes, is_leaf=_is_shape) if shardings is None else shardings,
+        is_leaf=_is_shape)
     default = (devices or jax.devices())[0] if shardings is None else None
     check_fits(bytes_per_device(leaves, default), f"the model's parameters in {dt.name}", memory_stats)
 

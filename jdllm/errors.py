@@ -17,6 +17,11 @@ class UnknownArchitectureError(ConfigError):
     """config.json names a model_type / architecture jdllm does not implement."""
 
 
+class QuantizationError(ConfigError):
+    """A `quantize=` request jdllm cannot honour: an unknown scheme, weights already quantized,
+    a quantized checkpoint whose scheme or shapes disagree with what was asked."""
+
+
 class CheckpointError(JdllmError):
     """A weights directory that is incomplete, corrupt or disagrees with its config."""
 

@@ -58,6 +58,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="a prompt as comma-separated token ids (repeatable; for models without a tokenizer)")
     p.add_argument("--chat", action="store_true", help="wrap each prompt in the tokenizer's chat template")
     p.add_argument("--dtype", default="float32", choices=DTYPES, help="parameter dtype (default: float32)")
+    # choices: jdllm.quant.SCHEMES, spelled out so --help stays free of JAX
+    p.add_argument("--quantize", default=None, choices=("int8", "fp8", "int4"),
+                   help="weight-only quantization of the matmul weights, one scale per output channel "
+                        "(--dtype stays the activation dtype; default: none)")
+    p.add_argument("--kv-cache", default=None, choices=("int8",),  # jdllm.quant.KV_CACHE_DTYPES
+                   help="int8: the KV cache in int8, one scale per token and KV head (default: the activation dtype)")
     p.add_argument("--attn-impl", default="auto", choices=ATTN_IMPLS,
                    help="attention implementation (default: auto = Pallas on a GPU, XLA elsewhere)")
     add_check_finite_argument(p)
@@ -248,7 +254,7 @@ def run_command(args) -> int:
             sharding.initialize_distributed()
         mesh = sharding.make_mesh(args.mesh)
     model = jdllm.load(args.model, dtype=args.dtype, attn_impl=args.attn_impl, check_finite=args.check_finite,
-                       mesh=mesh)
+                       mesh=mesh, quantize=args.quantize, kv_cache=args.kv_cache)
     decoding = decoding_from_args(args, model.config)
     cls = type(decoding)
     constraint = constraint_from_args(args)

@@ -24,6 +24,7 @@ import jax
 import numpy as np
 import jax.numpy as jnp
 
+from jdllm import quant
 from jdllm.config import ModelConfig
 from pallas_kernels import attention as attention_op
 from pallas_kernels import resolve_impl
@@ -137,7 +138,8 @@ def shape_mismatch(tree, cfg: ModelConfig):
     layout = layer_layout(tree) if layers is not None else "stacked"
     flat_w = {jax.tree_util.keystr(k): tuple(s.shape) for k, s in
               jax.tree_util.tree_flatten_with_path(param_specs(cfg, layout), is_leaf=is_param_spec)[0]}
-    flat_t = {jax.tree_util.keystr(k): tuple(v.shape) for k, v in jax.tree_util.tree_flatten_with_path(tree)[0]}
+    flat_t = {jax.tree_util.keystr(k): tuple(v.shape)  # a quantized weight (`quant.QArray`) has its weight's shape
+              for k, v in jax.tree_util.tree_flatten_with_path(tree, is_leaf=quant.is_quantized)[0]}
     for name, want in flat_w.items():
         if flat_t.get(name) != want:
             return name, flat_t.get(name), want
@@ -166,10 +168,20 @@ class KVCache:
     k: jax.Array
     v: jax.Array
     length: jax.Array
+    k_scale: jax.Array | None = None  # int8 cache (cfg.kv_cache_dtype "int8"): [layers, B, S_max, kv_heads, 1]
+    v_scale: jax.Array | None = None
 
     @classmethod
     def empty(cls, cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.float32) -> "KVCache":
+        """Zeros in `dtype`, or int8 with float32 scales when cfg.kv_cache_dtype is "int8" (K and V
+        are quantized as they are written, one absmax scale per token and KV head, and
+        dequantized to the activation dtype where attention reads them)."""
         shape = (cfg.num_layers, batch, max_len, cfg.num_kv_heads, cfg.head_dim)
+        if cfg.kv_cache_dtype == "int8":
+            scales = shape[:-1] + (1,)
+            return cls(k=jnp.zeros(shape, jnp.int8), v=jnp.zeros(shape, jnp.int8),
+                       length=jnp.zeros((batch,), jnp.int32), k_scale=jnp.zeros(scales, jnp.float32),
+                       v_scale=jnp.zeros(scales, jnp.float32))
         return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype),
                    length=jnp.zeros((batch,), jnp.int32))
 
@@ -227,11 +239,25 @@ def kv_buckets(max_len: int) -> tuple[int, ...]:
     return (*sizes, max_len)
 
 
+def quantize_kv(x):
+    """K or V [B, T, KV, Dh] -> (int8 values, float32 scales [B, T, KV, 1]): absmax per token and head."""
+    xf = x.astype(jnp.float32)
+    amax = jnp.max(jnp.abs(xf), axis=-1, keepdims=True)
+    scale = jnp.where(amax > 0, amax / 127.0, 1.0)
+    return jnp.clip(jnp.round(xf / scale), -127, 127).astype(jnp.int8), scale
+
+
+def dequantize_kv(q, scale, dtype):
+    return (q.astype(jnp.float32) * scale).astype(dtype)
+
+
 # --------------------------------------------------------------------------- pieces
 def mm(spec: str, x, w, **kw):
     """`jnp.einsum(spec, x, w)` at full float32 precision when an operand is float32 (XLA:GPU would
     run it in TF32 by default: a float32 model is exact on every backend), the backend's default
-    (the tensor cores) for bfloat16."""
+    (the tensor cores) for bfloat16. A `jdllm.quant.QArray` weight runs as `quant.einsum`."""
+    if isinstance(w, quant.QArray):  # weight-only quantized: q converted inside the dot, output channels scaled
+        return quant.einsum(spec, x, w, precision=dot_precision(x.dtype, x.dtype), **kw)
     return jnp.einsum(spec, x, w, precision=dot_precision(x.dtype, w.dtype), **kw)
 
 
@@ -351,7 +377,7 @@ def forward(params: Params, cfg: ModelConfig, tokens, positions, *, start, cache
     """
     B, T = tokens.shape
     inv_freq, rope_scale = rope_frequencies(cfg)
-    h = jnp.take(params["embed"], tokens, axis=0)  # [B, T, D]
+    h = quant.take_rows(params["embed"], tokens)  # [B, T, D]
     start = jnp.asarray(start, jnp.int32)
 
     if cache is None:
@@ -388,7 +414,7 @@ def forward(params: Params, cfg: ModelConfig, tokens, positions, *, start, cache
             bucket = jnp.minimum(jnp.searchsorted(jnp.asarray(sizes, jnp.int32), live), len(sizes) - 1)
 
     def layer(carry, xs):
-        h, ck, cv = carry
+        h, ck, cv, sk, sv = carry  # sk / sv: an int8 cache's scales (None otherwise)
         lp, i = xs
         x = rms_norm(h, lp["attn_norm"], cfg.rms_norm_eps)
         if "qkv" in lp:  # fused by `unstack_layers`: one matmul, then the heads split apart
@@ -414,9 +440,22 @@ def forward(params: Params, cfg: ModelConfig, tokens, positions, *, start, cache
         if ck is None:
             a = attend(k, v)
         else:
-            if keep_below is not None or keep_from is not None:  # keep the cached K/V outside [below, from)
+            if (keep_below is not None or keep_from is not None) and sk is None:  # keep the cached K/V outside [below, from)
                 k, v = (jnp.where(keep[:, :, None, None], window_of(c[i]), x.astype(c.dtype))
                         for c, x in ((ck, k), (cv, v)))
+            elif keep_below is not None or keep_from is not None:  # int8: re-quantizing a kept row gives it back
+                k, v = (jnp.where(keep[:, :, None, None], dequantize_kv(window_of(c[i]), window_of(sc[i]), x.dtype), x)
+                        for c, sc, x in ((ck, sk, k), (cv, sv, v)))
+            kls = vls = None
+            if sk is not None:  # int8 cache: K / V written quantized, one scale per (token, KV head)
+                (k, ks), (v, vs) = quantize_kv(k), quantize_kv(v)
+                if write_cache:
+                    sk, sv = write_rows(sk, ks, q_offset, layer=i), write_rows(sv, vs, q_offset, layer=i)
+                    kls = jax.lax.dynamic_index_in_dim(sk, i, 0, keepdims=False)
+                    vls = jax.lax.dynamic_index_in_dim(sv, i, 0, keepdims=False)
+                else:
+                    kls = write_rows(jax.lax.dynamic_index_in_dim(sk, i, 0, keepdims=False), ks, q_offset)
+                    vls = write_rows(jax.lax.dynamic_index_in_dim(sv, i, 0, keepdims=False), vs, q_offset)
             # this layer's cache [B, S, KV, D] with the window written, sliced once; a bucket branch
             # takes only it, not the whole cache of every layer (a conditional's operands may be copied)
             if write_cache:
@@ -428,12 +467,16 @@ def forward(params: Params, cfg: ModelConfig, tokens, positions, *, start, cache
                 vl = write_rows(jax.lax.dynamic_index_in_dim(cv, i, 0, keepdims=False), v, q_offset)
 
             def upto(n):  # attention over this layer's cache slots [0, n)
-                return lambda kl, vl: attend(kl[:, :n], vl[:, :n])
+                if kls is None:
+                    return lambda kl, vl: attend(kl[:, :n], vl[:, :n])
+                return lambda kl, vl, ks, vs: attend(dequantize_kv(kl[:, :n], ks[:, :n], q.dtype),
+                                                     dequantize_kv(vl[:, :n], vs[:, :n], q.dtype))
 
+            operands = (kl, vl) if kls is None else (kl, vl, kls, vls)
             if bucket is None:
-                a = upto(sizes[0] if sizes else ck.shape[2])(kl, vl)
+                a = upto(sizes[0] if sizes else ck.shape[2])(*operands)
             else:
-                a = jax.lax.switch(bucket, [upto(n) for n in sizes], kl, vl)
+                a = jax.lax.switch(bucket, [upto(n) for n in sizes], *operands)
         h = h + mm("bthk,hkd->btd", a, lp["o"])
         x = rms_norm(h, lp["mlp_norm"], cfg.rms_norm_eps)
         if "gate_up" in lp:
@@ -442,9 +485,10 @@ def forward(params: Params, cfg: ModelConfig, tokens, positions, *, start, cache
             g = mm("btd,df->btf", x, lp["gate"])
             u = mm("btd,df->btf", x, lp["up"])
         h = h + mm("btf,fd->btd", jax.nn.silu(g) * u, lp["down"])
-        return (h, ck, cv), None
+        return (h, ck, cv, sk, sv), None
 
     ck, cv = (None, None) if cache is None else (cache.k, cache.v)
+    sk, sv = (None, None) if cache is None else (cache.k_scale, cache.v_scale)
     if isinstance(params["layers"], (tuple, list)):  # one weight dict per layer (`unstack_layers`)
         # One trace of the layer for all of them: a jitted body called per layer (XLA inlines the
         # calls, so the program is the straight-line one), traced and lowered once instead of once
@@ -454,14 +498,14 @@ def forward(params: Params, cfg: ModelConfig, tokens, positions, *, start, cache
         once = _TRACE_LAYER_ONCE and isinstance(h, jax.core.Tracer)
         body = jax.jit(layer) if once else layer
         for i, lp in enumerate(params["layers"]):
-            (h, ck, cv), _ = body((h, ck, cv), (lp, np.int32(i) if once else i))
+            (h, ck, cv, sk, sv), _ = body((h, ck, cv, sk, sv), (lp, np.int32(i) if once else i))
     else:
         idx = jnp.arange(cfg.num_layers, dtype=jnp.int32)
-        (h, ck, cv), _ = jax.lax.scan(layer, (h, ck, cv), (params["layers"], idx))
+        (h, ck, cv, sk, sv), _ = jax.lax.scan(layer, (h, ck, cv, sk, sv), (params["layers"], idx))
     h = rms_norm(h, params["final_norm"], cfg.rms_norm_eps)
     hs = h if logits_at is None else jnp.take_along_axis(h, jnp.asarray(logits_at, jnp.int32)[..., None], axis=1)
     logits = lm_head(params, cfg, hs)
-    new_cache = None if cache is None else dataclasses.replace(cache, k=ck, v=cv)
+    new_cache = None if cache is None else dataclasses.replace(cache, k=ck, v=cv, k_scale=sk, v_scale=sv)
     if return_hidden:
         return logits, new_cache, h
     return logits, new_cache
@@ -496,7 +540,7 @@ def stack_layers(params: Params, cfg: ModelConfig | None = None) -> Params:
     if not isinstance(params["layers"], (tuple, list)):
         return params
     layers = [split_projections(lp, cfg) for lp in params["layers"]]
-    stacked = {k: jnp.stack([lp[k] for lp in layers]) for k in layers[0]}
+    stacked = {k: quant.stack([lp[k] for lp in layers]) for k in layers[0]}
     return dict(params, layers=stacked)
 
 
@@ -529,6 +573,8 @@ def to_layout(params: Params, cfg: ModelConfig, layout: str, *, shardings=None, 
         s = shardings
         for k in path:
             s = s[k]
+        if isinstance(x, quant.QArray):  # q as the weight, its scale along the same output axes
+            return quant.put(x, s)
         return x if getattr(x, "sharding", None) == s else jax.device_put(x, s)
 
     def drop(x):
@@ -597,8 +643,8 @@ def fuse_projections(lp: Params) -> Params:
     CPU thread a small-M matmul pays a fixed cost per call (see benchmarks/RESULTS.md), on a GPU a
     kernel launch."""
     lp = dict(lp)
-    lp["qkv"] = jnp.concatenate([lp.pop("q"), lp.pop("k"), lp.pop("v")], axis=1)
-    lp["gate_up"] = jnp.concatenate([lp.pop("gate"), lp.pop("up")], axis=1)
+    lp["qkv"] = quant.concat([lp.pop("q"), lp.pop("k"), lp.pop("v")], axis=1)
+    lp["gate_up"] = quant.concat([lp.pop("gate"), lp.pop("up")], axis=1)
     return lp
 
 

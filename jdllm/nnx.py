@@ -59,6 +59,13 @@ class Model(nnx.Module):
                 f"jdllm.nnx.Model takes a jdllm.Model (jdllm.load(...) or jdllm.Model.random(...)), "
                 f"not {type(model).__name__}")
         cfg = model.config
+        from jdllm import quant  # noqa: PLC0415
+        if quant.describe(model.params) is not None:
+            raise errors.QuantizationError(
+                f"jdllm.nnx.Model trains float weights, and this model's are quantized "
+                f"({quant.describe(model.params)!r}); load it without quantize= for training (a "
+                "quantized rollout model takes the trainer's weights through update_params), or "
+                "view jdllm.Model(config, jdllm.quant.dequantize_params(params))")
         check_params(model.params, cfg)
         axes = jax.tree.map(lambda s: s.axes, param_specs(cfg, layer_layout(model.params)), is_leaf=is_param_spec)
         self.config = cfg

@@ -55,6 +55,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jdllm import errors
+from jdllm.quant import shardings_like
 from jdllm.device_memory import check_placement_fits
 from jdllm.model import default_layout, is_param_spec, layer_layout, param_specs, to_layout
 from pallas_kernels import ShardedAttention, resolve_impl
@@ -231,10 +232,10 @@ class Placement:
         this placement (`jdllm.model.default_layout`), one weight at a time, after checking that each
         device's shards fit in its free memory (`jdllm.device_memory`)."""
 
-        check_placement_fits(params, self.param_shardings(cfg, layer_layout(params)))
+        check_placement_fits(params, shardings_like(params, self.param_shardings(cfg, layer_layout(params))))
         layout, owned = default_layout(self), False
         if layer_layout(params) == "stacked":  # host arrays: each device receives only its slices
-            placed = jax.tree.map(put, params, self.param_shardings(cfg))
+            placed = jax.tree.map(put, params, shardings_like(params, self.param_shardings(cfg)))
             # free the placed stacked arrays as they are split only when they came from the host:
             # a jax Array's placed copy may share its buffers (device_put can alias a shard)
             owned = not any(isinstance(a, jax.Array) for a in jax.tree.leaves(params))
@@ -258,7 +259,7 @@ class Placement:
         def one(path, x):
             keys = [getattr(k, "name", getattr(k, "key", None)) for k in path]
             shape = np.shape(x)
-            if "cache" in keys and keys[-1] in ("k", "v"):
+            if "cache" in keys and keys[-1] in ("k", "v", "k_scale", "v_scale"):
                 return NamedSharding(mesh, self.spec(CACHE_AXES, shape, f"KV cache {keys[-1]} {shape}"))
             if len(shape) and shape[0] == rows:
                 return NamedSharding(mesh, P(batch))

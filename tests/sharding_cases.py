@@ -149,6 +149,21 @@ def main(which: str = "all"):
         # default rules (heads and KV heads both split over `model`, rows over `data`): logits only
         sm = jdllm.Model(m.config, m.params, attn_impl="pallas").shard(meshes["2x4"])
         emit(paradigm="pallas_logits", mesh="2x4", equal=True, split=split_ok(sm), **logit_check(m, sm))
+    if which in ("all", "quick", "quant"):
+        # int8 weights (jdllm.quant) on 2x4: q split as the weight is, each scale beside its shards
+        # (heads / MLP columns / vocabulary rows over `model`); same tokens as int8 on one device
+        from jdllm import quant  # noqa: PLC0415
+
+        name, m, dec = [c for c in cases() if c[0] == "block_diffusion"][0]
+        qm = jdllm.Model(m.config, quant.quantize_params(m.params, "int8"), attn_impl="xla")
+        ref = run(qm, dec)
+        sm = qm.shard(meshes["2x4"])
+        got = run(sm, dec)
+        qkv = [lp["q"] for lp in sm.params["layers"]]
+        scales_split = all(s.data.shape[1] == q.scale.shape[1] // 4 for q in qkv for s in q.scale.addressable_shards)
+        emit(paradigm="quant_int8_block_diffusion", mesh="2x4", equal=got == ref,
+             split=all(s.data.shape[1] == q.shape[1] // 4 for q in qkv for s in q.q.addressable_shards)
+             and scales_split, tokens=[g[0] for g in got], ref=[r[0] for r in ref])
     if which in ("all", "quick", "rl"):
         # RL rollouts take sharded params: same sampled tokens and log-probs as on one device
         from jdllm import rl  # noqa: PLC0415

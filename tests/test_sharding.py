@@ -154,7 +154,7 @@ def test_sharded_decoding_equals_one_device(equality_run):
     seen = {(r["paradigm"], r["mesh"]) for r in rows if "paradigm" in r}
     assert {(name, "2x4") for name in ("ar", "ar_spec", "block_diffusion", "multi_block", "masked_diffusion")} \
         | {("pallas_block_diffusion", "1x8"), ("pallas_logits", "2x4"), ("rl_rollout", "2x4"),
-           ("serve_block_diffusion", "2x4")} <= seen, seen
+           ("serve_block_diffusion", "2x4"), ("quant_int8_block_diffusion", "2x4")} <= seen, seen
     for r in (r for r in rows if "paradigm" in r):
         assert r["equal"], r
         assert r["split"], r

@@ -53,7 +53,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jdllm import errors
+from jdllm import errors, quant
 from jdllm.api import tokenize
 from jdllm.decode.ar import AR
 from jdllm.decode.protocol import Paradigm
@@ -216,7 +216,8 @@ class JdllmRollout(_Base):
         """Roll out with new weights: the actor's `nnx.state` (tunix's `sync_weights`), a
         `jdllm.nnx.Model`, a jdllm params pytree, or what `param_map` maps. Every weight must keep
         its shape and dtype (else `ConfigError` naming it, and the previous weights stay in
-        use); nothing recompiles."""
+        use); nothing recompiles. A rollout model loaded with `quantize=` gets the new weights
+        quantized the same way (the trainer keeps the float ones)."""
         del filter_types
         from jdllm import nnx as jnnx  # noqa: PLC0415
 
@@ -229,6 +230,9 @@ class JdllmRollout(_Base):
                     f"update_params: weight {jax.tree_util.keystr(path)} has dtype {getattr(x, 'dtype', type(x))}, "
                     f"the rollout runs {want}: cast the trainer's weights (or load the model with "
                     "dtype=) so they agree; the previous weights stay in use")
+        qc = quant.config_of(self.params())
+        if qc is not None:  # a quantized rollout model: the trainer's float weights are quantized the same way
+            new = quant.quantize_params(new, qc)
         if self._view is not None:
             self._view.load_params(new)
         else:

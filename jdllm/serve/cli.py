@@ -57,6 +57,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--constraint-classes", type=int, default=64,
                    help="token classes a constraint's DFA may have (with --constraint-states; default: 64)")
     p.add_argument("--dtype", default="float32", choices=DTYPES, help="parameter dtype (default: float32)")
+    # choices: jdllm.quant.SCHEMES, spelled out so --help stays free of JAX
+    p.add_argument("--quantize", default=None, choices=("int8", "fp8", "int4"),
+                   help="weight-only quantization of the matmul weights, one scale per output channel "
+                        "(--dtype stays the activation dtype; default: none)")
+    p.add_argument("--kv-cache", default=None, choices=("int8",),  # jdllm.quant.KV_CACHE_DTYPES
+                   help="int8: the KV cache in int8, one scale per token and KV head (default: the activation dtype)")
     p.add_argument("--attn-impl", default="auto", choices=ATTN_IMPLS)
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
     add_check_finite_argument(p)
@@ -84,7 +90,7 @@ def run_command(args) -> int:
 
             mesh = sharding.make_mesh(args.mesh)
         model = jdllm.load(args.model, dtype=args.dtype, attn_impl=args.attn_impl, check_finite=args.check_finite,
-                           mesh=mesh)
+                           mesh=mesh, quantize=args.quantize, kv_cache=args.kv_cache)
         decoding = decoding_from_args(args, model.config, command="serve")
         engine = Engine(model, decoding, max_batch=args.max_batch, max_queue=args.max_queue,
                         max_prompt_tokens=args.max_prompt_tokens, max_new_tokens=args.max_new_tokens,

@@ -50,8 +50,10 @@ def merge_row(pool: DecodeState, new: DecodeState, row) -> DecodeState:
     """
     def put(p, n):
         if isinstance(p, KVCache):
+            scales = {} if p.k_scale is None else dict(k_scale=p.k_scale.at[:, row].set(n.k_scale[:, 0]),
+                                                       v_scale=p.v_scale.at[:, row].set(n.v_scale[:, 0]))
             return dataclasses.replace(p, k=p.k.at[:, row].set(n.k[:, 0]), v=p.v.at[:, row].set(n.v[:, 0]),
-                                       length=p.length.at[row].set(n.length[0]))
+                                       length=p.length.at[row].set(n.length[0]), **scales)
         return p if p.ndim == 0 else p.at[row].set(n[0])
 
     rest = {f.name: getattr(pool, f.name) for f in dataclasses.fields(pool)

@@ -1,0 +1,239 @@
+"""Weight-only int8 / fp8 (`jdllm.quant`, `jdllm.load(..., quantize=)`).
+
+References independent of the fused path: a NumPy absmax quantizer and a NumPy
+dequantize-then-einsum for every projection shape the forward uses, and each paradigm run
+on the quantized weights against itself on the explicitly dequantized ones (the same numbers
+through the plain path: tokens must agree under greedy decoding).
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jdllm
+from jdllm import errors, quant
+from jdllm.model import mm
+from tests.decode_fixtures import fast_compile  # noqa: F401 (fixture)
+
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+MODELS = os.path.join(ROOT, "models")
+PROMPTS = ["sort:3 1 2=", "add:12+34=", "rev:abc="]
+
+
+def np_quantize(w: np.ndarray, scheme: str, axes: tuple[int, ...]):
+    """The reference: absmax over the contracted axes, q = round(w / scale) (int8) or the
+    nearest e4m3 value (fp8, through ml_dtypes' cast)."""
+    qmax = {"int8": 127.0, "fp8": 448.0}[scheme]
+    amax = np.abs(w).max(axis=axes, keepdims=True)
+    scale = np.where(amax > 0, amax / qmax, 1.0).astype(np.float32)
+    y = np.clip(w / scale, -qmax, qmax)
+    q = np.round(y).astype(np.int8) if scheme == "int8" else y.astype(jnp.float8_e4m3fn)
+    return q, scale
+
+
+# (einsum spec, x shape, weight name, weight shape): every projection the forward runs
+SHAPES = [("btd,dhk->bthk", (2, 3, 16), "qkv", (16, 6, 8)), ("bthk,hkd->btd", (2, 3, 4, 8), "o", (4, 8, 16)),
+          ("btd,df->btf", (2, 3, 16), "gate_up", (16, 24)), ("btf,fd->btd", (2, 3, 12), "down", (12, 16)),
+          ("...d,vd->...v", (2, 3, 16), "embed", (40, 16)), ("...d,dv->...v", (2, 3, 16), "lm_head", (16, 40))]
+
+
+def np_quantize_groups(w: np.ndarray, axis: int, group: int):
+    """int4 reference: absmax over each `group` consecutive elements of `axis`, round, clip to +-7."""
+    g = np.moveaxis(w, axis, -1)
+    g = g.reshape(g.shape[:-1] + (g.shape[-1] // group, group))
+    amax = np.abs(g).max(-1, keepdims=True)
+    scale = np.where(amax > 0, amax / 7, 1.0).astype(np.float32)
+    deq = (np.clip(np.round(g / scale), -7, 7) * scale).reshape(g.shape[:-2] + (-1,))
+    return np.moveaxis(deq, -1, axis)
+
+
+@pytest.mark.parametrize("scheme", ["int8", "fp8", "int4"])
+def test_matmul_matches_numpy_dequantize_then_einsum(scheme):
+    rng = np.random.default_rng(0)
+    for spec, xs, name, ws in SHAPES:
+        w = rng.normal(size=ws).astype(np.float32) * rng.uniform(0.1, 3, size=ws[-1]).astype(np.float32)
+        x = rng.normal(size=xs).astype(np.float32)
+        if scheme == "int4":  # groups of 4 along the last contracted axis
+            axes, group = jdllm.Quantization("int4", group_size=4).axes_for(name, w.shape)
+            qa = quant.quantize_array(jnp.asarray(w), scheme, axes, group=group)
+            assert qa.q.dtype == jnp.int4
+            want = np.einsum(spec, x, np_quantize_groups(w, axes[0], 4))
+            np.testing.assert_allclose(np.asarray(mm(spec, jnp.asarray(x), qa)), want, rtol=1e-5, atol=1e-5)
+            continue
+        qa = quant.quantize_array(jnp.asarray(w), scheme, quant.CONTRACTED[name])
+        q, scale = np_quantize(w, scheme, quant.CONTRACTED[name])
+        np.testing.assert_array_equal(np.asarray(qa.q).astype(np.float32), q.astype(np.float32), err_msg=name)
+        np.testing.assert_allclose(np.asarray(qa.scale), scale, rtol=1e-6, err_msg=name)  # XLA may divide by 127 as a multiply
+        want = np.einsum(spec, x, q.astype(np.float32) * scale)
+        got = np.asarray(mm(spec, jnp.asarray(x), qa))
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5, err_msg=f"{name} {spec}")
+        # int8 keeps each weight within half a step of its channel's scale
+        if scheme == "int8":
+            assert np.all(np.abs(q * scale - w) <= scale / 2 + 1e-6)
+    ids = jnp.asarray([[0, 5, 39]])
+    group = 4 if scheme == "int4" else None
+    qa = quant.quantize_array(jnp.asarray(w.T), scheme, (1,) if group else quant.CONTRACTED["embed"],
+                              group=group)  # [V, D], a row per token
+    np.testing.assert_allclose(np.asarray(quant.take_rows(qa, ids)),
+                               np.asarray(quant.dequantize(qa))[np.asarray(ids)], rtol=1e-6)
+
+
+def test_load_quantized_logits_close_and_exact_against_dequantized():
+    """tiny-ar loaded with quantize=: its logits equal the plain forward on the dequantized
+    weights, within int8 / fp8's error of the float32 model; the embedding and head can stay."""
+    path = os.path.join(MODELS, "tiny-ar")
+    ids = [[int(t) for t in np.arange(3, 15)]]
+    ref = np.asarray(jdllm.logits(jdllm.load(path, dtype="float32"), ids))
+    for scheme, bound in (("int8", 0.02), ("fp8", 0.08)):
+        m = jdllm.load(path, dtype="float32", quantize=scheme)
+        assert quant.describe(m.params) == scheme and m.dtype == jnp.float32
+        assert m.params["layers"][0]["qkv"].q.dtype == quant.STORAGE[scheme]
+        got = np.asarray(jdllm.logits(m, ids))
+        plain = jdllm.Model(m.config, quant.dequantize_params(m.params), attn_impl=m.attn_impl)
+        np.testing.assert_allclose(got, np.asarray(jdllm.logits(plain, ids)), rtol=1e-4, atol=1e-4)
+        rel = np.linalg.norm(got - ref) / np.linalg.norm(ref)
+        assert 0 < rel < bound, (scheme, rel)
+    keep = jdllm.load(path, dtype="float32", quantize=jdllm.Quantization("int8", embed=False, lm_head=False))
+    assert not quant.is_quantized(keep.params["embed"]) and not quant.is_quantized(keep.params["lm_head"])
+    assert quant.is_quantized(keep.params["layers"][0]["down"])
+
+
+def _dequantized(model):
+    return jdllm.Model(model.config.replace(kv_cache_dtype=None), quant.dequantize_params(model.params),
+                       tokenizer=model.tokenizer, attn_impl=model.attn_impl)
+
+
+# The forward is the only place weights are read, so two paradigms cover what differs: speculative
+# (an AR target verifying and an AR draft proposing, both quantized; the draft rides along through
+# `bind_params`) and masked_diffusion (a bidirectional model, a cache refreshed in place). Two
+# compiles each on a shared 2-core CI; block_diffusion and multi_block run in
+# benchmarks/quant.py (accuracy and agreement with bfloat16). masked_diffusion also runs an int8 KV
+# cache (its dual cache rewrites kept slots: the path that re-quantizes), so its reference, the
+# dequantized weights with a float cache, differs by the cache's rounding: tokens must still agree
+# (they do on every paradigm and all 256 held-out items, benchmarks/RESULTS.md).
+CASES = {
+    "masked_diffusion": ("tiny-llada", lambda: jdllm.MaskedDiffusion(gen_length=8, block_length=4, steps=8,
+                                                                      cache_mode="dual")),
+    "speculative": ("tiny-ar", None),
+}
+
+
+@pytest.mark.parametrize("paradigm", list(CASES))
+def test_every_paradigm_int8_matches_itself_on_dequantized_weights(paradigm, fast_compile):  # noqa: F811
+    name, make = CASES[paradigm]
+    kv = "int8" if paradigm == "masked_diffusion" else None
+    model = jdllm.load(os.path.join(MODELS, name), dtype="float32", quantize="int8", kv_cache=kv)
+    if make is None:  # target and draft both quantized; the reference runs both dequantized
+        draft = jdllm.load(os.path.join(MODELS, "tiny-ar-draft"), dtype="float32", quantize="int8")
+        dec, ref_dec = (jdllm.Speculative(proposer="draft_model", draft=draft, num_draft_tokens=3),
+                        jdllm.Speculative(proposer="draft_model", draft=_dequantized(draft), num_draft_tokens=3))
+    else:
+        dec = ref_dec = make()
+    sampling = jdllm.Sampling(max_new_tokens=8)
+    got = jdllm.generate(model, PROMPTS, dec, sampling)
+    want = jdllm.generate(_dequantized(model), PROMPTS, ref_dec, sampling)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert [o.step_map for o in got] == [o.step_map for o in want]
+    assert any(o.token_ids for o in got)
+
+
+def test_errors_before_anything_compiles():
+    path = os.path.join(MODELS, "tiny-ar")
+    with pytest.raises(errors.QuantizationError, match="'int3'"):
+        jdllm.load(path, quantize="int3")
+    with pytest.raises(errors.QuantizationError, match="'int2'"):
+        jdllm.Quantization("int2")
+    with pytest.raises(errors.QuantizationError, match="group_size=128 does not divide .* size 32 of weight 'o'"):
+        jdllm.load(path, quantize="int4")  # tiny-ar's head_dim is 32
+    with pytest.raises(errors.QuantizationError, match="kv_cache='fp8'"):
+        jdllm.load(path, kv_cache="fp8")
+    m = jdllm.load(path, dtype="float32", quantize="fp8")
+    with pytest.raises(errors.QuantizationError, match="already quantized.*fp8"):
+        quant.quantize_params(m.params, "int8")
+    from jdllm import nnx as jnnx
+    with pytest.raises(errors.QuantizationError, match="quantized"):
+        jnnx.Model(m)
+
+
+def test_convert_quantize_writes_q_and_scale_that_load_as_they_are(tmp_path):
+    """`convert --quantize` stores each weight's q and scale (quantized slice by slice as it
+    streams): loading gives the very arrays `load(hf, quantize=)` builds; a quantized checkpoint
+    refuses another scheme, and a Hugging Face directory already quantized is refused."""
+    from convert.cli import main as convert_main
+
+    src = os.path.join(MODELS, "tiny-ar")
+    out = str(tmp_path / "ar-fp8")
+    assert convert_main([src, out, "--dtype", "float32", "--quantize", "fp8", "--quiet"]) == 0
+    got = jdllm.load(out, dtype="float32")
+    want = jdllm.load(src, dtype="float32", quantize="fp8")
+    assert quant.describe(got.params) == "fp8"
+    for a, b in zip(jax.tree.leaves(got.params), jax.tree.leaves(want.params)):
+        np.testing.assert_array_equal(np.asarray(a).astype(np.float32), np.asarray(b).astype(np.float32))
+    assert jdllm.load(out, dtype="float32", quantize="fp8").params["embed"].scheme == "fp8"
+    with pytest.raises(errors.QuantizationError, match="already quantized as .*'fp8'.*'int8'"):
+        jdllm.load(out, quantize="int8")
+    pre = tmp_path / "hf-gptq"
+    pre.mkdir()
+    for f in os.listdir(src):
+        os.symlink(os.path.join(src, f), pre / f) if f != "config.json" else None
+    import json
+    with open(os.path.join(src, "config.json")) as f:
+        cfg = json.load(f)
+    (pre / "config.json").write_text(json.dumps({**cfg, "quantization_config": {"quant_method": "gptq"}}))
+    with pytest.raises(errors.QuantizationError, match="'gptq'"):
+        jdllm.load(str(pre), quantize="int8")
+    assert convert_main([str(pre), str(tmp_path / "x"), "--quantize", "int8", "--quiet"]) == 2
+
+
+def test_command_lines_offer_the_schemes_quant_implements():
+    """`--quantize` of generate / serve / convert spells out jdllm.quant.SCHEMES (so --help stays
+    free of JAX): the lists must agree."""
+    import argparse
+
+    from convert import cli as convert_cli
+    from jdllm import bench_cli, generate_cli
+    from jdllm.serve import cli as serve_cli
+
+    for module in (generate_cli, serve_cli, convert_cli, bench_cli):
+        p = argparse.ArgumentParser()
+        module.add_arguments(p)
+        action = next(a for a in p._actions if a.dest == "quantize")
+        want = quant.SCHEMES if module is not convert_cli else ("int8", "fp8")  # no int4 checkpoints yet
+        assert tuple(action.choices) == want and action.default is None, module.__name__
+
+
+def test_rl_update_params_quantizes_the_trainers_weights_like_the_rollout_model():
+    from jdllm.rl.tunix_bridge import JdllmRollout
+
+    path = os.path.join(MODELS, "tiny-ar")
+    qc = jdllm.Quantization("int8", lm_head=False)
+    rollout = JdllmRollout(model=jdllm.load(path, dtype="float32", quantize=qc))
+    plain = jdllm.load(path, dtype="float32")
+    scaled = jax.tree.map(lambda x: 2 * x, plain.params)
+    rollout.update_params(scaled)
+    got = rollout.params()
+    assert quant.config_of(got) == qc and not quant.is_quantized(got["lm_head"])
+    want = quant.quantize_params(scaled, qc)["layers"][1]["gate_up"]
+    np.testing.assert_array_equal(np.asarray(got["layers"][1]["gate_up"].q), np.asarray(want.q))
+
+
+def test_int8_kv_cache_layout_and_rounding():
+    """An int8 cache: int8 K / V with a float32 scale per (token, KV head); quantize_kv keeps each
+    value within half a step of its row's scale (the paradigm test above decodes with it)."""
+    from jdllm.model import KVCache, dequantize_kv, quantize_kv
+
+    cfg = jdllm.ModelConfig(model_type="qwen3", vocab_size=32, hidden_size=16, intermediate_size=32, num_layers=2,
+                            num_heads=2, num_kv_heads=2, head_dim=8, kv_cache_dtype="int8")
+    c = KVCache.empty(cfg, 3, 5)
+    assert c.k.dtype == jnp.int8 and c.k_scale.shape == (2, 3, 5, 2, 1) and c.v_scale.dtype == jnp.float32
+    assert KVCache.empty(cfg.replace(kv_cache_dtype=None), 3, 5).k_scale is None
+    x = np.random.default_rng(1).normal(size=(2, 4, 2, 8)).astype(np.float32)
+    q, sc = quantize_kv(jnp.asarray(x))
+    want = np.abs(x).max(-1, keepdims=True) / 127
+    np.testing.assert_allclose(np.asarray(sc), want, rtol=1e-6)
+    assert np.all(np.abs(np.asarray(dequantize_kv(q, sc, jnp.float32)) - x) <= want / 2 + 1e-7)
