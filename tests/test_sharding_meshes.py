@@ -41,12 +41,15 @@ OWN_LOOP = [os.path.join(ROOT, "examples", "rl_own_loop.py"), "--steps", "3", "-
 @pytest.fixture(scope="module")
 def runs(request):
     """The subprocesses of this module's slow tests, all started when the module's first test starts
-    (tests/mesh_cases.py alone takes one core for most of its run; examples/rl_own_loop.py on 8 devices
-    and on one share the other), each read by its test; only those whose test this run holds start."""
+    (tests/mesh_cases.py as two processes of about equal length, the Explicit mesh and the others, and
+    examples/rl_own_loop.py on 8 devices and on one: on 2 cores no core waits for another), each read by
+    its test; only those whose test this run holds start."""
     held = {item.name for item in request.session.items if item.module is request.module}
     procs = {}
     if "test_training_meshes_equal_one_device" in held:
-        procs["meshes"] = _start([os.path.join(ROOT, "tests", "mesh_cases.py")], devices=8)
+        cases = os.path.join(ROOT, "tests", "mesh_cases.py")
+        procs["explicit"] = _start([cases, "explicit"], devices=8)
+        procs["other_meshes"] = _start([cases, "auto", "fsdp", "data_only", "errors"], devices=8)
     if "test_own_jitted_loop_on_a_sharded_train_state" in held:
         procs["sharded"] = _start(OWN_LOOP + ["--devices", "8", "--mesh", "4x2"], devices=None)
         procs["single"] = _start(OWN_LOOP + ["--devices", "1", "--mesh", "none"], devices=None)
@@ -77,7 +80,7 @@ def test_training_meshes_equal_one_device(runs):
     Auto axes and on a hand-made data x fsdp x model mesh (rows over ("data", "fsdp")), greedy tokens
     equal one device's, logits and log-probs up to float32 summation order, every array on the
     user's mesh; a mesh axis no rule names is refused with the rule to pass."""
-    rows = _rows(runs["meshes"])
+    rows = _rows(runs["explicit"]) + _rows(runs["other_meshes"])
     seen = {(r["mesh"], r["path"]) for r in rows if "path" in r}
     want = {("explicit", p) for p in ("generate", "logits", "host_steps", "rollout", "serve", "paradigm_ar_spec",
                                       "paradigm_multi_block", "paradigm_masked_diffusion")} \
