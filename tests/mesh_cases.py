@@ -6,7 +6,9 @@ tiny models on meshes made the way JAX training code makes them and prints one J
 with Auto axes, and a hand-made `Mesh` with an extra `fsdp` axis (rows over ("data", "fsdp")).
 Paths: load + generate (block diffusion), logits, the host-driven steps, an RL rollout and its
 replay, the serving engine. Then the errors a mesh the rules do not cover raises.
-tests/test_sharding_meshes.py runs it (the test process itself keeps one device).
+tests/test_sharding_meshes.py runs it (the test process itself keeps one device), as two processes
+side by side: `mesh_cases.py explicit` and `mesh_cases.py auto fsdp data_only errors` (each computes
+the one-device reference itself; no argument: every part, in one process).
 """
 
 from __future__ import annotations
@@ -138,13 +140,19 @@ def paradigms(name, mesh, prompts):
         emit(mesh=name, path=f"paradigm_{dec.name}", equal=got == ref, tokens=[g[0] for g in got])
 
 
-def main():
+PARTS = ("explicit", "auto", "fsdp", "data_only", "errors")
+
+
+def main(parts=PARTS):
     assert len(jax.devices()) == 8, jax.devices()
+    assert set(parts) <= set(PARTS), parts
     sdar, ar = os.path.join(ROOT, "models", "tiny-sdar"), os.path.join(ROOT, "models", "tiny-ar")
     tok = jdllm.load(sdar, dtype="float32").tokenizer
     prompts = [tok.encode(t) for t in TEXTS]
     ref = Reference(sdar, ar, prompts)
     for name, mesh, rules, paths in meshes():
+        if name not in parts:
+            continue
         m = jdllm.load(sdar, dtype="float32", mesh=mesh, rules=rules)
         got = tokens_of(jdllm.generate(m, prompts[:2], DECODING, SAMPLING))
         with traces() as seen:  # a second call with the same shapes reuses the compile
@@ -163,10 +171,12 @@ def main():
         if "paradigms" in paths:
             paradigms(name, mesh, prompts)
 
-    # a ("data",) mesh: the default rules' `model` targets replicate (logits only)
-    m = jdllm.load(sdar, dtype="float32", mesh=jax.make_mesh((8,), ("data",)))
-    emit(mesh="data_only", path="logits", equal=True,
-         logit_diff=float(np.abs(np.asarray(jdllm.logits(m, TOKENS)) - ref.logits).max()))
+    if "data_only" in parts:  # a ("data",) mesh: the default rules' `model` targets replicate (logits only)
+        m = jdllm.load(sdar, dtype="float32", mesh=jax.make_mesh((8,), ("data",)))
+        emit(mesh="data_only", path="logits", equal=True,
+             logit_diff=float(np.abs(np.asarray(jdllm.logits(m, TOKENS)) - ref.logits).max()))
+    if "errors" not in parts:
+        return
 
     # bad input: a mesh axis no rule names
     for label, mesh in (("unnamed_fsdp", Mesh(np.asarray(jax.devices()).reshape(2, 2, 2), ("data", "fsdp", "model"))),
@@ -180,4 +190,4 @@ def main():
 
 if __name__ == "__main__":
     with jdllm.compiler_options(**dict(FAST)):
-        main()
+        main(tuple(sys.argv[1:]) or PARTS)

@@ -257,17 +257,21 @@ def test_write_cache_false_attends_alike_and_leaves_the_cache(kind):
     toks = jnp.asarray(np.random.default_rng(4).integers(0, cfg.vocab_size, (B, 8)), jnp.int32)
     off = 40  # a block boundary (block_causal: block_size 4)
 
-    def run(write, kv_len):
-        pos = default_positions(START, off, 8)
-        return forward(params, cfg, toks, pos, start=START, cache=cache, offset=off, attn_impl="xla",
-                       kv_len=kv_len, write_cache=write)
-
+    # one program per (write, kv_len) with the weights, cache and tokens as arguments (not baked in
+    # as constants): the traced kv_len (the bucket switch) compiles once for both values below
+    run = jax.jit(functools.partial(_forward_at, cfg=cfg, off=off), static_argnames=("write", "static_kv"))
     for kv in (S, off + 8):  # the whole cache (dual cache), the window end (a bucket below S)
-        ref, written = jax.jit(lambda c, kv=kv: run(True, c))(jnp.int32(kv))  # traced kv_len: the switch
-        got, kept = jax.jit(lambda kv=kv: run(False, kv))()  # static kv_len: one bucket
-        static_w, _ = jax.jit(lambda kv=kv: run(True, kv))()
+        ref, written = run(params, cache, toks, jnp.int32(kv), write=True, static_kv=None)  # traced: the switch
+        got, kept = run(params, cache, toks, None, write=False, static_kv=kv)  # static kv_len: one bucket
+        static_w, _ = run(params, cache, toks, None, write=True, static_kv=kv)
         np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=1e-5, atol=1e-5)
         np.testing.assert_allclose(np.asarray(static_w), np.asarray(ref), rtol=1e-5, atol=1e-5)
         np.testing.assert_array_equal(np.asarray(kept.k), np.asarray(cache.k))
         np.testing.assert_array_equal(np.asarray(kept.v), np.asarray(cache.v))
         assert not np.array_equal(np.asarray(written.k), np.asarray(cache.k))
+
+
+def _forward_at(params, cache, toks, kv_len, *, cfg, off, write, static_kv):
+    pos = default_positions(START, off, toks.shape[1])
+    return forward(params, cfg, toks, pos, start=START, cache=cache, offset=off, attn_impl="xla",
+                   kv_len=kv_len if static_kv is None else static_kv, write_cache=write)

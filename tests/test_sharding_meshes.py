@@ -35,6 +35,35 @@ def _start(args: list[str], devices: int | None) -> subprocess.Popen:
                             text=True, cwd=ROOT)
 
 
+OWN_LOOP = [os.path.join(ROOT, "examples", "rl_own_loop.py"), "--steps", "3", "--inner", "3", "--json"]
+
+
+@pytest.fixture(scope="module")
+def runs(request):
+    """The subprocesses of this module's slow tests, all started when the module's first test starts
+    (tests/mesh_cases.py as two processes of about equal length, the Explicit mesh and the others, and
+    examples/rl_own_loop.py on 8 devices and on one: on 2 cores no core waits for another), each read by
+    its test; only those whose test this run holds start."""
+    held = {item.name for item in request.session.items if item.module is request.module}
+    procs = {}
+    if "test_training_meshes_equal_one_device" in held:
+        cases = os.path.join(ROOT, "tests", "mesh_cases.py")
+        procs["explicit"] = _start([cases, "explicit"], devices=8)
+        procs["other_meshes"] = _start([cases, "auto", "fsdp", "data_only", "errors"], devices=8)
+    if "test_own_jitted_loop_on_a_sharded_train_state" in held:
+        procs["sharded"] = _start(OWN_LOOP + ["--devices", "8", "--mesh", "4x2"], devices=None)
+        procs["single"] = _start(OWN_LOOP + ["--devices", "1", "--mesh", "none"], devices=None)
+    yield procs
+    for p in procs.values():  # read ones are done already; one whose test failed early is stopped
+        p.kill()
+        p.wait()
+
+
+@pytest.fixture(autouse=True)
+def _start_runs(runs):
+    """Starts `runs` with the module's first test, whichever it is."""
+
+
 def _rows(proc: subprocess.Popen) -> list[dict]:
     try:
         out, err = proc.communicate(timeout=900)
@@ -45,13 +74,13 @@ def _rows(proc: subprocess.Popen) -> list[dict]:
 
 
 @slow
-def test_training_meshes_equal_one_device():
+def test_training_meshes_equal_one_device(runs):
     """load + generate (and no retrace on a second call), logits, the host-driven steps, a rollout and
     its replay, the serving engine (and on the Explicit mesh the other paradigms' generate): on jax.make_mesh((4, 2), ("data", "model")) with Explicit and with
     Auto axes and on a hand-made data x fsdp x model mesh (rows over ("data", "fsdp")), greedy tokens
     equal one device's, logits and log-probs up to float32 summation order, every array on the
     user's mesh; a mesh axis no rule names is refused with the rule to pass."""
-    rows = _rows(_start([os.path.join(ROOT, "tests", "mesh_cases.py")], devices=8))
+    rows = _rows(runs["explicit"]) + _rows(runs["other_meshes"])
     seen = {(r["mesh"], r["path"]) for r in rows if "path" in r}
     want = {("explicit", p) for p in ("generate", "logits", "host_steps", "rollout", "serve", "paradigm_ar_spec",
                                       "paradigm_multi_block", "paradigm_masked_diffusion")} \
@@ -72,19 +101,12 @@ def test_training_meshes_equal_one_device():
 
 
 @slow
-def test_own_jitted_loop_on_a_sharded_train_state():
+def test_own_jitted_loop_on_a_sharded_train_state(runs):
     """examples/rl_own_loop.py: rollout + replay + GRPO loss + Adam inside the user's own jax.jit, the
     train state placed the user's way on an Explicit 4x2 mesh of 8 devices. The loss falls within
     every step (updates on one rollout), the params keep exactly the shardings they were placed with
     (no gather), the step compiles once, and the first step matches the same loop on one device."""
-    args = [os.path.join(ROOT, "examples", "rl_own_loop.py"), "--steps", "3", "--inner", "3", "--json"]
-    procs = [_start(args + ["--devices", "8", "--mesh", "4x2"], devices=None),  # both at once: CI has 2 cores
-             _start(args + ["--devices", "1", "--mesh", "none"], devices=None)]
-    try:
-        sharded, single = [_rows(p)[-1] for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
+    sharded, single = _rows(runs["sharded"])[-1], _rows(runs["single"])[-1]
     assert sharded["devices"] == 8 and sharded["mesh"] == {"data": 4, "model": 2}
     assert sharded["axis_types"] == ["AxisType.Explicit"] * 2
     assert sharded["kept_shardings"] and sharded["split"] == sharded["matrices"] > 0
