@@ -21,8 +21,9 @@
 # Budgets (seconds, environment): CP_BUDGET_S (150: compile_profile.py starts no row after it; a row
 # still compiling at budget + CP_GRACE_S (30) is stopped, its finished phases kept) and CP_S (195, the
 # hard limit); CP_ARGS adds arguments to compile_profile.py (e.g. "--with-run" or "--shape 4b");
-# GPU_TESTS_S (130); GPU_TESTS_ARGS adds pytest arguments to the tier (e.g. -k "..." for the tests an
-# earlier lease did not reach: the whole tier took ~10 minutes on an H200); GPU_BENCH_S (200, the hard limit) and GPU_BENCH_BUDGET_S (110, after which gpu.py
+# GPU_TESTS_S (130); GPU_TESTS_K, a pytest -k expression selecting part of the tier (the tests an earlier
+# lease did not reach, e.g. "prefix or dual or multi_block-bidirectional or serving or dfa or end_to_end": the whole
+# tier took ~10 minutes on an H200); GPU_BENCH_S (200, the hard limit) and GPU_BENCH_BUDGET_S (110, after which gpu.py
 # starts no new case: a case started just before it may compile for 2 minutes on the 8B shape);
 # GPU_BENCH_ARGS adds arguments to gpu.py (e.g. "--only mb_approx_b1 hf" or "--layouts per_layer
 # stacked"); ATTN_S (0: the attention step is skipped; 75 runs it, ~10.5 minutes in all).
@@ -56,7 +57,7 @@ status=$(( status ? status : ${PIPESTATUS[0]} ))
 note "2. GPU test tier (timeout ${T_TESTS}s)"
 # autotuning off for the tier's tiny shapes (it picks among GEMM algorithms; the tier checks results, and its
 # 37 tests took ~6 minutes on an H200 with it on, 2026-11-26)
-XLA_FLAGS="${XLA_FLAGS:+$XLA_FLAGS }--xla_gpu_autotune_level=0" timeout -k 10 "$T_TESTS" python3 -m pytest -v --tb=short -rfE -m gpu ${GPU_TESTS_ARGS:-} tests/ 2>&1 | tee "$out/gpu_tests.log"
+XLA_FLAGS="${XLA_FLAGS:+$XLA_FLAGS }--xla_gpu_autotune_level=0" timeout -k 10 "$T_TESTS" python3 -m pytest -v --tb=short -rfE -m gpu ${GPU_TESTS_K:+-k "$GPU_TESTS_K"} tests/ 2>&1 | tee "$out/gpu_tests.log"
 status=$(( status ? status : ${PIPESTATUS[0]} ))
 
 note "3. benchmarks/gpu.py --quick (budget ${BUDGET}s, timeout ${T_BENCH}s)"
