@@ -25,7 +25,6 @@ import argparse
 import dataclasses
 import json
 import os
-import statistics
 import sys
 import time
 
@@ -38,6 +37,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import pallas_kernels  # noqa: E402
 from pallas_kernels import flash  # noqa: E402
 from pallas_kernels.reference import horizon  # noqa: E402
+from benchmarks.device_limits import copy_gbps, matmul_tflops, median_seconds as bench  # noqa: E402
 
 MASKS = (("block_causal", 4), ("block_causal", 32), ("causal", 1))
 FULL_SEQ = (1024, 4096, 8192, 16384, 32768)
@@ -50,36 +50,6 @@ def visible_pairs(T: int, S: int, kind: str, block_size: int, q_offset: int = 0)
     p = np.arange(q_offset, q_offset + T, dtype=np.int64)
     end = np.minimum(np.asarray(horizon(jnp.asarray(p, jnp.int32), kind, block_size, kv_len)), kv_len)
     return int(np.minimum(end, S).sum())
-
-
-def bench(fn, *args, iters: int, warmup: int = 1) -> float:
-    """Median wall seconds of fn(*args) (already jitted) after `warmup` calls."""
-    for _ in range(warmup):
-        jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
-LOOP = 10  # passes per compiled loop in the device-limit probes
-
-
-def matmul_tflops(n: int, dtype, iters: int) -> float:
-    """A chain of LOOP n^3 products on random data in one compiled loop (no dispatch per pass)."""
-    a = jax.random.normal(jax.random.key(1), (n, n), dtype)
-    b = (jax.random.normal(jax.random.key(2), (n, n), jnp.float32) / n ** 0.5).astype(dtype)
-    f = jax.jit(lambda a, b: jax.lax.fori_loop(0, LOOP, lambda i, a: a @ b, a))
-    return 2 * n ** 3 * LOOP / bench(f, a, b, iters=iters) / 1e12
-
-
-def copy_gbps(nbytes: int, iters: int) -> float:
-    """Bytes read + written by LOOP passes of x <- x * a + b in one compiled loop."""
-    x = jax.random.uniform(jax.random.key(0), (nbytes // 4,), jnp.float32)
-    f = jax.jit(lambda x: jax.lax.fori_loop(0, LOOP, lambda i, x: x * 0.999 + 0.001, x))
-    return 2 * x.size * 4 * LOOP / bench(f, x, iters=iters) / 1e9
 
 
 def _inputs(B, T, S, H, KV, D, dtype, seed=0):
@@ -276,25 +246,23 @@ def markdown(res: dict) -> str:
     if res["platform"] != "gpu":
         out.append("**Not a GPU run**: on the CPU the Pallas kernels are interpreted; these rows prove the script "
                    "runs and say nothing about speed.\n")
-    pre = res["prefill"] + res.get("forward_backward", [])
-    if pre:
-        out += ["| mask | S | impl | ms | TFLOP/s | of matmul |", "|---|---:|---|---:|---:|---:|"]
-        for r in pre:
-            if "skipped" in r:
-                out.append(f"| {r['mask']} | {r['S']} | {r['impl']} | skipped: {r['skipped'][:80]} | | |")
-            else:
-                out.append(f"| {r['mask']} | {r['S']} | {r['impl']} | {r['ms']:.3f} | {r['tflops']:.2f} | "
-                           f"{100 * r['frac_of_matmul']:.1f}% |")
-        out.append("")
-    if res["window"]:
-        out += ["| window | T | S | impl | ms | GB/s | of copy |", "|---|---:|---:|---|---:|---:|---:|"]
-        for r in res["window"]:
-            if "skipped" in r:
-                out.append(f"| {r['mask']} | {r['T']} | {r['S']} | {r['impl']} | skipped: {r['skipped'][:80]} | | |")
-            else:
-                out.append(f"| {r['mask']} | {r['T']} | {r['S']} | {r['impl']} | {r['ms']:.3f} | {r['gbps']:.1f} | "
-                           f"{100 * r['frac_of_copy']:.1f}% |")
-        out.append("")
+
+    def table(header, rule, rows, keys, figures):
+        """A markdown table: each row's key cells, then its figures (or why it was skipped)."""
+        if not rows:
+            return []
+        lines = [header, rule]
+        for r in rows:
+            figs = [f"skipped: {r['skipped'][:80]}", "", ""] if "skipped" in r else figures(r)
+            lines.append("| " + " | ".join([str(r[k]) for k in keys] + figs) + " |")
+        return lines + [""]
+
+    out += table("| mask | S | impl | ms | TFLOP/s | of matmul |", "|---|---:|---|---:|---:|---:|",
+                 res["prefill"] + res.get("forward_backward", []), ("mask", "S", "impl"),
+                 lambda r: [f"{r['ms']:.3f}", f"{r['tflops']:.2f}", f"{100 * r['frac_of_matmul']:.1f}%"])
+    out += table("| window | T | S | impl | ms | GB/s | of copy |", "|---|---:|---:|---|---:|---:|---:|",
+                 res["window"], ("mask", "T", "S", "impl"),
+                 lambda r: [f"{r['ms']:.3f}", f"{r['gbps']:.1f}", f"{100 * r['frac_of_copy']:.1f}%"])
     return "\n".join(out)
 
 

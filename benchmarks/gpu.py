@@ -308,19 +308,6 @@ def device_peak():
     return st.get("peak_bytes_in_use"), st.get("bytes_in_use")
 
 
-def median_time(fn, *args, iters: int, warmup: int = 2) -> float:
-    import jax  # noqa: PLC0415
-
-    for _ in range(warmup):
-        jax.block_until_ready(fn(*args))
-    ts = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts)
-
-
 def probe(task) -> dict:
     """Device, versions, copy bandwidth (read + write bytes) and a bf16 matmul rate."""
     import importlib.metadata as md  # noqa: PLC0415
@@ -352,36 +339,15 @@ def probe(task) -> dict:
     except Exception:  # noqa: BLE001
         pass
     info.update(nvidia_smi())
-    # Bandwidth and matmul rate, each timed as R passes inside one compiled loop (one dispatch, so host
-    # overhead and the clock ramp of a first launch stay out; the first session timed one pass per call
-    # and read 2,641 GB/s and 487 TFLOP/s on an H200 that other probes put at ~4.3 TB/s and ~790):
-    # copy: x <- x * a + b over 2 GiB of float32 (bytes read + written); read: a max-reduction of a
-    # 4 GiB bf16 array that depends on the loop's carry (bytes read; what a decode step does to the
-    # weights, so the floor below uses it); matmul: a chain of 8192^3 bf16 products.
-    R = 10 if gpu else 2
-    n = (1 << 29) if gpu else (1 << 22)  # 2 GiB / 16 MiB of float32
-    x = jax.random.uniform(jax.random.key(0), (n,), jnp.float32)
-    copy = jax.jit(lambda x: jax.lax.fori_loop(0, R, lambda i, x: x * 0.999 + 0.001, x), donate_argnums=0)
-    x = jax.block_until_ready(copy(x))
-    ts = []
-    for _ in range(5 if gpu else 2):
-        t0 = time.perf_counter()
-        x = jax.block_until_ready(copy(x))
-        ts.append(time.perf_counter() - t0)
-    info["copy_gbs"] = 2 * x.nbytes * R / statistics.median(ts) / 1e9
-    del x
-    w = jax.random.normal(jax.random.key(3), ((2 if gpu else 1) * n,), jnp.bfloat16)
-    read = jax.jit(lambda w: jax.lax.fori_loop(
-        0, R, lambda i, acc: acc + jnp.max(w.astype(jnp.float32) + acc * 1e-9), jnp.float32(0)))
-    t = median_time(read, w, iters=5 if gpu else 2)
-    info["read_gbs"] = w.nbytes * R / t / 1e9
-    del w
-    m = 8192 if gpu else 256
-    a = jax.random.normal(jax.random.key(1), (m, m), jnp.bfloat16)
-    b = (jax.random.normal(jax.random.key(2), (m, m), jnp.float32) / m ** 0.5).astype(jnp.bfloat16)
-    chain = jax.jit(lambda a, b: jax.lax.fori_loop(0, R, lambda i, a: a @ b, a))
-    t = median_time(chain, a, b, iters=5 if gpu else 2)
-    info["matmul_tflops_bf16"] = 2 * m ** 3 * R / t / 1e12
+    # the device's limits (benchmarks/device_limits.py): copy (bytes read + written), read (the floor's
+    # basis: what a decode step does to the weights) and a bf16 matmul rate
+    sys.path.insert(0, ROOT)
+    from benchmarks import device_limits as lim  # noqa: PLC0415
+
+    iters = 5 if gpu else 2
+    info["copy_gbs"] = lim.copy_gbps((2 << 30) if gpu else (16 << 20), iters)
+    info["read_gbs"] = lim.read_gbps((4 << 30) if gpu else (8 << 20), iters)
+    info["matmul_tflops_bf16"] = lim.matmul_tflops(8192 if gpu else 256, jnp.bfloat16, iters)
     print(f"# device {info['device']} ({info['backend']}), jax {info['jax']}, jaxlib {info.get('jaxlib')}, "
           f"CUDA {info.get('cuda_version_smi') or info.get('cuda_runtime') or '-'}; copy {info['copy_gbs']:.0f} GB/s "
           f"(read + write), read {info['read_gbs']:.0f} GB/s, bf16 matmul {info['matmul_tflops_bf16']:.1f} TFLOP/s", flush=True)
