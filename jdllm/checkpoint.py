@@ -20,6 +20,7 @@ parameter at a time as the fallback (`iter_restored_params`). The tensor-name ma
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import warnings
@@ -225,36 +226,23 @@ def restore_quantized(path: str, meta: dict, dtype=None, shardings=None):
     stored dtypes (dtype casts the rest) and pair up into `jdllm.quant` arrays."""
     import jax  # noqa: PLC0415 (startup: `jdllm convert --help` and config reads stay free of JAX)
     import orbax.checkpoint as ocp  # noqa: PLC0415 (startup: `jdllm convert --help` and config reads stay free of JAX)
-    from jdllm.model import shape_mismatch  # noqa: PLC0415 (startup: `jdllm convert --help` and config reads stay free of JAX)
     from jdllm import quant  # noqa: PLC0415 (startup: `jdllm convert --help` and config reads stay free of JAX)
     QUANT_DTYPES = {jax.numpy.dtype(d) for d in quant.STORAGE.values()}
-    cfg = meta["config"]
     params_dir = os.path.abspath(os.path.join(path, PARAMS_DIR))
     want = np_dtype(dtype)
-    try:
+    with _restore_errors(params_dir):
+        stored = _stored_tree(params_dir, meta["config"])
+        shard_tree = (quant.checkpoint_shardings(shardings, stored) if shardings is not None
+                      else jax.tree.map(lambda _: _first_device(), stored))
+
+        def spec(m, s):  # quantized q / scale keep their stored dtypes
+            keep = want is None or jax.numpy.dtype(m.dtype) in QUANT_DTYPES
+            return jax.ShapeDtypeStruct(tuple(m.shape), m.dtype if keep else want, sharding=s)
+
         with ocp.StandardCheckpointer() as ckpt:
-            stored = ckpt.metadata(params_dir).item_metadata.tree
-            bad = shape_mismatch(quant.plain_view(stored), cfg)  # a quantized weight: its q's shape
-            if bad is not None:
-                raise errors.CorruptCheckpointError(
-                    f"{params_dir} disagrees with {MARKER_FILE} at parameter {bad[0]} "
-                    f"(stored {bad[1]}, config implies {bad[2]}); re-run `jdllm convert`")
-            default = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-            shard_tree = (quant.checkpoint_shardings(shardings, stored) if shardings is not None
-                          else jax.tree.map(lambda _: default, stored))
-
-            def spec(m, s):  # quantized q / scale keep their stored dtypes
-                keep = want is None or jax.numpy.dtype(m.dtype) in QUANT_DTYPES
-                return jax.ShapeDtypeStruct(tuple(m.shape), m.dtype if keep else want, sharding=s)
-
             restored = ckpt.restore(params_dir, jax.tree.map(spec, stored, shard_tree))
-            act = want.name if want is not None else meta.get("activation_dtype", "bfloat16")
-            return quant.from_checkpoint(restored, act)
-    except errors.JdllmError:
-        raise
-    except Exception as e:  # noqa: BLE001 (orbax / tensorstore raise many types)
-        raise errors.CorruptCheckpointError(
-            f"cannot restore {params_dir} ({type(e).__name__}: {one_line(e)}); re-run `jdllm convert`") from e
+        act = want.name if want is not None else meta.get("activation_dtype", "bfloat16")
+        return quant.from_checkpoint(restored, act)
 
 
 def iter_restored_params(path: str, dtype=None, shardings=None):
@@ -263,22 +251,12 @@ def iter_restored_params(path: str, dtype=None, shardings=None):
     its device copy. Arguments: `restore_params`."""
     import jax  # noqa: PLC0415 (startup: `jdllm convert --help` and config reads stay free of JAX)
     import orbax.checkpoint as ocp  # noqa: PLC0415 (startup: `jdllm convert --help` and config reads stay free of JAX)
-    from jdllm.model import shape_mismatch  # noqa: PLC0415 (startup: `jdllm convert --help` and config reads stay free of JAX)
-    from jdllm import quant  # noqa: PLC0415 (startup: `jdllm convert --help` and config reads stay free of JAX)
-    meta = read_jdllm_meta(path)
-    cfg = meta["config"]
+    cfg = read_jdllm_meta(path)["config"]
     params_dir = os.path.abspath(os.path.join(path, PARAMS_DIR))
     want = np_dtype(dtype)
-    try:
-        with ocp.StandardCheckpointer() as ckpt:
-            stored = ckpt.metadata(params_dir).item_metadata.tree
-        bad = shape_mismatch(quant.plain_view(stored), cfg)  # a quantized weight: its q's shape
-        if bad is not None:
-            raise errors.CorruptCheckpointError(
-                f"{params_dir} disagrees with {MARKER_FILE} at parameter {bad[0]} "
-                f"(stored {bad[1]}, config implies {bad[2]}); re-run `jdllm convert`")
-        default = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-        shard_tree = shardings if shardings is not None else jax.tree.map(lambda _: default, stored)
+    with _restore_errors(params_dir):
+        stored = _stored_tree(params_dir, cfg)
+        shard_tree = shardings if shardings is not None else jax.tree.map(lambda _: _first_device(), stored)
         abstract = jax.tree.map(
             lambda m, s: jax.ShapeDtypeStruct(tuple(m.shape), want if want is not None else m.dtype, sharding=s),
             stored, shard_tree)
@@ -293,6 +271,34 @@ def iter_restored_params(path: str, dtype=None, shardings=None):
                     got = got[k]
                 yield keys, got
                 del got
+
+
+def _stored_tree(params_dir: str, cfg: ModelConfig):
+    """The Orbax metadata tree of a checkpoint's params, checked against its config (a quantized
+    weight by its q's shape)."""
+    import orbax.checkpoint as ocp  # noqa: PLC0415 (startup: `jdllm convert --help` and config reads stay free of JAX)
+    from jdllm import quant  # noqa: PLC0415 (startup: `jdllm convert --help` and config reads stay free of JAX)
+    from jdllm.model import shape_mismatch  # noqa: PLC0415 (startup: `jdllm convert --help` and config reads stay free of JAX)
+    with ocp.StandardCheckpointer() as ckpt:
+        stored = ckpt.metadata(params_dir).item_metadata.tree
+    bad = shape_mismatch(quant.plain_view(stored), cfg)
+    if bad is not None:
+        raise errors.CorruptCheckpointError(
+            f"{params_dir} disagrees with {MARKER_FILE} at parameter {bad[0]} "
+            f"(stored {bad[1]}, config implies {bad[2]}); re-run `jdllm convert`")
+    return stored
+
+
+def _first_device():
+    import jax  # noqa: PLC0415 (startup: `jdllm convert --help` and config reads stay free of JAX)
+    return jax.sharding.SingleDeviceSharding(jax.devices()[0])
+
+
+@contextlib.contextmanager
+def _restore_errors(params_dir: str):
+    """jdllm errors pass through; anything Orbax / tensorstore raises becomes a CorruptCheckpointError."""
+    try:
+        yield
     except errors.JdllmError:
         raise
     except Exception as e:  # noqa: BLE001 (orbax / tensorstore raise many types)
