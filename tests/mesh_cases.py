@@ -29,9 +29,9 @@ from jdllm import rl  # noqa: E402
 from jdllm.api import outputs, prepare  # noqa: E402
 from jdllm.decode import loop  # noqa: E402
 from compiles import traces  # noqa: E402
+from sharding_cases import FAST, submit_staggered  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-FAST = (("xla_backend_optimization_level", 0),)  # tiny models: compile time dominates
 TEXTS = ["sort:3 1 2=", "add:12+34=", "rev:abc=", "add:5+7="]  # tasks the tiny models were trained on
 TOKENS = [[3, 4, 5, 6, 3, 4, 7, 8], [7, 8, 9, 10, 11, 12, 13, 14]]  # for the logits
 PATHS = ("generate", "logits", "host_steps", "rollout", "serve", "paradigms")
@@ -118,12 +118,7 @@ def serve(name, m, mesh, ref, prompts):
 
     eng = Engine(m, DECODING, max_batch=4, max_prompt_tokens=16, max_new_tokens=8, steps_per_round=2,
                  compiler_options=FAST)
-    reqs = [eng.submit(p, SAMPLING) for p in prompts[:2]]
-    eng.step_round()
-    reqs.append(eng.submit(prompts[2], SAMPLING))
-    eng.step_round()
-    reqs.append(eng.submit(prompts[3], SAMPLING))
-    eng.run_until_idle()
+    reqs = submit_staggered(eng, prompts, SAMPLING)
     emit(mesh=name, path="serve", equal=tokens_of([r.output for r in reqs]) == ref.serve,
          cache_on_mesh=on_mesh(eng.runner.pool.cache.k, mesh), tokens=[r.output.token_ids for r in reqs])
 

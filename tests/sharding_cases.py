@@ -105,6 +105,18 @@ def logit_check(model, sm) -> dict:
     return out
 
 
+def submit_staggered(eng, prompts, sampling):
+    """Requests that join a running serving engine: two, a round, a third, a round, a fourth, run
+    to the end. Returns the four requests."""
+    reqs = [eng.submit(p, sampling) for p in prompts[:2]]
+    eng.step_round()
+    reqs.append(eng.submit(prompts[2], sampling))
+    eng.step_round()
+    reqs.append(eng.submit(prompts[3], sampling))
+    eng.run_until_idle()
+    return reqs
+
+
 def emit(**row):
     print(json.dumps(row), flush=True)
 
@@ -193,12 +205,7 @@ def main(which: str = "all"):
             ref = [run_one(m, dec, p, samp) for p in prompts]
             eng = Engine(m, dec, max_batch=4, max_prompt_tokens=8, max_new_tokens=8, steps_per_round=2,
                          compiler_options=FAST, mesh=meshes["2x4"])
-            reqs = [eng.submit(p, samp) for p in prompts[:2]]
-            eng.step_round()
-            reqs.append(eng.submit(prompts[2], samp))
-            eng.step_round()
-            reqs.append(eng.submit(prompts[3], samp))
-            eng.run_until_idle()
+            reqs = submit_staggered(eng, prompts, samp)
             got = [(r.output.token_ids, r.output.step_map, r.output.nfe, r.output.finish_reason) for r in reqs]
             cache = eng.runner.pool.cache.k
             emit(paradigm=f"serve_{name}", mesh="2x4", equal=got == ref, split=split_ok(eng.model)
