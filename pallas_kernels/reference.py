@@ -62,20 +62,27 @@ def attention_reference(q, k, v, *, start, q_offset=0, kv_len=None, kind="causal
 
 
 def masked_attention_reference(q, k, v, mask, *, scale=None):
-    """Attention under an explicit boolean mask [B, T, S] (True = visible)."""
+    """Attention under an explicit boolean mask [B, T, S] (True = visible).
+
+    Both products run as dots batched over (row, kv head) on head-major operands ([B, KV, G * T, D]
+    queries, [B, KV, S, D] keys and values: one transposed copy of each, S x KV x D), so the scores
+    come out [B, KV, G, T, S] with the keys minor. Written as one einsum over the slot-major cache,
+    XLA:CPU laid the scores out keys-major and transposed them again in each of the mask, exp and
+    normalise passes: 2-3x the time of the whole attention at T = 32-512 queries."""
     B, T, H, D = q.shape
-    KV = k.shape[2]
+    S, KV = k.shape[1], k.shape[2]
     G = H // KV
     scale = D ** -0.5 if scale is None else scale
-    qg = q.reshape(B, T, KV, G, D)
     prec = dot_precision(q.dtype, k.dtype)  # float32: exact on every backend (no TF32)
-    scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, precision=prec,
-                        preferred_element_type=jnp.float32) * scale  # [B, KV, G, T, S]
-    mask = mask[:, None, None]
-    p = _masked_softmax(scores, mask, axis=-1)
-    out = jnp.einsum("bkgts,bskd->btkgd", p.astype(v.dtype), v, precision=prec,
-                     preferred_element_type=jnp.float32)
-    return out.reshape(B, T, H, D).astype(q.dtype)
+    qh = q.reshape(B, T, KV, G, D).transpose(0, 2, 3, 1, 4).reshape(B, KV, G * T, D)
+    kh, vh = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, KV, S, D]
+    batch = ((0, 1), (0, 1))
+    scores = jax.lax.dot_general(qh, kh, (((3,), (3,)), batch), precision=prec,
+                                 preferred_element_type=jnp.float32) * scale  # [B, KV, G * T, S]
+    p = _masked_softmax(scores.reshape(B, KV, G, T, S), mask[:, None, None], axis=-1)
+    out = jax.lax.dot_general(p.reshape(B, KV, G * T, S).astype(v.dtype), vh, (((3,), (2,)), batch),
+                              precision=prec, preferred_element_type=jnp.float32)  # [B, KV, G * T, D]
+    return out.reshape(B, KV, G, T, D).transpose(0, 3, 1, 2, 4).reshape(B, T, H, D).astype(q.dtype)
 
 
 def _masked_softmax(scores, mask, axis: int):
