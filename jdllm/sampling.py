@@ -198,12 +198,22 @@ def allowed_any(z: jax.Array) -> jax.Array:
     return jnp.any(z > NEG_INF, axis=-1) & ~jnp.any(jnp.isnan(z), axis=-1)
 
 
+def argmax(x: jax.Array) -> jax.Array:
+    """`jnp.argmax(x, axis=-1)` (the first index of the maximum; a NaN counts as the maximum), int32,
+    as a max and a masked min: two reductions that vectorise. XLA:CPU runs jnp.argmax as one
+    (value, index) reduce that does not: 13.9 against 1.5 ms over [576, 4096] on one core, 6% of
+    a multi_block step that picks from the whole canvas."""
+    m = jnp.max(x, axis=-1, keepdims=True)
+    hit = (x == m) | jnp.isnan(x)  # a NaN anywhere makes m NaN: then the first NaN, as jnp.argmax
+    return jnp.min(jnp.where(hit, jnp.arange(x.shape[-1], dtype=jnp.int32), x.shape[-1]), axis=-1)
+
+
 def sample(logits: jax.Array, key: jax.Array, *, temperature=0.0, top_k=0, top_p=1.0) -> Sample:
     """Draw one token per position from logits [..., V] with one key (greedy ignores it).
 
     Settings are Python numbers (per-row arrays go through `sample_rows`); temperature 0 = argmax."""
     z = filter_logits(logits, temperature=temperature, top_k=top_k, top_p=top_p)
-    token = jax.random.categorical(key, z, axis=-1) if temperature > 0 else jnp.argmax(z, axis=-1)
+    token = jax.random.categorical(key, z, axis=-1) if temperature > 0 else argmax(z)
     return distribution_stats(z, token)
 
 
@@ -219,7 +229,7 @@ def sample_rows(logits: jax.Array, keys: jax.Array, *, temperature=0.0, top_k=0,
     slots = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T)) if slots is None else slots
     settings = per_row(temperature, top_k, top_p)
     z = filter_logits(logits, **settings)
-    greedy = jnp.argmax(z, axis=-1).astype(jnp.int32)
+    greedy = argmax(z)
 
     def draw(_):
         pos_keys = jax.vmap(lambda k, sl: jax.vmap(lambda p: jax.random.fold_in(k, p))(sl))(keys, slots)

@@ -10,7 +10,7 @@ import pytest
 import jdllm
 from jdllm import errors
 from jdllm.decode import loop
-from jdllm.sampling import (apply_token_bitmask, row_keys, sample, sample_rows, split_rows,
+from jdllm.sampling import (apply_token_bitmask, argmax, row_keys, sample, sample_rows, split_rows,
                             unpack_bitmask)
 from tests.decode_fixtures import FAST_COMPILE, fast_compile  # noqa: F401 (fast_compile: fixture)
 from tests.quick import slow
@@ -42,6 +42,17 @@ def test_greedy_token_and_statistics_match_numpy():
 
 
 @slow
+def test_argmax_is_numpy_argmax_with_ties_nan_and_masked_rows():
+    """`sampling.argmax` (max + masked min, for XLA:CPU's speed) returns numpy's first index of the
+    maximum: ties, a NaN (numpy: the first NaN), a row with every logit -inf (index 0)."""
+    z = np.round(_logits((3, 5, 64), seed=3), 1)  # rounded: many ties at the maximum
+    z[1, 2, 7] = np.nan
+    z[1, 2, 40] = np.nan
+    z[2, 4] = -np.inf
+    z[0, 0, :] = z[0, 0, 9]  # the whole row tied
+    np.testing.assert_array_equal(np.asarray(jax.jit(argmax)(jnp.asarray(z))), np.argmax(z, axis=-1))
+
+
 def test_temperature_frequencies_follow_softmax():
     z = _logits((6,), seed=1, scale=1.0)
     T, n = 0.7, 6000

@@ -49,7 +49,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jdllm import errors
+from jdllm import errors, sampling
 from jdllm.decode import common
 from jdllm.decode.ar import AR, first_hole
 from jdllm.decode.protocol import Paradigm
@@ -262,7 +262,7 @@ class Speculative(Paradigm):
         else:
             qd = jnp.ones_like(pd)
         u = jax.vmap(lambda key: jax.random.uniform(jax.random.fold_in(key, 0), (k,)))(sk)
-        is_max = drafts == jnp.argmax(z[:, :k], axis=-1)
+        is_max = drafts == sampling.argmax(z[:, :k])
         drawable = jnp.any(z > NEG_INF, axis=-1)  # [B, k+1]: a bitmask may allow nothing at a slot
         ok = accept_drafts(pd, qd, u, is_max, greedy[:, None]) & (j[None] < n_draft[:, None]) & drawable[:, :k]
         n_acc = jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=-1), axis=-1)  # [B]
@@ -367,7 +367,7 @@ def correction(z, drafts, q, n_acc, n_draft, sk, greedy):
     r = jnp.maximum(p_n - q_n, 0.0)
     r = jnp.where(jnp.sum(r, axis=-1, keepdims=True) > 0, r, p_n)
     drawn = jax.vmap(lambda key, rr: jax.random.categorical(jax.random.fold_in(key, 1), jnp.log(rr)))(sk, r)
-    return jnp.where(greedy, jnp.argmax(z_n, axis=-1), drawn).astype(jnp.int32)
+    return jnp.where(greedy, sampling.argmax(z_n), drawn).astype(jnp.int32)
 
 
 def _softmax(z):

@@ -80,7 +80,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jdllm import errors
+from jdllm import errors, sampling
 from jdllm.decode import common
 from jdllm.decode import masked_diffusion_cache as cache_forwards
 from jdllm.decode.protocol import Paradigm
@@ -116,7 +116,7 @@ def exponential_noise(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
 
 def gumbel_argmax(logits: jax.Array, exp_noise: jax.Array, temperature: float) -> jax.Array:
     """argmax(logits + T * g), g = -log(E): LLaDA's argmax(exp(logits) / E^T) in log space."""
-    return jnp.argmax(logits - temperature * jnp.log(exp_noise), axis=-1).astype(jnp.int32)
+    return sampling.argmax(logits - temperature * jnp.log(exp_noise))
 
 
 # --------------------------------------------------------------------------- schedules
@@ -173,7 +173,7 @@ def sample_block(state: DecodeState, ctx, logits: jax.Array, exp_noise):
     T = settings["temperature"]  # [B, 1]
     z = exclude_token(logits, ctx.model.mask_token_id)
     zt = filter_logits(z, **settings)  # [B, W, V]
-    greedy = jnp.argmax(zt, axis=-1).astype(jnp.int32)
+    greedy = sampling.argmax(zt)
     drawn = gumbel_argmax(jnp.where(jnp.isfinite(zt), z, -jnp.inf), exp_noise, T[..., None])
     tok = jnp.where(T > 0, drawn, greedy)
     s = distribution_stats(zt, tok)
