@@ -36,7 +36,7 @@ def run_command(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None, *, own_process: bool = False) -> int:
     """Stand-alone entry point: same arguments as `jdllm convert`, errors as one line (exit 2),
-    Ctrl-C as exit 130 (own_process: as `jdllm.cli.main`)."""
+    Ctrl-C as exit 130, SIGTERM during the conversion as 143 (own_process: as `jdllm.cli.main`)."""
     try:
         from jdllm import __version__  # noqa: PLC0415
         from jdllm.process import interrupt_outside_gc, quiet_transformers  # noqa: PLC0415
@@ -55,6 +55,10 @@ def main(argv: list[str] | None = None, *, own_process: bool = False) -> int:
         except JdllmError as e:
             print(f"convert: error: {type(e).__name__}: {e}", file=sys.stderr)
             return 2
-    except KeyboardInterrupt:
-        print("convert: interrupted (nothing was written to OUT_DIR)", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as e:
+        from jdllm.process import INTERRUPTED, interrupt_code  # noqa: PLC0415 (light: no JAX)
+
+        code = interrupt_code(e)
+        word = "interrupted" if code == INTERRUPTED else "terminated"
+        print(f"convert: {word} (nothing was written to OUT_DIR)", file=sys.stderr)
+        return code
