@@ -537,7 +537,7 @@ def load_model(path: str, dtype="bfloat16", attn_impl: str = "auto", shardings=N
     import jax.numpy as jnp  # noqa: PLC0415 (startup: `jdllm convert --help` and config reads stay free of JAX)
     from jdllm.device_memory import check_params_fit  # noqa: PLC0415 (startup: `jdllm convert --help` and config reads stay free of JAX)
     from jdllm.loading import Model  # noqa: PLC0415 (startup: `jdllm convert --help` and config reads stay free of JAX)
-    from jdllm.model import default_layout, to_layout  # noqa: PLC0415 (startup: `jdllm convert --help` and config reads stay free of JAX)
+    from jdllm.model import default_layout, flat_param_specs, to_layout  # noqa: PLC0415 (startup: `jdllm convert --help` and config reads stay free of JAX)
     if not isinstance(path, (str, os.PathLike)):
         raise errors.ArgumentTypeError(
             f"load(path={path!r}): expected a directory path (str or os.PathLike), got {type(path).__name__}")
@@ -569,6 +569,7 @@ def load_model(path: str, dtype="bfloat16", attn_impl: str = "auto", shardings=N
                     f"quantize={quantize} disagrees: drop quantize= (or pass the same), or convert "
                     "the Hugging Face directory again with the scheme you want")
             quantize = None
+        quant.check_shapes(quantize, flat_param_specs(cfg))  # int4's group size, before any weight is read
         if placement is not None:
             shardings = placement.param_shardings(cfg)
         check_params_fit(cfg, dtype, shardings, source=path,  # before any weight is placed
@@ -586,6 +587,7 @@ def load_model(path: str, dtype="bfloat16", attn_impl: str = "auto", shardings=N
         cfg = ModelConfig.from_hf(path)
         check_not_prequantized(path, quantize)
         check_special_ids(cfg, os.path.join(path, CONFIG_FILE))
+        quant.check_shapes(quantize, flat_param_specs(cfg))  # int4's group size, before any weight is read
         stacked = placement.param_shardings(cfg) if placement is not None else shardings
         check_params_fit(cfg, dtype, stacked, source=path, quantize=quantize)
         params = _load_hf_params(path, cfg, np_dtype(dtype), placement, check_finite,

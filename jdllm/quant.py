@@ -102,6 +102,18 @@ def as_quantization(quantize) -> Quantization | None:
         f"quantize={quantize!r}: pass None, one of {SCHEMES} or a jdllm.quant.Quantization")
 
 
+def quantization_arg(scheme: str | None, group_size: int | None):
+    """The command lines' `--quantize SCHEME [--group-size N]` as `quantize=` takes it; a group
+    size without int4 (which alone has groups) is a QuantizationError naming it."""
+    if group_size is None:
+        return scheme
+    if scheme != "int4":
+        raise errors.QuantizationError(
+            f"--group-size {group_size} applies to --quantize int4 only (got --quantize {scheme}); "
+            "int8 and fp8 keep one scale per output channel")
+    return Quantization("int4", group_size=group_size)
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class QArray:
@@ -282,32 +294,44 @@ def shardings_like(params, shardings):
 def checkpoint_parts(path: tuple[str, ...], x, qc: Quantization | None):
     """One slice of a weight as a checkpoint stores it: [(path, x)] plain, or [(path + ("q",), q),
     (path + ("scale",), scale)] quantized with NumPy (convert's per-tensor step: no JAX array, one
-    slice at a time). `x` is one layer's slice or a whole non-layer weight."""
+    slice at a time; int4: q in int4, one scale per group). `x` is one layer's slice or a whole
+    non-layer weight."""
     name = path[-1]
     if qc is None or not qc.wants(name):
         return [(path, x)]
-    if qc.scheme == "int4":
-        raise errors.QuantizationError("int4 checkpoints are not written yet: convert with --quantize int8 or "
-                                       "fp8, or load the Hugging Face directory with quantize='int4'")
-    qa = quantize_array(np.asarray(x), qc.scheme, CONTRACTED[name], xp=np)
+    axes, group = qc.axes_for(name, x.shape)
+    qa = quantize_array(np.asarray(x), qc.scheme, axes, xp=np, group=group)
     return [(path + ("q",), qa.q), (path + ("scale",), qa.scale)]
+
+
+def check_shapes(qc: Quantization | None, specs: dict) -> None:
+    """QuantizationError (naming the weight and the group size) when `qc` cannot quantize a weight of
+    `specs` (`jdllm.model.flat_param_specs`, stacked): int4's group size must divide each weight's
+    last contracted axis. Called before any weight is read or written."""
+    if qc is None:
+        return
+    for path, spec in specs.items():
+        if qc.wants(path[-1]):
+            qc.axes_for(path[-1], spec.shape, 1 if spec.axes[:1] == ("layers",) else 0)
 
 
 def checkpoint_specs(specs: dict, qc: Quantization | None) -> dict:
     """`jdllm.model.flat_param_specs` (stacked) with each weight `qc` quantizes split into its q
-    (the weight's shape) and scale (size 1 on the contracted axes) entries."""
+    (the weight's shape) and scale (size 1 on the contracted axes; int4: the group count on the
+    grouped axis) entries."""
     if qc is None:
         return specs
+    check_shapes(qc, specs)
     out = {}
     for path, spec in specs.items():
         if not qc.wants(path[-1]):
             out[path] = spec
             continue
         lead = 1 if spec.axes[:1] == ("layers",) else 0
-        red = {a + lead for a in CONTRACTED[path[-1]]}
+        axes, group = qc.axes_for(path[-1], spec.shape, lead)
         out[path + ("q",)] = spec
         out[path + ("scale",)] = dataclasses.replace(
-            spec, shape=tuple(1 if i in red else n for i, n in enumerate(spec.shape)))
+            spec, shape=tuple((n // group if group else 1) if i in axes else n for i, n in enumerate(spec.shape)))
     return out
 
 

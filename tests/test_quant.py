@@ -8,7 +8,9 @@ through the plain path: tokens must agree under greedy decoding).
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import re
 
 import jax
 import jax.numpy as jnp
@@ -190,6 +192,37 @@ def test_convert_quantize_writes_q_and_scale_that_load_as_they_are(tmp_path):
     assert convert_main([str(pre), str(tmp_path / "x"), "--quantize", "int8", "--quiet"]) == 2
 
 
+def test_convert_int4_groups_load_and_generate_like_int4_on_load(tmp_path, capsys, fast_compile):  # noqa: F811
+    """`jdllm convert --quantize int4 --group-size 16` stores int4 q with a scale per 16 inputs:
+    loading it gives the arrays `load(hf, quantize=Quantization("int4", group_size=16))` builds and
+    the same greedy tokens. A group size that does not divide a weight's contracted axis (or one
+    given without int4) is an error naming it, before anything is read or written."""
+    from jdllm.cli import main as jdllm_main
+
+    src = os.path.join(MODELS, "tiny-ar")
+    out = str(tmp_path / "ar-int4")
+    assert jdllm_main(["convert", src, out, "--dtype", "float32", "--quantize", "int4", "--group-size", "16",
+                       "--quiet"]) == 0
+    got = jdllm.load(out, dtype="float32")
+    qc = jdllm.Quantization("int4", group_size=16)
+    want = jdllm.load(src, dtype="float32", quantize=qc)
+    assert quant.config_of(got.params) == qc and got.params["layers"][0]["down"].q.dtype == jnp.int4
+    for a, b in zip(jax.tree.leaves(got.params), jax.tree.leaves(want.params)):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        np.testing.assert_array_equal(np.asarray(a).astype(np.float32), np.asarray(b).astype(np.float32))
+    sampling = jdllm.Sampling(max_new_tokens=6)
+    # committed to the device as the restored arrays are, so both runs share one compile
+    want = dataclasses.replace(want, params=jax.device_put(want.params, jax.devices()[0]))
+    toks = [[o.token_ids for o in jdllm.generate(m, PROMPTS[:2], jdllm.AR(), sampling)] for m in (got, want)]
+    assert toks[0] == toks[1] and any(toks[0])
+    capsys.readouterr()
+    for argv, msg in ((["--quantize", "int4", "--group-size", "48"], "group_size=48 does not divide .* size 128"),
+                      (["--quantize", "fp8", "--group-size", "16"], "--group-size 16 applies to --quantize int4")):
+        assert jdllm_main(["convert", src, str(tmp_path / "bad"), *argv, "--quiet"]) == 2
+        assert re.search(msg, capsys.readouterr().err)
+        assert sorted(os.listdir(tmp_path)) == ["ar-int4"]  # not even a temporary directory
+
+
 def test_command_lines_offer_the_schemes_quant_implements():
     """`--quantize` of generate / serve / convert spells out jdllm.quant.SCHEMES (so --help stays
     free of JAX): the lists must agree."""
@@ -203,8 +236,8 @@ def test_command_lines_offer_the_schemes_quant_implements():
         p = argparse.ArgumentParser()
         module.add_arguments(p)
         action = next(a for a in p._actions if a.dest == "quantize")
-        want = quant.SCHEMES if module is not convert_cli else ("int8", "fp8")  # no int4 checkpoints yet
-        assert tuple(action.choices) == want and action.default is None, module.__name__
+        assert tuple(action.choices) == quant.SCHEMES and action.default is None, module.__name__
+        assert any(a.dest == "group_size" for a in p._actions), module.__name__
 
 
 def test_rl_update_params_quantizes_the_trainers_weights_like_the_rollout_model():
