@@ -8,6 +8,7 @@ process), then measures each step in a fresh subprocess:
   load_hf_1dev    jdllm.load(hf_dir) onto one CPU device
   load_hf_mesh    jdllm.load(hf_dir, mesh=1x8) onto 8 fake CPU devices
   convert         jdllm convert hf_dir -> Orbax checkpoint (streaming, slice by slice)
+  convert_int8    the same with --quantize int8 (each slice quantized on the host as it streams)
   convert_whole   the former converter: the whole params tree on the host, then
                   Orbax StandardCheckpointer.save (for the before/after comparison)
   load_ckpt_1dev  jdllm.load(ckpt) onto one CPU device
@@ -145,9 +146,14 @@ elif what == "staging_ckpt":
     for _, _, x in slices:
         biggest = max(biggest, x.block_until_ready().nbytes)
         x.delete()
-elif what == "convert":
+elif what in ("convert", "convert_int8"):
     from convert.io import convert_checkpoint
-    convert_checkpoint(src, dst, dtype="bfloat16", overwrite=True, progress=False)
+    if what == "convert":
+        convert_checkpoint(src, dst, dtype="bfloat16", overwrite=True, progress=False)
+    else:  # beside the plain one, removed after
+        import shutil
+        convert_checkpoint(src, dst + "_int8", dtype="bfloat16", overwrite=True, progress=False, quantize="int8")
+        shutil.rmtree(dst + "_int8")
 elif what == "convert_whole":
     import shutil
     import ml_dtypes, numpy as np, orbax.checkpoint as ocp

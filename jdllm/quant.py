@@ -175,6 +175,31 @@ def quantize_array(x, scheme: str, axes: tuple[int, ...], xp=jnp, group: int | N
     return QArray(y.astype(STORAGE[scheme]), scale, dtype_name)
 
 
+HOST_SLAB_BYTES = 16 << 20  # quantize_numpy widens this much of a weight to float32 at a time
+
+
+def quantize_numpy(x: np.ndarray, scheme: str, axes: tuple[int, ...], group: int | None = None) -> QArray:
+    """`quantize_array` with NumPy, a slab of output channels at a time, so its float32
+    temporaries are a slab's, not the weight's (the embedding of a 150k vocabulary: ~16 MB, not
+    several copies of 0.6 GB). The same values: each scale reduces within one slab."""
+    free = [a for a in range(x.ndim) if a not in axes]
+    a = max(free, key=lambda i: x.shape[i]) if free else None
+    n = 0 if a is None else x.shape[a]
+    step = max(1, HOST_SLAB_BYTES // max(1, x.size // max(n, 1) * 4)) if n else 0
+    if a is None or step >= n:
+        return quantize_array(x, scheme, axes, xp=np, group=group)
+    q = scale = None
+    for i in range(0, n, step):
+        index = (slice(None),) * a + (slice(i, min(i + step, n)),)
+        part = quantize_array(x[index], scheme, axes, xp=np, group=group)
+        if q is None:
+            q = np.empty(x.shape, part.q.dtype)
+            scale = np.empty(part.scale.shape[:a] + (n,) + part.scale.shape[a + 1:], np.float32)
+        q[index], scale[index] = part.q, part.scale
+        del part
+    return QArray(q, scale, jnp.dtype(x.dtype).name)
+
+
 def full_scale(w: QArray):
     """w's scale repeated to q's shape where it is grouped (int4); broadcastable elsewhere."""
     s = w.scale
@@ -215,16 +240,7 @@ def quantize_params(params, quantize, consume: bool = False):
     stacked = not isinstance(params["layers"], (tuple, list))
 
     def one(name, x, lead):
-        if not qc.wants(name) or not jnp.issubdtype(x.dtype, jnp.floating):
-            return x
-        axes, group = qc.axes_for(name, x.shape, lead)
-        out = _quantize_jit(x, scheme=qc.scheme, axes=axes, group=group)
-        sharding = getattr(x, "sharding", None)
-        if isinstance(sharding, jax.sharding.NamedSharding):  # on a mesh: the scale beside its weight's shards
-            out = put(out, sharding)
-        if consume and isinstance(x, jax.Array) and not x.is_deleted():
-            x.delete()
-        return out
+        return quantize_weight(name, x, qc, lead, consume=consume)
 
     out = {k: one(k, v, 0) if k != "layers" else v for k, v in params.items()}
     if stacked:
@@ -232,6 +248,42 @@ def quantize_params(params, quantize, consume: bool = False):
     else:
         out["layers"] = tuple({k: one(k, v, 0) for k, v in lp.items()} for lp in params["layers"])
     return out
+
+
+def quantize_weight(name: str, x, qc: Quantization, lead: int = 0, consume: bool = False):
+    """One weight (a jax Array, `lead` leading layers axes) as `qc` stores it: a QArray computed
+    where it lives (on a mesh: the scale sharded beside its weight's shards), or x itself where
+    `qc` leaves it plain. consume: delete x once quantized."""
+    if not qc.wants(name) or not jnp.issubdtype(x.dtype, jnp.floating):
+        return x
+    axes, group = qc.axes_for(name, x.shape, lead)
+    out = _quantize_jit(x, scheme=qc.scheme, axes=axes, group=group)
+    sharding = getattr(x, "sharding", None)
+    if isinstance(sharding, jax.sharding.NamedSharding):  # on a mesh: the scale beside its weight's shards
+        out = jax.block_until_ready(put(out, sharding))  # one at a time: see the note below
+    if consume and isinstance(x, jax.Array) and not x.is_deleted():
+        x.delete()
+    return out
+
+
+# On a CPU mesh of more devices than cores, a quantization whose scale reduces over a split axis
+# (the attention output's heads) is an all-reduce, and XLA:CPU runs each device's part on a shared
+# thread pool: with many such programs dispatched at once, the devices' parts of different programs
+# can take every thread while waiting for each other, until XLA aborts the process ("Termination
+# timeout for all reduce ... of 40 seconds exceeded"; seen loading a Qwen3-0.6B shape with
+# quantize="int8" on 8 CPU devices of 2 cores). Waiting for each weight keeps one in flight.
+
+
+def quantize_host(x: np.ndarray, name: str, qc: Quantization, device=None):
+    """One weight read on the host (NumPy), quantized there with NumPy and put on `device` (None:
+    the default device, uncommitted): its full-precision copy never reaches the device. A weight
+    `qc` leaves plain goes as it is."""
+    place = jnp.asarray if device is None else (lambda a: jax.device_put(a, device))
+    if not qc.wants(name) or not jnp.issubdtype(x.dtype, jnp.floating):
+        return place(x)
+    axes, group = qc.axes_for(name, x.shape)
+    qa = quantize_numpy(x, qc.scheme, axes, group=group)
+    return QArray(place(qa.q), place(qa.scale), qa.dtype_name)
 
 
 def describe(params) -> str | None:
@@ -300,7 +352,7 @@ def checkpoint_parts(path: tuple[str, ...], x, qc: Quantization | None):
     if qc is None or not qc.wants(name):
         return [(path, x)]
     axes, group = qc.axes_for(name, x.shape)
-    qa = quantize_array(np.asarray(x), qc.scheme, axes, xp=np, group=group)
+    qa = quantize_numpy(np.asarray(x), qc.scheme, axes, group=group)
     return [(path + ("q",), qa.q), (path + ("scale",), qa.scale)]
 
 

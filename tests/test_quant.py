@@ -85,6 +85,22 @@ def test_matmul_matches_numpy_dequantize_then_einsum(scheme):
                                np.asarray(quant.dequantize(qa))[np.asarray(ids)], rtol=1e-6)
 
 
+@pytest.mark.parametrize("scheme", ["int8", "fp8", "int4"])
+def test_host_quantization_in_slabs_gives_the_same_arrays(scheme, monkeypatch):
+    """`quant.quantize_numpy` (load and convert's host path) cuts a weight into slabs of output
+    channels: the same q and scale as the whole weight at once, for every weight's axes."""
+    monkeypatch.setattr(quant, "HOST_SLAB_BYTES", 1024)
+    rng = np.random.default_rng(2)
+    qc = jdllm.Quantization(scheme, group_size=4)
+    for _, _, name, shape in SHAPES:
+        x = rng.normal(size=shape).astype(jnp.bfloat16)
+        axes, group = qc.axes_for(name, shape)
+        got, want = quant.quantize_numpy(x, scheme, axes, group), quant.quantize_array(x, scheme, axes, np, group)
+        assert got.q.dtype == want.q.dtype and got.scale.shape == want.scale.shape, name
+        np.testing.assert_array_equal(got.q.astype(np.float32), want.q.astype(np.float32), err_msg=name)
+        np.testing.assert_array_equal(got.scale, want.scale, err_msg=name)
+
+
 def test_load_quantized_logits_close_and_exact_against_dequantized():
     """tiny-ar loaded with quantize=: its logits equal the plain forward on the dequantized
     weights, within int8 / fp8's error of the float32 model; the embedding and head can stay."""
@@ -221,6 +237,55 @@ def test_convert_int4_groups_load_and_generate_like_int4_on_load(tmp_path, capsy
         assert jdllm_main(["convert", src, str(tmp_path / "bad"), *argv, "--quiet"]) == 2
         assert re.search(msg, capsys.readouterr().err)
         assert sorted(os.listdir(tmp_path)) == ["ar-int4"]  # not even a temporary directory
+
+
+def test_load_plain_checkpoint_quantizes_each_slice_as_it_is_read(tmp_path, monkeypatch):
+    """`jdllm.load(plain jdllm checkpoint, quantize=)` quantizes each layer slice as it is read (on
+    the host before it reaches the device; on a mesh on the device, the full-precision shards freed
+    at once), never after the whole full-precision model is restored: the arrays equal
+    quantize-on-load of the Hugging Face directory (one device) and the former quantize-after-restore
+    (on a mesh)."""
+    from convert.io import convert_checkpoint
+    from jdllm import sharding
+    from jdllm.model import flat_param_specs
+
+    src = os.path.join(MODELS, "tiny-ar")
+    plain = convert_checkpoint(src, str(tmp_path / "plain"), dtype="float32", progress=False)
+    qc = jdllm.Quantization("int8", lm_head=False)
+    want = jdllm.load(src, dtype="float32", quantize=qc)
+    mesh = sharding.make_mesh("data=1", devices=jax.devices()[:1])
+    late = quant.quantize_params(jdllm.load(plain, dtype="float32", mesh=mesh).params, qc)
+    seen = []
+
+    def spy(real):
+        def f(*a, **k):
+            seen.append(next(v.ndim for v in a if hasattr(v, "ndim")))  # the weight's
+            return real(*a, **k)
+        return f
+
+    def no_late(params, quantize, consume=False):
+        assert quantize is None, "quantized after the whole restore"
+        return params
+
+    monkeypatch.setattr(quant, "quantize_host", spy(_host))
+    monkeypatch.setattr(quant, "quantize_params", no_late)
+    slices = sum(s.shape[0] if s.axes[:1] == ("layers",) else 1 for s in flat_param_specs(want.config).values())
+    got = jdllm.load(plain, dtype="float32", quantize=qc)
+    assert len(seen) == slices and max(seen) <= 3  # one call per layer slice, none with a layers axis
+    for a, b in zip(jax.tree.leaves(got.params), jax.tree.leaves(want.params), strict=True):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        np.testing.assert_array_equal(np.asarray(a).astype(np.float32), np.asarray(b).astype(np.float32))
+    seen.clear()
+    monkeypatch.setattr(quant, "quantize_weight", spy(_weight))
+    on_mesh = jdllm.load(plain, dtype="float32", quantize=qc, mesh=mesh)
+    assert len(seen) == slices and max(seen) <= 3
+    assert quant.config_of(on_mesh.params) == qc
+    for a, b in zip(jax.tree.leaves(on_mesh.params), jax.tree.leaves(late), strict=True):
+        assert a.sharding == b.sharding
+        np.testing.assert_array_equal(np.asarray(a).astype(np.float32), np.asarray(b).astype(np.float32))
+
+
+_host, _weight = quant.quantize_host, quant.quantize_weight
 
 
 def test_command_lines_offer_the_schemes_quant_implements():
