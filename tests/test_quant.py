@@ -160,6 +160,35 @@ def test_every_paradigm_int8_matches_itself_on_dequantized_weights(paradigm, fas
     assert any(o.token_ids for o in got)
 
 
+@pytest.mark.parametrize("name,paradigm", [
+    ("tiny-ar", jdllm.AR()),
+    ("tiny-sdar", jdllm.BlockDiffusion(block_length=4, denoising_steps=2, confidence_threshold=0.7))])
+def test_serving_engine_with_int8_weights_equals_generate(name, paradigm, fast_compile):  # noqa: F811
+    """The continuous-batching engine serving a `quantize="int8"` model: requests joining a running
+    pool of two rows (so rows are reused) decode, token for token and step for step, as
+    `jdllm.generate` decodes each alone with the same quantized model."""
+    from jdllm.serve.engine import Engine
+    from tests.decode_fixtures import FAST_COMPILE
+
+    model = jdllm.load(os.path.join(MODELS, name), dtype="float32", quantize="int8")
+    assert quant.describe(model.params) == "int8"
+    tok = model.tokenizer
+    prompts = [tok.encode(p) for p in ("sort:3 1 2=", "add:12+34=", "rev:abc=", "sort:9 4=")]
+    settings = [jdllm.Sampling(max_new_tokens=n) for n in (8, 6, 7, 8)]  # one generation bucket: one compile
+    want = [jdllm.generate(model, [p], paradigm, s)[0] for p, s in zip(prompts, settings)]
+    eng = Engine(model, paradigm, max_batch=2, max_prompt_tokens=16, max_new_tokens=8, steps_per_round=2,
+                 compiler_options=FAST_COMPILE)
+    reqs = []
+    for p, s in zip(prompts, settings):
+        reqs.append(eng.submit(p, s))
+        eng.step_round()  # each arrives while the earlier ones decode
+    eng.run_until_idle()
+    for r, w in zip(reqs, want):
+        assert (r.output.token_ids, r.output.step_map, r.output.finish_reason) == (w.token_ids, w.step_map,
+                                                                                   w.finish_reason)
+    assert any(w.token_ids for w in want)
+
+
 def test_errors_before_anything_compiles():
     path = os.path.join(MODELS, "tiny-ar")
     with pytest.raises(errors.QuantizationError, match="'int3'"):
