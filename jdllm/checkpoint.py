@@ -231,7 +231,7 @@ def restore_quantized(path: str, meta: dict, dtype=None, shardings=None):
     params_dir = os.path.abspath(os.path.join(path, PARAMS_DIR))
     want = np_dtype(dtype)
     with _restore_errors(params_dir):
-        stored = _stored_tree(params_dir, meta["config"])
+        stored = _stored_tree(params_dir, meta["config"], quant.from_meta(meta.get("quantization")))
         shard_tree = (quant.checkpoint_shardings(shardings, stored) if shardings is not None
                       else jax.tree.map(lambda _: _first_device(), stored))
 
@@ -273,9 +273,10 @@ def iter_restored_params(path: str, dtype=None, shardings=None):
                 del got
 
 
-def _stored_tree(params_dir: str, cfg: ModelConfig):
+def _stored_tree(params_dir: str, cfg: ModelConfig, qc=None):
     """The Orbax metadata tree of a checkpoint's params, checked against its config (a quantized
-    weight by its q's shape)."""
+    weight by its q's shape) and its quantization `qc` (the marker's, None for a plain checkpoint:
+    which weights are stored as q and scale, q's dtype, the scale's shape)."""
     import orbax.checkpoint as ocp  # noqa: PLC0415 (startup: `jdllm convert --help` and config reads stay free of JAX)
     from jdllm import quant  # noqa: PLC0415 (startup: `jdllm convert --help` and config reads stay free of JAX)
     from jdllm.model import shape_mismatch  # noqa: PLC0415 (startup: `jdllm convert --help` and config reads stay free of JAX)
@@ -286,7 +287,52 @@ def _stored_tree(params_dir: str, cfg: ModelConfig):
         raise errors.CorruptCheckpointError(
             f"{params_dir} disagrees with {MARKER_FILE} at parameter {bad[0]} "
             f"(stored {bad[1]}, config implies {bad[2]}); re-run `jdllm convert`")
+    _check_stored_quantization(stored, cfg, qc, params_dir)
     return stored
+
+
+def _check_stored_quantization(stored, cfg: ModelConfig, qc, params_dir: str) -> None:
+    """QuantizationError naming the parameter when the stored arrays are not what the marker's
+    quantization `qc` makes (`jdllm.quant.checkpoint_specs`): a weight stored plain that it
+    quantizes or the reverse, q in another scheme's dtype, a scale of another group size."""
+    import jax.numpy as jnp  # noqa: PLC0415 (startup: `jdllm convert --help` and config reads stay free of JAX)
+    from jdllm import quant  # noqa: PLC0415 (startup: `jdllm convert --help` and config reads stay free of JAX)
+    from jdllm.model import flat_param_specs  # noqa: PLC0415 (startup: `jdllm convert --help` and config reads stay free of JAX)
+
+    def flat(tree, path=()):
+        if isinstance(tree, dict):
+            for k, v in tree.items():
+                yield from flat(v, path + (k,))
+        else:
+            yield path, tree
+
+    have = dict(flat(stored))
+    said = f"{MARKER_FILE}'s quantization {quant.to_meta(qc)}" if qc is not None else \
+        f"{MARKER_FILE} (no quantization: a plain checkpoint)"
+    if qc is None:  # plain (any layout Orbax wrote): only no q / scale pairs
+        for path in sorted(have, key=str):
+            if path[-1] in ("q", "scale") and len(path) > 1 and path[-2] in quant.CONTRACTED:
+                raise errors.QuantizationError(
+                    f"{params_dir} disagrees with {said}: it stores {'/'.join(path)}, a quantized weight; "
+                    "the marker and the arrays come from different conversions: re-run `jdllm convert`")
+        return
+    want = quant.checkpoint_specs(flat_param_specs(cfg), qc)
+    for path in sorted(set(have) | set(want), key=str):
+        name = "/".join(str(k) for k in path)
+        if path not in have or path not in want:
+            raise errors.QuantizationError(
+                f"{params_dir} disagrees with {said}: parameter {name} is "
+                f"{'missing' if path not in have else 'stored but not expected'}; the marker and the "
+                "arrays come from different conversions: re-run `jdllm convert`")
+        got = tuple(have[path].shape)
+        if got != tuple(want[path].shape):
+            raise errors.QuantizationError(
+                f"{params_dir} disagrees with {said}: {name} is stored with shape {got}, the quantization "
+                f"implies {tuple(want[path].shape)}; re-run `jdllm convert`")
+        if qc is not None and path[-1] == "q" and jnp.dtype(have[path].dtype) != jnp.dtype(quant.STORAGE[qc.scheme]):
+            raise errors.QuantizationError(
+                f"{params_dir} disagrees with {said}: {name} is stored as {jnp.dtype(have[path].dtype).name}, "
+                f"scheme {qc.scheme!r} stores {jnp.dtype(quant.STORAGE[qc.scheme]).name}; re-run `jdllm convert`")
 
 
 def _first_device():
@@ -561,7 +607,12 @@ def load_model(path: str, dtype="bfloat16", attn_impl: str = "auto", shardings=N
         meta = read_jdllm_meta(path)
         cfg = meta["config"]
         check_special_ids(cfg, path)
-        stored_q = quant.from_meta(meta.get("quantization"))
+        try:
+            stored_q = quant.from_meta(meta.get("quantization"))
+        except (errors.QuantizationError, TypeError) as e:
+            raise errors.CorruptCheckpointError(
+                f"{os.path.join(path, MARKER_FILE)} has quantization {meta.get('quantization')!r}, which this jdllm "
+                f"does not read ({one_line(e)}); re-run `jdllm convert`") from None
         if stored_q is not None:  # a quantized checkpoint: quantize= may only repeat what it holds
             if quantize is not None and quantize != stored_q:
                 raise errors.QuantizationError(

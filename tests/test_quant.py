@@ -317,6 +317,61 @@ def test_load_plain_checkpoint_quantizes_each_slice_as_it_is_read(tmp_path, monk
 _host, _weight = quant.quantize_host, quant.quantize_weight
 
 
+def test_fp8_runs_emulated_with_a_warning_only_on_a_gpu_without_fp8_units(monkeypatch):
+    """fp8 is a storage format (converted inside each dot), so every device runs it: a GPU of compute
+    capability < 8.9 gets one warning naming it; an fp8 GPU, the CPU and the other schemes none."""
+    import types
+    import warnings
+
+    for backend, cc, scheme, warns in (("gpu", "8.0", "fp8", True), ("gpu", "9.0", "fp8", False),
+                                       ("gpu", "8.0", "int8", False), ("cpu", None, "fp8", False)):
+        monkeypatch.setattr(jax, "default_backend", lambda b=backend: b)
+        monkeypatch.setattr(jax, "devices", lambda c=cc: [types.SimpleNamespace(compute_capability=c)])
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            quant.check_fp8_device(scheme)
+        msgs = [str(w.message) for w in seen]
+        assert (len(msgs) == 1 and "compute capability 8.0" in msgs[0]) if warns else msgs == [], \
+            (backend, cc, scheme, msgs)
+
+
+@pytest.fixture(scope="module")
+def int8_checkpoint(tmp_path_factory):
+    from convert.io import convert_checkpoint
+
+    return convert_checkpoint(os.path.join(MODELS, "tiny-ar"), str(tmp_path_factory.mktemp("ckpt") / "int8"),
+                              dtype="float32", progress=False, quantize="int8")
+
+
+@pytest.mark.parametrize("change,message", [
+    (None, "no quantization: a plain checkpoint.*stores embed/q"),
+    (dict(scheme="fp8"), "'fp8'.*embed/q is stored as int8, scheme 'fp8' stores float8_e4m3fn"),
+    (dict(scheme="int4", group_size=16), "embed/q is stored as int8, scheme 'int4' stores int4"),
+    (dict(embed=False), "'embed': False.*embed/q is stored but not expected"),
+    (dict(scheme="int3"), "quantization .*'int3'.* does not read"),
+], ids=["dropped", "fp8", "int4", "embed", "unknown"])
+def test_quantized_checkpoint_whose_marker_disagrees_is_refused_before_compiling(change, message, int8_checkpoint,
+                                                                                 tmp_path):
+    """A quantized checkpoint whose jdllm_config.json says another quantization than its arrays hold
+    (or none: change None drops it) is a jdllm error naming the parameter and the values, at load,
+    before anything runs."""
+    import json
+    import shutil
+
+    out = shutil.copytree(int8_checkpoint, str(tmp_path / "q"))
+    marker = os.path.join(out, "jdllm_config.json")
+    with open(marker) as f:
+        meta = json.load(f)
+    if change is None:
+        del meta["quantization"]
+    else:
+        meta["quantization"].update(change)
+    with open(marker, "w") as f:
+        json.dump(meta, f)
+    with pytest.raises((errors.QuantizationError, errors.CorruptCheckpointError), match=message):
+        jdllm.load(out, dtype="float32")
+
+
 def test_command_lines_offer_the_schemes_quant_implements():
     """`--quantize` of generate / serve / convert spells out jdllm.quant.SCHEMES (so --help stays
     free of JAX): the lists must agree."""
