@@ -389,7 +389,7 @@ def test_command_lines_offer_the_schemes_quant_implements():
         assert any(a.dest == "group_size" for a in p._actions), module.__name__
 
 
-def test_rl_update_params_quantizes_the_trainers_weights_like_the_rollout_model():
+def test_rl_update_params_quantizes_the_trainers_weights_like_the_rollout_model(fast_compile):  # noqa: F811
     from jdllm.rl.tunix_bridge import JdllmRollout
 
     path = os.path.join(MODELS, "tiny-ar")
@@ -402,6 +402,24 @@ def test_rl_update_params_quantizes_the_trainers_weights_like_the_rollout_model(
     assert quant.config_of(got) == qc and not quant.is_quantized(got["lm_head"])
     want = quant.quantize_params(scaled, qc)["layers"][1]["gate_up"]
     np.testing.assert_array_equal(np.asarray(got["layers"][1]["gate_up"].q), np.asarray(want.q))
+    # the trainer's float weights back: a greedy rollout runs them quantized as the loaded model
+    # does: each token is the argmax of the quantize-on-load model's logits (one forward; tunix's
+    # completions drop the stop token)
+    import types
+
+    rollout.update_params(plain.params)
+    config = types.SimpleNamespace(max_tokens_to_generate=6, temperature=0.0, top_p=1.0, top_k=None, seed=0,
+                                   max_prompt_length=16, eos_tokens=None, return_logprobs=False)
+    out = rollout.generate(PROMPTS, config)
+    model = jdllm.load(path, dtype="float32", quantize=qc)
+    rows = [model.tokenizer.encode(p) + t.tolist() for p, t in zip(PROMPTS, out.tokens)]
+    greedy = np.asarray(jdllm.logits(model, rows)).argmax(-1)
+    T = greedy.shape[1]
+    for b, t in enumerate(out.tokens):
+        n = len(t)
+        assert n, b
+        assert greedy[b, T - n - 1:T - 1].tolist() == t.tolist(), b
+        assert n == 6 or greedy[b, T - 1] == rollout.eos_id(), b  # it stopped at the stop token
 
 
 def test_int8_kv_cache_layout_and_rounding():
