@@ -329,7 +329,7 @@ def _check_stored_quantization(stored, cfg: ModelConfig, qc, params_dir: str) ->
             raise errors.QuantizationError(
                 f"{params_dir} disagrees with {said}: {name} is stored with shape {got}, the quantization "
                 f"implies {tuple(want[path].shape)}; re-run `jdllm convert`")
-        if qc is not None and path[-1] == "q" and jnp.dtype(have[path].dtype) != jnp.dtype(quant.STORAGE[qc.scheme]):
+        if path[-1] == "q" and jnp.dtype(have[path].dtype) != jnp.dtype(quant.STORAGE[qc.scheme]):
             raise errors.QuantizationError(
                 f"{params_dir} disagrees with {said}: {name} is stored as {jnp.dtype(have[path].dtype).name}, "
                 f"scheme {qc.scheme!r} stores {jnp.dtype(quant.STORAGE[qc.scheme]).name}; re-run `jdllm convert`")
