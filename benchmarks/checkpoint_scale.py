@@ -8,10 +8,14 @@ process), then measures each step in a fresh subprocess:
   load_hf_1dev    jdllm.load(hf_dir) onto one CPU device
   load_hf_mesh    jdllm.load(hf_dir, mesh=1x8) onto 8 fake CPU devices
   convert         jdllm convert hf_dir -> Orbax checkpoint (streaming, slice by slice)
+  convert_int8    the same with --quantize int8 (each slice quantized on the host as it streams)
   convert_whole   the former converter: the whole params tree on the host, then
                   Orbax StandardCheckpointer.save (for the before/after comparison)
   load_ckpt_1dev  jdllm.load(ckpt) onto one CPU device
   load_ckpt_mesh  jdllm.load(ckpt, mesh=1x8): Orbax restore straight into the shardings
+  load_ckpt_int8_1dev, load_ckpt_int8_mesh
+                  jdllm.load(ckpt, quantize="int8") of the plain bf16 checkpoint (one device / 1x8):
+                  each slice quantized as it is read, so the bf16 weights never all exist at once
   staging_ckpt    jdllm.load's read of a checkpoint (one layer's slice at a time), each slice
                   freed once placed: the host memory a load needs beyond the weights (what a
                   GPU host holds), measurable for models whose weights do not fit this machine
@@ -122,12 +126,14 @@ import jdllm
 from jdllm import sharding
 t_import = time.perf_counter() - t0
 t0 = time.perf_counter()
-biggest = 0
+biggest = weights_gb = 0
 if what.startswith("load_"):
     mesh = sharding.make_mesh("model=8") if what.endswith("mesh") else None
-    m = jdllm.load(dst if what.startswith("load_ckpt") else src, dtype="bfloat16", mesh=mesh)
+    quantize = "int8" if "_int8" in what else None
+    m = jdllm.load(dst if what.startswith("load_ckpt") else src, dtype="bfloat16", mesh=mesh, quantize=quantize)
     jax.block_until_ready(m.params)
     biggest = max(max(s.data.nbytes for s in x.addressable_shards) for x in jax.tree.leaves(m.params))
+    weights_gb = sum(x.nbytes for x in jax.tree.leaves(m.params)) / 2**30
 elif what == "staging_orbax":
     from jdllm.checkpoint import iter_restored_params
     for keys, x in iter_restored_params(dst, dtype="bfloat16"):
@@ -140,9 +146,14 @@ elif what == "staging_ckpt":
     for _, _, x in slices:
         biggest = max(biggest, x.block_until_ready().nbytes)
         x.delete()
-elif what == "convert":
+elif what in ("convert", "convert_int8"):
     from convert.io import convert_checkpoint
-    convert_checkpoint(src, dst, dtype="bfloat16", overwrite=True, progress=False)
+    if what == "convert":
+        convert_checkpoint(src, dst, dtype="bfloat16", overwrite=True, progress=False)
+    else:  # beside the plain one, removed after
+        import shutil
+        convert_checkpoint(src, dst + "_int8", dtype="bfloat16", overwrite=True, progress=False, quantize="int8")
+        shutil.rmtree(dst + "_int8")
 elif what == "convert_whole":
     import shutil
     import ml_dtypes, numpy as np, orbax.checkpoint as ocp
@@ -159,7 +170,7 @@ dt = time.perf_counter() - t0
 print(json.dumps(dict(what=what, seconds=round(dt, 2), import_s=round(t_import, 2),
                       peak_rss_gb=round(status("VmHWM"), 3), end_rss_anon_gb=round(status("RssAnon"), 3),
                       end_rss_file_gb=round(status("RssFile"), 3),
-                      largest_device_buffer_gb=round(biggest / 2**30, 3))))
+                      largest_device_buffer_gb=round(biggest / 2**30, 3), weights_gb=round(weights_gb, 3))))
 """
 
 

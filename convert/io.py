@@ -140,7 +140,7 @@ class OrbaxStreamWriter:
 
 
 def _zarr_dtype(dtype: np.dtype) -> str:
-    return dtype.name if dtype.name in ("bfloat16", "float8_e4m3fn") else dtype.str
+    return dtype.name if dtype.name in ("bfloat16", "float8_e4m3fn", "int4") else dtype.str
 
 
 # --------------------------------------------------------------------------- per-tensor transform
@@ -207,9 +207,11 @@ def convert_checkpoint(hf_dir: str, out_dir: str, dtype="bfloat16", overwrite: b
     in the source or once cast to `dtype`; each slice is checked as it streams by, before it is written.
     progress: a progress bar on stderr, in bytes of the source read and converted.
     transform: a per-tensor `Transform` between the cast and the write (default: none).
-    quantize: None, "int8" / "fp8" or a `jdllm.quant.Quantization`: each weight slice is quantized
-    on the host as it streams by (`jdllm.quant.checkpoint_parts`) and stored as its q and scale, so
-    loading it never builds the full-precision weights; `dtype` is then the activation dtype.
+    quantize: None, "int8" / "fp8" / "int4" or a `jdllm.quant.Quantization` (int4's group size: its
+    `group_size`, which must divide every quantized weight's contracted axis: checked before anything
+    is written): each weight slice is quantized on the host as it streams by
+    (`jdllm.quant.checkpoint_parts`) and stored as its q and scale, so loading it never builds the
+    full-precision weights; `dtype` is then the activation dtype.
     Returns the absolute out_dir.
     """
     from tqdm.auto import tqdm  # noqa: PLC0415 (startup: `jdllm convert --help` stays free of JAX / tensorstore)

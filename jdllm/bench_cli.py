@@ -20,7 +20,8 @@ import time
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from jdllm.checkpoint import ATTN_IMPLS, DTYPES  # noqa: PLC0415
-    from jdllm.generate_cli import add_check_finite_argument, add_paradigm_arguments  # noqa: PLC0415
+    from jdllm.generate_cli import (add_check_finite_argument, add_group_size_argument,  # noqa: PLC0415
+                                    add_paradigm_arguments)
 
     p.add_argument("model", help="Hugging Face model directory or jdllm checkpoint")
     p.add_argument("--batch", type=int, nargs="+", default=[1, 8], help="batch sizes (default: 1 8)")
@@ -32,7 +33,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", default="float32", choices=DTYPES)
     p.add_argument("--quantize", default=None, choices=("int8", "fp8", "int4"),  # jdllm.quant.SCHEMES
-                   help="weight-only int8 / fp8 weights (--dtype stays the activation dtype)")
+                   help="weight-only int8 / fp8 / int4 weights (--dtype stays the activation dtype)")
+    add_group_size_argument(p)
     p.add_argument("--kv-cache", default=None, choices=("int8",),  # jdllm.quant.KV_CACHE_DTYPES
                    help="int8: the KV cache in int8, one scale per token and KV head (default: the activation dtype)")
     p.add_argument("--attn-impl", default="auto", choices=ATTN_IMPLS)
@@ -66,7 +68,7 @@ def run_command(args) -> int:
     import numpy as np  # noqa: PLC0415
 
     import jdllm  # noqa: PLC0415
-    from jdllm.generate_cli import decoding_from_args  # noqa: PLC0415
+    from jdllm.generate_cli import decoding_from_args, quantize_from_args  # noqa: PLC0415
 
     from jdllm.inputs import check_output_path  # noqa: PLC0415
 
@@ -75,7 +77,7 @@ def run_command(args) -> int:
     if args.json:
         check_output_path(args.json, "--json", create_parents=False)  # before the benchmark, not after
     model = jdllm.load(args.model, dtype=args.dtype, attn_impl=args.attn_impl, check_finite=args.check_finite,
-                       quantize=args.quantize, kv_cache=args.kv_cache)
+                       quantize=quantize_from_args(args), kv_cache=args.kv_cache)
     cfg = model.config
     args.prompt_len, args.max_new_tokens = lengths(args, cfg.max_position_embeddings)
     decoding = decoding_from_args(args, cfg, command="bench")

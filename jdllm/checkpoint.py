@@ -231,7 +231,7 @@ def restore_quantized(path: str, meta: dict, dtype=None, shardings=None):
     params_dir = os.path.abspath(os.path.join(path, PARAMS_DIR))
     want = np_dtype(dtype)
     with _restore_errors(params_dir):
-        stored = _stored_tree(params_dir, meta["config"])
+        stored = _stored_tree(params_dir, meta["config"], quant.from_meta(meta.get("quantization")))
         shard_tree = (quant.checkpoint_shardings(shardings, stored) if shardings is not None
                       else jax.tree.map(lambda _: _first_device(), stored))
 
@@ -273,9 +273,10 @@ def iter_restored_params(path: str, dtype=None, shardings=None):
                 del got
 
 
-def _stored_tree(params_dir: str, cfg: ModelConfig):
+def _stored_tree(params_dir: str, cfg: ModelConfig, qc=None):
     """The Orbax metadata tree of a checkpoint's params, checked against its config (a quantized
-    weight by its q's shape)."""
+    weight by its q's shape) and its quantization `qc` (the marker's, None for a plain checkpoint:
+    which weights are stored as q and scale, q's dtype, the scale's shape)."""
     import orbax.checkpoint as ocp  # noqa: PLC0415 (startup: `jdllm convert --help` and config reads stay free of JAX)
     from jdllm import quant  # noqa: PLC0415 (startup: `jdllm convert --help` and config reads stay free of JAX)
     from jdllm.model import shape_mismatch  # noqa: PLC0415 (startup: `jdllm convert --help` and config reads stay free of JAX)
@@ -286,7 +287,52 @@ def _stored_tree(params_dir: str, cfg: ModelConfig):
         raise errors.CorruptCheckpointError(
             f"{params_dir} disagrees with {MARKER_FILE} at parameter {bad[0]} "
             f"(stored {bad[1]}, config implies {bad[2]}); re-run `jdllm convert`")
+    _check_stored_quantization(stored, cfg, qc, params_dir)
     return stored
+
+
+def _check_stored_quantization(stored, cfg: ModelConfig, qc, params_dir: str) -> None:
+    """QuantizationError naming the parameter when the stored arrays are not what the marker's
+    quantization `qc` makes (`jdllm.quant.checkpoint_specs`): a weight stored plain that it
+    quantizes or the reverse, q in another scheme's dtype, a scale of another group size."""
+    import jax.numpy as jnp  # noqa: PLC0415 (startup: `jdllm convert --help` and config reads stay free of JAX)
+    from jdllm import quant  # noqa: PLC0415 (startup: `jdllm convert --help` and config reads stay free of JAX)
+    from jdllm.model import flat_param_specs  # noqa: PLC0415 (startup: `jdllm convert --help` and config reads stay free of JAX)
+
+    def flat(tree, path=()):
+        if isinstance(tree, dict):
+            for k, v in tree.items():
+                yield from flat(v, path + (k,))
+        else:
+            yield path, tree
+
+    have = dict(flat(stored))
+    said = f"{MARKER_FILE}'s quantization {quant.to_meta(qc)}" if qc is not None else \
+        f"{MARKER_FILE} (no quantization: a plain checkpoint)"
+    if qc is None:  # plain (any layout Orbax wrote): only no q / scale pairs
+        for path in sorted(have, key=str):
+            if path[-1] in ("q", "scale") and len(path) > 1 and path[-2] in quant.CONTRACTED:
+                raise errors.QuantizationError(
+                    f"{params_dir} disagrees with {said}: it stores {'/'.join(path)}, a quantized weight; "
+                    "the marker and the arrays come from different conversions: re-run `jdllm convert`")
+        return
+    want = quant.checkpoint_specs(flat_param_specs(cfg), qc)
+    for path in sorted(set(have) | set(want), key=str):
+        name = "/".join(str(k) for k in path)
+        if path not in have or path not in want:
+            raise errors.QuantizationError(
+                f"{params_dir} disagrees with {said}: parameter {name} is "
+                f"{'missing' if path not in have else 'stored but not expected'}; the marker and the "
+                "arrays come from different conversions: re-run `jdllm convert`")
+        got = tuple(have[path].shape)
+        if got != tuple(want[path].shape):
+            raise errors.QuantizationError(
+                f"{params_dir} disagrees with {said}: {name} is stored with shape {got}, the quantization "
+                f"implies {tuple(want[path].shape)}; re-run `jdllm convert`")
+        if path[-1] == "q" and jnp.dtype(have[path].dtype) != jnp.dtype(quant.STORAGE[qc.scheme]):
+            raise errors.QuantizationError(
+                f"{params_dir} disagrees with {said}: {name} is stored as {jnp.dtype(have[path].dtype).name}, "
+                f"scheme {qc.scheme!r} stores {jnp.dtype(quant.STORAGE[qc.scheme]).name}; re-run `jdllm convert`")
 
 
 def _first_device():
@@ -323,10 +369,12 @@ def slabs(shape: tuple[int, ...], chunks: tuple[int, ...], itemsize: int, target
             for r in range(0, shape[axis], step)]
 
 
-def restore_per_layer(path: str, cfg: ModelConfig, dtype=None, placement=None):
+def restore_per_layer(path: str, cfg: ModelConfig, dtype=None, placement=None, quantize=None):
     """A jdllm checkpoint's params in the "per_layer" layout (`iter_layer_slices`, collected), or
-    None when its arrays cannot be opened directly (then `restore_params`, Orbax, reads them)."""
-    slices = iter_layer_slices(path, cfg, dtype, placement)
+    None when its arrays cannot be opened directly (then `restore_params`, Orbax, reads them).
+    quantize (a `jdllm.quant.Quantization`): each slice is quantized as it is read, so the
+    full-precision weights never all exist at once."""
+    slices = iter_layer_slices(path, cfg, dtype, placement, quantize)
     if next(slices) is None:
         return None
     params: dict[str, Any] = {"layers": tuple({} for _ in range(cfg.num_layers))}
@@ -338,14 +386,19 @@ def restore_per_layer(path: str, cfg: ModelConfig, dtype=None, placement=None):
     return params
 
 
-def iter_layer_slices(path: str, cfg: ModelConfig, dtype=None, placement=None):
+def iter_layer_slices(path: str, cfg: ModelConfig, dtype=None, placement=None, quantize=None):
     """Read a jdllm checkpoint with tensorstore one layer's slice at a time, each placed on the
     first device (or, under `placement`, each device reading only its own part), so the host never
     holds a stacked parameter, let alone the model twice: a load peaks at the weights plus one
-    slice. Yields first True (readable) or None (a layout this reader does not open: use
-    `restore_params`), then (param path, layer or None, jax Array)."""
+    slice. quantize (a `jdllm.quant.Quantization`): each slice it selects is quantized as it is
+    read, on the host with NumPy before it goes to the device (as a Hugging Face load does), or
+    under `placement` on the mesh, its full-precision shards freed at once; the load then peaks
+    at the quantized weights plus one full-precision slice. Yields first True (readable) or None
+    (a layout this reader does not open: use `restore_params`), then (param path, layer or None,
+    jax Array or `jdllm.quant.QArray`)."""
     import jax  # noqa: PLC0415 (startup: `jdllm convert --help` and config reads stay free of JAX)
     import tensorstore as ts  # noqa: PLC0415 (startup: `jdllm convert --help` and config reads stay free of JAX)
+    from jdllm import quant  # noqa: PLC0415 (startup: `jdllm convert --help` and config reads stay free of JAX)
     from jdllm.model import flat_param_specs  # noqa: PLC0415 (startup: `jdllm convert --help` and config reads stay free of JAX)
     params_dir = os.path.abspath(os.path.join(path, PARAMS_DIR))
     want = np_dtype(dtype)
@@ -376,19 +429,23 @@ def iter_layer_slices(path: str, cfg: ModelConfig, dtype=None, placement=None):
             del part
         return x
 
-    def place(view, chunks, sharding):
+    def place(view, chunks, sharding, name):
         if sharding is None:
+            if quantize is not None:
+                return quant.quantize_host(read(view, chunks), name, quantize, device)
             return jax.device_put(read(view, chunks), device)
-        return jax.make_array_from_callback(tuple(view.shape), sharding, lambda idx: read(view[idx], chunks))
+        x = jax.make_array_from_callback(tuple(view.shape), sharding, lambda idx: read(view[idx], chunks))
+        return x if quantize is None else quant.quantize_weight(name, x, quantize, consume=True)
 
     for p, arr in arrays.items():
         chunks = tuple(arr.chunk_layout.read_chunk.shape)
         try:
             if p[0] == "layers":
                 for i in range(cfg.num_layers):
-                    yield p, i, place(arr[i], chunks[1:], None if shardings is None else shardings["layers"][i][p[1]])
+                    yield p, i, place(arr[i], chunks[1:], None if shardings is None else shardings["layers"][i][p[1]],
+                                      p[1])
             else:
-                yield p, None, place(arr, chunks, None if shardings is None else shardings[p[0]])
+                yield p, None, place(arr, chunks, None if shardings is None else shardings[p[0]], p[0])
         except errors.JdllmError:
             raise
         except Exception as e:  # noqa: BLE001 (tensorstore raises many types)
@@ -459,16 +516,25 @@ def _load_hf_params(path: str, cfg: ModelConfig, dtype, placement, check_finite:
     (`jdllm.model.default_layout`), one parameter at a time: the host holds at most one stacked
     parameter, and each layer's slice goes to the device on its own, so the device never holds a
     stacked copy beside the per-layer one.
-    quantize (a `jdllm.quant.Quantization`): each weight it selects is quantized on the host as it
-    is read (one layer slice at a time, off a mesh), so its full-precision copy never reaches the
-    device."""
+    quantize (a `jdllm.quant.Quantization`): each weight it selects is quantized as it is read, one
+    layer slice at a time: on the host off a mesh, so its full-precision copy never reaches the
+    device; on a mesh where its shards land, which are freed at once (with the caller's own stacked
+    shardings: once the model is placed)."""
     import jax.numpy as jnp  # noqa: PLC0415 (startup: `jdllm convert --help` and config reads stay free of JAX)
+    from jdllm import quant  # noqa: PLC0415 (startup: `jdllm convert --help` and config reads stay free of JAX)
     from jdllm.model import default_layout, to_layout  # noqa: PLC0415 (startup: `jdllm convert --help` and config reads stay free of JAX)
     from jdllm.sharding import put  # noqa: PLC0415 (startup: `jdllm convert --help` and config reads stay free of JAX)
     layout = default_layout(placement)
     # placed per layer, unfused; fused (if the layout is) once every part of a layer is there
     shardings = None if placement is None else placement.param_shardings(cfg, "per_layer")
     params: dict[str, Any] = {"layers": tuple({} for _ in range(cfg.num_layers))}
+
+    def place(x, name, sharding):  # one weight (or layer slice) on the device / its shards, quantized if asked
+        if sharding is None:
+            return jnp.asarray(x) if quantize is None else quant.quantize_host(x, name, quantize)
+        x = put(x, sharding)
+        return x if quantize is None else quant.quantize_weight(name, x, quantize, consume=True)
+
     if stacked_shardings is not None:  # the caller's shardings of the stacked layout: placed stacked, then split
         params["layers"] = {}
     for p, host in hf_layout.iter_params_from_hf_tensors(SafetensorsDir(path), cfg, dtype=dtype, source=path):
@@ -481,35 +547,15 @@ def _load_hf_params(path: str, cfg: ModelConfig, dtype, placement, check_finite:
             hf_layout.set_param(params, p, put(host, target))
         elif p[0] == "layers":
             for i, lp in enumerate(params["layers"]):
-                x = host[i]
-                if quantize is not None and shardings is None:
-                    lp[p[1]] = _quantized_on_host(x, p[1], quantize)
-                else:
-                    lp[p[1]] = jnp.asarray(x) if shardings is None else put(x, shardings["layers"][i][p[1]])
+                lp[p[1]] = place(host[i], p[1], None if shardings is None else shardings["layers"][i][p[1]])
         else:
-            target = None if shardings is None else shardings[p[0]]
-            if quantize is not None and target is None:
-                params[p[0]] = _quantized_on_host(host, p[0], quantize)
-            else:
-                params[p[0]] = jnp.asarray(host) if target is None else put(host, target)
+            params[p[0]] = place(host, p[0], None if shardings is None else shardings[p[0]])
         del host
     final = None if placement is None else placement.param_shardings(cfg, layout)
     params = to_layout(params, cfg, layout, shardings=final, consume=True)
-    if quantize is not None and (placement is not None or stacked_shardings is not None):
-        from jdllm.quant import quantize_params  # noqa: PLC0415 (startup: `jdllm convert --help` and config reads stay free of JAX)
-        params = quantize_params(params, quantize, consume=True)  # on the mesh: each scale sharded as XLA places it
+    if quantize is not None and stacked_shardings is not None:
+        params = quant.quantize_params(params, quantize, consume=True)
     return params
-
-
-def _quantized_on_host(x: np.ndarray, name: str, quantize):
-    """One weight quantized with NumPy (or left as it is when `quantize` does not select it), then put on the device."""
-    import jax.numpy as jnp  # noqa: PLC0415 (startup: `jdllm convert --help` and config reads stay free of JAX)
-    from jdllm import quant  # noqa: PLC0415 (startup: `jdllm convert --help` and config reads stay free of JAX)
-    if not quantize.wants(name):
-        return jnp.asarray(x)
-    axes, group = quantize.axes_for(name, x.shape)
-    qa = quant.quantize_array(x, quantize.scheme, axes, xp=np, group=group)
-    return quant.QArray(jnp.asarray(qa.q), jnp.asarray(qa.scale), qa.dtype_name)
 
 
 def check_not_prequantized(path: str, quantize) -> None:
@@ -537,7 +583,7 @@ def load_model(path: str, dtype="bfloat16", attn_impl: str = "auto", shardings=N
     import jax.numpy as jnp  # noqa: PLC0415 (startup: `jdllm convert --help` and config reads stay free of JAX)
     from jdllm.device_memory import check_params_fit  # noqa: PLC0415 (startup: `jdllm convert --help` and config reads stay free of JAX)
     from jdllm.loading import Model  # noqa: PLC0415 (startup: `jdllm convert --help` and config reads stay free of JAX)
-    from jdllm.model import default_layout, to_layout  # noqa: PLC0415 (startup: `jdllm convert --help` and config reads stay free of JAX)
+    from jdllm.model import default_layout, flat_param_specs, to_layout  # noqa: PLC0415 (startup: `jdllm convert --help` and config reads stay free of JAX)
     if not isinstance(path, (str, os.PathLike)):
         raise errors.ArgumentTypeError(
             f"load(path={path!r}): expected a directory path (str or os.PathLike), got {type(path).__name__}")
@@ -561,7 +607,12 @@ def load_model(path: str, dtype="bfloat16", attn_impl: str = "auto", shardings=N
         meta = read_jdllm_meta(path)
         cfg = meta["config"]
         check_special_ids(cfg, path)
-        stored_q = quant.from_meta(meta.get("quantization"))
+        try:
+            stored_q = quant.from_meta(meta.get("quantization"))
+        except (errors.QuantizationError, TypeError) as e:
+            raise errors.CorruptCheckpointError(
+                f"{os.path.join(path, MARKER_FILE)} has quantization {meta.get('quantization')!r}, which this jdllm "
+                f"does not read ({one_line(e)}); re-run `jdllm convert`") from None
         if stored_q is not None:  # a quantized checkpoint: quantize= may only repeat what it holds
             if quantize is not None and quantize != stored_q:
                 raise errors.QuantizationError(
@@ -569,23 +620,26 @@ def load_model(path: str, dtype="bfloat16", attn_impl: str = "auto", shardings=N
                     f"quantize={quantize} disagrees: drop quantize= (or pass the same), or convert "
                     "the Hugging Face directory again with the scheme you want")
             quantize = None
+        quant.check_shapes(quantize, flat_param_specs(cfg))  # int4's group size, before any weight is read
         if placement is not None:
             shardings = placement.param_shardings(cfg)
         check_params_fit(cfg, dtype, shardings, source=path,  # before any weight is placed
                          quantize=stored_q or quantize)
-        params = None
-        if stored_q is None and (placement is not None or shardings is None):  # read layer by layer (the
-            params = restore_per_layer(path, cfg, dtype, placement)  # caller's own stacked shardings: Orbax)
+        params, late = None, quantize
+        if stored_q is None and (placement is not None or shardings is None):  # read layer by layer, each
+            params = restore_per_layer(path, cfg, dtype, placement, quantize)  # slice quantized as read
+            late = None  # (the caller's own stacked shardings: Orbax, then quantized below)
         if params is None:
-            params = restore_params(path, dtype=dtype, shardings=shardings)
+            params, late = restore_params(path, dtype=dtype, shardings=shardings), quantize
         layout = default_layout(placement)  # split per layer, each stacked array freed once split
         params = to_layout(params, cfg, layout, consume=True,
                            shardings=None if placement is None else placement.param_shardings(cfg, layout))
-        params = quant.quantize_params(params, quantize, consume=True)
+        params = quant.quantize_params(params, late, consume=True)
     elif is_hf_dir(path):
         cfg = ModelConfig.from_hf(path)
         check_not_prequantized(path, quantize)
         check_special_ids(cfg, os.path.join(path, CONFIG_FILE))
+        quant.check_shapes(quantize, flat_param_specs(cfg))  # int4's group size, before any weight is read
         stacked = placement.param_shardings(cfg) if placement is not None else shardings
         check_params_fit(cfg, dtype, stacked, source=path, quantize=quantize)
         params = _load_hf_params(path, cfg, np_dtype(dtype), placement, check_finite,

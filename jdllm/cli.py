@@ -3,7 +3,7 @@
 Each subcommand lives beside the code it drives and registers itself through
 `add_arguments(parser)` / `run_command(args)`; this file only dispatches, shows
 jdllm's warnings as one-line notes, and turns a `jdllm.errors.JdllmError` into
-one line on stderr and exit code 2 (Ctrl-C: exit code 130).
+one line on stderr and exit code 2 (Ctrl-C: exit code 130; SIGTERM during convert: 143).
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ import warnings
 
 from jdllm import __version__
 from jdllm.errors import JdllmError
-from jdllm.process import INTERRUPTED, exit_on_interrupt, exit_with, interrupt_outside_gc, quiet_transformers
+from jdllm.process import (INTERRUPTED, exit_on_interrupt, exit_with, interrupt_code, interrupt_outside_gc,
+                           quiet_transformers)
 
 # subcommand -> module exposing add_arguments(parser) and run_command(args) -> int
 SUBCOMMANDS = {
@@ -91,9 +92,10 @@ def main(argv: list[str] | None = None, *, own_process: bool = False) -> int:
     except JdllmError as e:
         print(f"{command}: error: {type(e).__name__}: {e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print(f"{command}: interrupted", file=sys.stderr)
-        return INTERRUPTED
+    except KeyboardInterrupt as e:  # Ctrl-C: 130; SIGTERM (convert turns it into `Terminated`): 143
+        code = interrupt_code(e)
+        print(f"{command}: {'terminated' if code != INTERRUPTED else 'interrupted'}", file=sys.stderr)
+        return code
 
 
 def entry() -> None:
@@ -101,8 +103,8 @@ def entry() -> None:
     exit_on_interrupt("jdllm")  # until the command is known (imports can crash when interrupted)
     try:
         code = main(own_process=True)
-    except KeyboardInterrupt:  # between main's handlers and here
-        code = INTERRUPTED
+    except KeyboardInterrupt as e:  # between main's handlers and here
+        code = interrupt_code(e)
     exit_with(code)
 
 

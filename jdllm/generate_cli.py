@@ -61,7 +61,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     # choices: jdllm.quant.SCHEMES, spelled out so --help stays free of JAX
     p.add_argument("--quantize", default=None, choices=("int8", "fp8", "int4"),
                    help="weight-only quantization of the matmul weights, one scale per output channel "
-                        "(--dtype stays the activation dtype; default: none)")
+                        "(int4: per --group-size inputs; --dtype stays the activation dtype; default: none)")
+    add_group_size_argument(p)
     p.add_argument("--kv-cache", default=None, choices=("int8",),  # jdllm.quant.KV_CACHE_DTYPES
                    help="int8: the KV cache in int8, one scale per token and KV head (default: the activation dtype)")
     p.add_argument("--attn-impl", default="auto", choices=ATTN_IMPLS,
@@ -84,6 +85,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--show-steps", action="store_true", help="show which step revealed each token")
     add_constraint_arguments(p)
     add_paradigm_arguments(p)
+
+
+def add_group_size_argument(p: argparse.ArgumentParser) -> None:
+    """--group-size beside --quantize (generate, serve, bench; convert has its own)."""
+    p.add_argument("--group-size", type=int, default=None, metavar="N",
+                   help="--quantize int4: contraction elements sharing a scale (default 128); it must divide "
+                        "each weight's contracted axis (the head dim for the attention output)")
+
+
+def quantize_from_args(args):
+    """`quantize=` for jdllm.load from --quantize / --group-size."""
+    from jdllm.quant import quantization_arg  # noqa: PLC0415 (imports JAX: after parsing)
+
+    return quantization_arg(args.quantize, getattr(args, "group_size", None))
 
 
 def add_constraint_arguments(p: argparse.ArgumentParser) -> None:
@@ -254,7 +269,7 @@ def run_command(args) -> int:
             sharding.initialize_distributed()
         mesh = sharding.make_mesh(args.mesh)
     model = jdllm.load(args.model, dtype=args.dtype, attn_impl=args.attn_impl, check_finite=args.check_finite,
-                       mesh=mesh, quantize=args.quantize, kv_cache=args.kv_cache)
+                       mesh=mesh, quantize=quantize_from_args(args), kv_cache=args.kv_cache)
     decoding = decoding_from_args(args, model.config)
     cls = type(decoding)
     constraint = constraint_from_args(args)

@@ -12,7 +12,18 @@ import signal
 import sys
 import threading
 
-INTERRUPTED = 130  # the exit code after Ctrl-C
+INTERRUPTED = 130  # the exit code after Ctrl-C (128 + SIGINT)
+TERMINATED = 143  # the exit code after SIGTERM (128 + SIGTERM), as a shell reports a process it ended
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where `interrupt_outside_gc(signal.SIGTERM)` is in force: a KeyboardInterrupt
+    (so every cleanup that runs on Ctrl-C runs) that exits with 143, not Ctrl-C's 130."""
+
+
+def interrupt_code(e: KeyboardInterrupt) -> int:
+    """The exit code for an interruption: 143 after SIGTERM (`Terminated`), 130 after Ctrl-C."""
+    return TERMINATED if isinstance(e, Terminated) else INTERRUPTED
 
 
 def quiet_transformers() -> None:
@@ -33,8 +44,8 @@ def exit_on_interrupt(command: str) -> None:
 
 
 def interrupt_outside_gc(signum: int = signal.SIGINT):
-    """Make Ctrl-C (or signal `signum`, e.g. SIGTERM) raise KeyboardInterrupt, but never inside a
-    garbage-collector callback (JAX registers one), where Python would print the exception and
+    """Make Ctrl-C (or signal `signum`: SIGTERM raises `Terminated`, a KeyboardInterrupt) raise
+    KeyboardInterrupt, but never inside a garbage-collector callback (JAX registers one), where Python would print the exception and
     drop it: there the signal is sent again a moment later, so the command still stops and cleans
     up. Returns the handler it replaced."""
     def handler(signum, frame):
@@ -47,16 +58,16 @@ def interrupt_outside_gc(signum: int = signal.SIGINT):
                 again.start()
                 return
             f = f.f_back
-        raise KeyboardInterrupt
+        raise Terminated if signum == signal.SIGTERM else KeyboardInterrupt
 
     return signal.signal(signum, handler)
 
 
 def exit_with(code: int):
-    """Leave the process with `code`. After Ctrl-C, skip the interpreter's teardown: JAX can
-    crash there (a segmentation fault) when interrupted mid-compile. Once the command is done,
+    """Leave the process with `code`. After Ctrl-C or SIGTERM, skip the interpreter's teardown: JAX
+    can crash there (a segmentation fault) when interrupted mid-compile. Once the command is done,
     a Ctrl-C during the teardown is ignored for the same reason."""
-    if code != INTERRUPTED:
+    if code not in (INTERRUPTED, TERMINATED):
         signal.signal(signal.SIGINT, signal.SIG_IGN)
     else:
         for stream in (sys.stdout, sys.stderr):
@@ -66,4 +77,4 @@ def exit_with(code: int):
     sys.exit(code)
 
 
-__all__ = ["INTERRUPTED", "quiet_transformers", "exit_on_interrupt", "interrupt_outside_gc", "exit_with"]
+__all__ = ["INTERRUPTED", "TERMINATED", "Terminated", "interrupt_code", "quiet_transformers", "exit_on_interrupt", "interrupt_outside_gc", "exit_with"]

@@ -102,6 +102,18 @@ def as_quantization(quantize) -> Quantization | None:
         f"quantize={quantize!r}: pass None, one of {SCHEMES} or a jdllm.quant.Quantization")
 
 
+def quantization_arg(scheme: str | None, group_size: int | None):
+    """The command lines' `--quantize SCHEME [--group-size N]` as `quantize=` takes it; a group
+    size without int4 (which alone has groups) is a QuantizationError naming it."""
+    if group_size is None:
+        return scheme
+    if scheme != "int4":
+        raise errors.QuantizationError(
+            f"--group-size {group_size} applies to --quantize int4 only (got --quantize {scheme}); "
+            "int8 and fp8 keep one scale per output channel")
+    return Quantization("int4", group_size=group_size)
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class QArray:
@@ -163,6 +175,31 @@ def quantize_array(x, scheme: str, axes: tuple[int, ...], xp=jnp, group: int | N
     return QArray(y.astype(STORAGE[scheme]), scale, dtype_name)
 
 
+HOST_SLAB_BYTES = 16 << 20  # quantize_numpy widens this much of a weight to float32 at a time
+
+
+def quantize_numpy(x: np.ndarray, scheme: str, axes: tuple[int, ...], group: int | None = None) -> QArray:
+    """`quantize_array` with NumPy, a slab of output channels at a time, so its float32
+    temporaries are a slab's, not the weight's (the embedding of a 150k vocabulary: ~16 MB, not
+    several copies of 0.6 GB). The same values: each scale reduces within one slab."""
+    free = [a for a in range(x.ndim) if a not in axes]
+    a = max(free, key=lambda i: x.shape[i]) if free else None
+    n = 0 if a is None else x.shape[a]
+    step = max(1, HOST_SLAB_BYTES // max(1, x.size // max(n, 1) * 4)) if n else 0
+    if a is None or step >= n:
+        return quantize_array(x, scheme, axes, xp=np, group=group)
+    q = scale = None
+    for i in range(0, n, step):
+        index = (slice(None),) * a + (slice(i, min(i + step, n)),)
+        part = quantize_array(x[index], scheme, axes, xp=np, group=group)
+        if q is None:
+            q = np.empty(x.shape, part.q.dtype)
+            scale = np.empty(part.scale.shape[:a] + (n,) + part.scale.shape[a + 1:], np.float32)
+        q[index], scale[index] = part.q, part.scale
+        del part
+    return QArray(q, scale, jnp.dtype(x.dtype).name)
+
+
 def full_scale(w: QArray):
     """w's scale repeated to q's shape where it is grouped (int4); broadcastable elsewhere."""
     s = w.scale
@@ -203,16 +240,7 @@ def quantize_params(params, quantize, consume: bool = False):
     stacked = not isinstance(params["layers"], (tuple, list))
 
     def one(name, x, lead):
-        if not qc.wants(name) or not jnp.issubdtype(x.dtype, jnp.floating):
-            return x
-        axes, group = qc.axes_for(name, x.shape, lead)
-        out = _quantize_jit(x, scheme=qc.scheme, axes=axes, group=group)
-        sharding = getattr(x, "sharding", None)
-        if isinstance(sharding, jax.sharding.NamedSharding):  # on a mesh: the scale beside its weight's shards
-            out = put(out, sharding)
-        if consume and isinstance(x, jax.Array) and not x.is_deleted():
-            x.delete()
-        return out
+        return quantize_weight(name, x, qc, lead, consume=consume)
 
     out = {k: one(k, v, 0) if k != "layers" else v for k, v in params.items()}
     if stacked:
@@ -220,6 +248,42 @@ def quantize_params(params, quantize, consume: bool = False):
     else:
         out["layers"] = tuple({k: one(k, v, 0) for k, v in lp.items()} for lp in params["layers"])
     return out
+
+
+def quantize_weight(name: str, x, qc: Quantization, lead: int = 0, consume: bool = False):
+    """One weight (a jax Array, `lead` leading layers axes) as `qc` stores it: a QArray computed
+    where it lives (on a mesh: the scale sharded beside its weight's shards), or x itself where
+    `qc` leaves it plain. consume: delete x once quantized."""
+    if not qc.wants(name) or not jnp.issubdtype(x.dtype, jnp.floating):
+        return x
+    axes, group = qc.axes_for(name, x.shape, lead)
+    out = _quantize_jit(x, scheme=qc.scheme, axes=axes, group=group)
+    sharding = getattr(x, "sharding", None)
+    if isinstance(sharding, jax.sharding.NamedSharding):  # on a mesh: the scale beside its weight's shards
+        out = jax.block_until_ready(put(out, sharding))  # one at a time: see the note below
+    if consume and isinstance(x, jax.Array) and not x.is_deleted():
+        x.delete()
+    return out
+
+
+# On a CPU mesh of more devices than cores, a quantization whose scale reduces over a split axis
+# (the attention output's heads) is an all-reduce, and XLA:CPU runs each device's part on a shared
+# thread pool: with many such programs dispatched at once, the devices' parts of different programs
+# can take every thread while waiting for each other, until XLA aborts the process ("Termination
+# timeout for all reduce ... of 40 seconds exceeded"; seen loading a Qwen3-0.6B shape with
+# quantize="int8" on 8 CPU devices of 2 cores). Waiting for each weight keeps one in flight.
+
+
+def quantize_host(x: np.ndarray, name: str, qc: Quantization, device=None):
+    """One weight read on the host (NumPy), quantized there with NumPy and put on `device` (None:
+    the default device, uncommitted): its full-precision copy never reaches the device. A weight
+    `qc` leaves plain goes as it is."""
+    place = jnp.asarray if device is None else (lambda a: jax.device_put(a, device))
+    if not qc.wants(name) or not jnp.issubdtype(x.dtype, jnp.floating):
+        return place(x)
+    axes, group = qc.axes_for(name, x.shape)
+    qa = quantize_numpy(x, qc.scheme, axes, group=group)
+    return QArray(place(qa.q), place(qa.scale), qa.dtype_name)
 
 
 def describe(params) -> str | None:
@@ -282,32 +346,44 @@ def shardings_like(params, shardings):
 def checkpoint_parts(path: tuple[str, ...], x, qc: Quantization | None):
     """One slice of a weight as a checkpoint stores it: [(path, x)] plain, or [(path + ("q",), q),
     (path + ("scale",), scale)] quantized with NumPy (convert's per-tensor step: no JAX array, one
-    slice at a time). `x` is one layer's slice or a whole non-layer weight."""
+    slice at a time; int4: q in int4, one scale per group). `x` is one layer's slice or a whole
+    non-layer weight."""
     name = path[-1]
     if qc is None or not qc.wants(name):
         return [(path, x)]
-    if qc.scheme == "int4":
-        raise errors.QuantizationError("int4 checkpoints are not written yet: convert with --quantize int8 or "
-                                       "fp8, or load the Hugging Face directory with quantize='int4'")
-    qa = quantize_array(np.asarray(x), qc.scheme, CONTRACTED[name], xp=np)
+    axes, group = qc.axes_for(name, x.shape)
+    qa = quantize_numpy(np.asarray(x), qc.scheme, axes, group=group)
     return [(path + ("q",), qa.q), (path + ("scale",), qa.scale)]
+
+
+def check_shapes(qc: Quantization | None, specs: dict) -> None:
+    """QuantizationError (naming the weight and the group size) when `qc` cannot quantize a weight of
+    `specs` (`jdllm.model.flat_param_specs`, stacked): int4's group size must divide each weight's
+    last contracted axis. Called before any weight is read or written."""
+    if qc is None:
+        return
+    for path, spec in specs.items():
+        if qc.wants(path[-1]):
+            qc.axes_for(path[-1], spec.shape, 1 if spec.axes[:1] == ("layers",) else 0)
 
 
 def checkpoint_specs(specs: dict, qc: Quantization | None) -> dict:
     """`jdllm.model.flat_param_specs` (stacked) with each weight `qc` quantizes split into its q
-    (the weight's shape) and scale (size 1 on the contracted axes) entries."""
+    (the weight's shape) and scale (size 1 on the contracted axes; int4: the group count on the
+    grouped axis) entries."""
     if qc is None:
         return specs
+    check_shapes(qc, specs)
     out = {}
     for path, spec in specs.items():
         if not qc.wants(path[-1]):
             out[path] = spec
             continue
         lead = 1 if spec.axes[:1] == ("layers",) else 0
-        red = {a + lead for a in CONTRACTED[path[-1]]}
+        axes, group = qc.axes_for(path[-1], spec.shape, lead)
         out[path + ("q",)] = spec
         out[path + ("scale",)] = dataclasses.replace(
-            spec, shape=tuple(1 if i in red else n for i, n in enumerate(spec.shape)))
+            spec, shape=tuple((n // group if group else 1) if i in axes else n for i, n in enumerate(spec.shape)))
     return out
 
 

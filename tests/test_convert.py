@@ -506,12 +506,15 @@ def test_transform_hook_sees_each_tensor_once(tmp_path):
 _SLOW_CONVERT = r"""
 import sys, time
 from convert import io as cio
-class Slow(cio.Transform):
-    def __call__(self, path, layer, x):
-        print("converting", flush=True)
-        time.sleep(0.2)
-        return ((path, x),)
-cio.convert_checkpoint(sys.argv[1], sys.argv[2], dtype="float32", progress=False, transform=Slow())
+from convert.cli import main
+from jdllm.process import exit_with
+quantize = cio.QuantizeTransform.__call__
+def slow(self, path, layer, x):
+    print("converting", flush=True)
+    time.sleep(0.2)
+    return quantize(self, path, layer, x)
+cio.QuantizeTransform.__call__ = slow
+exit_with(main(sys.argv[1:], own_process=True))  # as `python -m convert` / `jdllm convert` run it
 """
 
 
@@ -523,14 +526,16 @@ def _digest(directory) -> dict[str, str]:
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGKILL])
 def test_killed_conversion_leaves_nothing(signum, tmp_path):
-    """SIGTERM mid-conversion: the process removes its temporary directory on the way out; SIGKILL
-    cannot be caught, so the next conversion to the same OUT_DIR removes what it left. Either way
-    nothing appears at OUT_DIR and the source is untouched."""
+    """SIGTERM mid-conversion (`convert --quantize`): the process removes its temporary directory on
+    the way out and exits 143 (128 + SIGTERM; Ctrl-C's is 130); SIGKILL cannot be caught, so the next
+    conversion to the same OUT_DIR removes what it left. Either way nothing appears at OUT_DIR and
+    the source is untouched."""
     hf_dir, _ = fx.build_transformers_model("qwen2", str(tmp_path / "hf"), seed=1)
     before = _digest(hf_dir)
     out = str(tmp_path / "out")
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
-    proc = subprocess.Popen([sys.executable, "-c", _SLOW_CONVERT, hf_dir, out], env=env,
+    proc = subprocess.Popen([sys.executable, "-c", _SLOW_CONVERT, hf_dir, out, "--dtype", "float32", "--quantize",
+                             "int8", "--quiet"], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         assert proc.stdout.readline().strip() == "converting"  # the temporary directory exists now
@@ -539,12 +544,13 @@ def test_killed_conversion_leaves_nothing(signum, tmp_path):
     finally:
         proc.kill()
         proc.wait()
-    assert proc.returncode != 0
+    err = proc.stderr.read()
+    assert proc.returncode == (143 if signum == signal.SIGTERM else -signal.SIGKILL), (proc.returncode, err)
     assert _digest(hf_dir) == before
     assert not os.path.lexists(out)
     left = [f for f in os.listdir(tmp_path) if "out" in f]
     if signum == signal.SIGTERM:
-        assert left == []
+        assert left == [] and "convert: terminated" in err and "Traceback" not in err, err
         return
     assert len(left) == 1 and left[0].startswith(".out.tmp-")
     live = tmp_path / ".out.tmp-live"  # a running conversion's (this process's parent) stays

@@ -8,7 +8,9 @@ through the plain path: tokens must agree under greedy decoding).
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import re
 
 import jax
 import jax.numpy as jnp
@@ -83,6 +85,22 @@ def test_matmul_matches_numpy_dequantize_then_einsum(scheme):
                                np.asarray(quant.dequantize(qa))[np.asarray(ids)], rtol=1e-6)
 
 
+@pytest.mark.parametrize("scheme", ["int8", "fp8", "int4"])
+def test_host_quantization_in_slabs_gives_the_same_arrays(scheme, monkeypatch):
+    """`quant.quantize_numpy` (load and convert's host path) cuts a weight into slabs of output
+    channels: the same q and scale as the whole weight at once, for every weight's axes."""
+    monkeypatch.setattr(quant, "HOST_SLAB_BYTES", 1024)
+    rng = np.random.default_rng(2)
+    qc = jdllm.Quantization(scheme, group_size=4)
+    for _, _, name, shape in SHAPES:
+        x = rng.normal(size=shape).astype(jnp.bfloat16)
+        axes, group = qc.axes_for(name, shape)
+        got, want = quant.quantize_numpy(x, scheme, axes, group), quant.quantize_array(x, scheme, axes, np, group)
+        assert got.q.dtype == want.q.dtype and got.scale.shape == want.scale.shape, name
+        np.testing.assert_array_equal(got.q.astype(np.float32), want.q.astype(np.float32), err_msg=name)
+        np.testing.assert_array_equal(got.scale, want.scale, err_msg=name)
+
+
 def test_load_quantized_logits_close_and_exact_against_dequantized():
     """tiny-ar loaded with quantize=: its logits equal the plain forward on the dequantized
     weights, within int8 / fp8's error of the float32 model; the embedding and head can stay."""
@@ -142,6 +160,35 @@ def test_every_paradigm_int8_matches_itself_on_dequantized_weights(paradigm, fas
     assert any(o.token_ids for o in got)
 
 
+@pytest.mark.parametrize("name,paradigm", [
+    ("tiny-ar", jdllm.AR()),
+    ("tiny-sdar", jdllm.BlockDiffusion(block_length=4, denoising_steps=2, confidence_threshold=0.7))])
+def test_serving_engine_with_int8_weights_equals_generate(name, paradigm, fast_compile):  # noqa: F811
+    """The continuous-batching engine serving a `quantize="int8"` model: requests joining a running
+    pool of two rows (so rows are reused) decode, token for token and step for step, as
+    `jdllm.generate` decodes each alone with the same quantized model."""
+    from jdllm.serve.engine import Engine
+    from tests.decode_fixtures import FAST_COMPILE
+
+    model = jdllm.load(os.path.join(MODELS, name), dtype="float32", quantize="int8")
+    assert quant.describe(model.params) == "int8"
+    tok = model.tokenizer
+    prompts = [tok.encode(p) for p in ("sort:3 1 2=", "add:12+34=", "rev:abc=", "sort:9 4=")]
+    settings = [jdllm.Sampling(max_new_tokens=n) for n in (8, 6, 7, 8)]  # one generation bucket: one compile
+    want = [jdllm.generate(model, [p], paradigm, s)[0] for p, s in zip(prompts, settings)]
+    eng = Engine(model, paradigm, max_batch=2, max_prompt_tokens=16, max_new_tokens=8, steps_per_round=2,
+                 compiler_options=FAST_COMPILE)
+    reqs = []
+    for p, s in zip(prompts, settings):
+        reqs.append(eng.submit(p, s))
+        eng.step_round()  # each arrives while the earlier ones decode
+    eng.run_until_idle()
+    for r, w in zip(reqs, want):
+        assert (r.output.token_ids, r.output.step_map, r.output.finish_reason) == (w.token_ids, w.step_map,
+                                                                                   w.finish_reason)
+    assert any(w.token_ids for w in want)
+
+
 def test_errors_before_anything_compiles():
     path = os.path.join(MODELS, "tiny-ar")
     with pytest.raises(errors.QuantizationError, match="'int3'"):
@@ -190,6 +237,141 @@ def test_convert_quantize_writes_q_and_scale_that_load_as_they_are(tmp_path):
     assert convert_main([str(pre), str(tmp_path / "x"), "--quantize", "int8", "--quiet"]) == 2
 
 
+def test_convert_int4_groups_load_and_generate_like_int4_on_load(tmp_path, capsys, fast_compile):  # noqa: F811
+    """`jdllm convert --quantize int4 --group-size 16` stores int4 q with a scale per 16 inputs:
+    loading it gives the arrays `load(hf, quantize=Quantization("int4", group_size=16))` builds and
+    the same greedy tokens. A group size that does not divide a weight's contracted axis (or one
+    given without int4) is an error naming it, before anything is read or written."""
+    from jdllm.cli import main as jdllm_main
+
+    src = os.path.join(MODELS, "tiny-ar")
+    out = str(tmp_path / "ar-int4")
+    assert jdllm_main(["convert", src, out, "--dtype", "float32", "--quantize", "int4", "--group-size", "16",
+                       "--quiet"]) == 0
+    got = jdllm.load(out, dtype="float32")
+    qc = jdllm.Quantization("int4", group_size=16)
+    want = jdllm.load(src, dtype="float32", quantize=qc)
+    assert quant.config_of(got.params) == qc and got.params["layers"][0]["down"].q.dtype == jnp.int4
+    for a, b in zip(jax.tree.leaves(got.params), jax.tree.leaves(want.params)):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        np.testing.assert_array_equal(np.asarray(a).astype(np.float32), np.asarray(b).astype(np.float32))
+    sampling = jdllm.Sampling(max_new_tokens=6)
+    # committed to the device as the restored arrays are, so both runs share one compile
+    want = dataclasses.replace(want, params=jax.device_put(want.params, jax.devices()[0]))
+    toks = [[o.token_ids for o in jdllm.generate(m, PROMPTS[:2], jdllm.AR(), sampling)] for m in (got, want)]
+    assert toks[0] == toks[1] and any(toks[0])
+    capsys.readouterr()
+    for argv, msg in ((["--quantize", "int4", "--group-size", "48"], "group_size=48 does not divide .* size 128"),
+                      (["--quantize", "fp8", "--group-size", "16"], "--group-size 16 applies to --quantize int4")):
+        assert jdllm_main(["convert", src, str(tmp_path / "bad"), *argv, "--quiet"]) == 2
+        assert re.search(msg, capsys.readouterr().err)
+        assert sorted(os.listdir(tmp_path)) == ["ar-int4"]  # not even a temporary directory
+
+
+def test_load_plain_checkpoint_quantizes_each_slice_as_it_is_read(tmp_path, monkeypatch):
+    """`jdllm.load(plain jdllm checkpoint, quantize=)` quantizes each layer slice as it is read (on
+    the host before it reaches the device; on a mesh on the device, the full-precision shards freed
+    at once), never after the whole full-precision model is restored: the arrays equal
+    quantize-on-load of the Hugging Face directory (one device) and the former quantize-after-restore
+    (on a mesh)."""
+    from convert.io import convert_checkpoint
+    from jdllm import sharding
+    from jdllm.model import flat_param_specs
+
+    src = os.path.join(MODELS, "tiny-ar")
+    plain = convert_checkpoint(src, str(tmp_path / "plain"), dtype="float32", progress=False)
+    qc = jdllm.Quantization("int8", lm_head=False)
+    want = jdllm.load(src, dtype="float32", quantize=qc)
+    mesh = sharding.make_mesh("data=1", devices=jax.devices()[:1])
+    late = quant.quantize_params(jdllm.load(plain, dtype="float32", mesh=mesh).params, qc)
+    seen = []
+
+    def spy(real):
+        def f(*a, **k):
+            seen.append(next(v.ndim for v in a if hasattr(v, "ndim")))  # the weight's
+            return real(*a, **k)
+        return f
+
+    def no_late(params, quantize, consume=False):
+        assert quantize is None, "quantized after the whole restore"
+        return params
+
+    monkeypatch.setattr(quant, "quantize_host", spy(_host))
+    monkeypatch.setattr(quant, "quantize_params", no_late)
+    slices = sum(s.shape[0] if s.axes[:1] == ("layers",) else 1 for s in flat_param_specs(want.config).values())
+    got = jdllm.load(plain, dtype="float32", quantize=qc)
+    assert len(seen) == slices and max(seen) <= 3  # one call per layer slice, none with a layers axis
+    for a, b in zip(jax.tree.leaves(got.params), jax.tree.leaves(want.params), strict=True):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        np.testing.assert_array_equal(np.asarray(a).astype(np.float32), np.asarray(b).astype(np.float32))
+    seen.clear()
+    monkeypatch.setattr(quant, "quantize_weight", spy(_weight))
+    on_mesh = jdllm.load(plain, dtype="float32", quantize=qc, mesh=mesh)
+    assert len(seen) == slices and max(seen) <= 3
+    assert quant.config_of(on_mesh.params) == qc
+    for a, b in zip(jax.tree.leaves(on_mesh.params), jax.tree.leaves(late), strict=True):
+        assert a.sharding == b.sharding
+        np.testing.assert_array_equal(np.asarray(a).astype(np.float32), np.asarray(b).astype(np.float32))
+
+
+_host, _weight = quant.quantize_host, quant.quantize_weight
+
+
+def test_fp8_runs_emulated_with_a_warning_only_on_a_gpu_without_fp8_units(monkeypatch):
+    """fp8 is a storage format (converted inside each dot), so every device runs it: a GPU of compute
+    capability < 8.9 gets one warning naming it; an fp8 GPU, the CPU and the other schemes none."""
+    import types
+    import warnings
+
+    for backend, cc, scheme, warns in (("gpu", "8.0", "fp8", True), ("gpu", "9.0", "fp8", False),
+                                       ("gpu", "8.0", "int8", False), ("cpu", None, "fp8", False)):
+        monkeypatch.setattr(jax, "default_backend", lambda b=backend: b)
+        monkeypatch.setattr(jax, "devices", lambda c=cc: [types.SimpleNamespace(compute_capability=c)])
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            quant.check_fp8_device(scheme)
+        msgs = [str(w.message) for w in seen]
+        assert (len(msgs) == 1 and "compute capability 8.0" in msgs[0]) if warns else msgs == [], \
+            (backend, cc, scheme, msgs)
+
+
+@pytest.fixture(scope="module")
+def int8_checkpoint(tmp_path_factory):
+    from convert.io import convert_checkpoint
+
+    return convert_checkpoint(os.path.join(MODELS, "tiny-ar"), str(tmp_path_factory.mktemp("ckpt") / "int8"),
+                              dtype="float32", progress=False, quantize="int8")
+
+
+@pytest.mark.parametrize("change,message", [
+    (None, "no quantization: a plain checkpoint.*stores embed/q"),
+    (dict(scheme="fp8"), "'fp8'.*embed/q is stored as int8, scheme 'fp8' stores float8_e4m3fn"),
+    (dict(scheme="int4", group_size=16), "embed/q is stored as int8, scheme 'int4' stores int4"),
+    (dict(embed=False), "'embed': False.*embed/q is stored but not expected"),
+    (dict(scheme="int3"), "quantization .*'int3'.* does not read"),
+], ids=["dropped", "fp8", "int4", "embed", "unknown"])
+def test_quantized_checkpoint_whose_marker_disagrees_is_refused_before_compiling(change, message, int8_checkpoint,
+                                                                                 tmp_path):
+    """A quantized checkpoint whose jdllm_config.json says another quantization than its arrays hold
+    (or none: change None drops it) is a jdllm error naming the parameter and the values, at load,
+    before anything runs."""
+    import json
+    import shutil
+
+    out = shutil.copytree(int8_checkpoint, str(tmp_path / "q"))
+    marker = os.path.join(out, "jdllm_config.json")
+    with open(marker) as f:
+        meta = json.load(f)
+    if change is None:
+        del meta["quantization"]
+    else:
+        meta["quantization"].update(change)
+    with open(marker, "w") as f:
+        json.dump(meta, f)
+    with pytest.raises((errors.QuantizationError, errors.CorruptCheckpointError), match=message):
+        jdllm.load(out, dtype="float32")
+
+
 def test_command_lines_offer_the_schemes_quant_implements():
     """`--quantize` of generate / serve / convert spells out jdllm.quant.SCHEMES (so --help stays
     free of JAX): the lists must agree."""
@@ -203,11 +385,11 @@ def test_command_lines_offer_the_schemes_quant_implements():
         p = argparse.ArgumentParser()
         module.add_arguments(p)
         action = next(a for a in p._actions if a.dest == "quantize")
-        want = quant.SCHEMES if module is not convert_cli else ("int8", "fp8")  # no int4 checkpoints yet
-        assert tuple(action.choices) == want and action.default is None, module.__name__
+        assert tuple(action.choices) == quant.SCHEMES and action.default is None, module.__name__
+        assert any(a.dest == "group_size" for a in p._actions), module.__name__
 
 
-def test_rl_update_params_quantizes_the_trainers_weights_like_the_rollout_model():
+def test_rl_update_params_quantizes_the_trainers_weights_like_the_rollout_model(fast_compile):  # noqa: F811
     from jdllm.rl.tunix_bridge import JdllmRollout
 
     path = os.path.join(MODELS, "tiny-ar")
@@ -220,6 +402,24 @@ def test_rl_update_params_quantizes_the_trainers_weights_like_the_rollout_model(
     assert quant.config_of(got) == qc and not quant.is_quantized(got["lm_head"])
     want = quant.quantize_params(scaled, qc)["layers"][1]["gate_up"]
     np.testing.assert_array_equal(np.asarray(got["layers"][1]["gate_up"].q), np.asarray(want.q))
+    # the trainer's float weights back: a greedy rollout runs them quantized as the loaded model
+    # does: each token is the argmax of the quantize-on-load model's logits (one forward; tunix's
+    # completions drop the stop token)
+    import types
+
+    rollout.update_params(plain.params)
+    config = types.SimpleNamespace(max_tokens_to_generate=6, temperature=0.0, top_p=1.0, top_k=None, seed=0,
+                                   max_prompt_length=16, eos_tokens=None, return_logprobs=False)
+    out = rollout.generate(PROMPTS, config)
+    model = jdllm.load(path, dtype="float32", quantize=qc)
+    rows = [model.tokenizer.encode(p) + t.tolist() for p, t in zip(PROMPTS, out.tokens)]
+    greedy = np.asarray(jdllm.logits(model, rows)).argmax(-1)
+    T = greedy.shape[1]
+    for b, t in enumerate(out.tokens):
+        n = len(t)
+        assert n, b
+        assert greedy[b, T - n - 1:T - 1].tolist() == t.tolist(), b
+        assert n == 6 or greedy[b, T - 1] == rollout.eos_id(), b  # it stopped at the stop token
 
 
 def test_int8_kv_cache_layout_and_rounding():

@@ -30,8 +30,8 @@ def _positive(text: str) -> int:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from jdllm.checkpoint import ATTN_IMPLS, DTYPES  # noqa: PLC0415 (light: no JAX)
-    from jdllm.generate_cli import (add_check_finite_argument, add_mesh_argument,  # noqa: PLC0415
-                                    add_paradigm_arguments)
+    from jdllm.generate_cli import (add_check_finite_argument, add_group_size_argument,  # noqa: PLC0415
+                                    add_mesh_argument, add_paradigm_arguments)
 
     p.add_argument("model", help="Hugging Face model directory or jdllm checkpoint")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, this machine only)")
@@ -60,7 +60,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     # choices: jdllm.quant.SCHEMES, spelled out so --help stays free of JAX
     p.add_argument("--quantize", default=None, choices=("int8", "fp8", "int4"),
                    help="weight-only quantization of the matmul weights, one scale per output channel "
-                        "(--dtype stays the activation dtype; default: none)")
+                        "(int4: per --group-size inputs; --dtype stays the activation dtype; default: none)")
+    add_group_size_argument(p)
     p.add_argument("--kv-cache", default=None, choices=("int8",),  # jdllm.quant.KV_CACHE_DTYPES
                    help="int8: the KV cache in int8, one scale per token and KV head (default: the activation dtype)")
     p.add_argument("--attn-impl", default="auto", choices=ATTN_IMPLS)
@@ -72,7 +73,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run_command(args) -> int:
     import jdllm  # noqa: PLC0415
-    from jdllm.generate_cli import decoding_from_args  # noqa: PLC0415
+    from jdllm.generate_cli import decoding_from_args, quantize_from_args  # noqa: PLC0415
 
     try:
         from jdllm.serve import server  # noqa: PLC0415
@@ -90,7 +91,7 @@ def run_command(args) -> int:
 
             mesh = sharding.make_mesh(args.mesh)
         model = jdllm.load(args.model, dtype=args.dtype, attn_impl=args.attn_impl, check_finite=args.check_finite,
-                           mesh=mesh, quantize=args.quantize, kv_cache=args.kv_cache)
+                           mesh=mesh, quantize=quantize_from_args(args), kv_cache=args.kv_cache)
         decoding = decoding_from_args(args, model.config, command="serve")
         engine = Engine(model, decoding, max_batch=args.max_batch, max_queue=args.max_queue,
                         max_prompt_tokens=args.max_prompt_tokens, max_new_tokens=args.max_new_tokens,
