@@ -192,16 +192,17 @@ class ApproxCache(CacheStrategy):
         widths = sorted({S} | {w for i in range(S.bit_length()) for w in (Bs * 2 ** i, Bs * 3 * 2 ** i // 2)
                                if Bs <= w < S and w % Bs == 0})
         N = at.shape[1]
+        tail = mb.max_blocks is None  # the planned slots are [S - N, S) (`MultiBlock._flight_width`)
 
         def suffix_forward(width):
-            if N != S or width >= S:  # the planned slots are not the canvas: the head runs at all of them
+            if not tail or width >= N:  # the head runs at every planned slot
                 return lambda s_: common.forward_window(params, ctx, s_, S - width, width, at=at, kv_len=S,
                                                         keep_below=floor, commit=commit)
 
             def run(s_):  # the head runs only inside the window: every candidate is there (>= its row's floor)
-                s_, logits = common.forward_window(params, ctx, s_, S - width, width, at=at[:, S - width:],
+                s_, logits = common.forward_window(params, ctx, s_, S - width, width, at=at[:, N - width:],
                                                    kv_len=S, keep_below=floor, commit=commit)
-                pad = jnp.zeros((s_.batch, S - width, logits.shape[-1]), logits.dtype)
+                pad = jnp.zeros((s_.batch, N - width, logits.shape[-1]), logits.dtype)
                 return s_, jnp.concatenate([pad, logits], axis=1)
             return run
 
