@@ -119,8 +119,11 @@ class ExactCache(CacheStrategy):
             st, logits = common.forward_window(params, ctx, st, 0, S, at=at, also=also)
             return commit(st, logits)
 
+        # windows no wider than the generation region (S - prefill_len: every later window's need): a
+        # wider one serves only a first forward from an empty cache, which the full forward serves as
+        # well, so at a 32k prompt and 1k generation the step compiles 6 window shapes instead of 11
         widths, n = [], 1
-        while n <= 2 * K and n * Bs < S:
+        while n <= 2 * K and n * Bs < S and n * Bs <= max(S - ctx.prefill_len, Bs):
             widths.append(n * Bs)
             n *= 2
         need = jnp.max(jnp.where(running, active_end - L, 0))  # slots the widest row's window must cover
