@@ -37,6 +37,9 @@ ms/forward (phase B; AR also per token), tok/s (all generated tokens / A + B), t
 bandwidth, its ratio, first call (the ahead-of-time compile + the first run; the compile apart),
 peak (the running peak), the KV cache and the programs' temp bytes. The rows (kind "long") merge
 into the same JSON, keyed by prompt and gen like the others, and print as a table of their own.
+`--merge-tokens N` sets the long decodes' window-merge bound (`DecodeCtx.merge_tokens`: on a GPU,
+window shapes of <= 256 tokens run as the widest of them, a rule that ignores the cache length;
+0 compiles each width) in rows keyed apart, to A/B it at 32k.
 
 How it runs. The parent process never touches the device: it starts one child process per
 piece of work (this script again, `--_child TASK`), so that each XLA_FLAGS variant gets its own
@@ -543,7 +546,10 @@ def run_long_case(case: Case, model, task, base_row: dict) -> dict:
                                  f"{fmt_gib(base_row['weight_bytes'])} of weights; lower --long-prompt / --long-gen")
     print(f"[{time.time() - task['t_start']:6.0f}s] {key}: compiling prefill and steps ahead of time", flush=True)
     params = params_for(model, dec)
-    kw = dict(paradigm=prep.paradigm, ctx=prep.ctx)
+    ctx = prep.ctx
+    if task.get("merge_tokens") is not None:  # --merge-tokens: the window-merge rule's token bound
+        ctx = dataclasses.replace(ctx, merge_tokens=int(task["merge_tokens"]))
+    kw = dict(paradigm=prep.paradigm, ctx=ctx)
     steps = loop.compiled_steps()
     one, rest = np.int32(1), np.int32(2 ** 30)
     t0 = time.perf_counter()
@@ -758,7 +764,7 @@ def child_main(task_path: str) -> int:
                        backend=jax.default_backend(), weight_bytes=total, read_bytes=read,
                        copy_gbs=task.get("copy_gbs"), read_gbs=task.get("read_gbs"), floor_basis=floor_basis,
                        floor_ms=floor_ms, window=case.window, repeats=task["repeats"],
-                       quantize=task.get("quantize"))
+                       quantize=task.get("quantize"), merge_tokens=task.get("merge_tokens"))
             try:
                 if task["mode"] == "first_call":
                     row = first_call_row(case, models[mk], task, row)
@@ -1014,6 +1020,7 @@ def git_commit() -> dict:
 
 def row_key(r: dict) -> str:
     key = "|".join(str(r.get(k, "")) for k in ("shape", "case", "batch", "layout", "impl", "flags", "prompt", "gen"))
+    key += f"|merge{r['merge_tokens']}" if r.get("merge_tokens") is not None else ""
     return key + (f"|{r['quantize']}" if r.get("quantize") else "")  # bf16 rows keep their keys
 
 
@@ -1105,6 +1112,7 @@ def parent_main(args) -> int:
                                 flags=task.get("flags", ""), prompt=task.get("prompt", args.prompt),
                                 gen=task.get("gen", args.gen), session=session, device=meta.get("device"),
                                 window=c.window, kind=MODE_KIND.get(task.get("mode"), "decode"),
+                                merge_tokens=task.get("merge_tokens"), quantize=task.get("quantize"),
                                 error=died(rc, started, tail))]
         elif rc != 0 and not rows:
             note = (f"{task['kind']} child (flags {task.get('flags', '')!r}, layout {task.get('layout', '-')}) "
@@ -1170,7 +1178,7 @@ def parent_main(args) -> int:
             flags, layout = args.xla_flags_variants[0], args.layouts[0]
             d = tempfile.mkdtemp(prefix="cache_long_", dir=tmp)
             launch(dict(common, kind="cases", mode="long", cases=ids, layout=layout, flags=flags, cache_dir=d,
-                        assume_free_gib=args.long_assume_free,
+                        assume_free_gib=args.long_assume_free, merge_tokens=args.merge_tokens,
                         copy_gbs=meta.get("copy_gbs"), read_gbs=meta.get("read_gbs"), device=meta.get("device")),
                    flags, d)
         variants = [] if args.long else args.xla_flags_variants
@@ -1348,6 +1356,8 @@ def render_long(rows: list[dict]) -> str:
             note.append("a later run failed: " + r["last_error"].splitlines()[-1][:100])
         if r.get("peak_exact") is False:
             note.append("peak: running (upper bound)")
+        if r.get("merge_tokens") is not None:
+            note.append(f"--merge-tokens {r['merge_tokens']}")
         first = f"{f1(r.get('first_call_s'))} ({f1(r.get('compile_s'))})" if r.get("first_call_s") else "-"
         out.append("| " + " | ".join([
             f"{r.get('label', r['case'])}", str(r.get("batch")), str(r.get("layout")), str(r.get("impl")),
@@ -1478,6 +1488,10 @@ def parse(argv=None):
     ap.add_argument("--long-gen", type=int, default=LONG_GEN, help=f"--long generated tokens (default {LONG_GEN})")
     ap.add_argument("--long-cases", nargs="+", default=list(LONG_CASES), metavar="CASE",
                     help=f"--long case ids (default {' '.join(LONG_CASES)}; mb_approx_b1 refreshes the whole canvas)")
+    ap.add_argument("--merge-tokens", type=int, default=None, metavar="N",
+                    help="--long only: merge a step's window shapes of batch x width <= N tokens into the widest "
+                         "(DecodeCtx.merge_tokens; default the backend's rule, 256 on a GPU, which ignores the "
+                         "cache length; 0 compiles every width): rows keyed apart")
     ap.add_argument("--long-assume-free", type=float, default=None, metavar="GIB", help=argparse.SUPPRESS)
     ap.add_argument("--budget", type=float, default=None, help="start no case or child after this many seconds")
     ap.add_argument("--layouts", nargs="+", choices=LAYOUTS, default=["per_layer"],
@@ -1515,6 +1529,8 @@ def parse(argv=None):
         args.hf_batches = args.hf_batches or [1, 64]
         args.hf_repeats = args.hf_repeats or 1
         args.budget = 240.0 if args.budget is None else args.budget
+    if args.merge_tokens is not None and not args.long:
+        ap.error("--merge-tokens applies to --long runs")
     if args.long:
         if args.quick:
             ap.error("--long and --quick are separate runs")

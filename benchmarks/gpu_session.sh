@@ -36,7 +36,8 @@
 # stacked"); ATTN_S (0: the attention step is skipped; 75 runs it, ~10.5 minutes in all); LONG_S (0: the
 # long-context step is skipped; 450 runs it, the hard limit) with LONG_BUDGET_S (LONG_S - 150: gpu.py
 # starts no case after it) and LONG_ARGS (more gpu.py arguments, e.g. "--long-prompt 16384" or
-# "--long-cases ar_b1 mb_exact_b1 mb_approx_b1" or "--repeats 0": the first run's timings alone).
+# "--long-cases ar_b1 mb_exact_b1 mb_approx_b1" or "--repeats 0": the first run's timings alone, or
+# "--long-cases bd_static_b1 mb_exact_b1 --merge-tokens 0": every window width compiled on its own).
 # CP_S, GPU_TESTS_S and GPU_BENCH_S at 0 skip their steps likewise (timeout 0 would mean no limit).
 set -uo pipefail
 out=${OUT:-benchmarks/out}
