@@ -19,6 +19,27 @@ does (with std 0.02 a random 126k-way head never reaches a 0.9 confidence).
     python benchmarks/gpu.py --markdown             # print the table of benchmarks/results/gpu.json
     python benchmarks/gpu.py --markdown --write-results-md   # ... and put it into RESULTS.md
     python benchmarks/gpu.py --shape tiny --gen 16 --prompt 8 --repeats 1 --out /tmp/gpu_tiny.json
+    python benchmarks/gpu.py --long                 # AR, block_diffusion, multi_block exact at prompt 32k, gen 1k
+    python benchmarks/gpu.py --shape tiny --long --long-prompt 512 --long-gen 32 --block 8 --out /tmp/gpu_tiny.json
+
+Long contexts (`--long`, issue 28 item 3): only the `--long-cases` (default ar_b1, bd_static_b1,
+mb_exact_b1) at `--long-prompt` (32768) and `--long-gen` (1024), in one child. Before anything
+compiles, the KV cache (layers x 2 x canvas x KV heads x head_dim, the weights' dtype) plus a
+generous estimate of a prompt-sized forward's activations is checked against the device's free
+memory; the prefill and step programs are then compiled ahead of time (`loop.compiled_steps()`,
+`lower().compile()`) and their own temp bytes (`memory_analysis`) plus the cache checked again;
+either too big -> a row saying why (`skipped`), and nothing runs. The decode then runs as
+`generate` does, through the loop's pieces so that the prompt and the generation are timed apart:
+phase A = `prefill` + the first step (multi_block's prefill runs no forward; its first step is the
+prompt's), phase B = the remaining steps + `finalize`. Columns: prefill s (phase A), decode
+ms/forward (phase B; AR also per token), tok/s (all generated tokens / A + B), the KV floor =
+(the weights a forward reads + the KV cache up to the average live length P + G/2) / the read
+bandwidth, its ratio, first call (the ahead-of-time compile + the first run; the compile apart),
+peak (the running peak), the KV cache and the programs' temp bytes. The rows (kind "long") merge
+into the same JSON, keyed by prompt and gen like the others, and print as a table of their own.
+`--merge-tokens N` sets the long decodes' window-merge bound (`DecodeCtx.merge_tokens`: on a GPU,
+window shapes of <= 256 tokens run as the widest of them, a rule that ignores the cache length;
+0 compiles each width) in rows keyed apart, to A/B it at 32k.
 
 How it runs. The parent process never touches the device: it starts one child process per
 piece of work (this script again, `--_child TASK`), so that each XLA_FLAGS variant gets its own
@@ -153,6 +174,11 @@ def all_cases() -> list[Case]:
 
 
 PRIORITY = ("ar_b1", "bd_static_b1", "fastdllm_dual_b1", "mb_approx_b1")
+# --long (issue 28 item 3): the long-context cases, prompt 32k and generation 1k by default. multi_block
+# runs its exact cache (block-causal windows from the cache's end); approx (bidirectional) refreshes the
+# whole 33k canvas with a prefill-sized forward whenever a block stabilises: add it with --long-cases
+LONG_CASES = ("ar_b1", "bd_static_b1", "mb_exact_b1")
+LONG_PROMPT, LONG_GEN = 32768, 1024
 QUICK_CASES = PRIORITY + ("hf",)
 DEFAULT_COLD = PRIORITY
 
@@ -203,11 +229,13 @@ def prompts_for(case: Case, prompt_len: int, vocab: int, seed: int) -> list[list
 
 
 # --------------------------------------------------------------------------- weights
-def base_config(shape: str):
+def base_config(shape: str, context: int = 4096):
+    """The shape's config; `context`: max_position_embeddings (at least 4096; --long raises it to
+    hold the long prompt and generation; RoPE needs no table, so it changes nothing else)."""
     from jdllm.config import ModelConfig  # noqa: PLC0415
 
     kw = {k: v for k, v in SHAPES[shape].items() if k != "hf"}
-    return ModelConfig(max_position_embeddings=4096, eos_token_ids=(), **kw)
+    return ModelConfig(max_position_embeddings=max(4096, int(context)), eos_token_ids=(), **kw)
 
 
 def model_config(base, attention: str, block: int):
@@ -432,6 +460,162 @@ def run_decode_case(case: Case, model, task, base_row: dict) -> dict:
     return row
 
 
+# --------------------------------------------------------------------------- long contexts (--long)
+def kv_cache_bytes(cfg, batch: int, slots: int, itemsize: int) -> int:
+    """Bytes of the K and V caches of every layer for `batch` rows of `slots` slots."""
+    return 2 * cfg.num_layers * batch * slots * cfg.num_kv_heads * cfg.head_dim * itemsize
+
+
+def prefill_activation_bytes(cfg, tokens: int, itemsize: int) -> int:
+    """A generous estimate of one forward's live activations over `tokens` tokens (q/k/v and their
+    rotated copies, the MLP's gate/up and product, a few hidden-state copies); the compiled programs'
+    own figure (`memory_analysis`) is checked after compiling, before anything runs."""
+    D, F = cfg.hidden_size, cfg.intermediate_size
+    qkv = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
+    return tokens * (2 * qkv + 3 * 2 * F + 6 * D) * itemsize
+
+
+def free_device_bytes():
+    """(free bytes, limit) of the first device, or (None, None) where it keeps no statistics (the CPU)."""
+    import jax  # noqa: PLC0415
+
+    try:
+        st = jax.devices()[0].memory_stats() or {}
+    except Exception:  # noqa: BLE001
+        st = {}
+    if "bytes_limit" not in st:
+        return None, None
+    return int(st["bytes_limit"]) - int(st.get("bytes_in_use", 0)), int(st["bytes_limit"])
+
+
+def program_bytes(compiled) -> dict:
+    """The compiled program's own memory figures (`memory_analysis`), where the backend gives them."""
+    try:
+        ma = compiled.memory_analysis()
+    except Exception:  # noqa: BLE001
+        return {}
+    if ma is None:
+        return {}
+    return {k: int(getattr(ma, f"{k}_size_in_bytes")) for k in ("temp", "argument", "output", "generated_code")
+            if hasattr(ma, f"{k}_size_in_bytes")}
+
+
+def run_long_case(case: Case, model, task, base_row: dict) -> dict:
+    """One long-context decode (prompt `task["prompt"]`, generation `task["gen"]`) through the loop's
+    host-driven pieces, so that the prompt and the generation are timed apart: phase A = `prefill` +
+    the first step (multi_block's prefill runs no forward: its first step is the prompt's forward),
+    phase B = the remaining steps + `finalize`. Before anything compiles: the KV cache + a
+    generous activation estimate against the device's free memory; after compiling (ahead of time,
+    `lower().compile()`): the programs' own temp bytes + the cache against it; either too big -> a
+    row with `skipped` saying why, and nothing runs. ms/forward is phase B's, against the floor of
+    reading the weights plus the KV cache up to the average live length, P + G/2, once per forward."""
+    import jax  # noqa: PLC0415
+    import numpy as np  # noqa: PLC0415
+
+    import jdllm  # noqa: PLC0415
+    from jdllm.api import outputs, params_for, prepare  # noqa: PLC0415
+    from jdllm.decode import loop  # noqa: PLC0415
+
+    P, G = task["prompt"], task["gen"]
+    cfg = model.config
+    dec = decoding_for(case, G, task["block"])
+    prompts = prompts_for(case, P, cfg.vocab_size, task["seed"])
+    prep = prepare(model, prompts, dec, jdllm.Sampling(max_new_tokens=G, stop_token_ids=()))
+    S = int(prep.state.slots)
+    itemsize = model.dtype.itemsize
+    kv = kv_cache_bytes(cfg, prep.state.batch, S, itemsize)
+    act = prefill_activation_bytes(cfg, prep.state.batch * S, itemsize)
+    avg_live = P + G / 2
+    kv_read = kv_cache_bytes(cfg, prep.state.batch, 1, itemsize) * avg_live
+    bw = task.get("read_gbs") or task.get("copy_gbs")
+    kv_floor = 1e3 * (base_row["read_bytes"] + kv_read) / (bw * 1e9) if bw else None
+    row = dict(base_row, kind="long", canvas=S, kv_bytes=kv, activation_estimate_bytes=act, avg_live_kv=avg_live,
+               kv_read_bytes=kv_read, kv_floor_ms=kv_floor)
+    free, limit = free_device_bytes()
+    if task.get("assume_free_gib") is not None:  # --long-assume-free: exercise the check where nothing is counted
+        free = limit = int(task["assume_free_gib"] * GIB)
+    row.update(free_bytes_before=free, device_limit_bytes=limit)
+    key = f"{task['shape']} {case.id} {base_row['layout']} {base_row['impl']} P{P}/G{G}"
+    fits = "the device keeps no memory statistics: not checked" if free is None else \
+        f"{fmt_gib(kv + act)} of {fmt_gib(free)} free"
+    print(f"[{time.time() - task['t_start']:6.0f}s] {key}: canvas {S} slots, KV cache {fmt_gib(kv)} + activations "
+          f"<= {fmt_gib(act)} ({fits})", flush=True)
+    if free is not None and kv + act > free:
+        return dict(row, skipped=f"does not fit: KV cache {fmt_gib(kv)} + activations (estimate) {fmt_gib(act)} > "
+                                 f"{fmt_gib(free)} free of {fmt_gib(limit)} next to "
+                                 f"{fmt_gib(base_row['weight_bytes'])} of weights; lower --long-prompt / --long-gen")
+    print(f"[{time.time() - task['t_start']:6.0f}s] {key}: compiling prefill and steps ahead of time", flush=True)
+    params = params_for(model, dec)
+    ctx = prep.ctx
+    if task.get("merge_tokens") is not None:  # --merge-tokens: the window-merge rule's token bound
+        ctx = dataclasses.replace(ctx, merge_tokens=int(task["merge_tokens"]))
+    kw = dict(paradigm=prep.paradigm, ctx=ctx)
+    steps = loop.compiled_steps()
+    one, rest = np.int32(1), np.int32(2 ** 30)
+    t0 = time.perf_counter()
+    prefill = steps["prefill"].lower(params, prep.state, **kw).compile()
+    with_cache = jax.eval_shape(lambda p, s: loop.prefill(p, s, **kw), params, prep.state)
+    step_n = steps["step_n"].lower(params, with_cache, one, **kw).compile()
+    finalize = steps["finalize"].lower(with_cache).compile()
+    compile_s = time.perf_counter() - t0
+    mem = dict(prefill=program_bytes(prefill), steps=program_bytes(step_n))
+    temp = max(m.get("temp", 0) for m in mem.values())
+    row.update(compile_s=compile_s, program_bytes=mem, program_temp_bytes=temp)
+    if free is not None and kv + temp > free:
+        return dict(row, skipped=f"does not fit: KV cache {fmt_gib(kv)} + the compiled programs' temp "
+                                 f"{fmt_gib(temp)} > {fmt_gib(free)} free; lower --long-prompt / --long-gen")
+
+    def run_once():
+        t = time.perf_counter()
+        st = step_n(params, prefill(params, prep.state), one)
+        jax.block_until_ready(st)
+        ta = time.perf_counter() - t
+        host = jax.device_get(dict(f=st.forwards, r=st.revealed, g=st.gen_start, l=st.limit))
+        cols = np.arange(host["r"].shape[1])[None]
+        revealed_a = int(np.sum(host["r"] & (cols >= host["g"][:, None]) & (cols < host["l"][:, None])))
+        t = time.perf_counter()
+        st = jax.block_until_ready(finalize(step_n(params, st, rest)))
+        return st, ta, time.perf_counter() - t, int(host["f"]), revealed_a
+
+    peak0, _ = device_peak()
+    t = time.perf_counter()
+    final, ta, tb, fa, ra = run_once()
+    first = compile_s + time.perf_counter() - t
+    outs0 = outputs(prep, final)
+    ref = [o.token_ids for o in outs0]
+    runs, same = [], True
+    for _ in range(task["repeats"]):
+        del final
+        gc.collect()
+        final, ta, tb, fa, ra = run_once()
+        runs.append((ta, tb, fa, ra))
+        same &= [o.token_ids for o in outputs(prep, final)] == ref
+    if not runs:  # --repeats 0: the first run's figures (compile excluded from them)
+        runs.append((ta, tb, fa, ra))
+    ta = statistics.median(r[0] for r in runs)
+    tb = statistics.median(r[1] for r in runs)
+    fa, ra = runs[0][2], runs[0][3]
+    forwards = int(jax.device_get(final.forwards))
+    peak, in_use = device_peak()
+    toks = int(sum(len(o) for o in ref))
+    per_row = toks / len(ref)
+    nfe = float(np.mean([o.nfe for o in outs0]))
+    fb, tok_b = forwards - fa, toks - ra
+    row.update(tokens=toks, tokens_per_row=per_row, nfe=nfe, tpf=per_row / nfe if nfe else None, forwards=forwards,
+               prefill_s=ta, prefill_forwards=fa, prefill_tokens=ra, decode_s=tb, decode_forwards=fb,
+               seconds=ta + tb, seconds_all=[r[0] + r[1] for r in runs], tok_s=toks / (ta + tb),
+               decode_tok_s=tok_b / tb if tb else None,
+               ms_per_forward=1e3 * tb / fb if fb else None,
+               ms_per_token=1e3 * tb / (tok_b / len(ref)) if tok_b else None,
+               first_call_s=first, same_tokens=bool(same), tokens_digest=tokens_digest(outs0),
+               finish=dict(collections.Counter(o.finish_reason for o in outs0)), peak_bytes=peak,
+               peak_exact=None if peak is None else bool(peak0 is None or peak > peak0), bytes_in_use_after=in_use)
+    per = row["ms_per_token"] if case.window == "token" else row["ms_per_forward"]
+    if kv_floor and per:
+        row["x_kv_floor"] = per / kv_floor
+    return row  # the cache, the states and the executables go with this frame
+
+
 def run_serve_case(case: Case, model, task, base_row: dict) -> dict:
     """The serving engine with `batch` requests submitted together (a pool of `batch` rows, its own
     thread) against one offline `generate` call of the same prompts; the second pass of each is
@@ -540,7 +724,8 @@ def child_main(task_path: str) -> int:
     rows: list[dict] = []
     state = dict(rows=rows, started=None)
     write_json(out, state)
-    base = base_config(task["shape"])
+    # a long prompt needs the positions: the canvas is at most the prompt and generation plus a few blocks
+    base = base_config(task["shape"], 1 << (task["prompt"] + task["gen"] + 8 * task["block"]).bit_length())
     t0 = time.perf_counter()
     params = build_params(base, task["layout"], task["seed"], task["std"], task["head_std"])
     if task.get("quantize"):  # weight-only int8 / fp8 (jdllm.quant), one weight at a time: never two copies
@@ -579,10 +764,12 @@ def child_main(task_path: str) -> int:
                        backend=jax.default_backend(), weight_bytes=total, read_bytes=read,
                        copy_gbs=task.get("copy_gbs"), read_gbs=task.get("read_gbs"), floor_basis=floor_basis,
                        floor_ms=floor_ms, window=case.window, repeats=task["repeats"],
-                       quantize=task.get("quantize"))
+                       quantize=task.get("quantize"), merge_tokens=task.get("merge_tokens"))
             try:
                 if task["mode"] == "first_call":
                     row = first_call_row(case, models[mk], task, row)
+                elif task["mode"] == "long":
+                    row = run_long_case(case, models[mk], task, row)
                 elif case.window == "serve":
                     row = run_serve_case(case, models[mk], task, row)
                 else:
@@ -590,13 +777,16 @@ def child_main(task_path: str) -> int:
             except Exception as e:  # noqa: BLE001 (one failing case is recorded, the others still run)
                 msg = "".join(traceback.format_exception_only(type(e), e)).strip()[-1500:]
                 traceback.print_exc()
-                row = dict(row, kind="first_call" if task["mode"] == "first_call" else "decode", error=msg)
+                row = dict(row, kind=MODE_KIND.get(task["mode"], "decode"), error=msg)
             rows.append(row)
             state["started"] = None
             write_json(out, state)
             print(progress_line(row, time.time() - task["t_start"]), flush=True)
             gc.collect()
     return 0
+
+
+MODE_KIND = {"first_call": "first_call", "long": "long"}  # a child's mode -> its rows' kind ("run": decode)
 
 
 def first_call_row(case: Case, model, task, row: dict) -> dict:
@@ -624,6 +814,17 @@ def progress_line(r: dict, elapsed: float) -> str:
         c = r["compile"]
         return f"{head} | first call {' '.join(f'{k} {v:.1f}s' for k, v in c.items() if k.endswith('_s'))}" \
                f" ({c.get('cache_files')} cache files)"
+    if r["kind"] == "long":
+        head += f" P{r['prompt']}/G{r['gen']}"
+        if r.get("skipped"):
+            return f"{head} | SKIPPED: {r['skipped']}"
+        per = "ms/token" if r.get("window") == "token" else "ms/fwd"
+        val = r["ms_per_token"] if r.get("window") == "token" else r["ms_per_forward"]
+        return (f"{head} | {r['tok_s']:8.1f} tok/s | prefill {r['prefill_s']:6.2f}s | {f1(val, '{:.2f}')} {per} | "
+                f"floor {f1(r.get('kv_floor_ms'), '{:.2f}')} ms = {f1(r.get('x_kv_floor'), '{:.2f}')}x | nfe "
+                f"{r['nfe']:.0f} | first {r['first_call_s']:.1f}s (compile {r['compile_s']:.1f}s) | peak "
+                f"{fmt_gib(r.get('peak_bytes'))}{'' if r.get('peak_exact') in (True, None) else ' (running)'} | "
+                f"KV {fmt_gib(r['kv_bytes'])} | same {r['same_tokens']}")
     if r["kind"] == "serve":
         return (f"{head} | engine {r['tok_s']:9.1f} tok/s p50 {r['latency_p50_ms']:.0f} ms p99 "
                 f"{r['latency_p99_ms']:.0f} ms | offline generate {r['offline_tok_s']:9.1f} tok/s | same tokens "
@@ -819,6 +1020,7 @@ def git_commit() -> dict:
 
 def row_key(r: dict) -> str:
     key = "|".join(str(r.get(k, "")) for k in ("shape", "case", "batch", "layout", "impl", "flags", "prompt", "gen"))
+    key += f"|merge{r['merge_tokens']}" if r.get("merge_tokens") is not None else ""
     return key + (f"|{r['quantize']}" if r.get("quantize") else "")  # bf16 rows keep their keys
 
 
@@ -843,8 +1045,10 @@ def merge_rows(db: dict, new_rows: list[dict]) -> None:
             tgt["compile"] = comp
             rows[k] = tgt
             continue
-        if r.get("error") and old is not None and not old.get("error"):
-            old["last_error"], old["last_error_session"] = r["error"], r.get("session")
+        if (r.get("error") or r.get("skipped")) and old is not None and not old.get("error") \
+                and not old.get("skipped"):
+            old["last_error"] = r.get("error") or f"skipped: {r['skipped']}"
+            old["last_error_session"] = r.get("session")
             continue
         if old is not None and (old.get("compile") or {}).get("session") == r.get("session") and "compile" not in r:
             r = dict(r, compile=old["compile"])
@@ -905,9 +1109,10 @@ def parent_main(args) -> int:
             c = {c.id: c for c in all_cases()}[started["case"]]
             rows = rows + [dict(shape=args.shape, case=c.id, name=c.name, label=c.label, paradigm=c.paradigm,
                                 batch=c.batch, layout=task.get("layout", "-"), impl=started["impl"],
-                                flags=task.get("flags", ""), prompt=args.prompt, gen=args.gen, session=session,
-                                device=meta.get("device"),
-                                kind="first_call" if task.get("mode") == "first_call" else "decode",
+                                flags=task.get("flags", ""), prompt=task.get("prompt", args.prompt),
+                                gen=task.get("gen", args.gen), session=session, device=meta.get("device"),
+                                window=c.window, kind=MODE_KIND.get(task.get("mode"), "decode"),
+                                merge_tokens=task.get("merge_tokens"), quantize=task.get("quantize"),
                                 error=died(rc, started, tail))]
         elif rc != 0 and not rows:
             note = (f"{task['kind']} child (flags {task.get('flags', '')!r}, layout {task.get('layout', '-')}) "
@@ -969,20 +1174,28 @@ def parent_main(args) -> int:
         else:
             meta["notes"].append("the probe child failed: no bandwidth, no floor")
         save()
-        for flags in args.xla_flags_variants:
+        if args.long:  # the long-context cases alone, in one child (first layout, first flags variant)
+            flags, layout = args.xla_flags_variants[0], args.layouts[0]
+            d = tempfile.mkdtemp(prefix="cache_long_", dir=tmp)
+            launch(dict(common, kind="cases", mode="long", cases=ids, layout=layout, flags=flags, cache_dir=d,
+                        assume_free_gib=args.long_assume_free, merge_tokens=args.merge_tokens,
+                        copy_gbs=meta.get("copy_gbs"), read_gbs=meta.get("read_gbs"), device=meta.get("device")),
+                   flags, d)
+        variants = [] if args.long else args.xla_flags_variants
+        for flags in variants:
             for layout in args.layouts:
                 cases_child(first_group, flags, layout)
         if want_hf:
             launch(dict(common, kind="hf", hf_batches=args.hf_batches, hf_repeats=args.hf_repeats,
                         hf_forwards=[block, args.prompt + args.gen]), "")
         # cached first calls: after the process that filled the cache (or, --cold-separate, cold + cached)
-        for flags in args.xla_flags_variants:
+        for flags in variants:
             for layout in args.layouts:
                 first_call_child(flags, layout, first_group)
-        for flags in args.xla_flags_variants:
+        for flags in variants:
             for layout in args.layouts:
                 cases_child(rest, flags, layout)
-        for flags in args.xla_flags_variants:
+        for flags in variants:
             for layout in args.layouts:
                 first_call_child(flags, layout, rest)
     except (KeyboardInterrupt, Interrupted):
@@ -1044,9 +1257,12 @@ def render(db: dict, sessions_of=None, gpu_only: bool = False) -> str:
         dec = sorted([r for r in rs if r.get("kind") in ("decode", "first_call")],
                      key=lambda r: (CASE_ORDER.get(r["case"], 99), r.get("layout"), r.get("impl"), r.get("flags"),
                                     r.get("prompt"), r.get("gen")))
-        fl = next((r.get("floor_ms") for r in dec if r.get("floor_ms")), None)
-        basis = next((r.get("floor_basis", "copy") for r in dec if r.get("floor_ms")), "copy")
-        wb = next((r.get("weight_bytes") for r in dec if r.get("weight_bytes")), None)
+        longs = sorted([r for r in rs if r.get("kind") == "long"],
+                       key=lambda r: (r.get("prompt"), r.get("gen"), CASE_ORDER.get(r["case"], 99), r.get("layout"),
+                                      r.get("impl"), r.get("flags")))
+        fl = next((r.get("floor_ms") for r in dec + longs if r.get("floor_ms")), None)
+        basis = next((r.get("floor_basis", "copy") for r in dec + longs if r.get("floor_ms")), "copy")
+        wb = next((r.get("weight_bytes") for r in dec + longs if r.get("weight_bytes")), None)
         out.append(f"### {shape} on {device}\n")
         out.append(f"Weights {f1(wb and wb / GIB, '{:.2f}')} GiB bf16; floor {f1(fl, '{:.2f}')} ms per forward "
                    f"(weights a forward reads / measured {basis} bandwidth"
@@ -1083,6 +1299,8 @@ def render(db: dict, sessions_of=None, gpu_only: bool = False) -> str:
                     "-" if r.get("same_tokens") is None else ("yes" if r["same_tokens"] else "NO"),
                     "; ".join(note)]) + " |")
             out.append("")
+        if longs:
+            out.append(render_long(longs))
         hf = sorted([r for r in rs if r.get("kind") == "hf"], key=lambda r: r["case"])
         if hf:
             out.append("PyTorch HF transformers baseline (eager, bf16, sdpa), same shape and run:\n")
@@ -1114,6 +1332,41 @@ def render(db: dict, sessions_of=None, gpu_only: bool = False) -> str:
             out.append("")
         out.append(render_targets(rs))
     return "\n".join(out)
+
+
+def render_long(rows: list[dict]) -> str:
+    """The --long table: prefill and decode apart; decode ms/forward (AR: ms/token) against reading the
+    weights plus the KV cache up to the average live length once per forward."""
+    out = ["Long contexts (`gpu.py --long`, issue 28 item 3): phase A (prefill) = the prompt's forward(s) and "
+           "the first step; the decode columns are the remaining steps. KV floor: (weights a forward reads + "
+           "the KV cache up to the average live length P + G/2) / the measured read bandwidth. Peak: the "
+           "device's running peak; temp: the compiled programs' own temporaries (the larger of prefill and "
+           "steps).\n",
+           "| case | B | layout | impl | P/G | canvas | tok/s | NFE | prefill s | decode ms/fwd | ms/token | "
+           "KV floor ms | x KV floor | first call s (compile) | peak GiB | KV GiB | temp GiB | same tokens | note |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    gib = lambda b: f1(b and b / GIB, "{:.1f}")  # noqa: E731
+    for r in rows:
+        note = []
+        if r.get("error"):
+            note.append("FAILED: " + r["error"].splitlines()[-1][:120])
+        if r.get("skipped"):
+            note.append("SKIPPED: " + r["skipped"][:160])
+        if r.get("last_error"):
+            note.append("a later run failed: " + r["last_error"].splitlines()[-1][:100])
+        if r.get("peak_exact") is False:
+            note.append("peak: running (upper bound)")
+        if r.get("merge_tokens") is not None:
+            note.append(f"--merge-tokens {r['merge_tokens']}")
+        first = f"{f1(r.get('first_call_s'))} ({f1(r.get('compile_s'))})" if r.get("first_call_s") else "-"
+        out.append("| " + " | ".join([
+            f"{r.get('label', r['case'])}", str(r.get("batch")), str(r.get("layout")), str(r.get("impl")),
+            f"{r.get('prompt')}/{r.get('gen')}", str(r.get("canvas", "-")), f1(r.get("tok_s")), f1(r.get("nfe")),
+            f1(r.get("prefill_s"), "{:.2f}"), f1(r.get("ms_per_forward"), "{:.2f}"),
+            f1(r.get("ms_per_token"), "{:.2f}"), f1(r.get("kv_floor_ms"), "{:.2f}"), f1(r.get("x_kv_floor"), "{:.2f}"),
+            first, gib(r.get("peak_bytes")), gib(r.get("kv_bytes")), gib(r.get("program_temp_bytes")),
+            "-" if r.get("same_tokens") is None else ("yes" if r["same_tokens"] else "NO"), "; ".join(note)]) + " |")
+    return "\n".join(out) + "\n"
 
 
 def render_targets(rs: list[dict]) -> str:
@@ -1226,6 +1479,20 @@ def parse(argv=None):
                     help="case ids (ar_b1, bd_static_b32, ...), case names (ar = every AR batch), 'hf'")
     ap.add_argument("--quick", action="store_true",
                     help=f"8B shape, cases {', '.join(QUICK_CASES)} (HF at b1 and b64), repeats 2, budget 240 s")
+    ap.add_argument("--long", action="store_true",
+                    help="only the long-context cases (issue 28 item 3): --long-cases at prompt --long-prompt and "
+                         "generation --long-gen, prefill and decode timed apart, ms/forward against the weights + "
+                         "KV-cache read floor; the KV cache is checked to fit before anything compiles; repeats 1")
+    ap.add_argument("--long-prompt", type=int, default=LONG_PROMPT,
+                    help=f"--long prompt tokens (default {LONG_PROMPT})")
+    ap.add_argument("--long-gen", type=int, default=LONG_GEN, help=f"--long generated tokens (default {LONG_GEN})")
+    ap.add_argument("--long-cases", nargs="+", default=list(LONG_CASES), metavar="CASE",
+                    help=f"--long case ids (default {' '.join(LONG_CASES)}; mb_approx_b1 refreshes the whole canvas)")
+    ap.add_argument("--merge-tokens", type=int, default=None, metavar="N",
+                    help="--long only: merge a step's window shapes of batch x width <= N tokens into the widest "
+                         "(DecodeCtx.merge_tokens; default the backend's rule, 256 on a GPU, which ignores the "
+                         "cache length; 0 compiles every width): rows keyed apart")
+    ap.add_argument("--long-assume-free", type=float, default=None, metavar="GIB", help=argparse.SUPPRESS)
     ap.add_argument("--budget", type=float, default=None, help="start no case or child after this many seconds")
     ap.add_argument("--layouts", nargs="+", choices=LAYOUTS, default=["per_layer"],
                     help="weight layouts: per_layer (one dict per layer, fused qkv / gate_up) and/or stacked "
@@ -1262,8 +1529,16 @@ def parse(argv=None):
         args.hf_batches = args.hf_batches or [1, 64]
         args.hf_repeats = args.hf_repeats or 1
         args.budget = 240.0 if args.budget is None else args.budget
+    if args.merge_tokens is not None and not args.long:
+        ap.error("--merge-tokens applies to --long runs")
+    if args.long:
+        if args.quick:
+            ap.error("--long and --quick are separate runs")
+        args.prompt, args.gen, args.only, args.no_hf = args.long_prompt, args.long_gen, list(args.long_cases), True
+        args.repeats = 1 if args.repeats is None else args.repeats  # 0: the first run's timings alone
+        args.cold_cases = []
     args.shape = args.shape or "8b"
-    args.repeats = args.repeats or 3
+    args.repeats = args.repeats if args.long else (args.repeats or 3)
     args.hf_batches = args.hf_batches or [1, 16, 64]
     args.hf_repeats = args.hf_repeats or 2
     if args.xla_flags_variants is None:

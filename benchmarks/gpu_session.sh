@@ -10,6 +10,13 @@
 #      is printed at the end of the step: `gpu.py --markdown` remakes it from gpu.json)
 #   4. benchmarks/attention.py at two sizes (Pallas, cuDNN, XLA), only with ATTN_S > 0
 #                                                                       -> attention.log, attention.json
+#   5. benchmarks/gpu.py --long (issue 28 item 3: AR, block_diffusion, multi_block exact at prompt 32k,
+#      generation 1k, 8B shape), only with LONG_S > 0; its rows go into the same gpu.json -> gpu_long.log
+#      (not yet run on a GPU; estimated 5-7 minutes on an H100 from the short runs: the probe and the
+#      weights ~1 minute, then per case an ahead-of-time compile of ~0.5-2 minutes and two runs of
+#      ~3-15 s each). Too long to follow steps 1-3 in one 15-minute lease: give it a call of its own
+#      with the other steps off (a step whose time is 0 is skipped):
+#        CP_S=0 GPU_TESTS_S=0 GPU_BENCH_S=0 LONG_S=450 bash benchmarks/gpu_session.sh
 # Everything goes to $OUT (the device tool's folder: at most 8 files come back; these are 6, 8 with the
 # attention step) or benchmarks/out. Each step runs under `timeout`, so the
 # whole script ends within ~9 minutes by default; steps run on after a failure; the exit status is the
@@ -26,7 +33,12 @@
 # tier took ~10 minutes on an H200); GPU_BENCH_S (200, the hard limit) and GPU_BENCH_BUDGET_S (110, after which gpu.py
 # starts no new case: a case started just before it may compile for 2 minutes on the 8B shape);
 # GPU_BENCH_ARGS adds arguments to gpu.py (e.g. "--only mb_approx_b1 hf" or "--layouts per_layer
-# stacked"); ATTN_S (0: the attention step is skipped; 75 runs it, ~10.5 minutes in all).
+# stacked"); ATTN_S (0: the attention step is skipped; 75 runs it, ~10.5 minutes in all); LONG_S (0: the
+# long-context step is skipped; 450 runs it, the hard limit) with LONG_BUDGET_S (LONG_S - 150: gpu.py
+# starts no case after it) and LONG_ARGS (more gpu.py arguments, e.g. "--long-prompt 16384" or
+# "--long-cases ar_b1 mb_exact_b1 mb_approx_b1" or "--repeats 0": the first run's timings alone, or
+# "--long-cases bd_static_b1 mb_exact_b1 --merge-tokens 0": every window width compiled on its own).
+# CP_S, GPU_TESTS_S and GPU_BENCH_S at 0 skip their steps likewise (timeout 0 would mean no limit).
 set -uo pipefail
 out=${OUT:-benchmarks/out}
 mkdir -p "$out"
@@ -34,6 +46,8 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" JAX_PLATFORMS=cuda PYTHONUNB
 export XLA_PYTHON_CLIENT_PREALLOCATE=false
 T_CP=${CP_S:-195} CP_BUDGET=${CP_BUDGET_S:-150} CP_GRACE=${CP_GRACE_S:-30}
 T_TESTS=${GPU_TESTS_S:-130} T_BENCH=${GPU_BENCH_S:-200} BUDGET=${GPU_BENCH_BUDGET_S:-110} T_ATTN=${ATTN_S:-0}
+T_LONG=${LONG_S:-0}
+LONG_BUDGET=${LONG_BUDGET_S:-$(( T_LONG > 150 ? T_LONG - 150 : T_LONG / 2 ))}
 status=0
 t0=$(date +%s)
 note() { echo "# $(date -u +%H:%M:%S) (+$(( $(date +%s) - t0 ))s) $*"; }
@@ -47,26 +61,38 @@ note() { echo "# $(date -u +%H:%M:%S) (+$(( $(date +%s) - t0 ))s) $*"; }
   echo "git ${GIT_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}"
 } 2>&1 | tee "$out/device.txt"
 
-note "1. benchmarks/compile_profile.py (budget ${CP_BUDGET}s + ${CP_GRACE}s grace, timeout ${T_CP}s)"
-[ -f benchmarks/results/compile_profile.json ] && cp benchmarks/results/compile_profile.json "$out/compile_profile.json"
-# shellcheck disable=SC2086
-timeout -k 10 "$T_CP" python3 benchmarks/compile_profile.py --shape 8b --budget "$CP_BUDGET" --grace "$CP_GRACE" \
-  --out "$out/compile_profile.json" ${CP_ARGS:-} 2>&1 | tee "$out/compile_profile.log"
-status=$(( status ? status : ${PIPESTATUS[0]} ))
+if [ "$T_CP" -gt 0 ]; then
+  note "1. benchmarks/compile_profile.py (budget ${CP_BUDGET}s + ${CP_GRACE}s grace, timeout ${T_CP}s)"
+  [ -f benchmarks/results/compile_profile.json ] && cp benchmarks/results/compile_profile.json "$out/compile_profile.json"
+  # shellcheck disable=SC2086
+  timeout -k 10 "$T_CP" python3 benchmarks/compile_profile.py --shape 8b --budget "$CP_BUDGET" --grace "$CP_GRACE" \
+    --out "$out/compile_profile.json" ${CP_ARGS:-} 2>&1 | tee "$out/compile_profile.log"
+  status=$(( status ? status : ${PIPESTATUS[0]} ))
+else
+  note "1. benchmarks/compile_profile.py skipped (CP_S=0)"
+fi
 
-note "2. GPU test tier (timeout ${T_TESTS}s)"
-# autotuning off for the tier's tiny shapes (it picks among GEMM algorithms; the tier checks results, and its
-# 37 tests took ~6 minutes on an H200 with it on, 2026-11-26)
-XLA_FLAGS="${XLA_FLAGS:+$XLA_FLAGS }--xla_gpu_autotune_level=0" timeout -k 10 "$T_TESTS" python3 -m pytest -v --tb=short -rfE -m gpu ${GPU_TESTS_K:+-k "$GPU_TESTS_K"} tests/ 2>&1 | tee "$out/gpu_tests.log"
-status=$(( status ? status : ${PIPESTATUS[0]} ))
+if [ "$T_TESTS" -gt 0 ]; then
+  note "2. GPU test tier (timeout ${T_TESTS}s)"
+  # autotuning off for the tier's tiny shapes (it picks among GEMM algorithms; the tier checks results, and its
+  # 37 tests took ~6 minutes on an H200 with it on, 2026-11-26)
+  XLA_FLAGS="${XLA_FLAGS:+$XLA_FLAGS }--xla_gpu_autotune_level=0" timeout -k 10 "$T_TESTS" python3 -m pytest -v --tb=short -rfE -m gpu ${GPU_TESTS_K:+-k "$GPU_TESTS_K"} tests/ 2>&1 | tee "$out/gpu_tests.log"
+  status=$(( status ? status : ${PIPESTATUS[0]} ))
+else
+  note "2. GPU test tier skipped (GPU_TESTS_S=0)"
+fi
 
-note "3. benchmarks/gpu.py --quick (budget ${BUDGET}s, timeout ${T_BENCH}s)"
 [ -f benchmarks/results/gpu.json ] && cp benchmarks/results/gpu.json "$out/gpu.json"
-# shellcheck disable=SC2086
-timeout -k 15 "$T_BENCH" python3 benchmarks/gpu.py --quick --budget "$BUDGET" --out "$out/gpu.json" \
-  ${GPU_BENCH_ARGS:-} 2>&1 | tee "$out/gpu.log"
-status=$(( status ? status : ${PIPESTATUS[0]} ))
-[ -f "$out/gpu.json" ] && python3 benchmarks/gpu.py --markdown --out "$out/gpu.json" 2>&1 | tail -40
+if [ "$T_BENCH" -gt 0 ]; then
+  note "3. benchmarks/gpu.py --quick (budget ${BUDGET}s, timeout ${T_BENCH}s)"
+  # shellcheck disable=SC2086
+  timeout -k 15 "$T_BENCH" python3 benchmarks/gpu.py --quick --budget "$BUDGET" --out "$out/gpu.json" \
+    ${GPU_BENCH_ARGS:-} 2>&1 | tee "$out/gpu.log"
+  status=$(( status ? status : ${PIPESTATUS[0]} ))
+  [ -f "$out/gpu.json" ] && python3 benchmarks/gpu.py --markdown --out "$out/gpu.json" 2>&1 | tail -40
+else
+  note "3. benchmarks/gpu.py --quick skipped (GPU_BENCH_S=0)"
+fi
 
 if [ "$T_ATTN" -gt 0 ]; then
   note "4. benchmarks/attention.py (timeout ${T_ATTN}s)"
@@ -75,6 +101,19 @@ if [ "$T_ATTN" -gt 0 ]; then
   status=$(( status ? status : ${PIPESTATUS[0]} ))
 else
   note "4. benchmarks/attention.py skipped (ATTN_S=0)"
+fi
+
+if [ "$T_LONG" -gt 0 ]; then
+  note "5. benchmarks/gpu.py --long (budget ${LONG_BUDGET}s, timeout ${T_LONG}s)"
+  # the allocator may grow to 92% of the card (JAX's default cap is 75%): weights + a 32k KV cache + a
+  # 32k-token prefill's temporaries; gpu.py checks the cache fits before compiling
+  # shellcheck disable=SC2086
+  XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.92} timeout -k 15 "$T_LONG" \
+    python3 benchmarks/gpu.py --long --budget "$LONG_BUDGET" --out "$out/gpu.json" ${LONG_ARGS:-} 2>&1 \
+    | tee "$out/gpu_long.log"
+  status=$(( status ? status : ${PIPESTATUS[0]} ))
+else
+  note "5. benchmarks/gpu.py --long skipped (LONG_S=0)"
 fi
 
 note "done, exit status $status"

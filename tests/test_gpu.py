@@ -18,7 +18,9 @@ What it checks, on the accelerator ("accel": the first GPU):
   Mosaic GPU for bf16/f16 prefill on Hopper, Triton otherwise) in float32, bfloat16
   and float16, forward and gradients, against the XLA reference computed on the CPU
   in float32; float32 to 1e-5, also under a global "bfloat16" matmul precision
-  (the kernels' float32 dots are exact, not TF32);
+  (the kernels' float32 dots are exact, not TF32); prefill chunks and windows whose
+  last rows sit at the cache's end (kv_len = S, not a tile multiple), the window with
+  a split count that does not divide its key tiles;
 - every paradigm end to end on the shipped tiny models in float32 with
   attn_impl="auto" (the Pallas kernels on a GPU): ar and ar_spec (draft model
   and prompt lookup) on tiny-ar, block_diffusion and multi_block on tiny-sdar,
@@ -55,6 +57,7 @@ import jdllm
 from jdllm import api, constraints, tasks
 from jdllm.serve import engine as E
 from pallas_kernels import attention as attention_dispatch
+from pallas_kernels import flash
 from pallas_kernels.reference import attention_reference
 from tests.accel import accel_device, cpu_device, gpu_tier
 
@@ -112,12 +115,19 @@ def on(device, seen: set, fn, *args, **kw):
 # --------------------------------------------------------------------------- kernels
 KERNEL_TOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2, jnp.float16: 5e-3}
 GRAD_TOL = {jnp.float32: 1e-5, jnp.bfloat16: 3e-2, jnp.float16: 1e-2}
-# (variant, kind, block_size, B, T, S, q_offset, H, KV, D, start): head_dim 64 takes the Mosaic
-# kernel for a bf16/f16 prefill on Hopper; the window runs Triton (split over the cache)
+# (variant, kind, block_size, B, T, S, q_offset, H, KV, D, start); kv_len is q_offset + T. head_dim
+# 64 takes the Mosaic kernel for a bf16/f16 prefill on Hopper; the window runs Triton (split over
+# the cache). The "-at-cache-end" cases end at the cache's last slot (q_offset + T = kv_len = S, S
+# not a multiple of the key tile: the last tile is part padding); T > 128 takes the prefill kernel
 KERNEL_CASES = {
     "prefill": ("prefill", "block_causal", 32, 2, 160, 160, 0, 4, 2, 64, [0, 37]),
     "window": ("window", "causal", 1, 2, 8, 600, 500, 8, 2, 64, [0, 21]),
+    "prefill-at-cache-end": ("prefill", "block_causal", 32, 2, 150, 290, 140, 4, 2, 64, [0, 37]),
+    "window-at-cache-end": ("window", "block_causal", 32, 1, 32, 1000, 968, 8, 2, 64, [5]),
 }
+# key splits of a window case (`flash.Tiles.num_splits`; default: enough for the device's cores): 6
+# splits over the 16 live 64-key tiles of S = 1000 give 3 tiles each, the last split 1 (clipped at S)
+KERNEL_SPLITS = {"window-at-cache-end": 6}
 
 
 def _qkv(seed, B, T, S, H, KV, D, dtype, device):
@@ -153,6 +163,8 @@ def test_kernels_match_the_reference_in_every_dtype(case, dtype, global_precisio
     kw = dict(start=jnp.asarray(start, jnp.int32), q_offset=qoff, kv_len=qoff + T, kind=kind, block_size=bs)
 
     def attn(q, k, v):
+        if case in KERNEL_SPLITS:  # flash.attention: the dispatcher's kernel and backend, with the splits given
+            return flash.attention(q, k, v, **kw, variant=variant, tiles=flash.Tiles(num_splits=KERNEL_SPLITS[case]))
         return attention_dispatch(q, k, v, **kw, impl="pallas")
 
     def loss(q, k, v):

@@ -2,7 +2,9 @@
 
 CPU: Pallas interpret mode on small shapes (a sparse grid: every kind, block
 sizes 1/4/32/64, tile and non-tile lengths, left padding with rows that see
-nothing, GQA 1/2/4/8, head_dim 64/128, float32 and bfloat16). Output buffers
+nothing, GQA 1/2/4/8, head_dim 64/128, float32, bfloat16 and float16; prefill
+chunks and windows whose last rows sit at the cache's end, kv_len = S not a tile
+multiple, with window split counts that do not divide the live key tiles). Output buffers
 are poisoned with NaN so an element the kernel forgets to write fails the
 comparison; K/V tiles the rule hides are NaN-filled so a kernel that reads
 them fails too. Also: the tile schedule against brute force, traced offsets
@@ -36,7 +38,7 @@ from pallas_kernels.reference import attention_reference
 from tests.accel import needs_gpu
 from tests.quick import slow, slow_except
 
-TOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
+TOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2, jnp.float16: 5e-3}
 EXACT = "highest"  # the references' XLA dots: float32 ones would run in TF32 on a GPU by default
 
 
@@ -84,6 +86,10 @@ PREFILL = [
     # bfloat16
     ("block_causal", 4, 2, 50, 50, 0, 50, 4, 2, 128, [0, 7], (16, 16), jnp.bfloat16),
     ("bidirectional", 1, 2, 24, 40, 16, 40, 2, 1, 64, [0, 12], (8, 8), jnp.bfloat16),
+    # a chunk whose last rows sit at the cache's end (q_offset + T = kv_len = S, S not a tile
+    # multiple: the last key tile is part padding), float16 and float32
+    ("block_causal", 4, 2, 20, 50, 30, 50, 4, 2, 64, [0, 33], (8, 16), jnp.float16),
+    ("causal", 1, 1, 37, 100, 63, 100, 4, 1, 128, [5], (16, 32), jnp.float32),
 ]
 
 
@@ -183,6 +189,12 @@ WINDOW = [
     ("block_causal", 32, 1, 32, 128, 64, 96, 4, 2, 128, [0], (32, 16, 2), jnp.bfloat16),
     ("block_causal", 64, 1, 64, 192, 64, 128, 4, 1, 64, [17], (64, 32, 3), jnp.float32),
     ("block_causal", 1, 2, 3, 50, 20, 23, 4, 1, 64, [0, 21], (4, 8, 7), jnp.bfloat16),
+    # windows whose last rows sit at the cache's end (q_offset + T = kv_len = S, S not a tile
+    # multiple) with split counts that do not divide the live key tiles: 13 tiles over 5 splits
+    # (float16), 7 over 3, 3 over 2 (the last split short or empty, its bound clipped at S)
+    ("block_causal", 32, 1, 32, 200, 168, 200, 8, 2, 64, [0], (16, 16, 5), jnp.float16),
+    ("causal", 1, 2, 8, 100, 92, 100, 4, 2, 64, [0, 37], (8, 16, 3), jnp.float32),
+    ("bidirectional", 1, 2, 16, 90, 74, 90, 4, 1, 64, [3, 50], (16, 32, 2), jnp.bfloat16),
 ]
 
 
@@ -267,6 +279,10 @@ def test_poison_catches_an_unwritten_tile(monkeypatch):
     # window over a cache; row 1's first three queries see nothing
     ("window", "causal", 1, 6, 40, 28, 8, 2, 64, [0, 31], (8, 8), jnp.float32),
     ("prefill", "bidirectional", 1, 12, 40, 24, 4, 4, 128, [0, 30], (4, 16), jnp.bfloat16),
+    # at the cache's end (q_offset + T = kv_len = S, S not a tile multiple), float16; the window's
+    # 2 splits over 7 key tiles
+    ("window", "block_causal", 4, 8, 50, 42, 8, 2, 64, [0, 19], (8, 8), jnp.float16),
+    ("prefill", "causal", 1, 20, 45, 25, 4, 2, 64, [0, 30], (8, 16), jnp.float16),
 ])
 def test_grad_matches_reference(variant, kind, bs, T, S, qoff, H, KV, D, start, bwd_tiles, dtype):
     """jax.grad through the custom_vjp (Pallas backward kernels) equals the reference's gradients."""
@@ -508,6 +524,9 @@ MOSAIC = [
     ("bidirectional", 1, 2, 33, 33, 0, 33, 4, 2, 64, [0, 20], jnp.float16),
     # chunk at an offset into a longer, partly stale cache: row 1's first queries see nothing
     ("block_causal", 4, 2, 20, 150, 70, 90, 2, 1, 128, [0, 80], jnp.bfloat16),
+    # a chunk whose last rows sit at the cache's end (q_offset + T = kv_len = S = 100: the second
+    # 64-key tile is part padding)
+    ("block_causal", 4, 1, 20, 100, 80, 100, 2, 1, 64, [0], jnp.float16),
 ]
 
 

@@ -319,12 +319,16 @@ class MultiBlock(Paradigm):
             gen_start = (N * Bs + lengths % Bs).astype(np.int32)
             return common.Layout(start=start, gen_start=gen_start, slots=(N + gen_blocks) * Bs,
                                  prefill_len=N * Bs)
-        # bidirectional: right-aligned, every row's canvas ends at S = gen_start + max_new_tokens
+        # bidirectional: right-aligned, every row's canvas ends at S = gen_start + max_new_tokens. No
+        # forward prefills, but prefill_len = P says what it says for masked_diffusion: S - P bounds
+        # every row's generation region, so the slots in flight (`_flight_width`: the LM head's width
+        # at every step) are the generation bucket, not the whole canvas (at a 32k prompt the canvas's
+        # logits would be S x vocab floats: 16 GiB at a 126k vocabulary)
         P = common.bucket(int(lengths.max()), 16)
         S = P + common.bucket(max_new_tokens, 16, steps_per_octave=4)
         gen_start = np.full(lengths.shape, S - max_new_tokens, np.int32)
         return common.Layout(start=(gen_start - lengths).astype(np.int32), gen_start=gen_start, slots=S,
-                             prefill_len=0)
+                             prefill_len=P)
 
     def row_layout(self, cfg, length: int, max_new: int, slots: int) -> common.Layout:
         """A serving row: the prompt's own layout on the pool canvas; bidirectional models' moved
@@ -354,7 +358,9 @@ class MultiBlock(Paradigm):
 
     # ----------------------------------------------------------------- geometry
     def _flight_width(self, ctx, S: int) -> int:
-        """Static width of the slots in flight: max_blocks blocks, or the generation region."""
+        """Static width of the slots in flight: max_blocks blocks, or the generation region (S -
+        prefill_len: block-causal models' blocks after the prompt's whole blocks, bidirectional ones'
+        generation bucket, which ends at S, so the plan is then always [S - width, S))."""
         if self.max_blocks is None:
             return S - ctx.prefill_len
         return min(self.max_blocks * self.block_size, S)

@@ -119,8 +119,11 @@ class ExactCache(CacheStrategy):
             st, logits = common.forward_window(params, ctx, st, 0, S, at=at, also=also)
             return commit(st, logits)
 
+        # windows no wider than the generation region (S - prefill_len: every later window's need): a
+        # wider one serves only a first forward from an empty cache, which the full forward serves as
+        # well, so at a 32k prompt and 1k generation the step compiles 6 window shapes instead of 11
         widths, n = [], 1
-        while n <= 2 * K and n * Bs < S:
+        while n <= 2 * K and n * Bs < S and n * Bs <= max(S - ctx.prefill_len, Bs):
             widths.append(n * Bs)
             n *= 2
         need = jnp.max(jnp.where(running, active_end - L, 0))  # slots the widest row's window must cover
@@ -192,16 +195,17 @@ class ApproxCache(CacheStrategy):
         widths = sorted({S} | {w for i in range(S.bit_length()) for w in (Bs * 2 ** i, Bs * 3 * 2 ** i // 2)
                                if Bs <= w < S and w % Bs == 0})
         N = at.shape[1]
+        tail = mb.max_blocks is None  # the planned slots are [S - N, S) (`MultiBlock._flight_width`)
 
         def suffix_forward(width):
-            if N != S or width >= S:  # the planned slots are not the canvas: the head runs at all of them
+            if not tail or width >= N:  # the head runs at every planned slot
                 return lambda s_: common.forward_window(params, ctx, s_, S - width, width, at=at, kv_len=S,
                                                         keep_below=floor, commit=commit)
 
             def run(s_):  # the head runs only inside the window: every candidate is there (>= its row's floor)
-                s_, logits = common.forward_window(params, ctx, s_, S - width, width, at=at[:, S - width:],
+                s_, logits = common.forward_window(params, ctx, s_, S - width, width, at=at[:, N - width:],
                                                    kv_len=S, keep_below=floor, commit=commit)
-                pad = jnp.zeros((s_.batch, S - width, logits.shape[-1]), logits.dtype)
+                pad = jnp.zeros((s_.batch, N - width, logits.shape[-1]), logits.dtype)
                 return s_, jnp.concatenate([pad, logits], axis=1)
             return run
 
