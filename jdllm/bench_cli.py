@@ -20,7 +20,7 @@ import time
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from jdllm.checkpoint import ATTN_IMPLS, DTYPES  # noqa: PLC0415
-    from jdllm.generate_cli import (add_check_finite_argument, add_group_size_argument,  # noqa: PLC0415
+    from jdllm.generate_cli import (add_check_finite_argument, add_quantize_arguments,  # noqa: PLC0415
                                     add_paradigm_arguments)
 
     p.add_argument("model", help="Hugging Face model directory or jdllm checkpoint")
@@ -32,11 +32,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", default="float32", choices=DTYPES)
-    p.add_argument("--quantize", default=None, choices=("int8", "fp8", "int4"),  # jdllm.quant.SCHEMES
-                   help="weight-only int8 / fp8 / int4 weights (--dtype stays the activation dtype)")
-    add_group_size_argument(p)
-    p.add_argument("--kv-cache", default=None, choices=("int8",),  # jdllm.quant.KV_CACHE_DTYPES
-                   help="int8: the KV cache in int8, one scale per token and KV head (default: the activation dtype)")
+    add_quantize_arguments(p)
     p.add_argument("--attn-impl", default="auto", choices=ATTN_IMPLS)
     add_check_finite_argument(p)
     p.add_argument("--json", default=None, help="write the rows to this JSON file (its directory must exist)")

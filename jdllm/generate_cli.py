@@ -58,13 +58,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="a prompt as comma-separated token ids (repeatable; for models without a tokenizer)")
     p.add_argument("--chat", action="store_true", help="wrap each prompt in the tokenizer's chat template")
     p.add_argument("--dtype", default="float32", choices=DTYPES, help="parameter dtype (default: float32)")
-    # choices: jdllm.quant.SCHEMES, spelled out so --help stays free of JAX
-    p.add_argument("--quantize", default=None, choices=("int8", "fp8", "int4"),
-                   help="weight-only quantization of the matmul weights, one scale per output channel "
-                        "(int4: per --group-size inputs; --dtype stays the activation dtype; default: none)")
-    add_group_size_argument(p)
-    p.add_argument("--kv-cache", default=None, choices=("int8",),  # jdllm.quant.KV_CACHE_DTYPES
-                   help="int8: the KV cache in int8, one scale per token and KV head (default: the activation dtype)")
+    add_quantize_arguments(p)
     p.add_argument("--attn-impl", default="auto", choices=ATTN_IMPLS,
                    help="attention implementation (default: auto = Pallas on a GPU, XLA elsewhere)")
     add_check_finite_argument(p)
@@ -87,18 +81,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_paradigm_arguments(p)
 
 
-def add_group_size_argument(p: argparse.ArgumentParser) -> None:
-    """--group-size beside --quantize (generate, serve, bench; convert has its own)."""
+def add_quantize_arguments(p: argparse.ArgumentParser) -> None:
+    """--quantize, --group-size and --kv-cache (generate, serve, bench; convert has its own)."""
+    # choices: jdllm.quant.SCHEMES and KV_CACHE_DTYPES, spelled out so --help stays free of JAX
+    p.add_argument("--quantize", default=None, choices=("int8", "fp8", "int4"),
+                   help="weight-only quantization of the matmul weights, one scale per output channel "
+                        "(int4: per --group-size inputs; --dtype stays the activation dtype; default: none)")
     p.add_argument("--group-size", type=int, default=None, metavar="N",
                    help="--quantize int4: contraction elements sharing a scale (default 128); it must divide "
                         "each weight's contracted axis (the head dim for the attention output)")
+    p.add_argument("--kv-cache", default=None, choices=("int8",),
+                   help="int8: the KV cache in int8, one scale per token and KV head (default: the activation dtype)")
 
 
 def quantize_from_args(args):
     """`quantize=` for jdllm.load from --quantize / --group-size."""
     from jdllm.quant import quantization_arg  # noqa: PLC0415 (imports JAX: after parsing)
 
-    return quantization_arg(args.quantize, getattr(args, "group_size", None))
+    return quantization_arg(args.quantize, args.group_size)
 
 
 def add_constraint_arguments(p: argparse.ArgumentParser) -> None:

@@ -30,7 +30,7 @@ def _positive(text: str) -> int:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from jdllm.checkpoint import ATTN_IMPLS, DTYPES  # noqa: PLC0415 (light: no JAX)
-    from jdllm.generate_cli import (add_check_finite_argument, add_group_size_argument,  # noqa: PLC0415
+    from jdllm.generate_cli import (add_check_finite_argument, add_quantize_arguments,  # noqa: PLC0415
                                     add_mesh_argument, add_paradigm_arguments)
 
     p.add_argument("model", help="Hugging Face model directory or jdllm checkpoint")
@@ -57,13 +57,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--constraint-classes", type=int, default=64,
                    help="token classes a constraint's DFA may have (with --constraint-states; default: 64)")
     p.add_argument("--dtype", default="float32", choices=DTYPES, help="parameter dtype (default: float32)")
-    # choices: jdllm.quant.SCHEMES, spelled out so --help stays free of JAX
-    p.add_argument("--quantize", default=None, choices=("int8", "fp8", "int4"),
-                   help="weight-only quantization of the matmul weights, one scale per output channel "
-                        "(int4: per --group-size inputs; --dtype stays the activation dtype; default: none)")
-    add_group_size_argument(p)
-    p.add_argument("--kv-cache", default=None, choices=("int8",),  # jdllm.quant.KV_CACHE_DTYPES
-                   help="int8: the KV cache in int8, one scale per token and KV head (default: the activation dtype)")
+    add_quantize_arguments(p)
     p.add_argument("--attn-impl", default="auto", choices=ATTN_IMPLS)
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
     add_check_finite_argument(p)
