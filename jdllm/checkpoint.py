@@ -295,18 +295,12 @@ def _check_stored_quantization(stored, cfg: ModelConfig, qc, params_dir: str) ->
     """QuantizationError naming the parameter when the stored arrays are not what the marker's
     quantization `qc` makes (`jdllm.quant.checkpoint_specs`): a weight stored plain that it
     quantizes or the reverse, q in another scheme's dtype, a scale of another group size."""
+    import jax  # noqa: PLC0415 (startup: `jdllm convert --help` and config reads stay free of JAX)
     import jax.numpy as jnp  # noqa: PLC0415 (startup: `jdllm convert --help` and config reads stay free of JAX)
     from jdllm import quant  # noqa: PLC0415 (startup: `jdllm convert --help` and config reads stay free of JAX)
     from jdllm.model import flat_param_specs  # noqa: PLC0415 (startup: `jdllm convert --help` and config reads stay free of JAX)
 
-    def flat(tree, path=()):
-        if isinstance(tree, dict):
-            for k, v in tree.items():
-                yield from flat(v, path + (k,))
-        else:
-            yield path, tree
-
-    have = dict(flat(stored))
+    have = {tuple(k.key for k in keys): m for keys, m in jax.tree_util.tree_flatten_with_path(stored)[0]}
     said = f"{MARKER_FILE}'s quantization {quant.to_meta(qc)}" if qc is not None else \
         f"{MARKER_FILE} (no quantization: a plain checkpoint)"
     if qc is None:  # plain (any layout Orbax wrote): only no q / scale pairs
