@@ -326,13 +326,17 @@ def weight_bytes(params, cfg) -> tuple[int, int]:
 
 
 # --------------------------------------------------------------------------- device facts
-def device_peak():
+def first_device_stats() -> dict:
+    """The first device's `memory_stats()` ({} where the backend keeps none: the CPU)."""
     import jax  # noqa: PLC0415
 
-    try:
-        st = jax.devices()[0].memory_stats() or {}
-    except Exception:  # noqa: BLE001 (a backend without memory stats)
-        st = {}
+    from jdllm.device_memory import device_stats  # noqa: PLC0415
+
+    return device_stats(jax.devices()[0]) or {}
+
+
+def device_peak():
+    st = first_device_stats()
     return st.get("peak_bytes_in_use"), st.get("bytes_in_use")
 
 
@@ -477,12 +481,7 @@ def prefill_activation_bytes(cfg, tokens: int, itemsize: int) -> int:
 
 def free_device_bytes():
     """(free bytes, limit) of the first device, or (None, None) where it keeps no statistics (the CPU)."""
-    import jax  # noqa: PLC0415
-
-    try:
-        st = jax.devices()[0].memory_stats() or {}
-    except Exception:  # noqa: BLE001
-        st = {}
+    st = first_device_stats()
     if "bytes_limit" not in st:
         return None, None
     return int(st["bytes_limit"]) - int(st.get("bytes_in_use", 0)), int(st["bytes_limit"])
