@@ -8,7 +8,11 @@ from __future__ import annotations
 
 import importlib
 
+from jdllm import host_memory as _host_memory
+
 __version__ = "0.1.0"
+
+_host_memory.tune()  # large host buffers kept between XLA:CPU calls (see jdllm.host_memory; JDLLM_MALLOC=off)
 
 _EXPORTS = {
     # loading and the model handle

@@ -173,24 +173,26 @@ def _window_at(params, tokens, cache, start, offset, *, cfg):
 
 
 @slow
-@pytest.mark.parametrize("kind", ["causal", "block_causal"])
-def test_attention_cut_to_the_live_length(kind):
+@pytest.mark.parametrize("kind,S,cuts,ends", [("causal", 160, (32, 64, 128, 160), (64, 68, 116)),
+                                             ("block_causal", 160, (32, 64, 128, 160), (64, 68, 116)),
+                                             ("block_causal", 320, (64, 128, 192, 256, 320), (192, 196, 116))])
+def test_attention_cut_to_the_live_length(kind, S, cuts, ends):
     """On a long cache (kv_buckets splits it) the XLA path attends only over the bucket holding the
-    live keys: windows whose key range ends exactly at a bucket edge (64), past it (68) and deep
-    in the canvas give the cacheless forward's logits; the garbage slots past the live length and
-    before `start` stay unseen, and a cut one bucket too short would drop keys."""
+    live keys: windows whose key range ends exactly at a bucket edge (64; 192, a 1.5x step), past
+    it (68; 196) and deep in the canvas give the cacheless forward's logits; the garbage slots past
+    the live length and before `start` stay unseen, and a cut one bucket too short would drop keys."""
     from jdllm.model import kv_buckets  # noqa: PLC0415
 
     cfg, params, tokens = _setup(kind, seed=4)
-    S, n = 160, 16
-    assert kv_buckets(S) == (32, 64, 128, 160)
+    n = 16
+    assert kv_buckets(S) == cuts
     tokens = tokens[:, :n]
     ref = np.asarray(_full(params, cfg, tokens))  # rows start at START: slot - start is the position
     big = KVCache.empty(cfg, B, S)
     k1, k2 = jax.random.split(jax.random.key(7))
     big = KVCache(k=3.0 * jax.random.normal(k1, big.k.shape), v=3.0 * jax.random.normal(k2, big.v.shape),
                   length=big.length)
-    for p in (48, 52, 100):  # the sequence at slots [p, p + 16) (block-aligned): it ends at 64, 68, 116
+    for p in (e - n for e in ends):  # the sequence at slots [p, p + 16) (block-aligned)
         start = jnp.asarray(START + p)
         outs, cache = [], big
         for lo in (0, 8):
