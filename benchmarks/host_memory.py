@@ -1,5 +1,5 @@
 """The serving engine on the CPU with glibc's default heap and with the one `import jdllm` sets up
-(`jdllm.host_memory`: one arena, large buffers kept between calls), side by side.
+(`jdllm.host_memory`: large buffers kept between calls), side by side.
 
 A random-weight model with a Qwen-sized vocabulary (151,936; hidden 512, 4 layers) serves
 `--requests` requests (prompt 64, `--new` tokens, no stop ids) through `jdllm.serve.Engine`
@@ -26,7 +26,7 @@ import subprocess
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SETTINGS = {"glibc default (JDLLM_MALLOC=off)": "off", "jdllm (one arena, 1 GiB kept)": "on"}
+SETTINGS = {"glibc default (JDLLM_MALLOC=off)": "off", "jdllm (1 GiB kept)": "on"}
 
 
 def worker(args) -> dict:

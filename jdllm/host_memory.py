@@ -2,22 +2,23 @@
 
 XLA:CPU allocates each execution's temporary buffers with malloc and frees them when the execution
 ends, from its own runtime threads. glibc serves an allocation above its mmap threshold (128 KiB,
-rising to at most 32 MiB as such blocks are freed) with a fresh mmap, and threads other than the
-main one allocate from per-thread arenas whose heaps hold at most 64 MiB each. So every program
-that needs more than that (a block-diffusion step's logits over a 151,936-token vocabulary: 155 MB
-for 8 rows x 32 slots) gets new pages from the kernel on every call, and the kernel zeroes each
-4 KiB page on its first touch: 17.1 million page faults for 16 requests of 128 tokens through the
-serving engine, 80 s against 49 s with the settings below (`benchmarks/host_memory.py`). A decode loop compiled as one
-program allocates once per `generate`; the host-driven paths (the serving engine, constrained
-decoding, `compiled_steps`) allocate once per step.
+rising to at most 32 MiB as such blocks are freed) with a fresh mmap, so every program that needs
+larger buffers (a block-diffusion step's logits over a 151,936-token vocabulary: 155 MB for 8 rows
+x 32 slots) gets new pages from the kernel on every call, and the kernel zeroes each 4 KiB page on
+its first touch. A decode loop compiled as one program allocates once per `generate`; the
+host-driven paths (the serving engine, constrained decoding, `compiled_steps`) allocate once per
+step. The serving engine, 16 requests of 128 tokens: 17.1 million page faults and 68 s with glibc's
+defaults, 8.8 million and 54 s with the settings below (`benchmarks/host_memory.py`).
 
-`tune()` (run when `jdllm` is imported) makes glibc keep such buffers: one arena for every thread
-(`M_ARENA_MAX` 1), no mmap below 1 GiB (`M_MMAP_THRESHOLD`), and freed memory kept up to 1 GiB
-(`M_TRIM_THRESHOLD`). The cost: the process's resident memory stays at its high-water mark
-instead of shrinking between calls. It changes nothing when `JDLLM_MALLOC=off` (or `0`), when
-any of glibc's own `MALLOC_ARENA_MAX`, `MALLOC_MMAP_THRESHOLD_`, `MALLOC_TRIM_THRESHOLD_` is set
-(the user's choice wins), when another allocator is preloaded (`LD_PRELOAD` naming jemalloc,
-tcmalloc or mimalloc), or off Linux/glibc.
+`tune()` (run when `jdllm` is imported) makes glibc keep such buffers: no mmap below 1 GiB
+(`M_MMAP_THRESHOLD`) and freed memory kept up to 1 GiB (`M_TRIM_THRESHOLD`). Blocks above a thread
+arena's heap (64 MiB) are still mapped afresh: one arena for every thread (`M_ARENA_MAX` 1) would
+keep those too (2.5 million faults, 49 s in the run above) but made XLA's multi-threaded compiles
+~40% slower on 2 cores (the test suite: 77 -> 110 s for two files), so it is not set. The cost:
+the process's resident memory stays at its high-water mark instead of shrinking between calls.
+It changes nothing when `JDLLM_MALLOC=off` (or `0`), when any of glibc's own `MALLOC_ARENA_MAX`,
+`MALLOC_MMAP_THRESHOLD_`, `MALLOC_TRIM_THRESHOLD_` is set (the user's choice wins), when another
+allocator is preloaded (`LD_PRELOAD` naming jemalloc, tcmalloc or mimalloc), or off Linux/glibc.
 """
 
 from __future__ import annotations
@@ -28,7 +29,6 @@ import sys
 
 M_TRIM_THRESHOLD = -1  # glibc's mallopt parameter numbers (malloc.h)
 M_MMAP_THRESHOLD = -3
-M_ARENA_MAX = -8
 KEEP_BYTES = 1 << 30  # below this, freed buffers stay in the heap for the next call
 
 GLIBC_ENV = ("MALLOC_ARENA_MAX", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")
@@ -55,7 +55,7 @@ def skip_reason(environ=None) -> str | None:
 
 
 def tune() -> dict[str, int]:
-    """Set the three mallopt parameters once per process (see the module docstring); returns what
+    """Set the two mallopt parameters once per process (see the module docstring); returns what
     was set ({} when nothing was: skipped, or not glibc). Never raises."""
     global _DONE
     if _DONE is not None:
@@ -70,10 +70,9 @@ def tune() -> dict[str, int]:
     except (OSError, AttributeError):
         return _DONE
     mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
-    for name, param, value in (("M_ARENA_MAX", M_ARENA_MAX, 1), ("M_MMAP_THRESHOLD", M_MMAP_THRESHOLD, KEEP_BYTES),
-                               ("M_TRIM_THRESHOLD", M_TRIM_THRESHOLD, KEEP_BYTES)):
-        if mallopt(param, value) == 1:  # 1: accepted
-            _DONE[name] = value
+    for name, param in (("M_MMAP_THRESHOLD", M_MMAP_THRESHOLD), ("M_TRIM_THRESHOLD", M_TRIM_THRESHOLD)):
+        if mallopt(param, KEEP_BYTES) == 1:  # 1: accepted
+            _DONE[name] = KEEP_BYTES
     return _DONE
 
 
