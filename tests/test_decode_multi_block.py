@@ -375,3 +375,21 @@ def test_bad_model_raises():
             prepare(block_model(), [[1, 2]], jdllm.MultiBlock(block_size=BS, cache_mode=cache), _sampling())
     with pytest.warns(UserWarning, match="block_size"):
         prepare(block_model(), [[1, 2]], jdllm.MultiBlock(block_size=8), _sampling(2))
+
+
+@pytest.mark.parametrize("unit", [4, 16, 32])
+def test_approx_cache_window_widths(unit):
+    """The approx cache's suffix widths (`common.block_widths`): whole blocks, ending with the canvas,
+    and for every need the narrowest width that covers it runs at most half as many slots again as the
+    need's whole blocks, at most a quarter more from 256 slots and eight blocks on."""
+    from jdllm.decode.common import FINE_WIDTHS_FROM, block_widths  # noqa: PLC0415
+    for S in range(unit, 40 * unit + 1, unit):
+        ws = block_widths(unit, S)
+        assert ws == sorted(set(ws)) and ws[-1] == S and all(w % unit == 0 and w > 0 for w in ws), (S, ws)
+        for need in range(1, S + 1):
+            w = next(w for w in ws if w >= need)
+            blocks = -(-need // unit) * unit  # a window is whole blocks anyway
+            if w == S or blocks == w:
+                continue
+            limit = 1.5 if blocks <= max(FINE_WIDTHS_FROM, 8 * unit) else 1.25
+            assert w <= limit * blocks, (unit, S, need, w)

@@ -317,6 +317,28 @@ def switch_width(ctx: DecodeCtx, state: DecodeState, widths, need, forward_of):
     return jax.lax.switch(branch, [forward_of(w) for w in keep], state)
 
 
+FINE_WIDTHS_FROM = 256  # slots: window widths this wide or wider come four per octave
+
+
+def block_widths(unit: int, S: int, fine_from: int = FINE_WIDTHS_FROM) -> list[int]:
+    """Static window widths ending at the canvas end S, in whole `unit`s (blocks): 1, 2, 3, 4, 6,
+    8, 12, ... units (two per octave: a window of whole units runs at most 1/2 more slots than it
+    needs) and, from the octave starting at max(fine_from, 8 units) on, four per octave (at most
+    1/4 more), then S itself. Long generations spend most of their forwards on wide
+    windows, where each wasted slot costs a whole token's matmuls; the narrow octaves stay coarse
+    because every width is a whole-model forward to compile. d3LLM KV cache at gen 512 (prompt
+    32, block 32): the forwards ran 8.8% more slots than needed with two widths per octave, 3.6%
+    with four from 256 on (11 widths instead of 9)."""
+    out = {int(S)}
+    for i in range(int(S).bit_length()):
+        p = unit << i
+        if p >= S:
+            break
+        per = 4 if p >= max(fine_from, 8 * unit) else 2
+        out.update(w for w in (p + j * p // per for j in range(per)) if w % unit == 0 and w < S)
+    return sorted(out)
+
+
 def suffix_widths(ctx: DecodeCtx, S: int) -> list[int]:
     """The widths of a window ending at the canvas end S that a whole-canvas forward may narrow to:
     just S, except in a serving pool (`DecodeCtx.own_layouts`), where rows right-aligned on the
@@ -518,7 +540,7 @@ def abort_running(state: DecodeState) -> DecodeState:
 
 
 __all__ = ["DecodeCtx", "Layout", "Plan", "right_aligned", "make_plan", "bucket", "fill_token", "new_state",
-           "with_buffers", "window", "set_window", "forward_window", "suffix_widths", "count_forward",
+           "with_buffers", "window", "set_window", "forward_window", "suffix_widths", "block_widths", "count_forward",
            "sample_window", "allowed_logits", "advance_keys",
            "constrain_logits", "candidates", "rank",
            "select_top_k", "select_first_k", "select_threshold", "select_entropy_bounded", "reveal",

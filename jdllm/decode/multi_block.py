@@ -118,7 +118,8 @@ canvas end, future masks included, and the prefix K/V are those of the
 forward that cached or last refreshed them (stale: later reveals are not
 seen there). The batch runs one forward whose window ends at S and starts at
 or before every row's own first slot (its edge, or 0), the narrowest of 1,
-2, 3, 4, 6, 8, 12, ... blocks (two widths per octave) or the canvas, with the
+2, 3, 4, 6, 8, 12, ... blocks (two widths per octave; four from 256 slots on:
+`common.block_widths`) or the canvas, with the
 LM head only inside that window (every candidate lies there); `forward(keep_below=...)` keeps each row's
 cached prefix as it is, so a row computes what it computes alone.
 `tests/reference_multi_block.py` replays d3LLM's cache with explicit K/V.

@@ -190,10 +190,8 @@ class ApproxCache(CacheStrategy):
         if ctx.model.logit_shift:  # Dream shifts within the forward: a suffix's first slot predicts itself
             own = (running & suffix)[:, None] & (at == floor[:, None])
             at = jnp.where(own, at + 1, at)  # the head then reads slot `floor`'s own output
-        # window widths: blocks 1, 2, 3, 4, 6, 8, 12, ... (two per octave: a suffix pays at most a third
-        # more than its length, not twice) and the whole canvas; the narrowest that reaches every floor
-        widths = sorted({S} | {w for i in range(S.bit_length()) for w in (Bs * 2 ** i, Bs * 3 * 2 ** i // 2)
-                               if Bs <= w < S and w % Bs == 0})
+        # window widths: the narrowest of `common.block_widths` that reaches every floor
+        widths = common.block_widths(Bs, S)
         N = at.shape[1]
         tail = mb.max_blocks is None  # the planned slots are [S - N, S) (`MultiBlock._flight_width`)
 
