@@ -79,21 +79,30 @@ def masked_attention_reference(q, k, v, mask, *, scale=None):
     batch = ((0, 1), (0, 1))
     scores = jax.lax.dot_general(qh, kh, (((3,), (3,)), batch), precision=prec,
                                  preferred_element_type=jnp.float32) * scale  # [B, KV, G * T, S]
-    p = _masked_softmax(scores.reshape(B, KV, G, T, S), mask[:, None, None], axis=-1)
+    p, denom = _masked_exp(scores.reshape(B, KV, G, T, S), mask[:, None, None], axis=-1)
     out = jax.lax.dot_general(p.reshape(B, KV, G * T, S).astype(v.dtype), vh, (((3,), (2,)), batch),
                               precision=prec, preferred_element_type=jnp.float32)  # [B, KV, G * T, D]
+    out = out / denom.reshape(B, KV, G * T, 1)  # normalised after the dot (flash attention's order)
     return out.reshape(B, KV, G, T, D).transpose(0, 3, 1, 2, 4).reshape(B, T, H, D).astype(q.dtype)
 
 
 def _masked_softmax(scores, mask, axis: int):
     """Softmax of float32 `scores` over `axis` where `mask` (broadcastable) is True; zeros where a
     query sees no key."""
+    p, denom = _masked_exp(scores, mask, axis)
+    return p / denom
+
+
+def _masked_exp(scores, mask, axis: int):
+    """The softmax's numerator and denominator: exp(scores - the row's max) where `mask` is True and
+    exactly 0 elsewhere (exp(-inf)), and the row sums (1 for a row that sees no key, whose
+    numerators are all 0). Dividing after the values' dot costs T x D divisions, not a pass over
+    the T x S probabilities."""
     scores = jnp.where(mask, scores, -jnp.inf)
     mx = jnp.max(scores, axis=axis, keepdims=True)
-    mx = jnp.where(jnp.isfinite(mx), mx, 0.0)
-    p = jnp.where(mask, jnp.exp(scores - mx), 0.0)
+    p = jnp.exp(scores - jnp.where(jnp.isfinite(mx), mx, 0.0))
     denom = jnp.sum(p, axis=axis, keepdims=True)
-    return p / jnp.where(denom == 0, 1.0, denom)
+    return p, jnp.where(denom == 0, 1.0, denom)
 
 
 SMALL_WINDOW = 1  # the XLA path attends windows of at most this many queries through `window_reference`
