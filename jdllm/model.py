@@ -462,7 +462,8 @@ def forward(params: Params, cfg: ModelConfig, tokens, positions, *, start, cache
                 if sk is not None:
                     sk, sv = write_rows(sk, ks, q_offset, layer=i), write_rows(sv, vs, q_offset, layer=i)
                 # the stacked arrays themselves go into the switch: XLA passes them without a copy,
-                # where slicing layer i out first copied it whole (AR at gen 512: 17.5% of the time)
+                # where slicing layer i out first copied it whole (AR at gen 512: 374 of 2,416 ms of
+                # XLA op time)
                 operands, stacked = (ck, cv) if sk is None else (ck, cv, sk, sv), True
             elif merge_window:
                 operands, stacked = (ck, cv, k, v), True

@@ -285,7 +285,8 @@ def test_write_cache_false_windows_past_the_cut(kind):
     k1, k2 = jax.random.split(jax.random.key(5))
     cache = KVCache(k=jax.random.normal(k1, big.k.shape), v=jax.random.normal(k2, big.v.shape), length=big.length)
     toks = jnp.asarray(np.random.default_rng(6).integers(0, cfg.vocab_size, (B, 8)), jnp.int32)
-    run = jax.jit(functools.partial(_forward_rows, cfg=cfg), static_argnames=("write",))
+    run = jax.jit(lambda p, c, t, off, kv, write: _forward_at(p, c, t, kv, cfg=cfg, off=off, write=write,
+                                                             static_kv=None), static_argnames=("write",))
     cases = [(40, 48), (60, 62), (40, 24), (156, 160), ([60, 8], [62, 24]), ([40, 120], [64, 128])]
     for off, kv in cases:
         off, kv = jnp.asarray(off, jnp.int32), jnp.asarray(kv, jnp.int32)
@@ -293,13 +294,6 @@ def test_write_cache_false_windows_past_the_cut(kind):
         got, kept = run(params, cache, toks, off, kv, write=False)
         np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=1e-5, atol=1e-5, err_msg=str((off, kv)))
         np.testing.assert_array_equal(np.asarray(kept.k), np.asarray(cache.k))
-
-
-def _forward_rows(params, cache, toks, off, kv_len, *, cfg, write):
-    start = jnp.zeros((B,), jnp.int32)
-    pos = default_positions(start, off, toks.shape[1])
-    return forward(params, cfg, toks, pos, start=start, cache=cache, offset=off, attn_impl="xla",
-                   kv_len=kv_len, write_cache=write)
 
 
 def _forward_at(params, cache, toks, kv_len, *, cfg, off, write, static_kv):
