@@ -321,11 +321,20 @@ def rope_frequencies(cfg: ModelConfig) -> tuple[jax.Array, float]:
     raise ValueError(f"rope type {kind!r}")
 
 
-def apply_rope(x, positions, inv_freq, scale):
-    """x [B, T, N, Dh], positions [B, T] -> rotated x (rotate-half convention)."""
+def rope_tables(positions, inv_freq, scale):
+    """cos and sin [B, T, 1, Dh] of the rotary angles at positions [B, T], for every layer's q and k.
+
+    Evaluated on the Dh/2 distinct angles and then duplicated, XLA computes them once per forward;
+    as cos(concatenate([ang, ang])) it fused the transcendentals into each of the 2 x layers
+    rotations (every element of every head: a 512-query window's rotations took 0.76 ms per layer
+    on the CPU, for ~0.1 ms of arithmetic)."""
     ang = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, Dh/2]
-    emb = jnp.concatenate([ang, ang], axis=-1)[:, :, None, :]
-    cos, sin = jnp.cos(emb) * scale, jnp.sin(emb) * scale
+    return tuple(jnp.concatenate([t, t], axis=-1)[:, :, None, :]
+                 for t in (jnp.cos(ang) * scale, jnp.sin(ang) * scale))
+
+
+def apply_rope(x, cos, sin):
+    """x [B, T, N, Dh] rotated by `rope_tables`' cos / sin [B, T, 1, Dh] (rotate-half convention)."""
     xf = x.astype(jnp.float32)
     half = x.shape[-1] // 2
     rot = jnp.concatenate([-xf[..., half:], xf[..., :half]], axis=-1)
@@ -379,7 +388,7 @@ def forward(params: Params, cfg: ModelConfig, tokens, positions, *, start, cache
     Returns (logits [B, T or N, V] float32, cache or None[, hidden [B, T, D]]).
     """
     B, T = tokens.shape
-    inv_freq, rope_scale = rope_frequencies(cfg)
+    cos, sin = rope_tables(positions, *rope_frequencies(cfg))  # once, for every layer
     h = quant.take_rows(params["embed"], tokens)  # [B, T, D]
     start = jnp.asarray(start, jnp.int32)
 
@@ -438,8 +447,7 @@ def forward(params: Params, cfg: ModelConfig, tokens, positions, *, start, cache
         if cfg.qk_norm:
             q = rms_norm(q, lp["q_norm"], cfg.rms_norm_eps)
             k = rms_norm(k, lp["k_norm"], cfg.rms_norm_eps)
-        q = apply_rope(q, positions, inv_freq, rope_scale)
-        k = apply_rope(k, positions, inv_freq, rope_scale)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
         def attend(keys, vals):
             return attention_op(q, keys.astype(q.dtype), vals.astype(q.dtype), start=start, q_offset=q_offset,
