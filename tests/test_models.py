@@ -190,7 +190,7 @@ def test_float32_model_matmuls_ask_for_full_precision(dtype, exact):
     assert (len(highest) == len(found)) if exact else not highest
 
 
-def test_rotary_tables_are_evaluated_once_per_forward():
+def test_rotary_tables_are_evaluated_once_per_forward(monkeypatch):
     """The compiled forward evaluates the rotary cos / sin once for all layers' q and k: XLA had
     fused them into each of the 2 x layers rotations, evaluated for every element of every head
     (a 512-query window: 0.76 ms per layer on the CPU). The formula evaluated inside each rotation
@@ -220,19 +220,14 @@ def test_rotary_tables_are_evaluated_once_per_forward():
 
     inv_freq, scale = model_mod.rope_frequencies(cfg)
 
-    def per_layer_rope(x, cos, sin):  # the formula with the angles' tables rebuilt at each call
+    rotate = model_mod.apply_rope
+
+    def per_layer_rope(x, cos, sin):  # the old way: the tables rebuilt from the angles in each rotation
         ang = pos.astype(jnp.float32)[..., None] * inv_freq
         emb = jnp.concatenate([ang, ang], axis=-1)[:, :, None, :]
-        xf = x.astype(jnp.float32)
-        half = x.shape[-1] // 2
-        rot = jnp.concatenate([-xf[..., half:], xf[..., :half]], axis=-1)
-        return (xf * (jnp.cos(emb) * scale) + rot * (jnp.sin(emb) * scale)).astype(x.dtype)
+        return rotate(x, jnp.cos(emb) * scale, jnp.sin(emb) * scale)
 
     got = np.asarray(jax.jit(runner())(model.params))
-    orig = model_mod.apply_rope
-    try:
-        model_mod.apply_rope = per_layer_rope
-        ref = np.asarray(jax.jit(runner())(model.params))
-    finally:
-        model_mod.apply_rope = orig
+    monkeypatch.setattr(model_mod, "apply_rope", per_layer_rope)
+    ref = np.asarray(jax.jit(runner())(model.params))
     np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
