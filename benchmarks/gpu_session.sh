@@ -8,6 +8,8 @@
 #   2. the GPU test tier (`pytest -m gpu`)                              -> gpu_tests.log
 #   3. benchmarks/gpu.py --quick (8B shape, priority cases, HF baseline) -> gpu.log, gpu.json (its table
 #      is printed at the end of the step: `gpu.py --markdown` remakes it from gpu.json)
+#  3b. benchmarks/gpu.py --quick --quantize $QUANT (int8 by default; issue 29), only with QUANT_S > 0:
+#      QUANT_ARGS (default "--only ar_b1 bd_static_b1"), no HF, no cached first calls -> gpu_quant.log, gpu.json
 #   4. benchmarks/attention.py at two sizes (Pallas, cuDNN, XLA), only with ATTN_S > 0
 #                                                                       -> attention.log, attention.json
 #   5. benchmarks/gpu.py --long (issue 28 item 3: AR, block_diffusion, multi_block exact at prompt 32k,
@@ -46,7 +48,8 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" JAX_PLATFORMS=cuda PYTHONUNB
 export XLA_PYTHON_CLIENT_PREALLOCATE=false
 T_CP=${CP_S:-195} CP_BUDGET=${CP_BUDGET_S:-150} CP_GRACE=${CP_GRACE_S:-30}
 T_TESTS=${GPU_TESTS_S:-130} T_BENCH=${GPU_BENCH_S:-200} BUDGET=${GPU_BENCH_BUDGET_S:-110} T_ATTN=${ATTN_S:-0}
-T_LONG=${LONG_S:-0}
+T_LONG=${LONG_S:-0} T_QUANT=${QUANT_S:-0}
+QUANT_BUDGET=${QUANT_BUDGET_S:-$(( T_QUANT > 60 ? T_QUANT - 60 : T_QUANT / 2 ))}
 LONG_BUDGET=${LONG_BUDGET_S:-$(( T_LONG > 150 ? T_LONG - 150 : T_LONG / 2 ))}
 status=0
 t0=$(date +%s)
@@ -92,6 +95,17 @@ if [ "$T_BENCH" -gt 0 ]; then
   [ -f "$out/gpu.json" ] && python3 benchmarks/gpu.py --markdown --out "$out/gpu.json" 2>&1 | tail -40
 else
   note "3. benchmarks/gpu.py --quick skipped (GPU_BENCH_S=0)"
+fi
+
+if [ "$T_QUANT" -gt 0 ]; then
+  note "3b. benchmarks/gpu.py --quick --quantize ${QUANT:-int8} (budget ${QUANT_BUDGET}s, timeout ${T_QUANT}s)"
+  # issue 29's speed rows: weight-only int8 / fp8 against bf16's rows of step 3 (same run, same floor probe)
+  # shellcheck disable=SC2086
+  timeout -k 15 "$T_QUANT" python3 benchmarks/gpu.py --quick --quantize "${QUANT:-int8}" --no-hf --cold-cases \
+    --budget "$QUANT_BUDGET" --out "$out/gpu.json" ${QUANT_ARGS:---only ar_b1 bd_static_b1} 2>&1 | tee "$out/gpu_quant.log"
+  status=$(( status ? status : ${PIPESTATUS[0]} ))
+else
+  note "3b. benchmarks/gpu.py --quantize skipped (QUANT_S=0)"
 fi
 
 if [ "$T_ATTN" -gt 0 ]; then
