@@ -88,8 +88,8 @@ forward than the HF eager baseline (AR: generate b1 per token; 32-token windows:
 generate b64; first call <= 30 s cold and <= 5 s cached; peak <= weights + KV cache + 2 GiB.
 
 Results are merged into `--out` (default benchmarks/results/gpu.json): rows keyed by shape,
-case, batch, layout, attention impl, XLA flags, prompt and gen length; a later session adds
-rows or replaces them (a failed case does not erase an earlier figure; it is noted beside it).
+case, batch, layout, attention impl, XLA flags, prompt and gen length, quantization and device
+kind; a later session adds rows or replaces those of the same kind of device (a failed case does not erase an earlier figure; it is noted beside it).
 """
 
 from __future__ import annotations
@@ -1018,9 +1018,12 @@ def git_commit() -> dict:
 
 
 def row_key(r: dict) -> str:
+    """shape|case|batch|layout|impl|flags|prompt|gen[|merge N][|quantize]|device: a later session's row
+    replaces an earlier one of the same configuration on the same kind of device, never another device's."""
     key = "|".join(str(r.get(k, "")) for k in ("shape", "case", "batch", "layout", "impl", "flags", "prompt", "gen"))
     key += f"|merge{r['merge_tokens']}" if r.get("merge_tokens") is not None else ""
-    return key + (f"|{r['quantize']}" if r.get("quantize") else "")  # bf16 rows keep their keys
+    key += f"|{r['quantize']}" if r.get("quantize") else ""
+    return key + f"|{r.get('device') or '?'}"
 
 
 def merge_rows(db: dict, new_rows: list[dict]) -> None:
@@ -1058,11 +1061,13 @@ def load_db(path: str) -> dict:
     if os.path.exists(path):
         with open(path) as f:
             db = json.load(f)
-        if isinstance(db.get("rows"), list):  # tolerate a list of rows
-            db["rows"] = {row_key(r): r for r in db["rows"]}
+        rows = db.get("rows") or {}
+        # re-keyed on load: a list of rows is tolerated, and files written before the device joined the key
+        # (2026-11-26) come back under today's keys
+        db["rows"] = {row_key(r): r for r in (rows if isinstance(rows, list) else rows.values())}
         return db
     return dict(about="benchmarks/gpu.py: end-to-end decode on a GPU; rows keyed by "
-                      "shape|case|batch|layout|impl|flags|prompt|gen; see the script's docstring",
+                      "shape|case|batch|layout|impl|flags|prompt|gen[|merge N][|quantize]|device; see the script's docstring",
                 sessions=[], rows={})
 
 
@@ -1254,25 +1259,28 @@ def render(db: dict, sessions_of=None, gpu_only: bool = False) -> str:
                         + (f"read {f1(m.get('read_gbs'), '{:.0f}')} GB/s, " if m.get("read_gbs") else "") +
                         f"bf16 matmul {f1(m.get('matmul_tflops_bf16'), '{:.0f}')} TFLOP/s")
         dec = sorted([r for r in rs if r.get("kind") in ("decode", "first_call")],
-                     key=lambda r: (CASE_ORDER.get(r["case"], 99), r.get("layout"), r.get("impl"), r.get("flags"),
-                                    r.get("prompt"), r.get("gen")))
+                     key=lambda r: (CASE_ORDER.get(r["case"], 99), r.get("quantize") or "", r.get("layout"),
+                                    r.get("impl"), r.get("flags"), r.get("prompt"), r.get("gen")))
         longs = sorted([r for r in rs if r.get("kind") == "long"],
                        key=lambda r: (r.get("prompt"), r.get("gen"), CASE_ORDER.get(r["case"], 99), r.get("layout"),
                                       r.get("impl"), r.get("flags")))
-        fl = next((r.get("floor_ms") for r in dec + longs if r.get("floor_ms")), None)
-        basis = next((r.get("floor_basis", "copy") for r in dec + longs if r.get("floor_ms")), "copy")
-        wb = next((r.get("weight_bytes") for r in dec + longs if r.get("weight_bytes")), None)
         out.append(f"### {shape} on {device}\n")
-        out.append(f"Weights {f1(wb and wb / GIB, '{:.2f}')} GiB bf16; floor {f1(fl, '{:.2f}')} ms per forward "
-                   f"(weights a forward reads / measured {basis} bandwidth"
-                   + ("; the copy was timed one pass per call, which reads low: see RESULTS.md" if basis == "copy" else "")
-                   + "). Sessions:\n")
+        for q in sorted({r.get("quantize") or "" for r in dec + longs}) or [""]:
+            qs = [r for r in dec + longs if (r.get("quantize") or "") == q]
+            fl = next((r.get("floor_ms") for r in qs if r.get("floor_ms")), None)
+            basis = next((r.get("floor_basis", "copy") for r in qs if r.get("floor_ms")), "copy")
+            wb = next((r.get("weight_bytes") for r in qs if r.get("weight_bytes")), None)
+            out.append(f"Weights {f1(wb and wb / GIB, '{:.2f}')} GiB {q or 'bf16'}; floor {f1(fl, '{:.2f}')} ms per "
+                       f"forward (weights a forward reads / measured {basis} bandwidth"
+                       + ("; the copy was timed one pass per call, which reads low: see RESULTS.md"
+                          if basis == "copy" else "") + ").\n")
+        out.append("Sessions:\n")
         out.extend(f"- {v}" for v in vers)
         out.append("")
         if dec:
-            out.append("| case | B | layout | impl | XLA flags | P/G | tok/s | NFE | TPF | ms/fwd | x floor | "
+            out.append("| case | B | weights | layout | impl | XLA flags | P/G | tok/s | NFE | TPF | ms/fwd | x floor | "
                        "first call s: cold / cached | peak GiB | same tokens | note |")
-            out.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+            out.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
             for r in dec:
                 comp = r.get("compile") or {}
                 cold = comp.get("cold_s", r.get("first_call_s"))
@@ -1289,7 +1297,8 @@ def render(db: dict, sessions_of=None, gpu_only: bool = False) -> str:
                 if fin and set(fin) - {"length", "stop"}:
                     note.append(f"finish {fin}")
                 out.append("| " + " | ".join([
-                    f"{r.get('label', r['case'])}", str(r.get("batch")), str(r.get("layout")), str(r.get("impl")),
+                    f"{r.get('label', r['case'])}", str(r.get("batch")), r.get("quantize") or "bf16",
+                    str(r.get("layout")), str(r.get("impl")),
                     f"`{r['flags']}`" if r.get("flags") else "-", f"{r.get('prompt')}/{r.get('gen')}",
                     f1(r.get("tok_s")), f1(r.get("nfe")), f1(r.get("tpf"), "{:.2f}"),
                     f1(r.get("ms_per_forward"), "{:.2f}"), f1(r.get("x_floor"), "{:.2f}"),
@@ -1378,18 +1387,20 @@ def render_targets(rs: list[dict]) -> str:
     hf_win = fwd[0][1] if fwd else None
     hf_canvas = fwd[-1][1] if fwd else None
     dec = [r for r in rs if r.get("kind") in ("decode", "first_call")]
-    configs = sorted({(r.get("layout"), r.get("impl"), r.get("flags") or "", r.get("prompt"), r.get("gen"))
-                      for r in dec})
+    def cfg_of(r):
+        return (r.get("quantize") or "", r.get("layout"), r.get("impl"), r.get("flags") or "", r.get("prompt"),
+                r.get("gen"))
+
+    configs = sorted({cfg_of(r) for r in dec})
     lines = []
 
     def verdict(ok):
         return "met" if ok else "MISSED"
 
     for cfg in configs:
-        got = {r["case"]: r for r in dec
-               if (r.get("layout"), r.get("impl"), r.get("flags") or "", r.get("prompt"), r.get("gen")) == cfg}
+        got = {r["case"]: r for r in dec if cfg_of(r) == cfg}
         ok_rows = {k: r for k, r in got.items() if r.get("kind") == "decode" and not r.get("error")}
-        layout, impl, flags, P, G = cfg
+        quant, layout, impl, flags, P, G = cfg
         t = []
         ar = ok_rows.get("ar_b1")
         if ar and ar.get("floor_ms"):
@@ -1443,7 +1454,8 @@ def render_targets(rs: list[dict]) -> str:
         if not hf:
             t.append("the HF baseline targets: no HF rows for this device and shape (torch with CUDA did not run)")
         if t:
-            lines.append(f"Targets, layout {layout}, impl {impl}, flags {flags or '-'}, prompt {P}, gen {G}:\n")
+            lines.append(f"Targets, weights {quant or 'bf16'}, layout {layout}, impl {impl}, flags {flags or '-'}, "
+                         f"prompt {P}, gen {G}:\n")
             lines.extend(f"- {x}" for x in t)
             lines.append("")
     return "\n".join(lines)
