@@ -46,6 +46,15 @@ out=${OUT:-benchmarks/out}
 mkdir -p "$out"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" JAX_PLATFORMS=cuda PYTHONUNBUFFERED=1
 export XLA_PYTHON_CLIENT_PREALLOCATE=false
+# Python packages the GPU image lacks travel as wheels in .whl/ (ignored by git; name it in the device call's
+# `carry`): today interegular, which the DFA constraint tests of the GPU tier need (the image has no
+# jdllm[constraints]; without it those 3 tests fail with "the 'dfa' backend needs interegular"). Made here with
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#     --platform manylinux_2_28_x86_64 -d .whl interegular==0.3.3
+if compgen -G ".whl/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH="$PYTHONPATH:/tmp/site"
+fi
 T_CP=${CP_S:-195} CP_BUDGET=${CP_BUDGET_S:-150} CP_GRACE=${CP_GRACE_S:-30}
 T_TESTS=${GPU_TESTS_S:-130} T_BENCH=${GPU_BENCH_S:-200} BUDGET=${GPU_BENCH_BUDGET_S:-110} T_ATTN=${ATTN_S:-0}
 T_LONG=${LONG_S:-0} T_QUANT=${QUANT_S:-0}
