@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from typing import Any
 
 import jax
@@ -255,13 +256,34 @@ def dequantize_kv(q, scale, dtype):
 
 
 # --------------------------------------------------------------------------- pieces
-def mm(spec: str, x, w, **kw):
+def mm(spec: str, x, w, kernel: bool = False, **kw):
     """`jnp.einsum(spec, x, w)` at full float32 precision when an operand is float32 (XLA:GPU would
     run it in TF32 by default: a float32 model is exact on every backend), the backend's default
-    (the tensor cores) for bfloat16. A `jdllm.quant.QArray` weight runs as `quant.einsum`."""
+    (the tensor cores) for bfloat16. A `jdllm.quant.QArray` weight runs as `quant.einsum`, with
+    `kernel` (see `quant_matmul_kernel`) passed on."""
     if isinstance(w, quant.QArray):  # weight-only quantized: q converted inside the dot, output channels scaled
-        return quant.einsum(spec, x, w, precision=dot_precision(x.dtype, x.dtype), **kw)
+        return quant.einsum(spec, x, w, precision=dot_precision(x.dtype, x.dtype), kernel=kernel, **kw)
     return jnp.einsum(spec, x, w, precision=dot_precision(x.dtype, w.dtype), **kw)
+
+
+QUANT_MATMUL_ENV = "JDLLM_QUANT_MATMUL"
+QUANT_MATMULS = ("auto", "pallas", "xla")
+
+
+def quant_matmul_kernel(attn_impl) -> bool:
+    """Whether a quantized weight's matmuls of a few rows run as the Pallas kernel
+    (`pallas_kernels.qmatmul`: the weight read in 8 bits and converted on chip) instead of XLA's dot.
+
+    `$JDLLM_QUANT_MATMUL`: "auto" (default) = on a GPU when the attention runs the Pallas kernels
+    (attn_impl "auto" / "pallas"); "pallas" = wherever attn_impl is a name (the CPU runs the kernel
+    in Pallas's interpret mode: how the tests check it); "xla" = never. A mesh's attention (a
+    `ShardedAttention`) keeps XLA's dot, which XLA partitions with the sharded weights."""
+    how = os.environ.get(QUANT_MATMUL_ENV, "auto")
+    if how not in QUANT_MATMULS:
+        raise ValueError(f"{QUANT_MATMUL_ENV}={how!r} is not one of {QUANT_MATMULS}")
+    if how == "xla" or not isinstance(attn_impl, str):
+        return False
+    return how == "pallas" or (jax.default_backend() == "gpu" and resolve_impl(attn_impl) == "pallas")
 
 
 def rms_norm(x, w, eps):
@@ -430,18 +452,19 @@ def forward(params: Params, cfg: ModelConfig, tokens, positions, *, start, cache
     # (`attend_merged`), not the layer's whole cache (SDAR dynamic at gen 512: those copies were 5.6%
     # of the decode's time)
     merge_window = (cache is not None and not write_cache and bool(sizes) and cache.k_scale is None)
+    qk = quant_matmul_kernel(attn_impl)  # quantized weights: few-row matmuls through the Pallas kernel
 
     def layer(carry, xs):
         h, ck, cv, sk, sv = carry  # sk / sv: an int8 cache's scales (None otherwise)
         lp, i = xs
         x = rms_norm(h, lp["attn_norm"], cfg.rms_norm_eps)
         if "qkv" in lp:  # fused by `unstack_layers`: one matmul, then the heads split apart
-            qkv = mm("btd,dhk->bthk", x, lp["qkv"])
+            qkv = mm("btd,dhk->bthk", x, lp["qkv"], qk)
             q, k, v = jnp.split(qkv, (cfg.num_heads, cfg.num_heads + cfg.num_kv_heads), axis=2)
         else:
-            q = mm("btd,dhk->bthk", x, lp["q"])
-            k = mm("btd,dhk->bthk", x, lp["k"])
-            v = mm("btd,dhk->bthk", x, lp["v"])
+            q = mm("btd,dhk->bthk", x, lp["q"], qk)
+            k = mm("btd,dhk->bthk", x, lp["k"], qk)
+            v = mm("btd,dhk->bthk", x, lp["v"], qk)
         if cfg.qkv_bias:
             q, k, v = q + lp["q_bias"], k + lp["k_bias"], v + lp["v_bias"]
         if cfg.qk_norm:
@@ -507,14 +530,14 @@ def forward(params: Params, cfg: ModelConfig, tokens, positions, *, start, cache
                 a = upto(sizes[0] if sizes else ck.shape[2])(*operands)
             else:
                 a = jax.lax.switch(bucket, [upto(n) for n in sizes], *operands)
-        h = h + mm("bthk,hkd->btd", a, lp["o"])
+        h = h + mm("bthk,hkd->btd", a, lp["o"], qk)
         x = rms_norm(h, lp["mlp_norm"], cfg.rms_norm_eps)
         if "gate_up" in lp:
-            g, u = jnp.split(mm("btd,df->btf", x, lp["gate_up"]), 2, axis=-1)
+            g, u = jnp.split(mm("btd,df->btf", x, lp["gate_up"], qk), 2, axis=-1)
         else:
-            g = mm("btd,df->btf", x, lp["gate"])
-            u = mm("btd,df->btf", x, lp["up"])
-        h = h + mm("btf,fd->btd", jax.nn.silu(g) * u, lp["down"])
+            g = mm("btd,df->btf", x, lp["gate"], qk)
+            u = mm("btd,df->btf", x, lp["up"], qk)
+        h = h + mm("btf,fd->btd", jax.nn.silu(g) * u, lp["down"], qk)
         return (h, ck, cv, sk, sv), None
 
     ck, cv = (None, None) if cache is None else (cache.k, cache.v)
@@ -534,7 +557,7 @@ def forward(params: Params, cfg: ModelConfig, tokens, positions, *, start, cache
         (h, ck, cv, sk, sv), _ = jax.lax.scan(layer, (h, ck, cv, sk, sv), (params["layers"], idx))
     h = rms_norm(h, params["final_norm"], cfg.rms_norm_eps)
     hs = h if logits_at is None else jnp.take_along_axis(h, jnp.asarray(logits_at, jnp.int32)[..., None], axis=1)
-    logits = lm_head(params, cfg, hs)
+    logits = lm_head(params, cfg, hs, kernel=qk)
     new_cache = None if cache is None else dataclasses.replace(cache, k=ck, v=cv, k_scale=sk, v_scale=sv)
     if return_hidden:
         return logits, new_cache, h
@@ -699,11 +722,11 @@ def split_projections(lp: Params, cfg: ModelConfig | None = None) -> Params:
     return lp
 
 
-def lm_head(params: Params, cfg: ModelConfig, h) -> jax.Array:
+def lm_head(params: Params, cfg: ModelConfig, h, kernel: bool = False) -> jax.Array:
     """Final-norm hidden states [..., D] -> float32 logits [..., V]."""
     if cfg.tie_word_embeddings:
-        return mm("...d,vd->...v", h, params["embed"], preferred_element_type=jnp.float32)
-    return mm("...d,dv->...v", h, params["lm_head"], preferred_element_type=jnp.float32)
+        return mm("...d,vd->...v", h, params["embed"], kernel, preferred_element_type=jnp.float32)
+    return mm("...d,dv->...v", h, params["lm_head"], kernel, preferred_element_type=jnp.float32)
 
 
 def predicts_next(cfg: ModelConfig) -> int:

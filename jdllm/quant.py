@@ -468,14 +468,52 @@ def output_scale(spec: str, scale, out_ndim: int):
     return s.reshape(shape)
 
 
-def einsum(spec: str, x, w: QArray, precision=None, preferred_element_type=None):
+def as_matrices(spec: str, x_shape, w_shape):
+    """(M, K, N, transpose) when `einsum(spec, x, w)` is a plain matrix product x [M, K] . w [K, N]
+    (transpose: w [N, K]) after reshapes: x's trailing axes are the contracted ones, in w's order, and
+    the output is x's other axes then w's; else None."""
+    ins, out = spec.replace(" ", "").split("->")
+    xsub, wsub = ins.split(",")
+    out, xs = out.replace("...", ""), xsub.replace("...", "")
+    con = "".join(c for c in wsub if c not in out)
+    keep = "".join(c for c in wsub if c in out)
+    if "..." in xsub and not xsub.startswith("..."):
+        return None
+    if not con or not keep or not xs.endswith(con) or ("..." not in xsub and len(xs) != len(x_shape)):
+        return None
+    lead = xs[: len(xs) - len(con)]
+    if out != lead + keep or wsub not in (con + keep, keep + con):
+        return None
+    nc = len(con)
+    M = math.prod(x_shape[: len(x_shape) - nc])
+    K = math.prod(x_shape[len(x_shape) - nc:])
+    N = math.prod(w_shape[wsub.index(c)] for c in keep)
+    return M, K, N, wsub == keep + con
+
+
+def einsum(spec: str, x, w: QArray, precision=None, preferred_element_type=None, kernel: bool = False):
     """einsum(spec, x, dequantize(w)) computed as einsum(spec, x, q) * scale per output channel:
-    q converts to x's dtype exactly and the product accumulates in float32."""
+    q converts to x's dtype exactly and the product accumulates in float32.
+
+    kernel=True: a product of at most `pallas_kernels.qmatmul.MAX_ROWS` rows that tiles runs as that
+    Pallas kernel (the weight read in 8 bits, converted on chip); the rest stays on this path."""
     ins, out = spec.replace(" ", "").split("->")
     wsub = ins.split(",")[1]
     if any(c not in out and m != 1 for c, m in zip(wsub, w.scale.shape)):  # int4 groups: dequantize, then the dot
         return jnp.einsum(spec, x, dequantize(w).astype(x.dtype), precision=precision,
                           preferred_element_type=preferred_element_type)
+    # int8 and fp8 only; fp8 in the kernel converts in Triton, which takes e4m3 only on GPUs with fp8 units
+    kernel = kernel and (w.scheme == "int8" or (w.scheme == "fp8" and gpu_has_fp8() is not False))
+    mats = as_matrices(spec, x.shape, w.shape) if kernel else None
+    if mats is not None:
+        from pallas_kernels import qmatmul  # noqa: PLC0415
+        M, K, N, transpose = mats
+        if qmatmul.fits(M, K, N):
+            keep = "".join(c for c in wsub if c in out)
+            out_shape = x.shape[: x.ndim - (len(wsub) - len(keep))] + tuple(w.shape[wsub.index(c)] for c in keep)
+            y = qmatmul.qmatmul(x.reshape(M, K), w.q.reshape((N, K) if transpose else (K, N)), w.scale.reshape(N),
+                                transpose=transpose, out_dtype=preferred_element_type or x.dtype)
+            return y.reshape(out_shape)
     y = jnp.einsum(spec, x, w.q.astype(x.dtype), precision=precision, preferred_element_type=jnp.float32)
     y = y * output_scale(spec, w.scale, y.ndim)
     return y.astype(preferred_element_type or x.dtype)
@@ -488,6 +526,18 @@ def take_rows(table, ids):
     return dequantize(QArray(jnp.take(table.q, ids, axis=0), jnp.take(table.scale, ids, axis=0), table.dtype_name))
 
 
+def gpu_has_fp8() -> bool | None:
+    """On a GPU: whether it has fp8 units (compute capability >= 8.9); None off a GPU or when the
+    device does not say."""
+    if jax.default_backend() != "gpu":
+        return None
+    try:
+        major, minor = (int(v) for v in str(getattr(jax.devices()[0], "compute_capability", None)).split(".")[:2])
+    except ValueError:
+        return None
+    return (major, minor) >= (8, 9)
+
+
 def check_fp8_device(quantize) -> None:
     """Warn when fp8 weights go to a GPU without fp8 units: they still run (converted to the
     activation dtype inside each dot), only the bytes are saved."""
@@ -495,11 +545,7 @@ def check_fp8_device(quantize) -> None:
     if qc is None or qc.scheme != "fp8" or jax.default_backend() != "gpu":
         return
     cc = getattr(jax.devices()[0], "compute_capability", None)
-    try:
-        major, minor = (int(v) for v in str(cc).split(".")[:2])
-    except ValueError:
-        return
-    if (major, minor) < (8, 9):
+    if gpu_has_fp8() is False:
         errors.warn(f"quantize='fp8' on a GPU of compute capability {cc} (no fp8 units): the weights are "
                     "stored in fp8 and converted to the activation dtype in each matmul (emulated); "
                     "int8 saves the same bytes")

@@ -648,6 +648,69 @@ def test_mosaic_path_lowers_for_cuda(kind, bs, T, S, H, KV, D, block_k, stages):
     assert hlo.count("__gpu$xla.gpu.triton") == 2
 
 
+# ----------------------------------------------------------------------------- quantized matmul
+# (rows, K, N, transpose, x dtype, weight dtype): one row (AR), a 32-token window, 64 rows with the
+# contraction split over programs, a weight [N, K] (a tied embedding as the LM head), rows that are
+# no power of two, and a K / N whose tiles are not the default 128
+QMATMUL = [(1, 512, 256, False, jnp.bfloat16, jnp.int8), (32, 1024, 384, False, jnp.float32, jnp.int8),
+           (64, 2048, 128, False, jnp.float32, jnp.float8_e4m3fn), (5, 256, 640, True, jnp.float32, jnp.int8),
+           (3, 96, 48, False, jnp.float16, jnp.int8)]
+
+
+def _qmatmul_inputs(seed, M, K, N, transpose, dtype, wdtype):
+    rng = np.random.default_rng(seed)
+    x = jnp.asarray(rng.standard_normal((M, K)), dtype)
+    wshape = (N, K) if transpose else (K, N)
+    if wdtype == jnp.int8:
+        q = jnp.asarray(rng.integers(-127, 128, wshape), jnp.int8)
+    else:
+        q = jnp.asarray(rng.standard_normal(wshape) * 50, wdtype)
+    scale = jnp.asarray(rng.uniform(0.5, 2.0, N) / 127, jnp.float32)
+    return x, q, scale
+
+
+@pytest.mark.parametrize("M,K,N,transpose,dtype,wdtype", QMATMUL)
+def test_quantized_matmul_kernel_matches_xla(M, K, N, transpose, dtype, wdtype):
+    """`pallas_kernels.qmatmul` (interpret mode) against XLA's float32 product of the converted
+    weight, scaled per column: float32 to 1e-6, 16-bit activations to their output rounding."""
+    from pallas_kernels import qmatmul
+
+    x, q, scale = _qmatmul_inputs(M * 7 + K, M, K, N, transpose, dtype, wdtype)
+    p = qmatmul.plan(M, K, N, "interpret")
+    assert p is not None and p[0] >= M
+    got = qmatmul.qmatmul(x, q, scale, transpose=transpose, backend="interpret")
+    w = q.astype(jnp.float32)
+    with jax.default_matmul_precision(EXACT):
+        ref = (x.astype(jnp.float32) @ (w.T if transpose else w)) * scale
+    assert got.shape == (M, N) and got.dtype == dtype
+    assert _rel_err(got, ref) <= (1e-6 if dtype == jnp.float32 else 4e-3)
+    if M == 64:  # this shape splits the contraction: the partial sums add up
+        assert p[3] > 1
+
+
+def test_quantized_matmul_kernel_plans_and_lowers_to_triton():
+    """Tiles and splits for the 8B shape's matmuls at batch 1 (enough programs for every H100
+    multiprocessor, x padded to Triton's 16 rows), no plan past MAX_ROWS or without a tile, and
+    the Triton lowering: one kernel whose dot takes the converted weight (bf16 x bf16; float32 x
+    float32 as IEEE, not TF32)."""
+    from pallas_kernels import qmatmul
+
+    assert qmatmul.plan(1, 4096, 4096, "triton") == (16, 128, 128, 8)  # o: 32 column tiles x 8 splits
+    assert qmatmul.plan(1, 12288, 4096, "triton")[3] == 8  # down
+    assert qmatmul.plan(32, 4096, 126464, "triton") == (32, 128, 128, 1)  # the LM head: 988 programs
+    assert qmatmul.plan(qmatmul.MAX_ROWS + 1, 4096, 4096, "triton") is None
+    assert qmatmul.plan(1, 4100, 4096, "triton") is None and qmatmul.plan(1, 4096, 8, "triton") is None
+    for dtype, transpose in ((jnp.bfloat16, False), (jnp.float32, True)):
+        x, q, scale = _qmatmul_inputs(0, 1, 4096, 1024, transpose, dtype, jnp.int8)
+        fn = jax.jit(functools.partial(qmatmul.qmatmul, transpose=transpose, backend="triton"))
+        n_kernels, tt_dots = _triton_dots(fn.trace(x, q, scale).lower(lowering_platforms=("cuda",)))
+        assert n_kernels == 1 and len(tt_dots) == 1, tt_dots
+        if dtype == jnp.float32:
+            assert "xf32>" in tt_dots[0] and "inputPrecision" not in tt_dots[0], tt_dots
+        else:
+            assert "xbf16>" in tt_dots[0], tt_dots
+
+
 # ----------------------------------------------------------------------------- GPU (compiled)
 @pytest.mark.gpu
 @needs_gpu
@@ -727,3 +790,18 @@ def test_kernel_modules_import_without_a_cycle():
 
     assert not [m for m in deps if reaches(m, m)]
     assert deps["backward"] <= {"common"} and deps["mosaic"] <= {"common"}
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("M,K,N,transpose,dtype,wdtype", QMATMUL[:4])
+def test_gpu_quantized_matmul_compiled(M, K, N, transpose, dtype, wdtype):
+    """The quantized matmul compiled by Triton on the GPU, against XLA's float32 product."""
+    from pallas_kernels import qmatmul
+
+    x, q, scale = _qmatmul_inputs(M + K, M, K, N, transpose, dtype, wdtype)
+    got = jax.jit(functools.partial(qmatmul.qmatmul, transpose=transpose, backend="triton"))(x, q, scale)
+    w = q.astype(jnp.float32)
+    with jax.default_matmul_precision(EXACT):
+        ref = (x.astype(jnp.float32) @ (w.T if transpose else w)) * scale
+    assert _rel_err(got, ref) <= (1e-5 if dtype == jnp.float32 else 4e-3)

@@ -19,7 +19,7 @@ import pytest
 
 import jdllm
 from jdllm import errors, quant
-from jdllm.model import mm
+from jdllm.model import QUANT_MATMUL_ENV, default_positions, forward, mm, quant_matmul_kernel
 from tests.decode_fixtures import fast_compile  # noqa: F401 (fixture)
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
@@ -74,6 +74,13 @@ def test_matmul_matches_numpy_dequantize_then_einsum(scheme):
         want = np.einsum(spec, x, q.astype(np.float32) * scale)
         got = np.asarray(mm(spec, jnp.asarray(x), qa))
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5, err_msg=f"{name} {spec}")
+        # the few-row Pallas kernel (interpret mode here) computes the same product, for every shape
+        def with_kernel(x):
+            return mm(spec, x, qa, kernel=True)
+
+        assert "jdllm_qmatmul" in str(jax.make_jaxpr(with_kernel)(jnp.asarray(x))), spec
+        np.testing.assert_allclose(np.asarray(with_kernel(jnp.asarray(x))), want, rtol=1e-5, atol=1e-5,
+                                   err_msg=f"kernel {name} {spec}")
         # int8 keeps each weight within half a step of its channel's scale
         if scheme == "int8":
             assert np.all(np.abs(q * scale - w) <= scale / 2 + 1e-6)
@@ -116,6 +123,24 @@ def test_load_quantized_logits_close_and_exact_against_dequantized():
         np.testing.assert_allclose(got, np.asarray(jdllm.logits(plain, ids)), rtol=1e-4, atol=1e-4)
         rel = np.linalg.norm(got - ref) / np.linalg.norm(ref)
         assert 0 < rel < bound, (scheme, rel)
+    # the few-row matmuls through the Pallas kernel (forced here; on a GPU by default): the same
+    # logits, and every projection and the head take it (the prompt's 12 rows are few)
+    # (the switch is read when a program is traced, and JAX caches traces per function: each trace
+    # below is of a function object of its own)
+    m = jdllm.load(path, dtype="float32", quantize="int8")
+
+    def fwd(p):
+        return forward(p, m.config, jnp.asarray(ids), default_positions(jnp.zeros((1,), jnp.int32), 0, len(ids[0])),
+                       start=jnp.zeros((1,), jnp.int32), attn_impl=m.attn_impl)[0]
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(QUANT_MATMUL_ENV, "pallas")
+        assert quant_matmul_kernel(m.attn_impl)
+        kernels = str(jax.make_jaxpr(lambda p: fwd(p))(m.params)).count("name=jdllm_qmatmul")
+        got = np.asarray(jax.jit(lambda p: fwd(p))(m.params))
+    assert "jdllm_qmatmul" not in str(jax.make_jaxpr(lambda p: fwd(p))(m.params))  # off the GPU: XLA's dot by default
+    assert kernels == 4 + 1, kernels  # qkv, o, gate_up, down in the one traced layer body; the head
+    np.testing.assert_allclose(got, np.asarray(jax.jit(lambda p: fwd(p))(m.params)), rtol=1e-5, atol=1e-5)
     keep = jdllm.load(path, dtype="float32", quantize=jdllm.Quantization("int8", embed=False, lm_head=False))
     assert not quant.is_quantized(keep.params["embed"]) and not quant.is_quantized(keep.params["lm_head"])
     assert quant.is_quantized(keep.params["layers"][0]["down"])
@@ -323,16 +348,22 @@ def test_fp8_runs_emulated_with_a_warning_only_on_a_gpu_without_fp8_units(monkey
     import types
     import warnings
 
+    x = jnp.ones((1, 128), jnp.bfloat16)
+    weights = {s: quant.quantize_array(jnp.ones((128, 256), jnp.float32), s, (0,)) for s in ("fp8", "int8")}
     for backend, cc, scheme, warns in (("gpu", "8.0", "fp8", True), ("gpu", "9.0", "fp8", False),
                                        ("gpu", "8.0", "int8", False), ("cpu", None, "fp8", False)):
         monkeypatch.setattr(jax, "default_backend", lambda b=backend: b)
-        monkeypatch.setattr(jax, "devices", lambda c=cc: [types.SimpleNamespace(compute_capability=c)])
+        monkeypatch.setattr(jax, "devices", lambda c=cc, b=backend: [types.SimpleNamespace(compute_capability=c,
+                                                                                           platform=b)])
         with warnings.catch_warnings(record=True) as seen:
             warnings.simplefilter("always")
             quant.check_fp8_device(scheme)
         msgs = [str(w.message) for w in seen]
         assert (len(msgs) == 1 and "compute capability 8.0" in msgs[0]) if warns else msgs == [], \
             (backend, cc, scheme, msgs)
+        # the few-row kernel converts fp8 in Triton, which needs the fp8 units: XLA's dot without them
+        jaxpr = str(jax.make_jaxpr(lambda x, w: mm("bd,df->bf", x, w, kernel=True))(x, weights[scheme]))
+        assert ("jdllm_qmatmul" in jaxpr) == (not warns), (backend, cc, scheme)
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,119 @@
+"""Weight-only quantized matmul for a few rows: y = (x @ q) * scale, q in int8 or fp8.
+
+At batch 1 a decode step's matmuls have 1 to 64 rows and read every weight once: their time is the
+weight bytes over the memory bandwidth, and storing the weights in 8 bits halves it only if the
+matmul reads those 8 bits and converts them on chip. XLA's path (the convert fused into a GEMM of
+its own choosing) did not: on an H100, 8B shape, batch 1 (2026-11-26, `benchmarks/gpu.py`), int8
+weights ran AR at 6.47 ms per token against bf16's 6.45 for half the bytes.
+
+This kernel tiles the output columns (`block_n`) and splits the contraction (`splits`) so that a
+matrix of a few thousand columns still gives every multiprocessor programs to run; each program
+walks its share of the contraction in `block_k` steps: it loads an int8 / fp8 tile, converts it to
+x's dtype in registers, and accumulates x_tile . w_tile in float32 (x padded to 16 rows on Triton,
+the smallest dot it takes). The split partials [splits, rows, N] are summed, scaled per output
+column and cast by XLA in one small fusion. `transpose=True` takes the weight as [N, K] (a tied
+embedding [vocab, hidden] serving as the LM head).
+
+Backends as for the attention kernels: "triton" on a GPU, "interpret" elsewhere (the CPU tests run
+the same kernel body). `fits()` says whether a shape has tiles; the caller keeps XLA's matmul for
+the rest and for more than `MAX_ROWS` rows, where the matmul is no longer a pass over the weights.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from pallas_kernels.common import MIN_TILE, default_backend, dot, next_pow2, pad_axis, plain_backend
+
+MAX_ROWS = 64  # rows (batch x tokens) up to which a matmul runs here
+BLOCK_N = 128
+BLOCK_K = 128
+TARGET_PROGRAMS = 264  # twice an H100's 132 multiprocessors
+
+
+def _tile(n: int, want: int, least: int) -> int | None:
+    """The largest power of two <= want (and >= least) dividing n, or None."""
+    t = want
+    while t >= least:
+        if n % t == 0:
+            return t
+        t //= 2
+    return None
+
+
+def plan(rows: int, K: int, N: int, backend: str | None = None):
+    """(rows padded, block_k, block_n, splits) for x [rows, K] . w [K, N], or None when no tiling fits."""
+    backend = plain_backend(backend or default_backend())
+    least = MIN_TILE if backend == "triton" else 1
+    if rows < 1 or rows > MAX_ROWS:
+        return None
+    bk, bn = _tile(K, BLOCK_K, least), _tile(N, BLOCK_N, least)
+    if bk is None or bn is None:
+        return None
+    rp = max(least, next_pow2(rows))
+    k_tiles, programs = K // bk, N // bn
+    want = max(1, -(-TARGET_PROGRAMS // programs))
+    splits = max(s for s in range(1, min(want, k_tiles, 16) + 1) if k_tiles % s == 0)
+    return rp, bk, bn, splits
+
+
+def fits(rows: int, K: int, N: int, backend: str | None = None) -> bool:
+    return plan(rows, K, N, backend) is not None
+
+
+def _kernel(x_ref, w_ref, o_ref, *, block_k, steps, transpose):
+    s = pl.program_id(1)
+    k0 = s * (steps * block_k)
+
+    def body(j, acc):
+        k = pl.ds(pl.multiple_of(k0 + j * block_k, block_k), block_k)
+        x = x_ref[:, k]
+        if transpose:  # w [bn, K]: contract its last axis
+            w = w_ref[:, k].astype(x.dtype)
+            return acc + dot(x, w, ((1,), (1,)))
+        w = w_ref[k, :].astype(x.dtype)
+        return acc + dot(x, w, ((1,), (0,)))
+
+    acc = jnp.zeros(o_ref.shape, jnp.float32)
+    o_ref[...] = lax.fori_loop(0, steps, body, acc)
+
+
+def qmatmul(x, q, scale, *, transpose: bool = False, out_dtype=None, backend: str | None = None,
+            num_warps: int = 4, num_stages: int = 3):
+    """(x [M, K] . q [K, N] (transpose: q [N, K]) in float32) * scale [N] -> [M, N] in `out_dtype`
+    (x's dtype by default). q is int8 or float8; its values convert to x's dtype exactly."""
+    backend = plain_backend(backend or default_backend())
+    M, K = x.shape
+    N = q.shape[0] if transpose else q.shape[1]
+    if (q.shape[1] if transpose else q.shape[0]) != K or scale.shape != (N,):
+        raise ValueError(f"qmatmul: x {x.shape}, q {q.shape} (transpose={transpose}), scale {scale.shape}")
+    p = plan(M, K, N, backend)
+    if p is None:
+        raise ValueError(f"qmatmul: no tiling for {M} rows x K {K} x N {N} on {backend} (see fits())")
+    rp, bk, bn, splits = p
+    steps = K // bk // splits
+    xp = pad_axis(x, 0, rp)
+    w_spec = (pl.BlockSpec((bn, K), lambda n, s: (n, 0)) if transpose
+              else pl.BlockSpec((K, bn), lambda n, s: (0, n)))
+    params = None
+    if backend == "triton":
+        from jax.experimental.pallas import triton as plgpu  # noqa: PLC0415 (GPU-only import)
+        cls = getattr(plgpu, "CompilerParams", None) or getattr(plgpu, "TritonCompilerParams")
+        params = cls(num_warps=num_warps, num_stages=num_stages)
+    part = pl.pallas_call(
+        functools.partial(_kernel, block_k=bk, steps=steps, transpose=transpose),
+        grid=(N // bn, splits),
+        in_specs=[pl.BlockSpec((rp, K), lambda n, s: (0, 0)), w_spec],
+        out_specs=pl.BlockSpec((None, rp, bn), lambda n, s: (s, 0, n)),
+        out_shape=jax.ShapeDtypeStruct((splits, rp, N), jnp.float32),
+        compiler_params=params,
+        interpret=backend == "interpret",
+        name="jdllm_qmatmul",
+    )(xp, q)
+    y = (part[0] if splits == 1 else jnp.sum(part, axis=0))[:M] * scale.astype(jnp.float32)
+    return y.astype(out_dtype or x.dtype)
