@@ -763,7 +763,8 @@ def child_main(task_path: str) -> int:
                        backend=jax.default_backend(), weight_bytes=total, read_bytes=read,
                        copy_gbs=task.get("copy_gbs"), read_gbs=task.get("read_gbs"), floor_basis=floor_basis,
                        floor_ms=floor_ms, window=case.window, repeats=task["repeats"],
-                       quantize=task.get("quantize"), merge_tokens=task.get("merge_tokens"))
+                       quantize=task.get("quantize"), quant_matmul=quant_matmul_mode(task.get("quantize")),
+                       merge_tokens=task.get("merge_tokens"))
             try:
                 if task["mode"] == "first_call":
                     row = first_call_row(case, models[mk], task, row)
@@ -1017,12 +1018,25 @@ def git_commit() -> dict:
     return out
 
 
+def quant_matmul_mode(quantize) -> str | None:
+    """For quantized rows: `$JDLLM_QUANT_MATMUL` (jdllm.model.quant_matmul_kernel: "auto" runs a few-row
+    matmul of quantized weights as the Pallas kernel on a GPU, "xla" as XLA's dot), as the children
+    inherit it; None for bf16 rows."""
+    return (os.environ.get("JDLLM_QUANT_MATMUL") or "auto") if quantize else None
+
+
+def weights_label(r: dict) -> str:
+    qm = r.get("quant_matmul")
+    return (r.get("quantize") or "bf16") + ("" if qm in (None, "auto") else f" ({qm} dot)")
+
+
 def row_key(r: dict) -> str:
     """shape|case|batch|layout|impl|flags|prompt|gen[|merge N][|quantize]|device: a later session's row
     replaces an earlier one of the same configuration on the same kind of device, never another device's."""
     key = "|".join(str(r.get(k, "")) for k in ("shape", "case", "batch", "layout", "impl", "flags", "prompt", "gen"))
     key += f"|merge{r['merge_tokens']}" if r.get("merge_tokens") is not None else ""
     key += f"|{r['quantize']}" if r.get("quantize") else ""
+    key += f"|qmm-{r['quant_matmul']}" if r.get("quant_matmul") not in (None, "auto") else ""
     return key + f"|{r.get('device') or '?'}"
 
 
@@ -1117,6 +1131,7 @@ def parent_main(args) -> int:
                                 gen=task.get("gen", args.gen), session=session, device=meta.get("device"),
                                 window=c.window, kind=MODE_KIND.get(task.get("mode"), "decode"),
                                 merge_tokens=task.get("merge_tokens"), quantize=task.get("quantize"),
+                                quant_matmul=quant_matmul_mode(task.get("quantize")),
                                 error=died(rc, started, tail))]
         elif rc != 0 and not rows:
             note = (f"{task['kind']} child (flags {task.get('flags', '')!r}, layout {task.get('layout', '-')}) "
@@ -1259,7 +1274,7 @@ def render(db: dict, sessions_of=None, gpu_only: bool = False) -> str:
                         + (f"read {f1(m.get('read_gbs'), '{:.0f}')} GB/s, " if m.get("read_gbs") else "") +
                         f"bf16 matmul {f1(m.get('matmul_tflops_bf16'), '{:.0f}')} TFLOP/s")
         dec = sorted([r for r in rs if r.get("kind") in ("decode", "first_call")],
-                     key=lambda r: (CASE_ORDER.get(r["case"], 99), r.get("quantize") or "", r.get("layout"),
+                     key=lambda r: (CASE_ORDER.get(r["case"], 99), weights_label(r), r.get("layout"),
                                     r.get("impl"), r.get("flags"), r.get("prompt"), r.get("gen")))
         longs = sorted([r for r in rs if r.get("kind") == "long"],
                        key=lambda r: (r.get("prompt"), r.get("gen"), CASE_ORDER.get(r["case"], 99), r.get("layout"),
@@ -1297,7 +1312,7 @@ def render(db: dict, sessions_of=None, gpu_only: bool = False) -> str:
                 if fin and set(fin) - {"length", "stop"}:
                     note.append(f"finish {fin}")
                 out.append("| " + " | ".join([
-                    f"{r.get('label', r['case'])}", str(r.get("batch")), r.get("quantize") or "bf16",
+                    f"{r.get('label', r['case'])}", str(r.get("batch")), weights_label(r),
                     str(r.get("layout")), str(r.get("impl")),
                     f"`{r['flags']}`" if r.get("flags") else "-", f"{r.get('prompt')}/{r.get('gen')}",
                     f1(r.get("tok_s")), f1(r.get("nfe")), f1(r.get("tpf"), "{:.2f}"),
@@ -1388,7 +1403,7 @@ def render_targets(rs: list[dict]) -> str:
     hf_canvas = fwd[-1][1] if fwd else None
     dec = [r for r in rs if r.get("kind") in ("decode", "first_call")]
     def cfg_of(r):
-        return (r.get("quantize") or "", r.get("layout"), r.get("impl"), r.get("flags") or "", r.get("prompt"),
+        return (weights_label(r), r.get("layout"), r.get("impl"), r.get("flags") or "", r.get("prompt"),
                 r.get("gen"))
 
     configs = sorted({cfg_of(r) for r in dec})
@@ -1451,10 +1466,24 @@ def render_targets(rs: list[dict]) -> str:
             ok = r["peak_bytes"] <= lim
             t.append(f"{r['label']} b{r['batch']}: peak <= weights + KV + 2 GiB = {lim / GIB:.1f} GiB: {verdict(ok)} "
                      f"({r['peak_bytes'] / GIB:.1f} GiB{'' if r.get('peak_exact') else ', running peak'})")
+        if quant != "bf16":  # issue 29: against bf16's rows of the same configuration
+            bf16 = {r["case"]: r for r in dec if cfg_of(r) == ("bf16",) + cfg[1:] and r.get("kind") == "decode"
+                    and not r.get("error")}
+            for cid, r in ok_rows.items():
+                b = bf16.get(cid)
+                if r.get("batch") != 1 or not b or r.get("window") not in ("token", "window"):
+                    continue
+                lim, what = (0.6, "ms/token") if r["window"] == "token" else (0.65, "window forward")
+                x = r["ms_per_forward"] / b["ms_per_forward"]
+                t.append(f"{r['label']}: {quant} {what} <= {lim}x bf16's: {verdict(x <= lim)} "
+                         f"({r['ms_per_forward']:.2f} vs {b['ms_per_forward']:.2f} ms = {x:.2f}x)")
+                if r.get("weight_bytes") and b.get("weight_bytes") and cid == "ar_b1":
+                    w = r["weight_bytes"] / b["weight_bytes"]
+                    t.append(f"{quant} weights <= 0.55x bf16's: {verdict(w <= 0.55)} ({w:.2f}x)")
         if not hf:
             t.append("the HF baseline targets: no HF rows for this device and shape (torch with CUDA did not run)")
         if t:
-            lines.append(f"Targets, weights {quant or 'bf16'}, layout {layout}, impl {impl}, flags {flags or '-'}, "
+            lines.append(f"Targets, weights {quant}, layout {layout}, impl {impl}, flags {flags or '-'}, "
                          f"prompt {P}, gen {G}:\n")
             lines.extend(f"- {x}" for x in t)
             lines.append("")

@@ -8,8 +8,10 @@
 #   2. the GPU test tier (`pytest -m gpu`)                              -> gpu_tests.log
 #   3. benchmarks/gpu.py --quick (8B shape, priority cases, HF baseline) -> gpu.log, gpu.json (its table
 #      is printed at the end of the step: `gpu.py --markdown` remakes it from gpu.json)
-#  3b. benchmarks/gpu.py --quick --quantize $QUANT (int8 by default; issue 29), only with QUANT_S > 0:
-#      QUANT_ARGS (default "--only ar_b1 bd_static_b1"), no HF, no cached first calls -> gpu_quant.log, gpu.json
+#  3b. benchmarks/gpu.py --quick --quantize $QUANT (int8 by default; issue 29), only with QUANT_S > 0 (the
+#      limit of each run): QUANT_ARGS (default "--only ar_b1 bd_static_b1"), no HF, no cached first calls, once
+#      per mode in QUANT_MATMULS (default "auto xla": the Pallas few-row kernel, then XLA's dot)
+#                                                                       -> gpu_quant.log, gpu.json
 #   4. benchmarks/attention.py at two sizes (Pallas, cuDNN, XLA), only with ATTN_S > 0
 #                                                                       -> attention.log, attention.json
 #   5. benchmarks/gpu.py --long (issue 28 item 3: AR, block_diffusion, multi_block exact at prompt 32k,
@@ -107,12 +109,16 @@ else
 fi
 
 if [ "$T_QUANT" -gt 0 ]; then
-  note "3b. benchmarks/gpu.py --quick --quantize ${QUANT:-int8} (budget ${QUANT_BUDGET}s, timeout ${T_QUANT}s)"
-  # issue 29's speed rows: weight-only int8 / fp8 against bf16's rows of step 3 (same run, same floor probe)
-  # shellcheck disable=SC2086
-  timeout -k 15 "$T_QUANT" python3 benchmarks/gpu.py --quick --quantize "${QUANT:-int8}" --no-hf --cold-cases \
-    --budget "$QUANT_BUDGET" --out "$out/gpu.json" ${QUANT_ARGS:---only ar_b1 bd_static_b1} 2>&1 | tee "$out/gpu_quant.log"
-  status=$(( status ? status : ${PIPESTATUS[0]} ))
+  # issue 29's speed rows: weight-only int8 / fp8 against bf16's rows of step 3, once per QUANT_MATMULS mode
+  # (JDLLM_QUANT_MATMUL: "auto" = the few-row matmuls through pallas_kernels.qmatmul, "xla" = XLA's dot)
+  for qmm in ${QUANT_MATMULS:-auto xla}; do
+    note "3b. benchmarks/gpu.py --quick --quantize ${QUANT:-int8}, JDLLM_QUANT_MATMUL=$qmm (budget ${QUANT_BUDGET}s, timeout ${T_QUANT}s)"
+    # shellcheck disable=SC2086
+    JDLLM_QUANT_MATMUL=$qmm timeout -k 15 "$T_QUANT" python3 benchmarks/gpu.py --quick --quantize "${QUANT:-int8}" \
+      --no-hf --cold-cases --budget "$QUANT_BUDGET" --out "$out/gpu.json" ${QUANT_ARGS:---only ar_b1 bd_static_b1} 2>&1 \
+      | tee -a "$out/gpu_quant.log"
+    status=$(( status ? status : ${PIPESTATUS[0]} ))
+  done
 else
   note "3b. benchmarks/gpu.py --quantize skipped (QUANT_S=0)"
 fi

@@ -2,7 +2,8 @@
 
 The GPU benchmark merges every session's rows into one JSON. Its key once left the device out, so an
 H100 session replaced the H200's rows of the same configuration; int8 rows were keyed apart but
-rendered as if they were bf16's. These tests run no GPU: they build rows by hand and check the merge
+rendered as if they were bf16's; quantized rows through XLA's dot and through the Pallas kernel
+(`JDLLM_QUANT_MATMUL`) are two configurations. These tests run no GPU: they build rows by hand and check the merge
 and the markdown.
 """
 
@@ -33,17 +34,20 @@ def test_rows_of_two_devices_and_of_int8_are_kept_apart(tmp_path):
     path.write_text(json.dumps(dict(sessions=[dict(session="s0")], rows={legacy_key: old})))
     db = gpu.load_db(str(path))
     db["sessions"].append(dict(session="s1"))
-    gpu.merge_rows(db, [_row("NVIDIA H100 80GB HBM3", 6.45), _row("NVIDIA H100 80GB HBM3", 6.47, "int8")])
-    assert len(db["rows"]) == 3
-    again = _row("NVIDIA H100 80GB HBM3", 6.40, session="s2")  # a later session of the same device replaces
+    h100 = "NVIDIA H100 80GB HBM3"
+    gpu.merge_rows(db, [_row(h100, 6.45), dict(_row(h100, 6.47, "int8"), quant_matmul="xla"),
+                        dict(_row(h100, 3.9, "int8"), quant_matmul="auto")])
+    assert len(db["rows"]) == 4
+    again = _row(h100, 6.40, session="s2")  # a later session of the same device replaces
     gpu.merge_rows(db, [again])
-    assert len(db["rows"]) == 3
-    by_dev = sorted((r["device"], r.get("quantize") or "bf16", r["ms_per_token"]) for r in db["rows"].values())
-    assert by_dev == [("NVIDIA H100 80GB HBM3", "bf16", 6.40), ("NVIDIA H100 80GB HBM3", "int8", 6.47),
+    assert len(db["rows"]) == 4
+    by_dev = sorted((r["device"], gpu.weights_label(r), r["ms_per_token"]) for r in db["rows"].values())
+    assert by_dev == [(h100, "bf16", 6.40), (h100, "int8", 3.9), (h100, "int8 (xla dot)", 6.47),
                       ("NVIDIA H200", "bf16", 4.91)]
 
     md = gpu.render(db)
     assert "### 8b on NVIDIA H200" in md and "### 8b on NVIDIA H100 80GB HBM3" in md
     assert "| AR greedy | 1 | int8 | per_layer |" in md and "| AR greedy | 1 | bf16 | per_layer |" in md
     assert "Weights 8.00 GiB int8" in md
-    assert "Targets, weights int8," in md and "Targets, weights bf16," in md
+    assert "| AR greedy | 1 | int8 (xla dot) | per_layer |" in md
+    assert "Targets, weights int8," in md and "Targets, weights bf16," in md and "Targets, weights int8 (xla dot)," in md
