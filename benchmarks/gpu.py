@@ -454,6 +454,9 @@ def run_decode_case(case: Case, model, task, base_row: dict) -> dict:
                bytes_in_use_after=in_use)
     if base_row.get("floor_ms"):
         row["x_floor"] = row["ms_per_forward"] / base_row["floor_ms"]
+    if task.get("profile"):
+        row["profile"] = profile_decode(lambda: jax.block_until_ready(
+            loop.compiled()(params, prep.state, paradigm=prep.paradigm, ctx=prep.ctx)), forwards)
     if case.paradigm == "ar_spec":
         tr = [o.trace for o in outs0]
         prop = sum(t.get("drafts_proposed", 0) for t in tr)
@@ -462,6 +465,84 @@ def run_decode_case(case: Case, model, task, base_row: dict) -> dict:
                    acceptance_rate_row0=tr[0].get("acceptance_rate"))
     del final, prep, outs0
     return row
+
+
+# --------------------------------------------------------------------------- device profile (--profile)
+# kernel-name patterns -> kind, first match wins (XLA names its fusions after their root op; cuBLAS /
+# CUTLASS GEMMs carry gemm / gemv / xmma / cutlass in their names; Pallas kernels their pallas_call name)
+KERNEL_KINDS = (("qmatmul (Pallas)", ("jdllm_qmatmul",)),
+                ("attention (Pallas)", ("jdllm_flash", "mosaic")),
+                ("matmul (cuBLAS / XLA GEMM)", ("gemm", "gemv", "xmma", "cutlass", "cublas", "triton_gemm",
+                                                "__triton_gemm", "dot")),
+                ("copies / memset", ("memcpy", "memset", "copy")),
+                ("other XLA fusions", ("",)))
+
+
+def kernel_kind(name: str) -> str:
+    low = name.lower()
+    return next(kind for kind, keys in KERNEL_KINDS if any(k in low for k in keys))
+
+
+def device_profile(trace: dict, forwards: int) -> dict:
+    """A Chrome / Perfetto trace (`traceEvents`) of one decode -> the device's time by kernel kind.
+
+    Device events are the complete ("X") events of processes whose name holds "/device:" (JAX's GPU
+    profiler: one process per device, one thread per stream). busy = the union of their intervals;
+    wall = first start to last end; the gap (wall - busy) is time the device waited: launches, host
+    round trips, the while loop's predicate. Per-forward figures divide by `forwards`."""
+    events = trace.get("traceEvents", trace if isinstance(trace, list) else [])
+    names = {e.get("pid"): str(e.get("args", {}).get("name", "")) for e in events
+             if e.get("ph") == "M" and e.get("name") == "process_name"}
+    dev = [e for e in events if e.get("ph") == "X" and "/device:" in names.get(e.get("pid"), "")
+           and "dur" in e]
+    if not dev:
+        return dict(device_events=0)
+    spans = sorted((float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in dev)
+    busy, end = 0.0, -float("inf")
+    for a, b in spans:
+        if b > end:
+            busy += b - max(a, end)
+            end = b
+    wall = max(b for _, b in spans) - spans[0][0]
+    by_kind = collections.Counter()
+    by_name = collections.Counter()
+    count = collections.Counter()
+    for e in dev:
+        by_kind[kernel_kind(e.get("name", ""))] += float(e["dur"])
+        by_name[e.get("name", "")] += float(e["dur"])
+        count[e.get("name", "")] += 1
+    f = max(1, forwards)
+    return dict(device_events=len(dev), forwards=forwards, wall_ms=wall / 1e3, busy_ms=busy / 1e3,
+                gap_ms=(wall - busy) / 1e3, per_forward_ms=dict(wall=wall / 1e3 / f, busy=busy / 1e3 / f,
+                                                               gap=(wall - busy) / 1e3 / f),
+                kernels_per_forward=len(dev) / f,
+                kinds_ms_per_forward={k: v / 1e3 / f for k, v in by_kind.most_common()},
+                top=[dict(name=n[:120], ms_per_forward=v / 1e3 / f, calls_per_forward=count[n] / f)
+                     for n, v in by_name.most_common(12)])
+
+
+def profile_decode(run, forwards: int) -> dict:
+    """Run `run()` (one compiled decode) under `jax.profiler.trace` and summarise the device's time
+    (`device_profile`); {"error": ...} when the profiler or its trace file is not there."""
+    import glob  # noqa: PLC0415
+    import gzip  # noqa: PLC0415
+
+    import jax  # noqa: PLC0415
+
+    d = tempfile.mkdtemp(prefix="jdllm_profile_")
+    try:
+        with jax.profiler.trace(d, create_perfetto_trace=True):
+            run()
+        files = (sorted(glob.glob(os.path.join(d, "**", "perfetto_trace.json.gz"), recursive=True))
+                 or sorted(glob.glob(os.path.join(d, "**", "*.trace.json.gz"), recursive=True)))
+        if not files:
+            return dict(error=f"no perfetto_trace.json.gz or *.trace.json.gz under {d}")
+        with gzip.open(files[-1], "rt") as f:
+            return device_profile(json.load(f), forwards)
+    except Exception as e:  # noqa: BLE001 (a profile is extra: the row's timings stand without it)
+        return dict(error=f"{type(e).__name__}: {e}"[:300])
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
 
 
 # --------------------------------------------------------------------------- long contexts (--long)
@@ -831,6 +912,13 @@ def progress_line(r: dict, elapsed: float) -> str:
                 f"{r['same_requests']}/{r['requests']} requests | peak {fmt_gib(r.get('peak_bytes'))}")
     xf = f"{r['x_floor']:5.2f}x floor" if r.get("x_floor") else "- floor"
     acc = f" | accept {r['acceptance_rate']:.2f}" if "acceptance_rate" in r else ""
+    pf = r.get("profile") or {}
+    if pf.get("device_events"):
+        kinds = ", ".join(f"{k.split(' (')[0]} {v:.2f}" for k, v in pf["kinds_ms_per_forward"].items())
+        acc += (f" | device per fwd: busy {pf['per_forward_ms']['busy']:.2f} ms, waiting "
+                f"{pf['per_forward_ms']['gap']:.2f} ms, {pf['kernels_per_forward']:.0f} kernels ({kinds})")
+    elif pf:
+        acc += f" | profile: {pf.get('error') or 'no device events'}"
     return (f"{head} | {r['tok_s']:9.1f} tok/s | nfe {r['nfe']:6.1f} | tpf {r['tpf']:5.2f} | "
             f"{r['ms_per_forward']:8.2f} ms/fwd | {xf} | first {r['first_call_s']:6.1f}s | peak "
             f"{fmt_gib(r.get('peak_bytes'))}{'' if r.get('peak_exact') in (True, None) else ' (running)'} | "
@@ -1112,7 +1200,8 @@ def parent_main(args) -> int:
           f"{args.xla_flags_variants}, budget {args.budget}s; cases {ids + (['hf'] if want_hf else [])}", flush=True)
     common = dict(shape=args.shape, prompt=args.prompt, gen=args.gen, block=block, repeats=args.repeats,
                   seed=args.seed, std=args.std, head_std=args.head_std, impls=args.impls, session=session,
-                  deadline=deadline, t_start=t_start, steps_per_round=args.steps_per_round, quantize=args.quantize)
+                  deadline=deadline, t_start=t_start, steps_per_round=args.steps_per_round, quantize=args.quantize,
+                  profile=args.profile)
     cache_dirs: dict = {}
     state = dict(interrupted=False)
 
@@ -1322,6 +1411,23 @@ def render(db: dict, sessions_of=None, gpu_only: bool = False) -> str:
                     "-" if r.get("same_tokens") is None else ("yes" if r["same_tokens"] else "NO"),
                     "; ".join(note)]) + " |")
             out.append("")
+        prof = [r for r in dec if (r.get("profile") or {}).get("device_events")]
+        if prof:
+            kinds = [k for k, _ in KERNEL_KINDS]
+            out.append("Device time per forward (`--profile`: one more decode under `jax.profiler`; busy = the "
+                       "union of the device's kernels, waiting = the rest of the span), ms:\n")
+            out.append("| case | B | weights | span | busy | waiting | kernels | " + " | ".join(kinds) + " |")
+            out.append("|---|---|---|---|---|---|---|" + "---|" * len(kinds))
+            for r in prof:
+                pf = r["profile"]
+                pk = pf["kinds_ms_per_forward"]
+                out.append("| " + " | ".join([r.get("label", r["case"]), str(r.get("batch")), weights_label(r),
+                                              f1(pf["per_forward_ms"]["wall"], "{:.2f}"),
+                                              f1(pf["per_forward_ms"]["busy"], "{:.2f}"),
+                                              f1(pf["per_forward_ms"]["gap"], "{:.2f}"),
+                                              f1(pf["kernels_per_forward"], "{:.0f}")]
+                                             + [f1(pk.get(k), "{:.2f}") for k in kinds]) + " |")
+            out.append("")
         if longs:
             out.append(render_long(longs))
         hf = sorted([r for r in rs if r.get("kind") == "hf"], key=lambda r: r["case"])
@@ -1515,6 +1621,9 @@ def parse(argv=None):
     ap.add_argument("--gen", type=int, default=256, help="generated tokens (default 256)")
     ap.add_argument("--block", type=int, default=32, help="block length of the diffusion paradigms (at most gen)")
     ap.add_argument("--repeats", type=int, default=None, help="timed runs after the first call (default 3; quick 2)")
+    ap.add_argument("--profile", action="store_true",
+                    help="after the timed runs, one more under jax.profiler: the device's time per forward by "
+                         "kernel kind (matmuls, attention, other fusions, copies), busy vs waiting, top kernels")
     ap.add_argument("--only", nargs="+", default=None, metavar="CASE",
                     help="case ids (ar_b1, bd_static_b32, ...), case names (ar = every AR batch), 'hf'")
     ap.add_argument("--quick", action="store_true",

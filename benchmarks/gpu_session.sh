@@ -6,7 +6,8 @@
 #      trace / lower / XLA compile seconds per depth, option, layout; issue 27 item 2)
 #                                                                       -> compile_profile.log, compile_profile.json
 #   2. the GPU test tier (`pytest -m gpu`)                              -> gpu_tests.log
-#   3. benchmarks/gpu.py --quick (8B shape, priority cases, HF baseline) -> gpu.log, gpu.json (its table
+#   3. benchmarks/gpu.py --quick --profile (8B shape, priority cases, HF baseline, the device's time by kernel
+#      kind per case)                                                   -> gpu.log, gpu.json (its table
 #      is printed at the end of the step: `gpu.py --markdown` remakes it from gpu.json)
 #  3b. benchmarks/gpu.py --quick --quantize $QUANT (int8 by default; issue 29), only with QUANT_S > 0 (the
 #      limit of each run): QUANT_ARGS (default "--only ar_b1 bd_static_b1"), no HF, no cached first calls, once
@@ -100,7 +101,9 @@ fi
 if [ "$T_BENCH" -gt 0 ]; then
   note "3. benchmarks/gpu.py --quick (budget ${BUDGET}s, timeout ${T_BENCH}s)"
   # shellcheck disable=SC2086
-  timeout -k 15 "$T_BENCH" python3 benchmarks/gpu.py --quick --budget "$BUDGET" --out "$out/gpu.json" \
+  # --profile: one more decode per case under jax.profiler, the device's time by kernel kind (issue 27: where
+  # AR's 1.30x over the read floor goes on the H100)
+  timeout -k 15 "$T_BENCH" python3 benchmarks/gpu.py --quick --profile --budget "$BUDGET" --out "$out/gpu.json" \
     ${GPU_BENCH_ARGS:-} 2>&1 | tee "$out/gpu.log"
   status=$(( status ? status : ${PIPESTATUS[0]} ))
   [ -f "$out/gpu.json" ] && python3 benchmarks/gpu.py --markdown --out "$out/gpu.json" 2>&1 | tail -40
@@ -114,7 +117,7 @@ if [ "$T_QUANT" -gt 0 ]; then
   for qmm in ${QUANT_MATMULS:-auto xla}; do
     note "3b. benchmarks/gpu.py --quick --quantize ${QUANT:-int8}, JDLLM_QUANT_MATMUL=$qmm (budget ${QUANT_BUDGET}s, timeout ${T_QUANT}s)"
     # shellcheck disable=SC2086
-    JDLLM_QUANT_MATMUL=$qmm timeout -k 15 "$T_QUANT" python3 benchmarks/gpu.py --quick --quantize "${QUANT:-int8}" \
+    JDLLM_QUANT_MATMUL=$qmm timeout -k 15 "$T_QUANT" python3 benchmarks/gpu.py --quick --profile --quantize "${QUANT:-int8}" \
       --no-hf --cold-cases --budget "$QUANT_BUDGET" --out "$out/gpu.json" ${QUANT_ARGS:---only ar_b1 bd_static_b1} 2>&1 \
       | tee -a "$out/gpu_quant.log"
     status=$(( status ? status : ${PIPESTATUS[0]} ))

@@ -51,3 +51,27 @@ def test_rows_of_two_devices_and_of_int8_are_kept_apart(tmp_path):
     assert "Weights 8.00 GiB int8" in md
     assert "| AR greedy | 1 | int8 (xla dot) | per_layer |" in md
     assert "Targets, weights int8," in md and "Targets, weights bf16," in md and "Targets, weights int8 (xla dot)," in md
+
+
+def test_device_profile_splits_a_traces_device_time_by_kernel_kind():
+    """`--profile`'s summary of a trace: only the device's processes count, overlapping kernels
+    (two streams) count once as busy, the rest of the span is waiting, and kernels fall into kinds
+    by name. The trace is built by hand in the layout of JAX's GPU profiler (a process per device)."""
+    meta = [dict(ph="M", name="process_name", pid=1, args=dict(name="/device:GPU:0")),
+            dict(ph="M", name="process_name", pid=2, args=dict(name="/host:CPU"))]
+
+    def k(name, ts, dur, pid=1, tid=7):
+        return dict(ph="X", name=name, pid=pid, tid=tid, ts=ts, dur=dur)
+
+    events = meta + [k("gemv2T_kernel_val", 0, 40), k("jdllm_flash_window", 50, 10),
+                     k("loop_add_fusion", 55, 10, tid=8),  # overlaps the attention kernel on another stream
+                     k("jdllm_qmatmul", 100, 20), k("Memcpy DtoD", 130, 10),
+                     k("PjitFunction(run)", 0, 500, pid=2)]  # host: not device time
+    p = gpu.device_profile(dict(traceEvents=events), forwards=2)
+    assert p["device_events"] == 5
+    assert p["wall_ms"] == 140 / 1e3 and p["busy_ms"] == (40 + 15 + 20 + 10) / 1e3
+    assert abs(p["gap_ms"] - 55 / 1e3) < 1e-12 and p["per_forward_ms"]["busy"] == 85 / 2e3
+    kinds = p["kinds_ms_per_forward"]
+    assert kinds == {"matmul (cuBLAS / XLA GEMM)": 0.02, "qmatmul (Pallas)": 0.01, "attention (Pallas)": 0.005,
+                     "other XLA fusions": 0.005, "copies / memset": 0.005}
+    assert gpu.device_profile(dict(traceEvents=meta[1:] + events[-1:]), forwards=2) == dict(device_events=0)
