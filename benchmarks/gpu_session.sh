@@ -13,6 +13,8 @@
 #      limit of each run): QUANT_ARGS (default "--only ar_b1 bd_static_b1"), no HF, no cached first calls, once
 #      per mode in QUANT_MATMULS (default "auto xla": the Pallas few-row kernel, then XLA's dot)
 #                                                                       -> gpu_quant.log, gpu.json
+#  3c. benchmarks/qmatmul.py (the quantized few-row matmul against XLA's bf16 and int8 dots, and a sweep of
+#      its tiles, 8B shape; QMM_ARGS, default "--quick"), only with QMM_S > 0 -> qmatmul.log, qmatmul.json
 #   4. benchmarks/attention.py at two sizes (Pallas, cuDNN, XLA), only with ATTN_S > 0
 #                                                                       -> attention.log, attention.json
 #   5. benchmarks/gpu.py --long (issue 28 item 3: AR, block_diffusion, multi_block exact at prompt 32k,
@@ -22,8 +24,10 @@
 #      ~3-15 s each). Too long to follow steps 1-3 in one 15-minute lease: give it a call of its own
 #      with the other steps off (a step whose time is 0 is skipped):
 #        CP_S=0 GPU_TESTS_S=0 GPU_BENCH_S=0 LONG_S=450 bash benchmarks/gpu_session.sh
-# Everything goes to $OUT (the device tool's folder: at most 8 files come back; these are 6, 8 with the
-# attention step) or benchmarks/out. Each step runs under `timeout`, so the
+# Everything goes to $OUT (the device tool's folder: at most 8 files come back) or benchmarks/out; with
+# SESSION_TAR=1 the logs of every step go into one logs.tar.gz instead (device.txt, the JSONs and the tar:
+# at most 6 files whatever the steps; a wrapper that tees this script's output into $OUT should name its
+# file *.txt, not *.log). Each step runs under `timeout`, so the
 # whole script ends within ~9 minutes by default; steps run on after a failure; the exit status is the
 # first failing step's (124: a step timed out).
 # gpu.json and compile_profile.json start as copies of benchmarks/results/{gpu,compile_profile}.json, so
@@ -60,7 +64,7 @@ if compgen -G ".whl/*.whl" >/dev/null; then
 fi
 T_CP=${CP_S:-195} CP_BUDGET=${CP_BUDGET_S:-150} CP_GRACE=${CP_GRACE_S:-30}
 T_TESTS=${GPU_TESTS_S:-130} T_BENCH=${GPU_BENCH_S:-200} BUDGET=${GPU_BENCH_BUDGET_S:-110} T_ATTN=${ATTN_S:-0}
-T_LONG=${LONG_S:-0} T_QUANT=${QUANT_S:-0}
+T_LONG=${LONG_S:-0} T_QUANT=${QUANT_S:-0} T_QMM=${QMM_S:-0}
 QUANT_BUDGET=${QUANT_BUDGET_S:-$(( T_QUANT > 60 ? T_QUANT - 60 : T_QUANT / 2 ))}
 LONG_BUDGET=${LONG_BUDGET_S:-$(( T_LONG > 150 ? T_LONG - 150 : T_LONG / 2 ))}
 status=0
@@ -126,6 +130,17 @@ else
   note "3b. benchmarks/gpu.py --quantize skipped (QUANT_S=0)"
 fi
 
+if [ "$T_QMM" -gt 0 ]; then
+  note "3c. benchmarks/qmatmul.py ${QMM_ARGS:---quick} (timeout ${T_QMM}s)"
+  [ -f benchmarks/results/qmatmul.json ] && cp benchmarks/results/qmatmul.json "$out/qmatmul.json"
+  # shellcheck disable=SC2086
+  timeout -k 10 "$T_QMM" python3 benchmarks/qmatmul.py ${QMM_ARGS:---quick} --out "$out/qmatmul.json" 2>&1 \
+    | tee "$out/qmatmul.log"
+  status=$(( status ? status : ${PIPESTATUS[0]} ))
+else
+  note "3c. benchmarks/qmatmul.py skipped (QMM_S=0)"
+fi
+
 if [ "$T_ATTN" -gt 0 ]; then
   note "4. benchmarks/attention.py (timeout ${T_ATTN}s)"
   timeout -k 10 "$T_ATTN" python3 benchmarks/attention.py --seq 4096 16384 --impls pallas,cudnn,xla --iters 5 \
@@ -148,5 +163,8 @@ else
   note "5. benchmarks/gpu.py --long skipped (LONG_S=0)"
 fi
 
+if [ "${SESSION_TAR:-0}" = 1 ]; then
+  (cd "$out" && ls ./*.log >/dev/null 2>&1 && tar czf logs.tar.gz ./*.log && rm -f ./*.log)
+fi
 note "done, exit status $status"
 exit "$status"

@@ -46,19 +46,27 @@ def _tile(n: int, want: int, least: int) -> int | None:
     return None
 
 
-def plan(rows: int, K: int, N: int, backend: str | None = None):
-    """(rows padded, block_k, block_n, splits) for x [rows, K] . w [K, N], or None when no tiling fits."""
+def plan(rows: int, K: int, N: int, backend: str | None = None, *, block_k: int = BLOCK_K, block_n: int = BLOCK_N,
+         splits: int | None = None, mode: str = "dot"):
+    """(rows padded, block_k, block_n, splits) for x [rows, K] . w [K, N], or None when no tiling fits.
+
+    block_k / block_n: the largest tiles wanted (powers of two; smaller ones that divide K / N are
+    taken). splits: contraction splits (None: enough programs for TARGET_PROGRAMS; it must divide
+    K's tiles). mode "reduce" (one row only) leaves the row unpadded."""
     backend = plain_backend(backend or default_backend())
     least = MIN_TILE if backend == "triton" else 1
-    if rows < 1 or rows > MAX_ROWS:
+    if rows < 1 or rows > MAX_ROWS or (mode == "reduce" and rows != 1):
         return None
-    bk, bn = _tile(K, BLOCK_K, least), _tile(N, BLOCK_N, least)
+    bk, bn = _tile(K, block_k, least), _tile(N, block_n, least)
     if bk is None or bn is None:
         return None
-    rp = max(least, next_pow2(rows))
+    rp = 1 if mode == "reduce" else max(least, next_pow2(rows))
     k_tiles, programs = K // bk, N // bn
-    want = max(1, -(-TARGET_PROGRAMS // programs))
-    splits = max(s for s in range(1, min(want, k_tiles, 16) + 1) if k_tiles % s == 0)
+    if splits is None:
+        want = max(1, -(-TARGET_PROGRAMS // programs))
+        splits = max(s for s in range(1, min(want, k_tiles, 16) + 1) if k_tiles % s == 0)
+    elif k_tiles % splits:
+        return None
     return rp, bk, bn, splits
 
 
@@ -66,13 +74,18 @@ def fits(rows: int, K: int, N: int, backend: str | None = None) -> bool:
     return plan(rows, K, N, backend) is not None
 
 
-def _kernel(x_ref, w_ref, o_ref, *, block_k, steps, transpose):
+def _kernel(x_ref, w_ref, o_ref, *, block_k, steps, transpose, mode):
     s = pl.program_id(1)
     k0 = s * (steps * block_k)
 
     def body(j, acc):
         k = pl.ds(pl.multiple_of(k0 + j * block_k, block_k), block_k)
         x = x_ref[:, k]
+        if mode == "reduce":  # one row: multiply and sum on the CUDA cores, no tensor-core layout
+            xf = x.astype(jnp.float32)  # [1, bk]
+            if transpose:  # w [bn, bk]
+                return acc + jnp.sum(w_ref[:, k].astype(jnp.float32) * xf, axis=1)[None, :]
+            return acc + jnp.sum(w_ref[k, :].astype(jnp.float32) * xf.T, axis=0)[None, :]
         if transpose:  # w [bn, K]: contract its last axis
             w = w_ref[:, k].astype(x.dtype)
             return acc + dot(x, w, ((1,), (1,)))
@@ -84,17 +97,25 @@ def _kernel(x_ref, w_ref, o_ref, *, block_k, steps, transpose):
 
 
 def qmatmul(x, q, scale, *, transpose: bool = False, out_dtype=None, backend: str | None = None,
-            num_warps: int = 4, num_stages: int = 3):
+            num_warps: int = 4, num_stages: int = 3, block_k: int = BLOCK_K, block_n: int = BLOCK_N,
+            splits: int | None = None, mode: str = "dot"):
     """(x [M, K] . q [K, N] (transpose: q [N, K]) in float32) * scale [N] -> [M, N] in `out_dtype`
-    (x's dtype by default). q is int8 or float8; its values convert to x's dtype exactly."""
+    (x's dtype by default). q is int8 or float8; its values convert to x's dtype exactly.
+
+    The tiling knobs (block_k, block_n, splits, num_warps, num_stages, and mode "reduce": one row as
+    multiply-and-sum instead of a dot) are for `benchmarks/qmatmul.py`'s sweep; the defaults are what
+    jdllm runs."""
+    if mode not in ("dot", "reduce"):
+        raise ValueError(f"qmatmul: mode {mode!r} is not 'dot' or 'reduce'")
     backend = plain_backend(backend or default_backend())
     M, K = x.shape
     N = q.shape[0] if transpose else q.shape[1]
     if (q.shape[1] if transpose else q.shape[0]) != K or scale.shape != (N,):
         raise ValueError(f"qmatmul: x {x.shape}, q {q.shape} (transpose={transpose}), scale {scale.shape}")
-    p = plan(M, K, N, backend)
+    p = plan(M, K, N, backend, block_k=block_k, block_n=block_n, splits=splits, mode=mode)
     if p is None:
-        raise ValueError(f"qmatmul: no tiling for {M} rows x K {K} x N {N} on {backend} (see fits())")
+        raise ValueError(f"qmatmul: no tiling for {M} rows x K {K} x N {N} on {backend} (block_k {block_k}, "
+                         f"block_n {block_n}, splits {splits}, mode {mode}; see plan())")
     rp, bk, bn, splits = p
     steps = K // bk // splits
     xp = pad_axis(x, 0, rp)
@@ -106,7 +127,7 @@ def qmatmul(x, q, scale, *, transpose: bool = False, out_dtype=None, backend: st
         cls = getattr(plgpu, "CompilerParams", None) or getattr(plgpu, "TritonCompilerParams")
         params = cls(num_warps=num_warps, num_stages=num_stages)
     part = pl.pallas_call(
-        functools.partial(_kernel, block_k=bk, steps=steps, transpose=transpose),
+        functools.partial(_kernel, block_k=bk, steps=steps, transpose=transpose, mode=mode),
         grid=(N // bn, splits),
         in_specs=[pl.BlockSpec((rp, K), lambda n, s: (0, 0)), w_spec],
         out_specs=pl.BlockSpec((None, rp, bn), lambda n, s: (s, 0, n)),
