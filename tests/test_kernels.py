@@ -686,6 +686,12 @@ def test_quantized_matmul_kernel_matches_xla(M, K, N, transpose, dtype, wdtype):
     assert _rel_err(got, ref) <= (1e-6 if dtype == jnp.float32 else 4e-3)
     if M == 64:  # this shape splits the contraction: the partial sums add up
         assert p[3] > 1
+    # the sweep's knobs (benchmarks/qmatmul.py) compute the same product: other tiles and splits, and
+    # one row as multiply-and-sum
+    knobs = [dict(block_k=32, block_n=16, splits=1)] + ([dict(mode="reduce", splits=2)] if M == 1 else [])
+    for kw in knobs:
+        alt = qmatmul.qmatmul(x, q, scale, transpose=transpose, backend="interpret", **kw)
+        assert _rel_err(alt, ref) <= (1e-6 if dtype == jnp.float32 else 4e-3), kw
 
 
 def test_quantized_matmul_kernel_plans_and_lowers_to_triton():
@@ -709,6 +715,9 @@ def test_quantized_matmul_kernel_plans_and_lowers_to_triton():
             assert "xf32>" in tt_dots[0] and "inputPrecision" not in tt_dots[0], tt_dots
         else:
             assert "xbf16>" in tt_dots[0], tt_dots
+        # one row as multiply-and-sum: a Triton kernel with no dot
+        fn = jax.jit(functools.partial(qmatmul.qmatmul, transpose=transpose, backend="triton", mode="reduce"))
+        assert _triton_dots(fn.trace(x, q, scale).lower(lowering_platforms=("cuda",))) == (1, [])
 
 
 # ----------------------------------------------------------------------------- GPU (compiled)
