@@ -7,6 +7,10 @@ process), then measures each step in a fresh subprocess:
   baseline        a process that imports jax + jdllm and does nothing
   load_hf_1dev    jdllm.load(hf_dir) onto one CPU device
   load_hf_mesh    jdllm.load(hf_dir, mesh=1x8) onto 8 fake CPU devices
+  load_hf_int8_1dev
+                  jdllm.load(hf_dir, quantize="int8") onto one CPU device: each slice quantized as
+                  it is read from the safetensors (the 8B shape's int8 weights, 7.5 GiB, fit this
+                  machine where its bf16 ones and a converted copy do not)
   convert         jdllm convert hf_dir -> Orbax checkpoint (streaming, slice by slice)
   convert_int8    the same with --quantize int8 (each slice quantized on the host as it streams)
   convert_whole   the former converter: the whole params tree on the host, then

@@ -1245,15 +1245,16 @@ def parent_main(args) -> int:
 
     def cases_child(group, flags, layout):
         todo = [c for c in group if c in ids]
-        if not todo:
-            return
-        key = (flags, layout)
-        if key not in cache_dirs:
-            cache_dirs[key] = tempfile.mkdtemp(prefix="cache_", dir=tmp)
-        task = dict(common, kind="cases", mode="run", cases=todo, layout=layout, flags=flags,
-                    copy_gbs=meta.get("copy_gbs"), read_gbs=meta.get("read_gbs"), device=meta.get("device"),
-                    cache_dir=cache_dirs[key])
-        launch(task, flags, cache_dirs[key])
+        # --case-per-process: a child (and an empty persistent cache) per case, so that each case's peak
+        # memory and cold first call are its own, not raised or warmed by the cases before it
+        for part in ([[c] for c in todo] if args.case_per_process else [todo] if todo else []):
+            key = (flags, layout, part[0] if args.case_per_process else None)
+            if key not in cache_dirs:
+                cache_dirs[key] = tempfile.mkdtemp(prefix="cache_", dir=tmp)
+            task = dict(common, kind="cases", mode="run", cases=part, layout=layout, flags=flags,
+                        copy_gbs=meta.get("copy_gbs"), read_gbs=meta.get("read_gbs"), device=meta.get("device"),
+                        cache_dir=cache_dirs[key])
+            launch(task, flags, cache_dirs[key])
 
     def first_call_child(flags, layout, group):
         todo = [c for c in args.cold_cases if c in group]
@@ -1267,8 +1268,14 @@ def parent_main(args) -> int:
             launch(dict(base, cache_dir=d, which="cold", source="a fresh process, empty persistent cache"), flags, d)
             launch(dict(base, cache_dir=d, which="cached", source="a second process, cache filled by the cold one"),
                    flags, d)
-        elif (flags, layout) in cache_dirs:
-            d = cache_dirs[(flags, layout)]
+        elif args.case_per_process:
+            for c in todo:
+                d = cache_dirs.get((flags, layout, c))
+                if d:
+                    launch(dict(base, cases=[c], cache_dir=d, which="cached",
+                                source="a new process, cache filled by the case's own measuring process"), flags, d)
+        elif (flags, layout, None) in cache_dirs:
+            d = cache_dirs[(flags, layout, None)]
             launch(dict(base, cache_dir=d, which="cached",
                         source="a new process, cache filled by the measuring process"), flags, d)
 
@@ -1622,6 +1629,9 @@ def parse(argv=None):
     ap.add_argument("--gen", type=int, default=256, help="generated tokens (default 256)")
     ap.add_argument("--block", type=int, default=32, help="block length of the diffusion paradigms (at most gen)")
     ap.add_argument("--repeats", type=int, default=None, help="timed runs after the first call (default 3; quick 2)")
+    ap.add_argument("--case-per-process", action="store_true",
+                    help="run each case in a child of its own with its own empty persistent cache (exact peak "
+                         "memory and cold first call per case; ~10 s more per case for the weights)")
     ap.add_argument("--profile", action="store_true",
                     help="after the timed runs, one more under jax.profiler: the device's time per forward by "
                          "kernel kind (matmuls, attention, other fusions, copies), busy vs waiting, top kernels")
