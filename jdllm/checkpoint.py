@@ -518,6 +518,7 @@ def _load_hf_params(path: str, cfg: ModelConfig, dtype, placement, check_finite:
     from jdllm import quant  # noqa: PLC0415 (startup: `jdllm convert --help` and config reads stay free of JAX)
     from jdllm.model import default_layout, to_layout  # noqa: PLC0415 (startup: `jdllm convert --help` and config reads stay free of JAX)
     from jdllm.sharding import put  # noqa: PLC0415 (startup: `jdllm convert --help` and config reads stay free of JAX)
+    from jdllm import host_memory  # noqa: PLC0415
     layout = default_layout(placement)
     # placed per layer, unfused; fused (if the layout is) once every part of a layer is there
     shardings = None if placement is None else placement.param_shardings(cfg, "per_layer")
@@ -545,6 +546,7 @@ def _load_hf_params(path: str, cfg: ModelConfig, dtype, placement, check_finite:
         else:
             params[p[0]] = place(host, p[0], None if shardings is None else shardings[p[0]])
         del host
+        host_memory.release()  # this parameter's read buffers, before the next one's
     final = None if placement is None else placement.param_shardings(cfg, layout)
     params = to_layout(params, cfg, layout, shardings=final, consume=True)
     if quantize is not None and stacked_shardings is not None:
@@ -648,6 +650,8 @@ def load_model(path: str, dtype="bfloat16", attn_impl: str = "auto", shardings=N
     quant.check_fp8_device(quantize)
     if kv_cache is not None:
         cfg = cfg.replace(kv_cache_dtype=kv_cache)
+    from jdllm import host_memory  # noqa: PLC0415
+    host_memory.release()  # the read buffers, kept by the heap settings for XLA:CPU's calls, go back
     return Model(config=cfg, params=params, tokenizer=load_tokenizer(path), attn_impl=attn_impl, path=path,
                  placement=placement)
 

@@ -76,4 +76,21 @@ def tune() -> dict[str, int]:
     return _DONE
 
 
-__all__ = ["tune", "skip_reason", "KEEP_BYTES"]
+def release() -> bool:
+    """Give the heap's free memory back to the kernel (glibc's `malloc_trim(0)`), when `tune` set
+    the heap to keep it. For the end of work that frees a lot once, such as loading a model: an 8B
+    model loaded with `quantize="int8"` onto one CPU device kept 3.2 GiB of freed read buffers
+    (11.63 GiB resident at the end against 8.41 GiB with `JDLLM_MALLOC=off`). Returns whether it ran;
+    never raises."""
+    if not _DONE:
+        return False
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return False
+    trim.argtypes, trim.restype = (ctypes.c_size_t,), ctypes.c_int
+    trim(0)
+    return True
+
+
+__all__ = ["tune", "skip_reason", "release", "KEEP_BYTES"]
