@@ -246,18 +246,30 @@ def model_config(base, attention: str, block: int):
                         block_size=block if attention == "block_causal" else 1, mask_token_id=base.vocab_size - 1)
 
 
-def build_params(cfg, layout: str, seed: int, std: float, head_std: float):
+def build_params(cfg, layout: str, seed: int, std: float, head_std: float, quantize=None):
     """Random bf16 weights built on the device, each array generated where it lives.
 
     Every (weight, layer) pair draws from its own key, so both layouts hold the same numbers.
     per_layer: one jitted call per layer builds that layer's dict, passed through
     `jdllm.model.unstack_layers` inside the call (the library's own per-layer form: fused qkv /
     gate_up); stacked: one jitted call per weight builds its [layers, ...] array. No step holds
-    more than one layer's weights twice."""
+    more than one layer's weights twice. quantize ("int8" / "fp8"): each top-level weight, layer
+    (per_layer) or stacked weight is quantized as soon as it is built (`jdllm.quant`), so the bf16
+    model never exists whole and the device's peak is the quantized model's."""
     import jax  # noqa: PLC0415
     import jax.numpy as jnp  # noqa: PLC0415
 
     from jdllm.model import param_specs, unstack_layers  # noqa: PLC0415
+    from jdllm.quant import quantize_params  # noqa: PLC0415
+
+    def q_top(d):  # top-level weights
+        return {k: v for k, v in quantize_params(dict(d, layers=()), quantize, consume=True).items() if k != "layers"}
+
+    def q_layer(lp):  # one layer's dict (per_layer)
+        return quantize_params(dict(layers=(lp,)), quantize, consume=True)["layers"][0]
+
+    def q_stacked(name, x):  # one stacked [layers, ...] weight
+        return quantize_params(dict(layers={name: x}), quantize, consume=True)["layers"][name]
 
     dtype = jnp.bfloat16
     specs = param_specs(cfg)
@@ -284,6 +296,8 @@ def build_params(cfg, layout: str, seed: int, std: float, head_std: float):
         spec = specs[name]
         s = head_std if (name == "lm_head" or (name == "embed" and head_is_embed)) else std
         top[name] = jax.jit(functools.partial(draw, spec, spec.shape, s=s))(jax.random.fold_in(root, j))
+        if quantize:
+            top[name] = q_top({name: top[name]})[name]
 
     if layout == "per_layer":
         # small stand-ins for the top-level weights, so unstack_layers sees a whole params dict
@@ -297,7 +311,7 @@ def build_params(cfg, layout: str, seed: int, std: float, head_std: float):
 
         layers = []
         for i in range(L):
-            layers.append(one_layer(i))
+            layers.append(one_layer(i) if not quantize else q_layer(one_layer(i)))
             jax.block_until_ready(layers[-1])  # one layer's temporaries at a time
         params = dict(top, layers=tuple(layers))
     elif layout == "stacked":
@@ -309,7 +323,7 @@ def build_params(cfg, layout: str, seed: int, std: float, head_std: float):
             buf = jax.jit(functools.partial(jnp.zeros, spec.shape, dtype))()
             for i in range(L):
                 buf = put(buf, i)
-            layers[n] = jax.block_until_ready(buf)
+            layers[n] = jax.block_until_ready(buf if not quantize else q_stacked(n, buf))
         params = dict(top, layers=layers)
     else:
         raise ValueError(f"layout {layout!r} is not one of {LAYOUTS}")
@@ -807,11 +821,7 @@ def child_main(task_path: str) -> int:
     # a long prompt needs the positions: the canvas is at most the prompt and generation plus a few blocks
     base = base_config(task["shape"], 1 << (task["prompt"] + task["gen"] + 8 * task["block"]).bit_length())
     t0 = time.perf_counter()
-    params = build_params(base, task["layout"], task["seed"], task["std"], task["head_std"])
-    if task.get("quantize"):  # weight-only int8 / fp8 (jdllm.quant), one weight at a time: never two copies
-        from jdllm.quant import quantize_params  # noqa: PLC0415
-
-        params = quantize_params(params, task["quantize"], consume=True)
+    params = build_params(base, task["layout"], task["seed"], task["std"], task["head_std"], task.get("quantize"))
     build_s = time.perf_counter() - t0
     total, read = weight_bytes(params, base)
     bw = task.get("read_gbs") or task.get("copy_gbs")  # sessions before 2026-11-26 measured only a copy
