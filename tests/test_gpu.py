@@ -241,6 +241,40 @@ def test_paradigm_on_the_accelerator_equals_the_cpu(paradigm, platforms):
     _assert_same(got, want, paradigm)
 
 
+QUANT_CASES = {"ar": "ar", "block_diffusion": "block_diffusion"}
+
+
+@pytest.mark.usefixtures("exact_xla")
+@pytest.mark.parametrize("paradigm", list(QUANT_CASES))
+def test_int8_weights_on_the_accelerator_equal_the_cpu(paradigm, platforms):
+    """float32 activations, int8 weights (`quantize="int8"`): on a GPU the decode's few-row matmuls
+    run the Pallas quantized matmul (`pallas_kernels.qmatmul`), on the CPU XLA's dot; the same
+    tokens and steps."""
+    from jdllm.model import default_positions, forward
+
+    name, decoding = PARADIGMS[QUANT_CASES[paradigm]]
+
+    def load_int8(platform):
+        device = accel_device() if platform == "accel" else cpu_device()
+        with jax.default_device(device):
+            m = jdllm.load(os.path.join(MODELS, name), dtype="float32", quantize="int8",
+                           attn_impl="auto" if platform == "accel" else "xla")
+        return dataclasses.replace(m, params=jax.device_put(m.params, device))
+
+    accel = load_int8("accel")
+    if jax.default_backend() == "gpu":  # a real GPU (not JDLLM_TEST_ACCEL=cpu): the kernel is in the program
+        ids = jnp.asarray([[3, 4, 5, 6]])
+        jaxpr = jax.make_jaxpr(lambda p: forward(p, accel.config, ids, default_positions(jnp.zeros((1,), jnp.int32),
+                                                                                         0, 4),
+                                                 start=jnp.zeros((1,), jnp.int32), attn_impl="auto")[0])
+        assert "jdllm_qmatmul" in str(jaxpr(accel.params))
+    sampling = jdllm.Sampling(temperature=0.0, max_new_tokens=MAX_NEW)
+    got = on(accel_device(), platforms, jdllm.generate, accel, PROMPTS, decoding("accel"), sampling)
+    want = on(cpu_device(), platforms, jdllm.generate, load_int8("cpu"), PROMPTS, decoding("cpu"), sampling)
+    assert all(o.token_ids for o in want)
+    _assert_same(got, want, f"int8 {paradigm}")
+
+
 # --------------------------------------------------------------------------- serving
 ENGINE_CASES = {
     "ar": ("tiny-ar", jdllm.AR()),
