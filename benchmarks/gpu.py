@@ -492,6 +492,10 @@ KERNEL_KINDS = (("qmatmul (Pallas)", ("jdllm_qmatmul",)),
                 ("other XLA fusions", ("",)))
 
 
+DERIVED_LINES = {"XLA Modules", "XLA Ops", "Steps", "XLA TraceMe", "Framework Ops", "Framework Name Scope",
+                 "TensorFlow Ops", "TensorFlow Name Scope", "Source code", "Launch Stats"}
+
+
 def kernel_kind(name: str) -> str:
     low = name.lower()
     return next(kind for kind, keys in KERNEL_KINDS if any(k in low for k in keys))
@@ -507,8 +511,18 @@ def device_profile(trace: dict, forwards: int) -> dict:
     events = trace.get("traceEvents", trace if isinstance(trace, list) else [])
     names = {e.get("pid"): str(e.get("args", {}).get("name", "")) for e in events
              if e.get("ph") == "M" and e.get("name") == "process_name"}
+    threads = {(e.get("pid"), e.get("tid")): str(e.get("args", {}).get("name", "")) for e in events
+               if e.get("ph") == "M" and e.get("name") == "thread_name"}
     dev = [e for e in events if e.get("ph") == "X" and "/device:" in names.get(e.get("pid"), "")
            and "dur" in e]
+    # a device's kernels are on its stream lines ("Stream #N(...)"); the profiler also draws derived
+    # lines over them ("XLA Modules": one event per program run, "XLA Ops": one per HLO op, "Steps"),
+    # which would count the same time again and cover the waiting
+    streams = {k for k, n in threads.items() if n.startswith("Stream")}
+    if streams:
+        dev = [e for e in dev if (e.get("pid"), e.get("tid")) in streams]
+    else:
+        dev = [e for e in dev if threads.get((e.get("pid"), e.get("tid")), "") not in DERIVED_LINES]
     if not dev:
         return dict(device_events=0)
     spans = sorted((float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in dev)

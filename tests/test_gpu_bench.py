@@ -54,11 +54,14 @@ def test_rows_of_two_devices_and_of_int8_are_kept_apart(tmp_path):
 
 
 def test_device_profile_splits_a_traces_device_time_by_kernel_kind():
-    """`--profile`'s summary of a trace: only the device's processes count, overlapping kernels
-    (two streams) count once as busy, the rest of the span is waiting, and kernels fall into kinds
-    by name. The trace is built by hand in the layout of JAX's GPU profiler (a process per device)."""
+    """`--profile`'s summary of a trace: only the device's stream lines count (not the host, not the
+    profiler's derived "XLA Modules" line), overlapping kernels (two streams) count once as busy,
+    the rest of the span is waiting, and kernels fall into kinds by name. The trace is built by hand in the layout of JAX's GPU profiler (a process per device)."""
     meta = [dict(ph="M", name="process_name", pid=1, args=dict(name="/device:GPU:0")),
-            dict(ph="M", name="process_name", pid=2, args=dict(name="/host:CPU"))]
+            dict(ph="M", name="process_name", pid=2, args=dict(name="/host:CPU")),
+            dict(ph="M", name="thread_name", pid=1, tid=7, args=dict(name="Stream #13(Compute)")),
+            dict(ph="M", name="thread_name", pid=1, tid=8, args=dict(name="Stream #14(Compute)")),
+            dict(ph="M", name="thread_name", pid=1, tid=9, args=dict(name="XLA Modules"))]
 
     def k(name, ts, dur, pid=1, tid=7):
         return dict(ph="X", name=name, pid=pid, tid=tid, ts=ts, dur=dur)
@@ -66,7 +69,8 @@ def test_device_profile_splits_a_traces_device_time_by_kernel_kind():
     events = meta + [k("gemv2T_kernel_val", 0, 40), k("jdllm_flash_window", 50, 10),
                      k("loop_add_fusion", 55, 10, tid=8),  # overlaps the attention kernel on another stream
                      k("jdllm_qmatmul", 100, 20), k("Memcpy DtoD", 130, 10),
-                     k("PjitFunction(run)", 0, 500, pid=2)]  # host: not device time
+                     k("PjitFunction(run)", 0, 500, pid=2),  # host: not device time
+                     k("jit_run", 0, 140, tid=9)]  # a derived line over the kernels: not counted again
     p = gpu.device_profile(dict(traceEvents=events), forwards=2)
     assert p["device_events"] == 5
     assert p["wall_ms"] == 140 / 1e3 and p["busy_ms"] == (40 + 15 + 20 + 10) / 1e3
@@ -74,4 +78,4 @@ def test_device_profile_splits_a_traces_device_time_by_kernel_kind():
     kinds = p["kinds_ms_per_forward"]
     assert kinds == {"matmul (cuBLAS / XLA GEMM)": 0.02, "qmatmul (Pallas)": 0.01, "attention (Pallas)": 0.005,
                      "other XLA fusions": 0.005, "copies / memset": 0.005}
-    assert gpu.device_profile(dict(traceEvents=meta[1:] + events[-1:]), forwards=2) == dict(device_events=0)
+    assert gpu.device_profile(dict(traceEvents=meta[1:2] + events[-2:-1]), forwards=2) == dict(device_events=0)
