@@ -28,7 +28,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from jdllm import errors, hf_layout
+from jdllm import errors, hf_layout, host_memory
 from jdllm.inputs import DTYPES, np_dtype  # noqa: F401 (DTYPES: the CLIs read it here)
 from jdllm.config import ModelConfig
 
@@ -518,7 +518,6 @@ def _load_hf_params(path: str, cfg: ModelConfig, dtype, placement, check_finite:
     from jdllm import quant  # noqa: PLC0415 (startup: `jdllm convert --help` and config reads stay free of JAX)
     from jdllm.model import default_layout, to_layout  # noqa: PLC0415 (startup: `jdllm convert --help` and config reads stay free of JAX)
     from jdllm.sharding import put  # noqa: PLC0415 (startup: `jdllm convert --help` and config reads stay free of JAX)
-    from jdllm import host_memory  # noqa: PLC0415
     layout = default_layout(placement)
     # placed per layer, unfused; fused (if the layout is) once every part of a layer is there
     shardings = None if placement is None else placement.param_shardings(cfg, "per_layer")
@@ -650,7 +649,6 @@ def load_model(path: str, dtype="bfloat16", attn_impl: str = "auto", shardings=N
     quant.check_fp8_device(quantize)
     if kv_cache is not None:
         cfg = cfg.replace(kv_cache_dtype=kv_cache)
-    from jdllm import host_memory  # noqa: PLC0415
     host_memory.release()  # the read buffers, kept by the heap settings for XLA:CPU's calls, go back
     return Model(config=cfg, params=params, tokenizer=load_tokenizer(path), attn_impl=attn_impl, path=path,
                  placement=placement)

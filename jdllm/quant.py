@@ -469,9 +469,9 @@ def output_scale(spec: str, scale, out_ndim: int):
 
 
 def as_matrices(spec: str, x_shape, w_shape):
-    """(M, K, N, transpose) when `einsum(spec, x, w)` is a plain matrix product x [M, K] . w [K, N]
-    (transpose: w [N, K]) after reshapes: x's trailing axes are the contracted ones, in w's order, and
-    the output is x's other axes then w's; else None."""
+    """(M, K, N, transpose, out_shape) when `einsum(spec, x, w)` is a plain matrix product
+    x [M, K] . w [K, N] (transpose: w [N, K]) reshaped to out_shape: x's trailing axes are the
+    contracted ones, in w's order, and the output is x's other axes then w's; else None."""
     ins, out = spec.replace(" ", "").split("->")
     xsub, wsub = ins.split(",")
     out, xs = out.replace("...", ""), xsub.replace("...", "")
@@ -485,10 +485,10 @@ def as_matrices(spec: str, x_shape, w_shape):
     if out != lead + keep or wsub not in (con + keep, keep + con):
         return None
     nc = len(con)
+    kept = tuple(w_shape[wsub.index(c)] for c in keep)
     M = math.prod(x_shape[: len(x_shape) - nc])
     K = math.prod(x_shape[len(x_shape) - nc:])
-    N = math.prod(w_shape[wsub.index(c)] for c in keep)
-    return M, K, N, wsub == keep + con
+    return M, K, math.prod(kept), wsub == keep + con, tuple(x_shape[: len(x_shape) - nc]) + kept
 
 
 def einsum(spec: str, x, w: QArray, precision=None, preferred_element_type=None, kernel: bool = False):
@@ -507,10 +507,8 @@ def einsum(spec: str, x, w: QArray, precision=None, preferred_element_type=None,
     mats = as_matrices(spec, x.shape, w.shape) if kernel else None
     if mats is not None:
         from pallas_kernels import qmatmul  # noqa: PLC0415
-        M, K, N, transpose = mats
+        M, K, N, transpose, out_shape = mats
         if qmatmul.fits(M, K, N):
-            keep = "".join(c for c in wsub if c in out)
-            out_shape = x.shape[: x.ndim - (len(wsub) - len(keep))] + tuple(w.shape[wsub.index(c)] for c in keep)
             y = qmatmul.qmatmul(x.reshape(M, K), w.q.reshape((N, K) if transpose else (K, N)), w.scale.reshape(N),
                                 transpose=transpose, out_dtype=preferred_element_type or x.dtype)
             return y.reshape(out_shape)

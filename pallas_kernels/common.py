@@ -89,13 +89,17 @@ def tile_size(want: int, n: int, backend: str) -> int:
     return max(floor, min(want, next_pow2(n)))
 
 
-def triton_params(backend: str, tiles: Tiles, head_dim: int):
+def compiler_params(backend: str, num_warps: int, num_stages: int):
+    """Triton's launch parameters for a pallas_call on `backend` (None off Triton)."""
     if backend != "triton":
         return None
     from jax.experimental.pallas import triton as plgpu  # noqa: PLC0415 (GPU-only import)
     cls = getattr(plgpu, "CompilerParams", None) or getattr(plgpu, "TritonCompilerParams")
-    warps = tiles.num_warps or (4 if head_dim <= 64 else 8)
-    return cls(num_warps=warps, num_stages=tiles.num_stages)
+    return cls(num_warps=num_warps, num_stages=num_stages)
+
+
+def triton_params(backend: str, tiles: Tiles, head_dim: int):
+    return compiler_params(backend, tiles.num_warps or (4 if head_dim <= 64 else 8), tiles.num_stages)
 
 
 # --------------------------------------------------------------------------- in-kernel pieces

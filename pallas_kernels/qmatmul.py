@@ -28,7 +28,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels.common import MIN_TILE, default_backend, dot, next_pow2, pad_axis, plain_backend
+from pallas_kernels.common import (MIN_TILE, compiler_params, default_backend, dot, next_pow2, pad_axis,
+                                   plain_backend)
 
 MAX_ROWS = 64  # rows (batch x tokens) up to which a matmul runs here
 BLOCK_N = 128
@@ -121,18 +122,13 @@ def qmatmul(x, q, scale, *, transpose: bool = False, out_dtype=None, backend: st
     xp = pad_axis(x, 0, rp)
     w_spec = (pl.BlockSpec((bn, K), lambda n, s: (n, 0)) if transpose
               else pl.BlockSpec((K, bn), lambda n, s: (0, n)))
-    params = None
-    if backend == "triton":
-        from jax.experimental.pallas import triton as plgpu  # noqa: PLC0415 (GPU-only import)
-        cls = getattr(plgpu, "CompilerParams", None) or getattr(plgpu, "TritonCompilerParams")
-        params = cls(num_warps=num_warps, num_stages=num_stages)
     part = pl.pallas_call(
         functools.partial(_kernel, block_k=bk, steps=steps, transpose=transpose, mode=mode),
         grid=(N // bn, splits),
         in_specs=[pl.BlockSpec((rp, K), lambda n, s: (0, 0)), w_spec],
         out_specs=pl.BlockSpec((None, rp, bn), lambda n, s: (s, 0, n)),
         out_shape=jax.ShapeDtypeStruct((splits, rp, N), jnp.float32),
-        compiler_params=params,
+        compiler_params=compiler_params(backend, num_warps, num_stages),
         interpret=backend == "interpret",
         name="jdllm_qmatmul",
     )(xp, q)
