@@ -260,16 +260,12 @@ def build_params(cfg, layout: str, seed: int, std: float, head_std: float, quant
     import jax.numpy as jnp  # noqa: PLC0415
 
     from jdllm.model import param_specs, unstack_layers  # noqa: PLC0415
-    from jdllm.quant import quantize_params  # noqa: PLC0415
+    from jdllm.quant import as_quantization, quantize_weight  # noqa: PLC0415
 
-    def q_top(d):  # top-level weights
-        return {k: v for k, v in quantize_params(dict(d, layers=()), quantize, consume=True).items() if k != "layers"}
+    qc = as_quantization(quantize)
 
-    def q_layer(lp):  # one layer's dict (per_layer)
-        return quantize_params(dict(layers=(lp,)), quantize, consume=True)["layers"][0]
-
-    def q_stacked(name, x):  # one stacked [layers, ...] weight
-        return quantize_params(dict(layers={name: x}), quantize, consume=True)["layers"][name]
+    def q(name, x, lead=0):  # one weight as `quantize` stores it (plain where it leaves it), x freed
+        return x if qc is None else quantize_weight(name, x, qc, lead, consume=True)
 
     dtype = jnp.bfloat16
     specs = param_specs(cfg)
@@ -295,9 +291,7 @@ def build_params(cfg, layout: str, seed: int, std: float, head_std: float, quant
     for j, name in enumerate(sorted(k for k in specs if k != "layers")):
         spec = specs[name]
         s = head_std if (name == "lm_head" or (name == "embed" and head_is_embed)) else std
-        top[name] = jax.jit(functools.partial(draw, spec, spec.shape, s=s))(jax.random.fold_in(root, j))
-        if quantize:
-            top[name] = q_top({name: top[name]})[name]
+        top[name] = q(name, jax.jit(functools.partial(draw, spec, spec.shape, s=s))(jax.random.fold_in(root, j)))
 
     if layout == "per_layer":
         # small stand-ins for the top-level weights, so unstack_layers sees a whole params dict
@@ -311,7 +305,7 @@ def build_params(cfg, layout: str, seed: int, std: float, head_std: float, quant
 
         layers = []
         for i in range(L):
-            layers.append(one_layer(i) if not quantize else q_layer(one_layer(i)))
+            layers.append({k: q(k, v) for k, v in one_layer(i).items()})
             jax.block_until_ready(layers[-1])  # one layer's temporaries at a time
         params = dict(top, layers=tuple(layers))
     elif layout == "stacked":
@@ -323,7 +317,7 @@ def build_params(cfg, layout: str, seed: int, std: float, head_std: float, quant
             buf = jax.jit(functools.partial(jnp.zeros, spec.shape, dtype))()
             for i in range(L):
                 buf = put(buf, i)
-            layers[n] = jax.block_until_ready(buf if not quantize else q_stacked(n, buf))
+            layers[n] = jax.block_until_ready(q(n, buf, lead=1))
         params = dict(top, layers=layers)
     else:
         raise ValueError(f"layout {layout!r} is not one of {LAYOUTS}")
