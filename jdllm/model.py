@@ -25,7 +25,7 @@ import jax
 import numpy as np
 import jax.numpy as jnp
 
-from jdllm import quant
+from jdllm import errors, quant
 from jdllm.config import ModelConfig
 from pallas_kernels import attention as attention_op
 from pallas_kernels import resolve_impl
@@ -276,11 +276,12 @@ def quant_matmul_kernel(attn_impl) -> bool:
 
     `$JDLLM_QUANT_MATMUL`: "auto" (default) = on a GPU when the attention runs the Pallas kernels
     (attn_impl "auto" / "pallas"); "pallas" = wherever attn_impl is a name (the CPU runs the kernel
-    in Pallas's interpret mode: how the tests check it); "xla" = never. A mesh's attention (a
+    in Pallas's interpret mode: how the tests check it); "xla" = never; anything else is a
+    `jdllm.errors.QuantizationError` naming it. A mesh's attention (a
     `ShardedAttention`) keeps XLA's dot, which XLA partitions with the sharded weights."""
     how = os.environ.get(QUANT_MATMUL_ENV, "auto")
     if how not in QUANT_MATMULS:
-        raise ValueError(f"{QUANT_MATMUL_ENV}={how!r} is not one of {QUANT_MATMULS}")
+        raise errors.QuantizationError(f"{QUANT_MATMUL_ENV}={how!r} is not one of {QUANT_MATMULS}")
     if how == "xla" or not isinstance(attn_impl, str):
         return False
     return how == "pallas" or (jax.default_backend() == "gpu" and resolve_impl(attn_impl) == "pallas")

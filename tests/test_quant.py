@@ -140,6 +140,10 @@ def test_load_quantized_logits_close_and_exact_against_dequantized():
         got = np.asarray(jax.jit(lambda p: fwd(p))(m.params))
     assert "jdllm_qmatmul" not in str(jax.make_jaxpr(lambda p: fwd(p))(m.params))  # off the GPU: XLA's dot by default
     assert kernels == 4 + 1, kernels  # qkv, o, gate_up, down in the one traced layer body; the head
+    with pytest.MonkeyPatch.context() as mp:  # a switch that names no mode: a jdllm error naming it
+        mp.setenv(QUANT_MATMUL_ENV, "triton")
+        with pytest.raises(errors.QuantizationError, match="JDLLM_QUANT_MATMUL='triton'"):
+            jdllm.logits(m, [[3, 4, 5]])
     np.testing.assert_allclose(got, np.asarray(jax.jit(lambda p: fwd(p))(m.params)), rtol=1e-5, atol=1e-5)
     keep = jdllm.load(path, dtype="float32", quantize=jdllm.Quantization("int8", embed=False, lm_head=False))
     assert not quant.is_quantized(keep.params["embed"]) and not quant.is_quantized(keep.params["lm_head"])
