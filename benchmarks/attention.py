@@ -65,6 +65,12 @@ def _pallas_options(impl: str, tiles) -> dict:
         "pallas": dict(variant="auto", tiles=tiles),
         "pallas-mosaic": dict(variant="prefill", tiles=tiles,
                               backend="mosaic" if on_gpu else "mosaic_interpret"),
+        # the warp-specialised Mosaic prefill (issue 28 item 2), with and without the ping-pong
+        "pallas-mosaic-ws": dict(variant="prefill", tiles=dataclasses.replace(tiles, mosaic_warp_specialized=True),
+                                 backend="mosaic" if on_gpu else "mosaic_interpret"),
+        "pallas-mosaic-ws-nopp": dict(variant="prefill", backend="mosaic" if on_gpu else "mosaic_interpret",
+                                      tiles=dataclasses.replace(tiles, mosaic_warp_specialized=True,
+                                                                mosaic_pingpong=False)),
         "pallas-triton": dict(variant="prefill", tiles=tiles,
                               backend="triton" if on_gpu else "interpret"),
         "pallas-packed": dict(variant="window", tiles=dataclasses.replace(tiles, num_splits=1)),
@@ -73,7 +79,8 @@ def _pallas_options(impl: str, tiles) -> dict:
 
 def _attn_fn(impl: str, *, kind, block_size, q_offset, kv_len, tiles):
     """impl "pallas" (auto variant, default backend), "pallas-mosaic" / "pallas-triton" (the
-    prefill kernel on that backend), "pallas-packed" (GQA-packed window kernel, one key split,
+    prefill kernel on that backend), "pallas-mosaic-ws" / "pallas-mosaic-ws-nopp" (the Mosaic
+    prefill's warp-specialised variant, with / without the ping-pong), "pallas-packed" (GQA-packed window kernel, one key split,
     used for prefill: each K/V tile is read once per KV head), or a dispatcher impl."""
     def fn(q, k, v):
         start = jnp.zeros((q.shape[0],), jnp.int32)
@@ -214,21 +221,21 @@ def print_table(res: dict) -> None:
     print(f"device: {res['device']} ({res['platform']}, Pallas backend {res['pallas_backend']}), "
           f"jax {res['jax']}, mode {res['mode']}, {res['dtype']}, shape {res['shape']}")
     print(f"measured matmul: {res['matmul_tflops']:.3f} TFLOP/s; copy: {res['copy_gbps']:.1f} GB/s")
-    print(f"\n{'mask':<20}{'S':>7}  {'impl':<14}{'ms':>10}{'TFLOP/s':>10}{'vs cudnn':>10}")
+    print(f"\n{'mask':<20}{'S':>7}  {'impl':<22}{'ms':>10}{'TFLOP/s':>10}{'vs cudnn':>10}")
     by = {(r["mask"], r["S"], r["impl"]): r for r in res["prefill"]}
     for r in res["prefill"] + res["forward_backward"]:
         if "skipped" in r:
-            print(f"{r['mask']:<20}{r['S']:>7}  {r['impl']:<14}  skipped: {r['skipped']}")
+            print(f"{r['mask']:<20}{r['S']:>7}  {r['impl']:<22}  skipped: {r['skipped']}")
             continue
         base = by.get((r["mask"], r["S"], "cudnn"), {})
         rel = f"{base['ms'] / r['ms']:.2f}x" if "ms" in base else "-"
-        print(f"{r['mask']:<20}{r['S']:>7}  {r['impl']:<14}{r['ms']:>10.3f}{r['tflops']:>10.3f}{rel:>10}")
-    print(f"\n{'window':<20}{'T':>4}{'S':>7}  {'impl':<14}{'ms':>10}{'GB/s':>10}{'of copy':>10}")
+        print(f"{r['mask']:<20}{r['S']:>7}  {r['impl']:<22}{r['ms']:>10.3f}{r['tflops']:>10.3f}{rel:>10}")
+    print(f"\n{'window':<20}{'T':>4}{'S':>7}  {'impl':<22}{'ms':>10}{'GB/s':>10}{'of copy':>10}")
     for r in res["window"]:
         if "skipped" in r:
-            print(f"{r['mask']:<20}{r['T']:>4}{r['S']:>7}  {r['impl']:<14}  skipped: {r['skipped']}")
+            print(f"{r['mask']:<20}{r['T']:>4}{r['S']:>7}  {r['impl']:<22}  skipped: {r['skipped']}")
             continue
-        print(f"{r['mask']:<20}{r['T']:>4}{r['S']:>7}  {r['impl']:<14}{r['ms']:>10.3f}{r['gbps']:>10.2f}"
+        print(f"{r['mask']:<20}{r['T']:>4}{r['S']:>7}  {r['impl']:<22}{r['ms']:>10.3f}{r['gbps']:>10.2f}"
               f"{100 * r['frac_of_copy']:>9.1f}%")
 
 
@@ -293,9 +300,10 @@ def main(argv=None) -> int:
     ap.add_argument("--window", type=int, nargs="+", default=[32, 128],
                     help="window lengths T (each its block size too; default 32 128)")
     ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--impls", default="pallas,pallas-mosaic,pallas-triton,pallas-packed,cudnn,xla",
-                    help="prefill implementations to time (window: pallas and xla); pallas-mosaic "
-                         "is recorded as skipped off Hopper")
+    ap.add_argument("--impls", default="pallas,pallas-mosaic,pallas-mosaic-ws,pallas-mosaic-ws-nopp,pallas-triton,"
+                                       "pallas-packed,cudnn,xla",
+                    help="prefill implementations to time (window: pallas and xla); the pallas-mosaic* "
+                         "ones are recorded as skipped off Hopper")
     ap.add_argument("--iters", type=int, default=None)
     ap.add_argument("--backward", action="store_true",
                     help="also time forward+backward (jax.grad) for Pallas and XLA")

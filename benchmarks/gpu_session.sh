@@ -42,7 +42,9 @@
 # tier took ~10 minutes on an H200); GPU_BENCH_S (200, the hard limit) and GPU_BENCH_BUDGET_S (110, after which gpu.py
 # starts no new case: a case started just before it may compile for 2 minutes on the 8B shape);
 # GPU_BENCH_ARGS adds arguments to gpu.py (e.g. "--only mb_approx_b1 hf" or "--layouts per_layer
-# stacked"); ATTN_S (0: the attention step is skipped; 75 runs it, ~10.5 minutes in all); LONG_S (0: the
+# stacked"); ATTN_S (0: the attention step is skipped; 75 runs it, ~10.5 minutes in all) with ATTN_SEQ
+# ("4096 16384") and ATTN_IMPLS ("pallas,pallas-mosaic-ws,pallas-mosaic-ws-nopp,cudnn,xla": on Hopper
+# "pallas" is the one-warpgroup Mosaic prefill, the -ws ones its warp-specialised variant); LONG_S (0: the
 # long-context step is skipped; 450 runs it, the hard limit) with LONG_BUDGET_S (LONG_S - 150: gpu.py
 # starts no case after it) and LONG_ARGS (more gpu.py arguments, e.g. "--long-prompt 16384" or
 # "--long-cases ar_b1 mb_exact_b1 mb_approx_b1" or "--repeats 0": the first run's timings alone, or
@@ -143,7 +145,9 @@ fi
 
 if [ "$T_ATTN" -gt 0 ]; then
   note "4. benchmarks/attention.py (timeout ${T_ATTN}s)"
-  timeout -k 10 "$T_ATTN" python3 benchmarks/attention.py --seq 4096 16384 --impls pallas,cudnn,xla --iters 5 \
+  # shellcheck disable=SC2086  # ATTN_SEQ is a list of lengths
+  timeout -k 10 "$T_ATTN" python3 benchmarks/attention.py --seq ${ATTN_SEQ:-4096 16384} \
+    --impls "${ATTN_IMPLS:-pallas,pallas-mosaic-ws,pallas-mosaic-ws-nopp,cudnn,xla}" --iters 5 \
     --window 32 128 --out "$out/attention.json" 2>&1 | tee "$out/attention.log"
   status=$(( status ? status : ${PIPESTATUS[0]} ))
 else

@@ -2,6 +2,8 @@
 
     python examples/attention.py                              # default Pallas backend
     python examples/attention.py --backend mosaic_interpret   # the Hopper kernel, on the CPU
+    python examples/attention.py --backend mosaic_interpret --warp-specialized
+                                  # its warp-specialised variant (loader + two compute warpgroups)
 
 On the CPU the Pallas kernels run in interpret mode (slow, exact); on a GPU the
 default backend compiles them (Mosaic GPU on Hopper, Triton elsewhere).
@@ -29,7 +31,10 @@ def main(argv=None) -> int:
     ap.add_argument("--kind", default="block_causal", choices=("causal", "block_causal",
                                                               "bidirectional"))
     ap.add_argument("--block-size", type=int, default=4)
+    ap.add_argument("--warp-specialized", action="store_true",
+                    help="the Mosaic prefill's warp-specialised variant (flash.Tiles(mosaic_warp_specialized=True))")
     args = ap.parse_args(argv)
+    tiles = flash.Tiles(mosaic_warp_specialized=args.warp_specialized)
 
     B, T, H, KV, D = 2, 96, 4, 2, 64
     rng = np.random.default_rng(0)
@@ -41,7 +46,7 @@ def main(argv=None) -> int:
     def loss(fn, q):
         return jnp.sum(fn(q, k, v, **kw).astype(jnp.float32) ** 2)
 
-    kernel = lambda q, k, v, **kw: flash.attention(q, k, v, **kw, backend=args.backend)  # noqa: E731
+    kernel = lambda q, k, v, **kw: flash.attention(q, k, v, **kw, backend=args.backend, tiles=tiles)  # noqa: E731
     for name, fn in (("pallas", kernel), ("xla", attention_reference)):
         out = fn(q, k, v, **kw).astype(jnp.float32)
         grad = jax.grad(lambda q: loss(fn, q))(q).astype(jnp.float32)

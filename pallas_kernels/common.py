@@ -36,6 +36,11 @@ class Tiles:
     interpreting). block_q_bwd / block_k_bwd: tiles of the backward kernels.
     mosaic_block_k (64 or 128) / mosaic_stages (>= 2): key tile and K/V ring
     depth of the Mosaic GPU prefill kernel (its query tile is fixed at 64).
+    mosaic_warp_specialized: the Mosaic prefill's warp-specialised variant
+    (two compute warpgroups on 128 query rows beside a TMA loader warpgroup;
+    prompts of more than 64 rows), with `mosaic_pingpong` staggering its two
+    compute warpgroups. Off by default until a GPU session has timed it
+    (benchmarks/attention.py's "pallas-mosaic-ws" rows).
     """
 
     block_q: int = 128
@@ -48,6 +53,8 @@ class Tiles:
     block_k_bwd: int = 64
     mosaic_block_k: int = 64
     mosaic_stages: int = 2
+    mosaic_warp_specialized: bool = False
+    mosaic_pingpong: bool = True
 
     def __post_init__(self):
         for name in ("block_q", "block_k", "block_r", "block_q_bwd", "block_k_bwd"):

@@ -313,8 +313,10 @@ def _forward(q, k, v, start, q_offset, kv_len, st: _Static, return_lse: bool = F
               block_size=st.block_size, scale=st.scale, return_lse=return_lse)
     if st.backend in ("mosaic", "mosaic_interpret") and st.variant == "prefill":
         if mosaic.unsupported_reason(q, k) is None:
+            ws = st.tiles.mosaic_warp_specialized and q.shape[1] > mosaic.BLOCK_Q  # one tile: no pair
             return mosaic.prefill_attention(q, k, v, **kw, block_k=st.tiles.mosaic_block_k,
-                                            stages=st.tiles.mosaic_stages,
+                                            stages=st.tiles.mosaic_stages, warp_specialized=ws,
+                                            pingpong=st.tiles.mosaic_pingpong,
                                             interpret=st.backend == "mosaic_interpret")
     fn = window_attention if st.variant == "window" else prefill_attention
     return fn(q, k, v, **kw, tiles=st.tiles, backend=plain_backend(st.backend))

@@ -27,10 +27,25 @@ CPU is lowering it for CUDA (`test_mosaic_path_lowers_for_cuda`): that runs the
 Pallas -> Mosaic GPU lowering, with its layout inference and `wgmma` shape
 checks, and stops short of PTX.
 
-STATUS: not yet compiled to PTX or run on a GPU (no GPU was lent to the
-session that wrote it). The first GPU session must run
-`bash benchmarks/gpu_session.sh` (the `gpu` tests, then the benchmark);
-`JDLLM_PALLAS_BACKEND=triton` sidesteps this kernel meanwhile.
+Warp-specialised variant (`warp_specialized=True`, `_ws_kernel`; issue 28
+item 2, the FlashAttention-3 layout): one program per pair of query tiles
+(128 rows) runs three warpgroups. A loader warpgroup gives up its registers and
+only issues the TMA loads of the K/V ring, each slot refilled when both compute
+warpgroups have released it (mbarriers with two arrivals); the two compute
+warpgroups each own one 64-row tile, raise their register budget to 232, and
+with `pingpong` meet twice per key tile on a shared barrier so that one's
+softmax runs while the other's `wgmma`s hold the tensor cores. Block-causal
+masks give the later tile more keys: the earlier warpgroup releases those
+tiles without computing them. Pallas's GPU interpreter runs the three
+warpgroups as threads and fails a kernel that leaves a barrier phase
+unobserved, so the CPU tests check the protocol, not only the numbers.
+
+STATUS: the one-warpgroup kernel has run on an H100 and an H200 (the `gpu`
+tests; 255-295 TFLOP/s block-causal at S = 4096 on the H100, see
+benchmarks/RESULTS.md). The warp-specialised variant has not yet been compiled
+to PTX or timed: it is off by default (`Tiles.mosaic_warp_specialized`) until
+benchmarks/attention.py's "pallas-mosaic-ws" rows show it faster.
+`JDLLM_PALLAS_BACKEND=triton` sidesteps both.
 """
 
 from __future__ import annotations
@@ -66,10 +81,66 @@ def _plgpu():
     return plgpu
 
 
+class _Ops:
+    """The matrix products, iotas and layout hints of a Mosaic kernel body, compiled or
+    interpreted (module docstring): one place for both kernels of this file."""
+
+    def __init__(self, interpret: bool, bq: int, bk: int):
+        self.plgpu, self.interpret, self.bq, self.bk = _plgpu(), interpret, bq, bk
+
+    def layout(self, x, lay):  # layout hints exist only for the compiled kernel
+        return x if self.interpret else self.plgpu.layout_cast(x, lay)
+
+    def iota(self, dim):
+        if self.interpret:
+            return lax.broadcasted_iota(jnp.int32, (self.bq, self.bk), dim)
+        return self.plgpu.broadcasted_iota(jnp.int32, (self.bq, self.bk), dim, layout=self.plgpu.Layout.WGMMA)
+
+    def qk(self, q_s, k_slot, issued=None):
+        """[bq, bk] f32 scores of the Q tile in shared memory against the K tile `k_slot`;
+        `issued()` runs between issuing the product and reading its result (ping-pong)."""
+        if self.interpret:
+            s = dot(q_s[...], k_slot[...], ((1,), (1,)))
+            if issued is not None:
+                issued()
+            return s
+        plgpu = self.plgpu
+
+        def mma(acc_ref):
+            plgpu.wgmma(acc_ref, q_s, plgpu.transpose_ref(k_slot, (1, 0)))
+            if issued is not None:
+                issued()
+            return acc_ref[...]
+        return pl.run_scoped(mma, plgpu.ACC((self.bq, self.bk), jnp.float32))
+
+    def pv(self, p, v_slot):  # [bq, D] f32
+        if self.interpret:
+            return dot(p, v_slot[...], ((1,), (0,)))
+        plgpu = self.plgpu
+
+        def mma(acc_ref):
+            plgpu.wgmma(acc_ref, p, v_slot)
+            return acc_ref[...]
+        return pl.run_scoped(mma, plgpu.ACC((self.bq, v_slot.shape[-1]), jnp.float32))
+
+    def init_carry(self, D):
+        wg = None if self.interpret else self.plgpu.Layout.WGMMA
+        return (self.layout(jnp.zeros((self.bq, D), jnp.float32), wg),
+                self.layout(jnp.full((self.bq,), NEG, jnp.float32), wg and wg.reduce(1)),
+                self.layout(jnp.zeros((self.bq,), jnp.float32), wg and wg.reduce(1)))
+
+    def visible(self, t, p_first, start, kind, block_size, kvl):
+        """[bq, bk] bool: which keys of tile t the rows from slot p_first on see."""
+        cols = t * self.bk + self.iota(1)
+        end = key_end(p_first + self.iota(0), kind, block_size, kvl)
+        return (cols >= start) & (cols < end)
+
+
 def _kernel(start_g, qoff_g, kvl_g, q_g, k_g, v_g, o_g, lse_g, q_s, k_s, v_s, lse_s, q_bar,
             k_bar, v_bar, *, T, S, G, num_q_tiles, kind, block_size, qk_scale, stages, interpret):
     plgpu = _plgpu()
     bq, bk = BLOCK_Q, k_s.shape[1]
+    ops = _Ops(interpret, bq, bk)
     dtype = q_s.dtype
     D = q_s.shape[-1]
     i = num_q_tiles - 1 - lax.axis_index("q")  # heaviest (last) query tiles launch first
@@ -79,36 +150,10 @@ def _kernel(start_g, qoff_g, kvl_g, q_g, k_g, v_g, o_g, lse_g, q_s, k_s, v_s, ls
     start, qoff, kvl = start_g[b], qoff_g[b], kvl_g[b]
     q0 = i * bq
 
-    def layout(x, lay):  # layout hints exist only for the compiled kernel
-        return x if interpret else plgpu.layout_cast(x, lay)
-
-    def iota(dim):
-        if interpret:
-            return lax.broadcasted_iota(jnp.int32, (bq, bk), dim)
-        return plgpu.broadcasted_iota(jnp.int32, (bq, bk), dim, layout=plgpu.Layout.WGMMA)
-
     def fetch(t, slot):
         kv_rows = (b, pl.ds(t * bk, bk), kvh)
         plgpu.copy_gmem_to_smem(k_g.at[kv_rows], k_s.at[slot], k_bar.at[slot])
         plgpu.copy_gmem_to_smem(v_g.at[kv_rows], v_s.at[slot], v_bar.at[slot])
-
-    def qk(slot):  # [bq, bk] f32
-        if interpret:
-            return dot(q_s[...], k_s[slot], ((1,), (1,)))
-
-        def mma(acc_ref):
-            plgpu.wgmma(acc_ref, q_s, plgpu.transpose_ref(k_s.at[slot], (1, 0)))
-            return acc_ref[...]
-        return pl.run_scoped(mma, plgpu.ACC((bq, bk), jnp.float32))
-
-    def pv(p, slot):  # [bq, D] f32
-        if interpret:
-            return dot(p, v_s[slot], ((1,), (0,)))
-
-        def mma(acc_ref):
-            plgpu.wgmma(acc_ref, p, v_s.at[slot])
-            return acc_ref[...]
-        return pl.run_scoped(mma, plgpu.ACC((bq, D), jnp.float32))
 
     plgpu.copy_gmem_to_smem(q_g.at[b, pl.ds(q0, bq), h], q_s, q_bar)
     p_first = qoff + q0
@@ -132,22 +177,15 @@ def _kernel(start_g, qoff_g, kvl_g, q_g, k_g, v_g, o_g, lse_g, q_s, k_s, v_s, ls
             fetch(ahead, lax.rem(ahead - ta, stages))
 
         plgpu.barrier_wait(k_bar.at[slot])
-        s = qk(slot) * qk_scale
-        vis = None
-        if masked:
-            cols = t * bk + iota(1)
-            end = key_end(p_first + iota(0), kind, block_size, kvl)
-            vis = (cols >= start) & (cols < end)
+        s = ops.qk(q_s, k_s.at[slot]) * qk_scale
+        vis = ops.visible(t, p_first, start, kind, block_size, kvl) if masked else None
 
         def pv_after_v_lands(p):
             plgpu.barrier_wait(v_bar.at[slot])
-            return pv(p.astype(dtype), slot)
+            return ops.pv(p.astype(dtype), v_s.at[slot])
         return online_softmax_step(carry, s, vis, pv_after_v_lands)
 
-    wg = plgpu.Layout.WGMMA if not interpret else None
-    carry = (layout(jnp.zeros((bq, D), jnp.float32), wg),
-             layout(jnp.full((bq,), NEG, jnp.float32), wg and wg.reduce(1)),
-             layout(jnp.zeros((bq,), jnp.float32), wg and wg.reduce(1)))
+    carry = ops.init_carry(D)
     carry = lax.fori_loop(ta, tb, functools.partial(step, masked=True), carry)
     carry = lax.fori_loop(tb, tc, functools.partial(step, masked=False), carry)
     acc, m, l = lax.fori_loop(tc, td, functools.partial(step, masked=True), carry)
@@ -160,15 +198,147 @@ def _kernel(start_g, qoff_g, kvl_g, q_g, k_g, v_g, o_g, lse_g, q_s, k_s, v_s, ls
     plgpu.wait_smem_to_gmem(0)
 
 
+def _ws_kernel(start_g, qoff_g, kvl_g, q_g, k_g, v_g, o_g, lse_g, qo_s, k_s, v_s, lse_s, q_bar,
+               k_bar, v_bar, k_free, v_free, turn, *, T, S, G, num_q_tiles, kind, block_size, qk_scale,
+               stages, pingpong, interpret):
+    """Warp-specialised body: three warpgroups per program ("wg"); 0 and 1 compute, 2 loads.
+
+    The program owns two adjacent 64-row query tiles, one per compute warpgroup, and one ring
+    of `stages` K/V slots that both read. Warpgroup 2 issues every TMA load: tile t goes into
+    slot (t - a) % stages once both compute warpgroups have released the tile that slot held
+    (`k_free` / `v_free`, two arrivals each); it issues no arithmetic, so it gives its registers
+    to the other two. Both compute warpgroups walk the program's tiles [a, d): each its own
+    masked / unmasked / masked segments of `tile_bounds` up to its own horizon, then releases
+    the tiles only its neighbour needs without computing them (the block-causal mask gives the
+    later query tile more keys). With `pingpong`, the two compute warpgroups meet at `turn`
+    twice per tile, which puts one's softmax beside the other's matrix products: warpgroup 1
+    starts one meeting late and warpgroup 0 ends with the spare one.
+    """
+    plgpu = _plgpu()
+    bq, bk = BLOCK_Q, k_s.shape[1]
+    ops = _Ops(interpret, bq, bk)
+    dtype = qo_s.dtype
+    D = qo_s.shape[-1]
+    i = num_q_tiles - 1 - lax.axis_index("q")  # heaviest (last) query tiles launch first
+    b = lax.axis_index("b")
+    h = lax.axis_index("h")
+    wg = lax.axis_index("wg")
+    start, qoff, kvl = start_g[b], qoff_g[b], kvl_g[b]
+    pair0 = i * (2 * bq)
+
+    def bounds(q0, rows):  # tile_bounds of query rows [q0, q0 + rows)
+        p_last = qoff + jnp.minimum(q0 + (rows - 1), T - 1)
+        return tile_bounds(start=start, kvl=kvl, p_first=qoff + q0, p_last=p_last, lo_slot=0, hi_slot=S,
+                           block_k=bk, kind=kind, block_size=block_size)
+
+    ta, _, _, td = bounds(pair0, 2 * bq)  # the program's tiles: the union of both warpgroups'
+
+    def meet():
+        if pingpong:
+            plgpu.barrier_arrive(turn)
+            plgpu.barrier_wait(turn)
+
+    @pl.when(wg < 2)
+    def _compute():
+        if not interpret:
+            plgpu.set_max_registers(232, action="increase")
+        q0 = pair0 + wg * bq
+        q_tile = qo_s.at[wg]
+        plgpu.copy_gmem_to_smem(q_g.at[b, pl.ds(q0, bq), h], q_tile, q_bar.at[wg])
+        a, tb, tc, d = bounds(q0, bq)
+        p_first = qoff + q0
+        plgpu.barrier_wait(q_bar.at[wg])
+        pl.when(wg == 1)(meet)
+
+        def step(t, carry, masked: bool):
+            slot = lax.rem(t - ta, stages)
+            plgpu.barrier_wait(k_bar.at[slot])
+            s = ops.qk(q_tile, k_s.at[slot], issued=meet) * qk_scale
+            plgpu.barrier_arrive(k_free.at[slot])
+            vis = ops.visible(t, p_first, start, kind, block_size, kvl) if masked else None
+
+            def pv_after_v_lands(p):
+                p = p.astype(dtype)
+                if pingpong:  # softmax done: hand the tensor cores over, then wait for them
+                    plgpu.barrier_arrive(turn)
+                plgpu.barrier_wait(v_bar.at[slot])
+                if pingpong:
+                    plgpu.barrier_wait(turn)
+                out = ops.pv(p, v_s.at[slot])
+                plgpu.barrier_arrive(v_free.at[slot])
+                return out
+            return online_softmax_step(carry, s, vis, pv_after_v_lands)
+
+        def release(t, _):  # a tile only the other warpgroup sees: let the loader reuse its slot
+            slot = lax.rem(t - ta, stages)
+            plgpu.barrier_wait(k_bar.at[slot])
+            plgpu.barrier_arrive(k_free.at[slot])
+            meet()
+            plgpu.barrier_wait(v_bar.at[slot])
+            plgpu.barrier_arrive(v_free.at[slot])
+            meet()
+
+        carry = ops.init_carry(D)
+        carry = lax.fori_loop(a, tb, functools.partial(step, masked=True), carry)
+        carry = lax.fori_loop(tb, tc, functools.partial(step, masked=False), carry)
+        acc, m, l = lax.fori_loop(tc, d, functools.partial(step, masked=True), carry)
+        lax.fori_loop(d, td, release, None)
+        pl.when(wg == 0)(meet)
+
+        q_tile[...] = normalise(acc, l).astype(dtype)
+        lse_s.at[wg][...] = row_lse(m, l)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(q_tile, o_g.at[b, pl.ds(q0, bq), h])
+        plgpu.copy_smem_to_gmem(lse_s.at[wg], lse_g.at[b, h, pl.ds(q0, bq)])
+        plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(wg == 2)
+    def _load():
+        if not interpret:
+            plgpu.set_max_registers(40, action="decrease")
+        kvh = lax.div(h, G)
+
+        def load(t, _):
+            slot = lax.rem(t - ta, stages)
+            rows = (b, pl.ds(t * bk, bk), kvh)
+
+            @pl.when(t - ta >= stages)
+            def _():
+                plgpu.barrier_wait(k_free.at[slot])
+            plgpu.copy_gmem_to_smem(k_g.at[rows], k_s.at[slot], k_bar.at[slot])
+
+            @pl.when(t - ta >= stages)
+            def _():
+                plgpu.barrier_wait(v_free.at[slot])
+            plgpu.copy_gmem_to_smem(v_g.at[rows], v_s.at[slot], v_bar.at[slot])
+
+        def drain(t, _):  # the last releases: every phase of every barrier is observed
+            slot = lax.rem(t - ta, stages)
+            plgpu.barrier_wait(k_free.at[slot])
+            plgpu.barrier_wait(v_free.at[slot])
+
+        lax.fori_loop(ta, td, load, None)
+        lax.fori_loop(jnp.maximum(ta, td - stages), td, drain, None)
+
+
+SMEM_BYTES = 227 * 1024  # shared memory one Hopper block may hold (sm_90: 227 KiB)
+SMEM_SLACK = 4096  # what Mosaic GPU adds to the scratch (barriers, alignment): 2.7 KiB measured
+
+
 def prefill_attention(q, k, v, *, start, q_offset=0, kv_len=None, kind="causal", block_size=1,
                       scale=None, block_k: int = BLOCK_K, stages: int = STAGES,
+                      warp_specialized: bool = False, pingpong: bool = True,
                       interpret: bool = False, return_lse: bool = False):
     """Mosaic GPU flash attention forward: q [B, T, H, D], k/v [B, S, KV, D] -> [B, T, H, D].
 
     Arguments as `flash.prefill_attention`; `block_k` (64 or 128) keys per
-    tile, `stages` (>= 2) K/V tiles in shared memory. `interpret=True` runs
-    Pallas's GPU interpret mode (CPU), whose uninitialised output memory is
-    NaN, so an element the kernel forgets to write fails the tests.
+    tile, `stages` (>= 2) K/V tiles in shared memory. `warp_specialized=True`
+    runs `_ws_kernel` (two compute warpgroups on 128 query rows, one TMA
+    loader warpgroup; `pingpong` staggers the two compute warpgroups) instead of
+    one warpgroup per 64 rows. `interpret=True` runs Pallas's GPU interpret mode
+    (CPU), whose uninitialised output memory is NaN, so an element the kernel
+    forgets to write fails the tests; it also checks that every barrier phase
+    is observed and runs the three warpgroups as concurrent threads.
     """
     plgpu = _plgpu()
     reason = unsupported_reason(q, k)
@@ -179,26 +349,42 @@ def prefill_attention(q, k, v, *, start, q_offset=0, kv_len=None, kind="causal",
     B, T, H, D = q.shape
     S, KV = k.shape[1], k.shape[2]
     G = H // KV
+    compute_wgs = 2 if warp_specialized else 1
+    smem_bytes = ((compute_wgs * BLOCK_Q + 2 * stages * block_k) * D * q.dtype.itemsize
+                  + compute_wgs * BLOCK_Q * 4 + SMEM_SLACK)  # Q/O tiles, the K/V ring, the lse rows
+    if smem_bytes > SMEM_BYTES:
+        raise ValueError(f"block_k={block_k} x stages={stages} at head_dim {D} needs about {smem_bytes} bytes "
+                         f"of shared memory, over the {SMEM_BYTES} a Hopper block holds: fewer stages")
     kv_len = S if kv_len is None else kv_len
     scale = D ** -0.5 if scale is None else scale
-    Tp, Sp = pl.cdiv(T, BLOCK_Q) * BLOCK_Q, pl.cdiv(S, block_k) * block_k
+    rows = compute_wgs * BLOCK_Q  # query rows per program
+    Tp, Sp = pl.cdiv(T, rows) * rows, pl.cdiv(S, block_k) * block_k
     k, v = k.astype(q.dtype), v.astype(q.dtype)
     q, k, v = pad_axis(q, 1, Tp), pad_axis(k, 1, Sp), pad_axis(v, 1, Sp)
     start, qoff, kvl = row_scalars(start, q_offset, kv_len, B, S)
-    nq = Tp // BLOCK_Q
+    nq = Tp // rows
 
     if interpret:
         smem = lambda shape: plgpu.SMEM(shape, q.dtype)  # noqa: E731
     else:
         swizzle = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
         smem = lambda shape: plgpu.SMEM(shape, q.dtype, transforms=swizzle)  # noqa: E731
-    scratch = [smem((BLOCK_Q, D)), smem((stages, block_k, D)), smem((stages, block_k, D)),
-               plgpu.SMEM((BLOCK_Q,), jnp.float32), plgpu.Barrier(),
-               plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=stages)]
-    body = functools.partial(_kernel, T=T, S=S, G=G, num_q_tiles=nq, kind=kind,
-                             block_size=block_size, qk_scale=scale * LOG2E, stages=stages,
-                             interpret=interpret)
+    ring = [smem((stages, block_k, D)), smem((stages, block_k, D))]
+    common_kw = dict(T=T, S=S, G=G, num_q_tiles=nq, kind=kind, block_size=block_size,
+                     qk_scale=scale * LOG2E, stages=stages, interpret=interpret)
     kwargs = {}
+    if warp_specialized:
+        scratch = [smem((2, BLOCK_Q, D)), *ring, plgpu.SMEM((2, BLOCK_Q), jnp.float32),
+                   plgpu.Barrier(num_barriers=2), plgpu.Barrier(num_barriers=stages),
+                   plgpu.Barrier(num_barriers=stages),
+                   plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+                   plgpu.Barrier(num_arrivals=2, num_barriers=stages), plgpu.Barrier(num_arrivals=2)]
+        body = functools.partial(_ws_kernel, **common_kw, pingpong=pingpong)
+        kwargs.update(num_threads=3, thread_name="wg")
+    else:
+        scratch = [smem((BLOCK_Q, D)), *ring, plgpu.SMEM((BLOCK_Q,), jnp.float32), plgpu.Barrier(),
+                   plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=stages)]
+        body = functools.partial(_kernel, **common_kw)
     if interpret:
         from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams  # noqa: PLC0415
         kwargs["interpret"] = InterpretGPUParams()

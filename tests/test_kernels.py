@@ -562,19 +562,63 @@ def test_mosaic_key_tile_and_ring_depth(block_k, stages):
         mosaic.prefill_attention(q, k, v, **kw, block_k=32, interpret=True)
 
 
+# (kind, block_size, B, T, S, q_offset, kv_len, H, KV, D, start, block_k, stages): the later tile of
+# each pair sees key tiles the earlier one does not (causal: it releases them uncomputed); a chunk at
+# an offset into a longer cache with left padding past the first tile; a three-slot ring of 128-key
+# tiles that wraps; T not a multiple of the 128-row pair
+MOSAIC_WS = [
+    ("causal", 1, 1, 256, 256, 0, 256, 2, 1, 64, [0], 64, 2),
+    ("block_causal", 32, 2, 100, 420, 300, 400, 2, 1, 64, [0, 150], 128, 3),
+    ("block_causal", 4, 2, 150, 150, 0, 150, 2, 1, 128, [0, 70], 64, 2),
+]
+
+
 @slow
-def test_mosaic_tiles_outside_the_rule_are_never_read():
-    """K/V tiles wholly past the horizon or before a row's start are NaN: the result stays finite."""
+@pytest.mark.parametrize("pingpong", [True, False], ids=["pingpong", "no-pingpong"])
+@pytest.mark.parametrize("kind,bs,B,T,S,qoff,kvl,H,KV,D,start,block_k,stages", MOSAIC_WS)
+def test_mosaic_warp_specialized_matches_one_warpgroup(kind, bs, B, T, S, qoff, kvl, H, KV, D, start, block_k,
+                                                       stages, pingpong):
+    """The warp-specialised variant (a loader warpgroup, two compute warpgroups, the ping-pong) runs
+    the one-warpgroup kernel's tile steps in the same order: the same output and log-sum-exp bit for
+    bit, and the reference's within the tolerance. Pallas's GPU interpreter runs the three
+    warpgroups as threads and fails on a barrier phase left unobserved."""
     from pallas_kernels import mosaic
 
-    B, T, S, H, KV, D, qoff = 2, 64, 256, 2, 1, 64, 64
+    q, k, v = _qkv(27, B, T, S, H, KV, D, jnp.bfloat16)
+    kw = dict(start=jnp.asarray(start, jnp.int32), q_offset=qoff, kv_len=kvl, kind=kind, block_size=bs,
+              block_k=block_k, stages=stages, interpret=True, return_lse=True)
+    out, lse = mosaic.prefill_attention(q, k, v, **kw, warp_specialized=True, pingpong=pingpong)
+    out1, lse1 = mosaic.prefill_attention(q, k, v, **kw)
+    np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(out1, np.float32))
+    np.testing.assert_array_equal(np.asarray(lse), np.asarray(lse1))
+    ref_kw = {n: kw[n] for n in ("start", "q_offset", "kv_len", "kind", "block_size")}
+    assert _rel_err(out, attention_reference(q, k, v, **ref_kw)) <= TOL[jnp.bfloat16]
+
+
+def test_mosaic_shared_memory_budget_is_checked():
+    from pallas_kernels import mosaic
+
+    q, k, v = _qkv(28, 1, 130, 130, 2, 1, 128, jnp.bfloat16)
+    with pytest.raises(ValueError, match="shared memory"):  # 2 x 64 x 128 + 2 x 4 x 128 x 128 bf16: 288 KiB
+        mosaic.prefill_attention(q, k, v, start=jnp.zeros((1,), jnp.int32), block_k=128, stages=4,
+                                 warp_specialized=True, interpret=True)
+
+
+@slow
+@pytest.mark.parametrize("ws", [False, True], ids=["one-warpgroup", "warp-specialized"])
+def test_mosaic_tiles_outside_the_rule_are_never_read(ws):
+    """K/V tiles wholly past the horizon or before a row's start are NaN: the result stays finite
+    (warp-specialised: the loader stops at the later query tile's horizon)."""
+    from pallas_kernels import mosaic
+
+    B, T, S, H, KV, D, qoff = 2, 128 if ws else 64, 320, 2, 1, 64, 64
     q, k, v = _qkv(21, B, T, S, H, KV, D, jnp.bfloat16)
     start = np.array([0, 64], np.int32)
     slot = np.arange(S)[None, :, None, None]
     dead = (slot >= qoff + T) | (slot < start[:, None, None, None])  # whole 64-key tiles
     kw = dict(start=jnp.asarray(start), q_offset=qoff, kv_len=S, kind="causal")
     out = mosaic.prefill_attention(q, jnp.where(dead, jnp.nan, k), jnp.where(dead, jnp.nan, v),
-                                   **kw, interpret=True)
+                                   **kw, warp_specialized=ws, interpret=True)
     ref = attention_reference(q, jnp.where(dead, 0.0, k), jnp.where(dead, 0.0, v), **kw)
     assert _rel_err(out, ref) <= TOL[jnp.bfloat16]
 
@@ -626,7 +670,8 @@ def test_mosaic_under_vmap():
     ("causal", 1, 256, 512, 4, 4, 64),
 ])
 @pytest.mark.parametrize("block_k,stages", [(64, 2), (128, 3)])
-def test_mosaic_path_lowers_for_cuda(kind, bs, T, S, H, KV, D, block_k, stages):
+@pytest.mark.parametrize("ws", [False, True], ids=["one-warpgroup", "warp-specialized"])
+def test_mosaic_path_lowers_for_cuda(kind, bs, T, S, H, KV, D, block_k, stages, ws):
     """backend="mosaic" lowers to one Mosaic GPU custom call (forward) and two Triton ones (backward).
 
     Cross-platform lowering on the CPU runs the Pallas -> Mosaic GPU lowering
@@ -639,13 +684,41 @@ def test_mosaic_path_lowers_for_cuda(kind, bs, T, S, H, KV, D, block_k, stages):
     def loss(q, k, v, off):
         out = flash.attention(q, k, v, start=jnp.array([0, 3]), q_offset=off, kind=kind,
                               block_size=bs, backend="mosaic", variant="prefill",
-                              tiles=flash.Tiles(mosaic_block_k=block_k, mosaic_stages=stages))
+                              tiles=flash.Tiles(mosaic_block_k=block_k, mosaic_stages=stages,
+                                                mosaic_warp_specialized=ws))
         return jnp.sum(out.astype(jnp.float32))
 
-    hlo = jax.jit(jax.value_and_grad(loss)).trace(q, k, v, jnp.int32(S - T)).lower(
-        lowering_platforms=("cuda",)).as_text()
+    def lower():
+        return jax.jit(jax.value_and_grad(loss)).trace(q, k, v, jnp.int32(S - T)).lower(
+            lowering_platforms=("cuda",)).as_text()
+    if ws and (2 * 64 + 2 * stages * block_k) * D * 2 > 220 * 1024:  # jdllm's check, before Mosaic's own
+        with pytest.raises(ValueError, match="fewer stages"):
+            lower()
+        return
+    hlo = lower()
     assert hlo.count("stablehlo.custom_call @mosaic_gpu") == 1
     assert hlo.count("__gpu$xla.gpu.triton") == 2
+
+
+def test_mosaic_warp_specialized_dispatch(monkeypatch):
+    """Tiles(mosaic_warp_specialized=True) sends prompts of more than one 64-row tile to the
+    warp-specialised variant (with the ping-pong setting given); one tile keeps one warpgroup."""
+    from pallas_kernels import mosaic
+
+    seen = []
+
+    def spy(q, k, v, **kw):
+        seen.append((q.shape[1], kw["warp_specialized"], kw["pingpong"]))
+        return (jnp.zeros_like(q), jnp.zeros(q.shape[:1] + q.shape[2:3] + q.shape[1:2], jnp.float32))
+    monkeypatch.setattr(mosaic, "prefill_attention", spy)
+    for T, pp in ((100, True), (64, True), (300, False)):
+        q, k, v = _qkv(29, 1, T, T, 2, 1, 64, jnp.bfloat16)
+        tiles = flash.Tiles(mosaic_warp_specialized=True, mosaic_pingpong=pp)
+        flash.attention(q, k, v, start=jnp.zeros((1,), jnp.int32), kind="causal", backend="mosaic_interpret",
+                        variant="prefill", tiles=tiles)
+    flash.attention(q, k, v, start=jnp.zeros((1,), jnp.int32), kind="causal", backend="mosaic_interpret",
+                    variant="prefill")
+    assert seen == [(100, True, True), (64, False, True), (300, True, False), (300, False, True)]
 
 
 # ----------------------------------------------------------------------------- quantized matmul
@@ -763,14 +836,16 @@ def test_gpu_grad_and_auto_dispatch():
                                                 ("block_causal", 32, 0, jnp.bfloat16),
                                                 ("block_causal", 4, 100, jnp.float16),
                                                 ("bidirectional", 1, 0, jnp.bfloat16)])
-def test_gpu_mosaic_prefill_compiled(kind, bs, qoff, dtype):
+@pytest.mark.parametrize("variant", ["one-warpgroup", "warp-specialized", "warp-specialized-no-pingpong"])
+def test_gpu_mosaic_prefill_compiled(kind, bs, qoff, dtype, variant):
     from pallas_kernels import mosaic
 
     if not mosaic.is_hopper():
         pytest.skip("the Mosaic GPU kernel needs Hopper (sm_90)")
     q, k, v = _qkv(24, 2, 300, 300 + qoff, 8, 2, 128, dtype)
     kw = dict(start=jnp.array([0, 77]), q_offset=qoff, kind=kind, block_size=bs)
-    out = jax.jit(functools.partial(mosaic.prefill_attention, **kw))(q, k, v)
+    opts = dict(warp_specialized=variant != "one-warpgroup", pingpong=not variant.endswith("no-pingpong"))
+    out = jax.jit(functools.partial(mosaic.prefill_attention, **kw, **opts))(q, k, v)
     assert _rel_err(out, attention_reference(q, k, v, **kw)) <= TOL[jnp.bfloat16]
 
 
