@@ -377,6 +377,30 @@ def test_bad_model_raises():
         prepare(block_model(), [[1, 2]], jdllm.MultiBlock(block_size=8), _sampling(2))
 
 
+def test_approx_cache_compiles_no_suffix_wider_than_the_generation(monkeypatch):
+    """A suffix starts at a row's cache edge (0: a refresh over the whole canvas; else at least the
+    row's base, after its prompt), so the step compiles the widths of `block_widths` up to the
+    generation region, and the canvas: none in between (here the canvas 48 and 12 blocks of 4 would
+    give 32 and 40 too). The tokens are d3LLM's (`test_approx_cache_follows_d3llm`)."""
+    from jdllm.decode import common  # noqa: PLC0415
+
+    m = bidir_model()
+    seen, real = set(), common.forward_window
+
+    def spy(params, ctx, state, offset, width, **kw):
+        seen.add(int(width))
+        return real(params, ctx, state, offset, width, **kw)
+    monkeypatch.setattr(common, "forward_window", spy)
+    prompt = list(range(5, 37))  # 32 tokens: P = 32, the generation bucket 16, S = 48
+    lay = _mb("pipelined").layout(np.asarray([len(prompt)]), 16, m.config)
+    S, P = lay.slots, lay.prefill_len
+    assert (S, P) == (48, 32)
+    jdllm.generate(m, [prompt], _mb("pipelined", cache_mode="approx"), _sampling(16))
+    gen = [w for w in common.block_widths(BS, S) if w <= S - P]
+    assert seen == set(gen) | {S}, (sorted(seen), gen)
+    assert any(S - P < w < S for w in common.block_widths(BS, S))  # the test would tell
+
+
 @pytest.mark.parametrize("unit", [4, 16, 32])
 def test_approx_cache_window_widths(unit):
     """The approx cache's suffix widths (`common.block_widths`): whole blocks, ending with the canvas,

@@ -190,8 +190,13 @@ class ApproxCache(CacheStrategy):
         if ctx.model.logit_shift:  # Dream shifts within the forward: a suffix's first slot predicts itself
             own = (running & suffix)[:, None] & (at == floor[:, None])
             at = jnp.where(own, at + 1, at)  # the head then reads slot `floor`'s own output
-        # window widths: the narrowest of `common.block_widths` that reaches every floor
+        # window widths: the narrowest of `common.block_widths` that reaches every floor. A suffix starts
+        # at a row's cache edge, which is 0 (a refresh: the whole canvas, width S) or at least the row's
+        # base >= prefill_len, so outside a serving pool no suffix is wider than the generation region
+        # and the widths between it and S would be compiled for nothing (P128 + G256: 320 of 32..384)
         widths = common.block_widths(Bs, S)
+        if not ctx.own_layouts:
+            widths = [w for w in widths if w <= max(S - ctx.prefill_len, Bs)] + [S]
         N = at.shape[1]
         tail = mb.max_blocks is None  # the planned slots are [S - N, S) (`MultiBlock._flight_width`)
 
