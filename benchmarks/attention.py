@@ -93,10 +93,16 @@ def _attn_fn(impl: str, *, kind, block_size, q_offset, kv_len, tiles):
 
 
 def _grad_fn(impl: str, *, kind, block_size, tiles):
-    """jit(grad) of sum(attention * w): forward plus backward, as a training step runs them."""
+    """jit(grad) of sum(attention * w): forward plus backward, as a training step runs them. impl
+    "pallas" (default backends: Triton backward kernels), "pallas-mosaic-bwd" (the Mosaic forward and
+    the Mosaic backward kernels of mosaic_backward.py; interpreted off a GPU) or a dispatcher impl."""
     def loss(q, k, v, w):
         start = jnp.zeros((q.shape[0],), jnp.int32)
-        if impl == "pallas":
+        if impl == "pallas-mosaic-bwd":
+            backend = "mosaic" if jax.default_backend() == "gpu" else "mosaic_interpret"
+            out = flash.attention(q, k, v, start=start, kind=kind, block_size=block_size, backend=backend,
+                                  variant="prefill", tiles=dataclasses.replace(tiles, mosaic_backward=True))
+        elif impl == "pallas":
             out = flash.attention(q, k, v, start=start, kind=kind, block_size=block_size, tiles=tiles)
         else:
             out = pallas_kernels.attention(q, k, v, start=start, kind=kind, block_size=block_size,
@@ -152,7 +158,7 @@ def run(args) -> dict:
         for S in seqs:
             q, k, v = _inputs(B, S, S, H, KV, D, dtype)
             flops = 4 * B * H * D * visible_pairs(S, S, kind, bs)
-            for impl in impls:
+            for impl in [i for i in impls if i != "pallas-mosaic-bwd"]:  # that one only times the backward
                 row = dict(mask=f"{kind}" + (f"(B={bs})" if kind == "block_causal" else ""), S=S,
                            impl=impl)
                 if impl == "xla" and not _xla_fits(B, H, S, S, budget):
@@ -175,7 +181,7 @@ def run(args) -> dict:
             q, k, v = _inputs(B, S, S, H, KV, D, dtype)
             w = jnp.ones(q.shape, jnp.float32)
             flops = 2.5 * 4 * B * H * D * visible_pairs(S, S, kind, bs)  # forward + backward (5 matmuls)
-            for impl in [i for i in impls if i in ("pallas", "xla")]:
+            for impl in [i for i in impls if i in ("pallas", "pallas-mosaic-bwd", "xla")]:
                 row = dict(mask=f"{kind}" + (f"(B={bs})" if kind == "block_causal" else ""), S=S,
                            impl=impl + "+grad")
                 if impl == "xla" and not _xla_fits(B, H, S, S, budget // 2):
@@ -302,8 +308,8 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--impls", default="pallas,pallas-mosaic,pallas-mosaic-ws,pallas-mosaic-ws-nopp,pallas-triton,"
                                        "pallas-packed,cudnn,xla",
-                    help="prefill implementations to time (window: pallas and xla); the pallas-mosaic* "
-                         "ones are recorded as skipped off Hopper")
+                    help="prefill implementations to time (window: pallas and xla; with --backward: pallas, "
+                         "pallas-mosaic-bwd and xla); the pallas-mosaic* ones are recorded as skipped off Hopper")
     ap.add_argument("--iters", type=int, default=None)
     ap.add_argument("--backward", action="store_true",
                     help="also time forward+backward (jax.grad) for Pallas and XLA")

@@ -40,7 +40,10 @@ class Tiles:
     (two compute warpgroups on 128 query rows beside a TMA loader warpgroup;
     prompts of more than 64 rows), with `mosaic_pingpong` staggering its two
     compute warpgroups. Off by default until a GPU session has timed it
-    (benchmarks/attention.py's "pallas-mosaic-ws" rows).
+    (benchmarks/attention.py's "pallas-mosaic-ws" rows). mosaic_backward: on
+    the "mosaic" backends, the backward runs the Mosaic GPU kernels of
+    `mosaic_backward.py` (wgmma, TMA ring of `mosaic_stages`) instead of the
+    Triton ones; off by default likewise ("pallas-mosaic-bwd+grad" rows).
     """
 
     block_q: int = 128
@@ -55,6 +58,7 @@ class Tiles:
     mosaic_stages: int = 2
     mosaic_warp_specialized: bool = False
     mosaic_pingpong: bool = True
+    mosaic_backward: bool = False
 
     def __post_init__(self):
         for name in ("block_q", "block_k", "block_r", "block_q_bwd", "block_k_bwd"):

@@ -55,7 +55,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels import mosaic
+from pallas_kernels import mosaic, mosaic_backward
 from pallas_kernels.backward import attention_backward
 from pallas_kernels.common import (BACKEND_ENV, BACKENDS, LOG2E, MIN_TILE, NEG, Tiles,  # noqa: F401 (re-exported)
                                    cdiv, default_backend, dot, dot_precision, key_end, normalise,
@@ -342,6 +342,11 @@ def _attention_bwd(st: _Static, res, g):
         _, vjp = jax.vjp(lambda q, k, v: attention_reference(q, k, v, **kw), q, k, v)
         return (*vjp(g), None, None, None)
     o, lse = res[6:]
+    if (st.tiles.mosaic_backward and st.backend in ("mosaic", "mosaic_interpret")
+            and mosaic.unsupported_reason(q, k) is None):
+        dq, dk, dv = mosaic_backward.attention_backward(q, k, v, o, lse, g, **kw, stages=st.tiles.mosaic_stages,
+                                                        interpret=st.backend == "mosaic_interpret")
+        return dq, dk.astype(k.dtype), dv.astype(v.dtype), None, None, None
     dq, dk, dv = attention_backward(q, k.astype(q.dtype), v.astype(q.dtype), o, lse, g, **kw,
                                     tiles=st.tiles, backend=plain_backend(st.backend))
     return dq, dk.astype(k.dtype), dv.astype(v.dtype), None, None, None

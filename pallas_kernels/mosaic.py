@@ -81,9 +81,10 @@ def _plgpu():
     return plgpu
 
 
-class _Ops:
-    """The matrix products, iotas and layout hints of a Mosaic kernel body, compiled or
-    interpreted (module docstring): one place for both kernels of this file."""
+class WarpgroupOps:
+    """The matrix products, iotas, vector loads and layout hints of a Mosaic kernel body, compiled
+    or interpreted (module docstring): one place for the forward kernels here and the backward
+    ones of `mosaic_backward.py`. bq x bk is the score tile's shape (rows x columns)."""
 
     def __init__(self, interpret: bool, bq: int, bk: int):
         self.plgpu, self.interpret, self.bq, self.bk = _plgpu(), interpret, bq, bk
@@ -96,36 +97,55 @@ class _Ops:
             return lax.broadcasted_iota(jnp.int32, (self.bq, self.bk), dim)
         return self.plgpu.broadcasted_iota(jnp.int32, (self.bq, self.bk), dim, layout=self.plgpu.Layout.WGMMA)
 
-    def qk(self, q_s, k_slot, issued=None):
-        """[bq, bk] f32 scores of the Q tile in shared memory against the K tile `k_slot`;
-        `issued()` runs between issuing the product and reading its result (ping-pong)."""
+    def mm_t(self, a_s, b_s, issued=None):
+        """a_s [M, K] . b_s [N, K]^T -> [M, N] f32, both operands in shared memory; `issued()` runs
+        between issuing the product and reading its result (ping-pong)."""
         if self.interpret:
-            s = dot(q_s[...], k_slot[...], ((1,), (1,)))
+            out = dot(a_s[...], b_s[...], ((1,), (1,)))
             if issued is not None:
                 issued()
-            return s
+            return out
         plgpu = self.plgpu
 
         def mma(acc_ref):
-            plgpu.wgmma(acc_ref, q_s, plgpu.transpose_ref(k_slot, (1, 0)))
+            plgpu.wgmma(acc_ref, a_s, plgpu.transpose_ref(b_s, (1, 0)))
             if issued is not None:
                 issued()
             return acc_ref[...]
-        return pl.run_scoped(mma, plgpu.ACC((self.bq, self.bk), jnp.float32))
+        return pl.run_scoped(mma, plgpu.ACC((a_s.shape[0], b_s.shape[0]), jnp.float32))
+
+    def mm(self, a, b_s):
+        """a [M, K] (registers, 16-bit) . b_s [K, N] (shared memory) -> [M, N] f32."""
+        if self.interpret:
+            return dot(a, b_s[...], ((1,), (0,)))
+        plgpu = self.plgpu
+
+        def mma(acc_ref):
+            plgpu.wgmma(acc_ref, a, b_s)
+            return acc_ref[...]
+        return pl.run_scoped(mma, plgpu.ACC((a.shape[0], b_s.shape[-1]), jnp.float32))
+
+    def qk(self, q_s, k_slot, issued=None):
+        """[bq, bk] f32 scores of the Q tile in shared memory against the K tile `k_slot`."""
+        return self.mm_t(q_s, k_slot, issued)
 
     def pv(self, p, v_slot):  # [bq, D] f32
-        if self.interpret:
-            return dot(p, v_slot[...], ((1,), (0,)))
-        plgpu = self.plgpu
+        return self.mm(p, v_slot)
 
-        def mma(acc_ref):
-            plgpu.wgmma(acc_ref, p, v_slot)
-            return acc_ref[...]
-        return pl.run_scoped(mma, plgpu.ACC((self.bq, v_slot.shape[-1]), jnp.float32))
+    def vector(self, ref, axis: int):
+        """A float32 vector in shared memory, laid out to broadcast along `axis` of a score tile: axis 1
+        (one value per row) or axis 0 (one per column)."""
+        if self.interpret:
+            return ref[...]
+        return self.plgpu.load(ref, (), layout=self.plgpu.Layout.WGMMA.reduce(axis))
+
+    def zeros(self, shape):
+        wg = None if self.interpret else self.plgpu.Layout.WGMMA
+        return self.layout(jnp.zeros(shape, jnp.float32), wg)
 
     def init_carry(self, D):
         wg = None if self.interpret else self.plgpu.Layout.WGMMA
-        return (self.layout(jnp.zeros((self.bq, D), jnp.float32), wg),
+        return (self.zeros((self.bq, D)),
                 self.layout(jnp.full((self.bq,), NEG, jnp.float32), wg and wg.reduce(1)),
                 self.layout(jnp.zeros((self.bq,), jnp.float32), wg and wg.reduce(1)))
 
@@ -140,7 +160,7 @@ def _kernel(start_g, qoff_g, kvl_g, q_g, k_g, v_g, o_g, lse_g, q_s, k_s, v_s, ls
             k_bar, v_bar, *, T, S, G, num_q_tiles, kind, block_size, qk_scale, stages, interpret):
     plgpu = _plgpu()
     bq, bk = BLOCK_Q, k_s.shape[1]
-    ops = _Ops(interpret, bq, bk)
+    ops = WarpgroupOps(interpret, bq, bk)
     dtype = q_s.dtype
     D = q_s.shape[-1]
     i = num_q_tiles - 1 - lax.axis_index("q")  # heaviest (last) query tiles launch first
@@ -216,7 +236,7 @@ def _ws_kernel(start_g, qoff_g, kvl_g, q_g, k_g, v_g, o_g, lse_g, qo_s, k_s, v_s
     """
     plgpu = _plgpu()
     bq, bk = BLOCK_Q, k_s.shape[1]
-    ops = _Ops(interpret, bq, bk)
+    ops = WarpgroupOps(interpret, bq, bk)
     dtype = qo_s.dtype
     D = qo_s.shape[-1]
     i = num_q_tiles - 1 - lax.axis_index("q")  # heaviest (last) query tiles launch first
@@ -404,4 +424,5 @@ def prefill_attention(q, k, v, *, start, q_offset=0, kv_len=None, kind="causal",
     return (out, lse[:, :, :T]) if return_lse else out
 
 
-__all__ = ["prefill_attention", "unsupported_reason", "is_hopper", "BLOCK_Q", "BLOCK_K", "STAGES"]
+__all__ = ["prefill_attention", "unsupported_reason", "is_hopper", "WarpgroupOps", "BLOCK_Q", "BLOCK_K", "STAGES",
+           "SMEM_BYTES"]

@@ -700,6 +700,70 @@ def test_mosaic_path_lowers_for_cuda(kind, bs, T, S, H, KV, D, block_k, stages, 
     assert hlo.count("__gpu$xla.gpu.triton") == 2
 
 
+# (kind, block_size, B, T, S, q_offset, kv_len, H, KV, D, start, stages): GQA 2 with T past one tile (the
+# dK / dV walk runs over both heads of the group and wraps the ring); a chunk at an offset into a longer
+# cache with left padding (key tiles no query sees, queries that see nothing); bidirectional GQA with a
+# three-slot ring and head_dim 128
+MOSAIC_BWD = [
+    ("causal", 1, 1, 130, 130, 0, 130, 2, 1, 64, [0], 2),
+    ("block_causal", 4, 2, 20, 150, 70, 90, 2, 1, 64, [0, 80], 2),
+    ("bidirectional", 1, 2, 70, 70, 0, 70, 4, 2, 128, [0, 20], 3),
+]
+
+
+@slow
+@pytest.mark.parametrize("kind,bs,B,T,S,qoff,kvl,H,KV,D,start,stages", MOSAIC_BWD)
+def test_mosaic_backward_matches_the_triton_kernels(kind, bs, B, T, S, qoff, kvl, H, KV, D, start, stages):
+    """The Mosaic backward (GPU interpreter) gives the Triton kernels' dq, dk, dv (interpret mode) and the
+    XLA reference's VJP within bfloat16's tolerance."""
+    from pallas_kernels import mosaic_backward
+    from pallas_kernels.backward import attention_backward
+
+    q, k, v = _qkv(31, B, T, S, H, KV, D, jnp.bfloat16)
+    do = jnp.asarray(np.random.default_rng(32).standard_normal(q.shape), jnp.bfloat16)
+    kw = dict(start=jnp.asarray(start, jnp.int32), q_offset=qoff, kv_len=kvl, kind=kind, block_size=bs)
+    o, lse = flash.prefill_attention(q, k, v, **kw, backend="interpret", return_lse=True)
+    got = mosaic_backward.attention_backward(q, k, v, o, lse, do, **kw, stages=stages, interpret=True)
+    want = attention_backward(q, k, v, o, lse, do, **kw, backend="interpret")
+    f32 = [x.astype(jnp.float32) for x in (q, k, v)]
+    _, vjp = jax.vjp(lambda q, k, v: attention_reference(q, k, v, **kw), *f32)
+    ref = vjp(do.astype(jnp.float32))
+    for g, w, r in zip(got, want, ref):
+        assert g.dtype == jnp.bfloat16 and g.shape == w.shape
+        assert _rel_err(g, w) <= 1e-3
+        assert _rel_err(g, r) <= 2e-2
+
+
+@slow
+def test_mosaic_backward_through_attention_and_lowered_for_cuda():
+    """Tiles(mosaic_backward=True): jax.grad of flash.attention on "mosaic_interpret" runs the Mosaic
+    backward (the default one's gradients); lowered for CUDA, forward and backward are three Mosaic
+    GPU kernels and no Triton one. float32 keeps the Triton backward."""
+    q, k, v = _qkv(33, 2, 70, 70, 4, 2, 64, jnp.bfloat16)
+    kw = dict(start=jnp.array([0, 9]), kind="block_causal", block_size=4)
+
+    def loss(tiles, q, k, v):
+        out = flash.attention(q, k, v, **kw, backend="mosaic_interpret", variant="prefill", tiles=tiles)
+        return jnp.sum(out.astype(jnp.float32) ** 2)
+
+    got = jax.grad(functools.partial(loss, flash.Tiles(mosaic_backward=True)), argnums=(0, 1, 2))(q, k, v)
+    want = jax.grad(functools.partial(loss, flash.Tiles()), argnums=(0, 1, 2))(q, k, v)
+    for g, w in zip(got, want):
+        assert _rel_err(g, w) <= 1e-3
+
+    def cuda_loss(q, k, v):
+        out = flash.attention(q, k, v, **kw, backend="mosaic", variant="prefill",
+                              tiles=flash.Tiles(mosaic_backward=True))
+        return jnp.sum(out.astype(jnp.float32))
+    hlo = jax.jit(jax.grad(cuda_loss, argnums=(0, 1, 2))).trace(q, k, v).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert hlo.count("stablehlo.custom_call @mosaic_gpu") == 3 and "__gpu$xla.gpu.triton" not in hlo
+    with pytest.raises(ValueError, match="stages"):
+        from pallas_kernels import mosaic_backward
+        mosaic_backward.attention_backward(q, k, v, q, jnp.zeros((2, 4, 70)), q, start=kw["start"], q_offset=0,
+                                           kv_len=70, kind="causal", block_size=1, stages=1, interpret=True)
+
+
 def test_mosaic_warp_specialized_dispatch(monkeypatch):
     """Tiles(mosaic_warp_specialized=True) sends prompts of more than one 64-row tile to the
     warp-specialised variant (with the ping-pong setting given); one tile keeps one warpgroup."""
@@ -849,6 +913,26 @@ def test_gpu_mosaic_prefill_compiled(kind, bs, qoff, dtype, variant):
     assert _rel_err(out, attention_reference(q, k, v, **kw)) <= TOL[jnp.bfloat16]
 
 
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("kind,bs,qoff", [("causal", 1, 0), ("block_causal", 32, 100), ("bidirectional", 1, 0)])
+def test_gpu_mosaic_backward_compiled(kind, bs, qoff):
+    """The Mosaic backward compiled for Hopper against the XLA reference's VJP."""
+    from pallas_kernels import mosaic, mosaic_backward
+
+    if not mosaic.is_hopper():
+        pytest.skip("the Mosaic GPU kernels need Hopper (sm_90)")
+    q, k, v = _qkv(34, 2, 300, 300 + qoff, 8, 2, 128, jnp.bfloat16)
+    do = jnp.asarray(np.random.default_rng(35).standard_normal(q.shape), jnp.bfloat16)
+    kw = dict(start=jnp.array([0, 77]), q_offset=qoff, kv_len=300 + qoff, kind=kind, block_size=bs)
+    o, lse = jax.jit(functools.partial(mosaic.prefill_attention, **kw, return_lse=True))(q, k, v)
+    got = jax.jit(functools.partial(mosaic_backward.attention_backward, **kw))(q, k, v, o, lse, do)
+    f32 = [x.astype(jnp.float32) for x in (q, k, v)]
+    _, vjp = jax.vjp(lambda q, k, v: attention_reference(q, k, v, **kw), *f32)
+    for g, r in zip(got, vjp(do.astype(jnp.float32))):
+        assert _rel_err(g, r) <= 2e-2
+
+
 def test_kernel_modules_import_without_a_cycle():
     """flash, backward and mosaic share `common`; none reaches into a sibling's private names,
     and no module-level import is deferred into a function to dodge a circle."""
@@ -874,6 +958,7 @@ def test_kernel_modules_import_without_a_cycle():
 
     assert not [m for m in deps if reaches(m, m)]
     assert deps["backward"] <= {"common"} and deps["mosaic"] <= {"common"}
+    assert deps["mosaic_backward"] <= {"common", "mosaic"}
 
 
 @pytest.mark.gpu

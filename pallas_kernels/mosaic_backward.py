@@ -1,0 +1,264 @@
+"""Mosaic GPU (Hopper) backward of the flash attention, under jdllm's masking rule.
+
+The math and the tile walks are those of the Triton kernels in `backward.py`
+(FlashAttention-2: the probabilities are recomputed tile by tile from the
+forward's row log2-sum-exp2; delta = rowsum(o * do) comes from XLA). Here every
+matrix product is a `wgmma` and every streamed operand arrives by TMA through a
+ring of `stages` shared-memory slots, the loads of the next tiles in flight
+while the current one is computed, as in the forward (`mosaic.py`):
+
+- `_dq_kernel`, one program per (64-row query tile, batch row, query head): Q,
+  dO, lse and delta of the tile are loaded once; K and V tiles stream over the
+  forward's key range (`tile_bounds`: masked / unmasked / masked). Per tile:
+  S = Q K^T, P = exp2(S - lse), dP = dO V^T, dS = P (dP - delta), dQ += dS K.
+- `_dkv_kernel`, one program per (64-key tile, batch row, KV head): K and V are
+  loaded once; for each of the G query heads sharing the KV head, the query
+  tiles that see the key tile stream through the ring (Q, dO, lse, delta: one
+  walk over G x tiles, masked only where some query of the tile does not see
+  every key). Per tile, transposed so the key tile is the 64-row operand:
+  S^T = K Q^T, P^T = exp2(S^T - lse), dV += P^T dO, dP^T = V dO^T,
+  dS^T = P^T (dP^T - delta), dK += dS^T Q. The GQA sum stays in registers.
+
+float16 / bfloat16, head_dim a multiple of 64, like the forward.
+`flash.attention` runs these when `Tiles(mosaic_backward=True)` on the
+"mosaic" backends; by default the backward stays on the Triton kernels until a
+GPU session has timed both (benchmarks/attention.py's "pallas-mosaic-bwd"
+rows). In interpret mode ("mosaic_interpret") the products are plain dots on
+values loaded from shared memory (`mosaic.WarpgroupOps`); the copies,
+barriers, tile walks and masks are the compiled kernel's own.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from pallas_kernels.common import LOG2E, cdiv, dot_precision, key_end, pad_axis, row_scalars, tile_bounds
+from pallas_kernels.mosaic import BLOCK_Q, WarpgroupOps, unsupported_reason
+
+BLOCK_K = 64  # keys per tile (the dK / dV programs' 64 rows)
+
+
+def _plgpu():
+    from jax.experimental.pallas import mosaic_gpu as plgpu  # noqa: PLC0415 (GPU-only import)
+    return plgpu
+
+
+def _first_seeing(s, kind: str, block_size: int, qoff):
+    """Smallest query slot whose horizon passes key slot s (qoff: any query, bidirectional)."""
+    if kind == "causal":
+        return s
+    if kind == "block_causal":
+        return lax.div(s, block_size) * block_size
+    return jnp.zeros_like(s) + qoff
+
+
+def _dq_kernel(start_g, qoff_g, kvl_g, q_g, k_g, v_g, do_g, lse_g, delta_g, dq_g, q_s, do_s, lse_s, delta_s,
+               k_s, v_s, tile_bar, k_bar, v_bar, *, T, S, G, num_q_tiles, kind, block_size, qk_scale, scale,
+               stages, interpret):
+    plgpu = _plgpu()
+    bq, bk = BLOCK_Q, BLOCK_K
+    ops = WarpgroupOps(interpret, bq, bk)
+    i = num_q_tiles - 1 - lax.axis_index("q")  # heaviest (last) query tiles launch first
+    b, h = lax.axis_index("b"), lax.axis_index("h")
+    kvh = lax.div(h, G)
+    start, qoff, kvl = start_g[b], qoff_g[b], kvl_g[b]
+    q0 = i * bq
+    rows = (b, pl.ds(q0, bq), h)
+    plgpu.copy_gmem_to_smem(q_g.at[rows], q_s, tile_bar.at[0])
+    plgpu.copy_gmem_to_smem(do_g.at[rows], do_s, tile_bar.at[1])
+    plgpu.copy_gmem_to_smem(lse_g.at[b, h, pl.ds(q0, bq)], lse_s, tile_bar.at[2])
+    plgpu.copy_gmem_to_smem(delta_g.at[b, h, pl.ds(q0, bq)], delta_s, tile_bar.at[3])
+    p_first = qoff + q0
+    ta, tb, tc, td = tile_bounds(start=start, kvl=kvl, p_first=p_first,
+                                  p_last=qoff + jnp.minimum(q0 + (bq - 1), T - 1), lo_slot=0, hi_slot=S,
+                                  block_k=bk, kind=kind, block_size=block_size)
+
+    def fetch(t, slot):
+        kv_rows = (b, pl.ds(t * bk, bk), kvh)
+        plgpu.copy_gmem_to_smem(k_g.at[kv_rows], k_s.at[slot], k_bar.at[slot])
+        plgpu.copy_gmem_to_smem(v_g.at[kv_rows], v_s.at[slot], v_bar.at[slot])
+
+    for j in range(stages - 1):
+        @pl.when(ta + j < td)
+        def _():
+            fetch(ta + j, j)
+
+    for j in range(4):
+        plgpu.barrier_wait(tile_bar.at[j])
+    lse = ops.vector(lse_s, 1)
+    delta = ops.vector(delta_s, 1)
+
+    def step(t, dq, masked: bool):
+        slot = lax.rem(t - ta, stages)
+        ahead = t + (stages - 1)
+
+        @pl.when(ahead < td)
+        def _():  # its slot held tile t - 1, whose products have completed
+            fetch(ahead, lax.rem(ahead - ta, stages))
+
+        plgpu.barrier_wait(k_bar.at[slot])
+        s = ops.mm_t(q_s, k_s.at[slot]) * qk_scale
+        p = jnp.exp2(s - lax.broadcast_in_dim(lse, (bq, bk), [0]))
+        if masked:
+            p = jnp.where(ops.visible(t, p_first, start, kind, block_size, kvl), p, 0.0)
+        plgpu.barrier_wait(v_bar.at[slot])
+        dp = ops.mm_t(do_s, v_s.at[slot])
+        ds = p * (dp - lax.broadcast_in_dim(delta, (bq, bk), [0]))
+        return dq + ops.mm(ds.astype(q_s.dtype), k_s.at[slot])
+
+    dq = ops.zeros((bq, q_s.shape[-1]))
+    dq = lax.fori_loop(ta, tb, functools.partial(step, masked=True), dq)
+    dq = lax.fori_loop(tb, tc, functools.partial(step, masked=False), dq)
+    dq = lax.fori_loop(tc, td, functools.partial(step, masked=True), dq)
+    q_s[...] = (dq * scale).astype(q_s.dtype)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(q_s, dq_g.at[rows])
+    plgpu.wait_smem_to_gmem(0)
+
+
+def _dkv_kernel(start_g, qoff_g, kvl_g, q_g, k_g, v_g, do_g, lse_g, delta_g, dk_g, dv_g, k_s, v_s, q_s, do_s,
+                lse_s, delta_s, kv_bar, q_bar, do_bar, lse_bar, delta_bar, *, T, G, kind, block_size, qk_scale,
+                scale, stages, interpret):
+    plgpu = _plgpu()
+    bq, bk = BLOCK_Q, BLOCK_K
+    ops = WarpgroupOps(interpret, bk, bq)  # the transposed score tile: keys x queries
+    j = lax.axis_index("k")
+    b, kvh = lax.axis_index("b"), lax.axis_index("h")
+    start, qoff, kvl = start_g[b], qoff_g[b], kvl_g[b]
+    k0 = j * bk
+    keys = (b, pl.ds(k0, bk), kvh)
+    plgpu.copy_gmem_to_smem(k_g.at[keys], k_s, kv_bar.at[0])
+    plgpu.copy_gmem_to_smem(v_g.at[keys], v_s, kv_bar.at[1])
+    # the query tiles that see some key of this tile: [qa, qe), masked before qb (`backward._dkv_kernel`)
+    kmin = jnp.maximum(k0, start)
+    empty = kmin >= jnp.minimum(kvl, k0 + bk)
+    nq = pl.cdiv(T, bq)
+    qa = lax.div(jnp.clip(_first_seeing(kmin, kind, block_size, qoff) - qoff, 0, T), bq)
+    qe = jnp.where(empty, qa, nq)
+    full_from = _first_seeing(k0 + (bk - 1), kind, block_size, qoff) - qoff
+    qb = jnp.clip(cdiv(jnp.clip(full_from, 0, T), bq), qa, qe)
+    qb = jnp.where((k0 >= start) & (k0 + bk <= kvl), qb, qe)
+    per_head = qe - qa
+    total = G * per_head  # one walk over (head of the group, query tile)
+
+    def fetch(n, slot):
+        g = lax.div(n, jnp.maximum(per_head, 1))
+        t0 = (qa + lax.rem(n, jnp.maximum(per_head, 1))) * bq
+        h = kvh * G + g
+        plgpu.copy_gmem_to_smem(q_g.at[b, pl.ds(t0, bq), h], q_s.at[slot], q_bar.at[slot])
+        plgpu.copy_gmem_to_smem(do_g.at[b, pl.ds(t0, bq), h], do_s.at[slot], do_bar.at[slot])
+        plgpu.copy_gmem_to_smem(lse_g.at[b, h, pl.ds(t0, bq)], lse_s.at[slot], lse_bar.at[slot])
+        plgpu.copy_gmem_to_smem(delta_g.at[b, h, pl.ds(t0, bq)], delta_s.at[slot], delta_bar.at[slot])
+
+    for s_ in range(stages - 1):
+        @pl.when(s_ < total)
+        def _():
+            fetch(s_, s_)
+
+    plgpu.barrier_wait(kv_bar.at[0])
+    plgpu.barrier_wait(kv_bar.at[1])
+
+    def step(qt, carry, g, masked: bool):
+        dk, dv = carry
+        n = g * per_head + (qt - qa)  # position in the walk: its ring slot, and what to fetch ahead
+        slot = lax.rem(n, stages)
+        ahead = n + (stages - 1)
+
+        @pl.when(ahead < total)
+        def _():
+            fetch(ahead, lax.rem(ahead, stages))
+
+        plgpu.barrier_wait(q_bar.at[slot])
+        plgpu.barrier_wait(lse_bar.at[slot])
+        s_t = ops.mm_t(k_s, q_s.at[slot]) * qk_scale  # [bk, bq]
+        p_t = jnp.exp2(s_t - lax.broadcast_in_dim(ops.vector(lse_s.at[slot], 0), (bk, bq), [1]))
+        if masked:
+            keys_at = k0 + ops.iota(0)
+            vis = (keys_at >= start) & (keys_at < key_end(qoff + qt * bq + ops.iota(1), kind, block_size, kvl))
+            p_t = jnp.where(vis, p_t, 0.0)
+        plgpu.barrier_wait(do_bar.at[slot])
+        plgpu.barrier_wait(delta_bar.at[slot])
+        dv = dv + ops.mm(p_t.astype(k_s.dtype), do_s.at[slot])
+        dp_t = ops.mm_t(v_s, do_s.at[slot])
+        ds_t = p_t * (dp_t - lax.broadcast_in_dim(ops.vector(delta_s.at[slot], 0), (bk, bq), [1]))
+        dk = dk + ops.mm(ds_t.astype(k_s.dtype), q_s.at[slot])
+        return dk, dv
+
+    def head(g, carry):  # masked only where some query of the tile misses some key of this one
+        carry = lax.fori_loop(qa, qb, functools.partial(step, g=g, masked=True), carry)
+        return lax.fori_loop(qb, qe, functools.partial(step, g=g, masked=False), carry)
+
+    D = k_s.shape[-1]
+    dk, dv = lax.fori_loop(0, G, head, (ops.zeros((bk, D)), ops.zeros((bk, D))))
+    k_s[...] = (dk * scale).astype(k_s.dtype)
+    v_s[...] = dv.astype(v_s.dtype)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(k_s, dk_g.at[keys])
+    plgpu.copy_smem_to_gmem(v_s, dv_g.at[keys])
+    plgpu.wait_smem_to_gmem(0)
+
+
+def attention_backward(q, k, v, o, lse, do, *, start, q_offset, kv_len, kind, block_size, scale=None,
+                       stages: int = 2, interpret: bool = False):
+    """(dq, dk, dv) of the masked attention from its output o and row lse [B, H, T] (log2 units), as
+    `backward.attention_backward`; q, o, do [B, T, H, D], k, v [B, S, KV, D], float16 / bfloat16."""
+    plgpu = _plgpu()
+    reason = unsupported_reason(q, k)
+    if reason:
+        raise ValueError(f"Mosaic GPU attention backward cannot take {reason}")
+    if stages < 2:
+        raise ValueError(f"stages={stages} must be >= 2")
+    B, T, H, D = q.shape
+    S, KV = k.shape[1], k.shape[2]
+    G = H // KV
+    scale = D ** -0.5 if scale is None else scale
+    delta = jnp.einsum("bthd,bthd->bht", o.astype(jnp.float32), do.astype(jnp.float32),
+                       precision=dot_precision(jnp.float32))  # [B, H, T]
+    Tp, Sp = pl.cdiv(T, BLOCK_Q) * BLOCK_Q, pl.cdiv(S, BLOCK_K) * BLOCK_K
+    k, v, do = k.astype(q.dtype), v.astype(q.dtype), do.astype(q.dtype)
+    q, do = pad_axis(q, 1, Tp), pad_axis(do, 1, Tp)  # zero rows: their dO and delta add nothing
+    k, v = pad_axis(k, 1, Sp), pad_axis(v, 1, Sp)
+    lse, delta = pad_axis(lse, 2, Tp), pad_axis(delta, 2, Tp)
+    start, qoff, kvl = row_scalars(start, q_offset, kv_len, B, S)
+    nq, nk = Tp // BLOCK_Q, Sp // BLOCK_K
+    common = dict(kind=kind, block_size=block_size, qk_scale=scale * LOG2E, scale=scale, stages=stages,
+                  interpret=interpret)
+
+    if interpret:
+        smem = lambda shape: plgpu.SMEM(shape, q.dtype)  # noqa: E731
+        from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams  # noqa: PLC0415
+        kwargs = dict(interpret=InterpretGPUParams())
+    else:
+        swizzle = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+        smem = lambda shape: plgpu.SMEM(shape, q.dtype, transforms=swizzle)  # noqa: E731
+        params = getattr(plgpu, "CompilerParams", None) or plgpu.GPUCompilerParams
+        kwargs = dict(compiler_params=params(approx_math=True))
+    vec = lambda *shape: plgpu.SMEM(shape, jnp.float32)  # noqa: E731
+
+    dq = plgpu.kernel(
+        functools.partial(_dq_kernel, T=T, S=S, G=G, num_q_tiles=nq, **common),
+        out_type=jax.ShapeDtypeStruct(q.shape, q.dtype),
+        scratch_types=[smem((BLOCK_Q, D)), smem((BLOCK_Q, D)), vec(BLOCK_Q), vec(BLOCK_Q),
+                       smem((stages, BLOCK_K, D)), smem((stages, BLOCK_K, D)), plgpu.Barrier(num_barriers=4),
+                       plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=stages)],
+        grid=(nq, B, H), grid_names=("q", "b", "h"), **kwargs,
+    )(start, qoff, kvl, q, k, v, do, lse, delta)
+
+    ring = [plgpu.Barrier(num_barriers=stages) for _ in range(4)]
+    dk, dv = plgpu.kernel(
+        functools.partial(_dkv_kernel, T=T, G=G, **common),
+        out_type=(jax.ShapeDtypeStruct(k.shape, k.dtype),) * 2,
+        scratch_types=[smem((BLOCK_K, D)), smem((BLOCK_K, D)), smem((stages, BLOCK_Q, D)),
+                       smem((stages, BLOCK_Q, D)), vec(stages, BLOCK_Q), vec(stages, BLOCK_Q),
+                       plgpu.Barrier(num_barriers=2), *ring],
+        grid=(nk, B, KV), grid_names=("k", "b", "h"), **kwargs,
+    )(start, qoff, kvl, q, k, v, do, lse, delta)
+    return dq[:, :T], dk[:, :S], dv[:, :S]
+
+
+__all__ = ["attention_backward", "BLOCK_K"]
