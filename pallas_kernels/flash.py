@@ -28,7 +28,10 @@ the Mosaic GPU kernel of `mosaic.py` (wgmma + TMA) when it takes the inputs
 kernel, the backward kernels, other dtypes) runs the Triton lowering.
 "mosaic_interpret" is "mosaic" on the CPU: the Mosaic kernel in Pallas's GPU
 interpret mode, the rest in interpret mode. `JDLLM_PALLAS_BACKEND` overrides
-the default.
+the default. On the "mosaic" backends, `Tiles(mosaic_warp_specialized=True)`
+picks the Mosaic prefill's warp-specialised variant and
+`Tiles(mosaic_backward=True)` the Mosaic backward kernels
+(`mosaic_backward.py`); both are off until timed on a GPU.
 
 STATUS: the "triton" and "mosaic" paths have NOT been compiled to PTX or run on
 a GPU yet (no GPU was lent to the sessions that wrote them). What is checked on
