@@ -4,6 +4,8 @@
     python examples/attention.py --backend mosaic_interpret   # the Hopper kernel, on the CPU
     python examples/attention.py --backend mosaic_interpret --warp-specialized
                                   # its warp-specialised variant (loader + two compute warpgroups)
+    python examples/attention.py --backend mosaic_interpret --mosaic-backward
+                                  # the gradient through the Mosaic backward kernels
 
 On the CPU the Pallas kernels run in interpret mode (slow, exact); on a GPU the
 default backend compiles them (Mosaic GPU on Hopper, Triton elsewhere).
@@ -33,8 +35,10 @@ def main(argv=None) -> int:
     ap.add_argument("--block-size", type=int, default=4)
     ap.add_argument("--warp-specialized", action="store_true",
                     help="the Mosaic prefill's warp-specialised variant (flash.Tiles(mosaic_warp_specialized=True))")
+    ap.add_argument("--mosaic-backward", action="store_true",
+                    help="the Mosaic backward kernels on the mosaic backends (flash.Tiles(mosaic_backward=True))")
     args = ap.parse_args(argv)
-    tiles = flash.Tiles(mosaic_warp_specialized=args.warp_specialized)
+    tiles = flash.Tiles(mosaic_warp_specialized=args.warp_specialized, mosaic_backward=args.mosaic_backward)
 
     B, T, H, KV, D = 2, 96, 4, 2, 64
     rng = np.random.default_rng(0)

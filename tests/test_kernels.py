@@ -562,20 +562,20 @@ def test_mosaic_key_tile_and_ring_depth(block_k, stages):
         mosaic.prefill_attention(q, k, v, **kw, block_k=32, interpret=True)
 
 
-# (kind, block_size, B, T, S, q_offset, kv_len, H, KV, D, start, block_k, stages): the later tile of
+# (kind, block_size, B, T, S, q_offset, kv_len, H, KV, D, start, block_k, stages, pingpong): the later tile of
 # each pair sees key tiles the earlier one does not (causal: it releases them uncomputed); a chunk at
 # an offset into a longer cache with left padding past the first tile; a three-slot ring of 128-key
-# tiles that wraps; T not a multiple of the 128-row pair
+# tiles that wraps; T not a multiple of the 128-row pair (with and without the ping-pong)
 MOSAIC_WS = [
-    ("causal", 1, 1, 256, 256, 0, 256, 2, 1, 64, [0], 64, 2),
-    ("block_causal", 32, 2, 100, 420, 300, 400, 2, 1, 64, [0, 150], 128, 3),
-    ("block_causal", 4, 2, 150, 150, 0, 150, 2, 1, 128, [0, 70], 64, 2),
+    ("causal", 1, 1, 256, 256, 0, 256, 2, 1, 64, [0], 64, 2, True),
+    ("causal", 1, 1, 256, 256, 0, 256, 2, 1, 64, [0], 64, 2, False),
+    ("block_causal", 32, 2, 100, 420, 300, 400, 2, 1, 64, [0, 150], 128, 3, True),
+    ("block_causal", 4, 2, 150, 150, 0, 150, 2, 1, 128, [0, 70], 64, 2, False),
 ]
 
 
 @slow
-@pytest.mark.parametrize("pingpong", [True, False], ids=["pingpong", "no-pingpong"])
-@pytest.mark.parametrize("kind,bs,B,T,S,qoff,kvl,H,KV,D,start,block_k,stages", MOSAIC_WS)
+@pytest.mark.parametrize("kind,bs,B,T,S,qoff,kvl,H,KV,D,start,block_k,stages,pingpong", MOSAIC_WS)
 def test_mosaic_warp_specialized_matches_one_warpgroup(kind, bs, B, T, S, qoff, kvl, H, KV, D, start, block_k,
                                                        stages, pingpong):
     """The warp-specialised variant (a loader warpgroup, two compute warpgroups, the ping-pong) runs
@@ -762,6 +762,17 @@ def test_mosaic_backward_through_attention_and_lowered_for_cuda():
         from pallas_kernels import mosaic_backward
         mosaic_backward.attention_backward(q, k, v, q, jnp.zeros((2, 4, 70)), q, start=kw["start"], q_offset=0,
                                            kv_len=70, kind="causal", block_size=1, stages=1, interpret=True)
+
+
+@slow
+def test_attention_example_runs_both_mosaic_switches(capsys):
+    """examples/attention.py with the warp-specialised forward and the Mosaic backward (GPU interpreter)
+    checks itself against the XLA reference and exits 0."""
+    from tests.scripts import load_script
+
+    example = load_script("examples/attention.py")
+    assert example.main(["--backend", "mosaic_interpret", "--warp-specialized", "--mosaic-backward"]) == 0
+    assert "matches the XLA reference" in capsys.readouterr().out
 
 
 def test_mosaic_warp_specialized_dispatch(monkeypatch):
