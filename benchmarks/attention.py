@@ -95,13 +95,16 @@ def _attn_fn(impl: str, *, kind, block_size, q_offset, kv_len, tiles):
 def _grad_fn(impl: str, *, kind, block_size, tiles):
     """jit(grad) of sum(attention * w): forward plus backward, as a training step runs them. impl
     "pallas" (default backends: Triton backward kernels), "pallas-mosaic-bwd" (the Mosaic forward and
-    the Mosaic backward kernels of mosaic_backward.py; interpreted off a GPU) or a dispatcher impl."""
+    the Mosaic backward kernels of mosaic_backward.py; interpreted off a GPU), "pallas-mosaic-ws-bwd"
+    (both warp-specialised) or a dispatcher impl."""
     def loss(q, k, v, w):
         start = jnp.zeros((q.shape[0],), jnp.int32)
-        if impl == "pallas-mosaic-bwd":
+        if impl in ("pallas-mosaic-bwd", "pallas-mosaic-ws-bwd"):
             backend = "mosaic" if jax.default_backend() == "gpu" else "mosaic_interpret"
+            mosaic_tiles = dataclasses.replace(tiles, mosaic_backward=True,
+                                               mosaic_warp_specialized=impl == "pallas-mosaic-ws-bwd")
             out = flash.attention(q, k, v, start=start, kind=kind, block_size=block_size, backend=backend,
-                                  variant="prefill", tiles=dataclasses.replace(tiles, mosaic_backward=True))
+                                  variant="prefill", tiles=mosaic_tiles)
         elif impl == "pallas":
             out = flash.attention(q, k, v, start=start, kind=kind, block_size=block_size, tiles=tiles)
         else:
@@ -158,7 +161,7 @@ def run(args) -> dict:
         for S in seqs:
             q, k, v = _inputs(B, S, S, H, KV, D, dtype)
             flops = 4 * B * H * D * visible_pairs(S, S, kind, bs)
-            for impl in [i for i in impls if i != "pallas-mosaic-bwd"]:  # that one only times the backward
+            for impl in [i for i in impls if not i.endswith("-bwd")]:  # those only time the backward
                 row = dict(mask=f"{kind}" + (f"(B={bs})" if kind == "block_causal" else ""), S=S,
                            impl=impl)
                 if impl == "xla" and not _xla_fits(B, H, S, S, budget):
@@ -181,7 +184,7 @@ def run(args) -> dict:
             q, k, v = _inputs(B, S, S, H, KV, D, dtype)
             w = jnp.ones(q.shape, jnp.float32)
             flops = 2.5 * 4 * B * H * D * visible_pairs(S, S, kind, bs)  # forward + backward (5 matmuls)
-            for impl in [i for i in impls if i in ("pallas", "pallas-mosaic-bwd", "xla")]:
+            for impl in [i for i in impls if i in ("pallas", "pallas-mosaic-bwd", "pallas-mosaic-ws-bwd", "xla")]:
                 row = dict(mask=f"{kind}" + (f"(B={bs})" if kind == "block_causal" else ""), S=S,
                            impl=impl + "+grad")
                 if impl == "xla" and not _xla_fits(B, H, S, S, budget // 2):
@@ -309,7 +312,7 @@ def main(argv=None) -> int:
     ap.add_argument("--impls", default="pallas,pallas-mosaic,pallas-mosaic-ws,pallas-mosaic-ws-nopp,pallas-triton,"
                                        "pallas-packed,cudnn,xla",
                     help="prefill implementations to time (window: pallas and xla; with --backward: pallas, "
-                         "pallas-mosaic-bwd and xla); the pallas-mosaic* ones are recorded as skipped off Hopper")
+                         "pallas-mosaic-bwd, pallas-mosaic-ws-bwd and xla); the pallas-mosaic* ones are recorded as skipped off Hopper")
     ap.add_argument("--iters", type=int, default=None)
     ap.add_argument("--backward", action="store_true",
                     help="also time forward+backward (jax.grad) for Pallas and XLA")

@@ -43,7 +43,8 @@ class Tiles:
     (benchmarks/attention.py's "pallas-mosaic-ws" rows). mosaic_backward: on
     the "mosaic" backends, the backward runs the Mosaic GPU kernels of
     `mosaic_backward.py` (wgmma, TMA ring of `mosaic_stages`) instead of the
-    Triton ones; off by default likewise ("pallas-mosaic-bwd+grad" rows).
+    Triton ones, warp-specialised likewise with `mosaic_warp_specialized`; off
+    by default too ("pallas-mosaic-bwd+grad" / "pallas-mosaic-ws-bwd+grad" rows).
     """
 
     block_q: int = 128

@@ -31,7 +31,8 @@ interpret mode, the rest in interpret mode. `JDLLM_PALLAS_BACKEND` overrides
 the default. On the "mosaic" backends, `Tiles(mosaic_warp_specialized=True)`
 picks the Mosaic prefill's warp-specialised variant and
 `Tiles(mosaic_backward=True)` the Mosaic backward kernels
-(`mosaic_backward.py`); both are off until timed on a GPU.
+(`mosaic_backward.py`, warp-specialised too with the first); both are off
+until timed on a GPU.
 
 STATUS: the "triton" and "mosaic" paths have NOT been compiled to PTX or run on
 a GPU yet (no GPU was lent to the sessions that wrote them). What is checked on
@@ -348,6 +349,8 @@ def _attention_bwd(st: _Static, res, g):
     if (st.tiles.mosaic_backward and st.backend in ("mosaic", "mosaic_interpret")
             and mosaic.unsupported_reason(q, k) is None):
         dq, dk, dv = mosaic_backward.attention_backward(q, k, v, o, lse, g, **kw, stages=st.tiles.mosaic_stages,
+                                                        warp_specialized=st.tiles.mosaic_warp_specialized,
+                                                        pingpong=st.tiles.mosaic_pingpong,
                                                         interpret=st.backend == "mosaic_interpret")
         return dq, dk.astype(k.dtype), dv.astype(v.dtype), None, None, None
     dq, dk, dv = attention_backward(q, k.astype(q.dtype), v.astype(q.dtype), o, lse, g, **kw,

@@ -218,21 +218,98 @@ def _kernel(start_g, qoff_g, kvl_g, q_g, k_g, v_g, o_g, lse_g, q_s, k_s, v_s, ls
     plgpu.wait_smem_to_gmem(0)
 
 
+class SharedRing:
+    """The TMA ring of a warp-specialised program: warpgroup 2 loads, warpgroups 0 and 1 compute.
+
+    Item n of the walk [first, end) goes into slot (n - first) % stages. `groups` lists, per `free`
+    barrier array (two arrivals: one per compute warpgroup), the buffers whose next load waits for
+    it; every buffer has its own `full` barrier array (the TMA's). A compute warpgroup waits for
+    a buffer (`wait`), releases a group once its products have read it (`release`), and passes
+    over an item only its neighbour computes with `skip` (waits and releases everything, and meets
+    twice, as a computed item does). With `pingpong` the two compute warpgroups `meet` on the
+    `turn` barrier (two arrivals) twice per item: warpgroup 1 starts one meeting late
+    (`start_turn`) and warpgroup 0 ends with the spare one (`end_turn`), so one's softmax runs
+    beside the other's matrix products. The loader (`load`) issues each item's copies once its
+    slot is free, then waits for the last releases, so every barrier phase is observed (Pallas's GPU
+    interpreter checks that)."""
+
+    def __init__(self, full, free, groups, turn, *, first, end, stages: int, pingpong: bool):
+        self.plgpu = _plgpu()
+        self.full, self.free, self.groups, self.turn = full, free, groups, turn
+        self.first, self.end, self.stages, self.pingpong = first, end, stages, pingpong
+
+    def slot(self, n):
+        return lax.rem(n - self.first, self.stages)
+
+    def wait(self, j: int, n):
+        self.plgpu.barrier_wait(self.full[j].at[self.slot(n)])
+
+    def release(self, g: int, n):
+        self.plgpu.barrier_arrive(self.free[g].at[self.slot(n)])
+
+    def meet(self):
+        if self.pingpong:
+            self.plgpu.barrier_arrive(self.turn)
+            self.plgpu.barrier_wait(self.turn)
+
+    def hand_over(self):  # first half of a split meeting: this warpgroup's softmax is done
+        if self.pingpong:
+            self.plgpu.barrier_arrive(self.turn)
+
+    def take_back(self):  # second half: the other warpgroup's products are issued
+        if self.pingpong:
+            self.plgpu.barrier_wait(self.turn)
+
+    def start_turn(self, wg):
+        pl.when(wg == 1)(self.meet)
+
+    def end_turn(self, wg):
+        pl.when(wg == 0)(self.meet)
+
+    def skip(self, lo, hi):
+        """Items [lo, hi) this warpgroup does not compute: released as they land, two meetings each."""
+        def one(n, _):
+            for g, bufs in enumerate(self.groups):
+                for j in bufs:
+                    self.wait(j, n)
+                self.release(g, n)
+                self.meet()
+            for _ in range(2 - len(self.groups)):
+                self.meet()
+        lax.fori_loop(lo, hi, one, None)
+
+    def load(self, copies):
+        """The loader warpgroup: copies(n) -> [(source ref, destination ref)] per buffer, slot-indexed
+        destinations already chosen by the caller from `self.slot(n)`."""
+        plgpu = self.plgpu
+
+        def one(n, _):
+            pairs = copies(n)
+            for g, bufs in enumerate(self.groups):
+                @pl.when(n - self.first >= self.stages)
+                def _():
+                    plgpu.barrier_wait(self.free[g].at[self.slot(n)])
+                for j in bufs:
+                    plgpu.copy_gmem_to_smem(*pairs[j], self.full[j].at[self.slot(n)])
+
+        def drain(n, _):
+            for g in range(len(self.groups)):
+                plgpu.barrier_wait(self.free[g].at[self.slot(n)])
+
+        lax.fori_loop(self.first, self.end, one, None)
+        lax.fori_loop(jnp.maximum(self.first, self.end - self.stages), self.end, drain, None)
+
+
 def _ws_kernel(start_g, qoff_g, kvl_g, q_g, k_g, v_g, o_g, lse_g, qo_s, k_s, v_s, lse_s, q_bar,
                k_bar, v_bar, k_free, v_free, turn, *, T, S, G, num_q_tiles, kind, block_size, qk_scale,
                stages, pingpong, interpret):
     """Warp-specialised body: three warpgroups per program ("wg"); 0 and 1 compute, 2 loads.
 
     The program owns two adjacent 64-row query tiles, one per compute warpgroup, and one ring
-    of `stages` K/V slots that both read. Warpgroup 2 issues every TMA load: tile t goes into
-    slot (t - a) % stages once both compute warpgroups have released the tile that slot held
-    (`k_free` / `v_free`, two arrivals each); it issues no arithmetic, so it gives its registers
-    to the other two. Both compute warpgroups walk the program's tiles [a, d): each its own
-    masked / unmasked / masked segments of `tile_bounds` up to its own horizon, then releases
-    the tiles only its neighbour needs without computing them (the block-causal mask gives the
-    later query tile more keys). With `pingpong`, the two compute warpgroups meet at `turn`
-    twice per tile, which puts one's softmax beside the other's matrix products: warpgroup 1
-    starts one meeting late and warpgroup 0 ends with the spare one.
+    (`SharedRing`) of K/V slots that both read; the loader gives its registers to the other two.
+    Both compute warpgroups walk the program's key tiles [a, d): each its own masked / unmasked /
+    masked segments of `tile_bounds` up to its own horizon, then skips the tiles only its
+    neighbour needs (the block-causal mask gives the later query tile more keys).
     """
     plgpu = _plgpu()
     bq, bk = BLOCK_Q, k_s.shape[1]
@@ -252,11 +329,8 @@ def _ws_kernel(start_g, qoff_g, kvl_g, q_g, k_g, v_g, o_g, lse_g, qo_s, k_s, v_s
                            block_k=bk, kind=kind, block_size=block_size)
 
     ta, _, _, td = bounds(pair0, 2 * bq)  # the program's tiles: the union of both warpgroups'
-
-    def meet():
-        if pingpong:
-            plgpu.barrier_arrive(turn)
-            plgpu.barrier_wait(turn)
+    ring = SharedRing([k_bar, v_bar], [k_free, v_free], [[0], [1]], turn, first=ta, end=td, stages=stages,
+                      pingpong=pingpong)
 
     @pl.when(wg < 2)
     def _compute():
@@ -268,42 +342,31 @@ def _ws_kernel(start_g, qoff_g, kvl_g, q_g, k_g, v_g, o_g, lse_g, qo_s, k_s, v_s
         a, tb, tc, d = bounds(q0, bq)
         p_first = qoff + q0
         plgpu.barrier_wait(q_bar.at[wg])
-        pl.when(wg == 1)(meet)
+        ring.start_turn(wg)
 
         def step(t, carry, masked: bool):
-            slot = lax.rem(t - ta, stages)
-            plgpu.barrier_wait(k_bar.at[slot])
-            s = ops.qk(q_tile, k_s.at[slot], issued=meet) * qk_scale
-            plgpu.barrier_arrive(k_free.at[slot])
+            slot = ring.slot(t)
+            ring.wait(0, t)
+            s = ops.qk(q_tile, k_s.at[slot], issued=ring.meet) * qk_scale
+            ring.release(0, t)
             vis = ops.visible(t, p_first, start, kind, block_size, kvl) if masked else None
 
             def pv_after_v_lands(p):
                 p = p.astype(dtype)
-                if pingpong:  # softmax done: hand the tensor cores over, then wait for them
-                    plgpu.barrier_arrive(turn)
-                plgpu.barrier_wait(v_bar.at[slot])
-                if pingpong:
-                    plgpu.barrier_wait(turn)
+                ring.hand_over()  # softmax done: hand the tensor cores over, then wait for them
+                ring.wait(1, t)
+                ring.take_back()
                 out = ops.pv(p, v_s.at[slot])
-                plgpu.barrier_arrive(v_free.at[slot])
+                ring.release(1, t)
                 return out
             return online_softmax_step(carry, s, vis, pv_after_v_lands)
-
-        def release(t, _):  # a tile only the other warpgroup sees: let the loader reuse its slot
-            slot = lax.rem(t - ta, stages)
-            plgpu.barrier_wait(k_bar.at[slot])
-            plgpu.barrier_arrive(k_free.at[slot])
-            meet()
-            plgpu.barrier_wait(v_bar.at[slot])
-            plgpu.barrier_arrive(v_free.at[slot])
-            meet()
 
         carry = ops.init_carry(D)
         carry = lax.fori_loop(a, tb, functools.partial(step, masked=True), carry)
         carry = lax.fori_loop(tb, tc, functools.partial(step, masked=False), carry)
         acc, m, l = lax.fori_loop(tc, d, functools.partial(step, masked=True), carry)
-        lax.fori_loop(d, td, release, None)
-        pl.when(wg == 0)(meet)
+        ring.skip(d, td)
+        ring.end_turn(wg)
 
         q_tile[...] = normalise(acc, l).astype(dtype)
         lse_s.at[wg][...] = row_lse(m, l)
@@ -318,27 +381,10 @@ def _ws_kernel(start_g, qoff_g, kvl_g, q_g, k_g, v_g, o_g, lse_g, qo_s, k_s, v_s
             plgpu.set_max_registers(40, action="decrease")
         kvh = lax.div(h, G)
 
-        def load(t, _):
-            slot = lax.rem(t - ta, stages)
-            rows = (b, pl.ds(t * bk, bk), kvh)
-
-            @pl.when(t - ta >= stages)
-            def _():
-                plgpu.barrier_wait(k_free.at[slot])
-            plgpu.copy_gmem_to_smem(k_g.at[rows], k_s.at[slot], k_bar.at[slot])
-
-            @pl.when(t - ta >= stages)
-            def _():
-                plgpu.barrier_wait(v_free.at[slot])
-            plgpu.copy_gmem_to_smem(v_g.at[rows], v_s.at[slot], v_bar.at[slot])
-
-        def drain(t, _):  # the last releases: every phase of every barrier is observed
-            slot = lax.rem(t - ta, stages)
-            plgpu.barrier_wait(k_free.at[slot])
-            plgpu.barrier_wait(v_free.at[slot])
-
-        lax.fori_loop(ta, td, load, None)
-        lax.fori_loop(jnp.maximum(ta, td - stages), td, drain, None)
+        def copies(t):
+            rows, slot = (b, pl.ds(t * bk, bk), kvh), ring.slot(t)
+            return [(k_g.at[rows], k_s.at[slot]), (v_g.at[rows], v_s.at[slot])]
+        ring.load(copies)
 
 
 SMEM_BYTES = 227 * 1024  # shared memory one Hopper block may hold (sm_90: 227 KiB)
@@ -424,5 +470,5 @@ def prefill_attention(q, k, v, *, start, q_offset=0, kv_len=None, kind="causal",
     return (out, lse[:, :, :T]) if return_lse else out
 
 
-__all__ = ["prefill_attention", "unsupported_reason", "is_hopper", "WarpgroupOps", "BLOCK_Q", "BLOCK_K", "STAGES",
+__all__ = ["prefill_attention", "unsupported_reason", "is_hopper", "WarpgroupOps", "SharedRing", "BLOCK_Q", "BLOCK_K", "STAGES",
            "SMEM_BYTES"]

@@ -20,10 +20,19 @@ while the current one is computed, as in the forward (`mosaic.py`):
   dS^T = P^T (dP^T - delta), dK += dS^T Q. The GQA sum stays in registers.
 
 float16 / bfloat16, head_dim a multiple of 64, like the forward.
+Warp-specialised variants (`warp_specialized=True`: `_ws_dq_kernel`,
+`_ws_dkv_kernel`) take `mosaic._ws_kernel`'s layout: two compute warpgroups
+(two 64-row query tiles, or two 64-key tiles) read one TMA ring
+(`mosaic.SharedRing`) that a loader warpgroup fills, optionally taking turns on
+the tensor cores (`pingpong`); each skips the ring items only its neighbour
+needs. They give the one-warpgroup kernels' gradients bit for bit in the GPU
+interpreter.
+
 `flash.attention` runs these when `Tiles(mosaic_backward=True)` on the
-"mosaic" backends; by default the backward stays on the Triton kernels until a
-GPU session has timed both (benchmarks/attention.py's "pallas-mosaic-bwd"
-rows). In interpret mode ("mosaic_interpret") the products are plain dots on
+"mosaic" backends (warp-specialised with `Tiles(mosaic_warp_specialized=True)`);
+by default the backward stays on the Triton kernels until a GPU session has
+timed them (benchmarks/attention.py's "pallas-mosaic-bwd" and
+"pallas-mosaic-ws-bwd" rows). In interpret mode ("mosaic_interpret") the products are plain dots on
 values loaded from shared memory (`mosaic.WarpgroupOps`); the copies,
 barriers, tile walks and masks are the compiled kernel's own.
 """
@@ -38,7 +47,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels.common import LOG2E, cdiv, dot_precision, key_end, pad_axis, row_scalars, tile_bounds
-from pallas_kernels.mosaic import BLOCK_Q, WarpgroupOps, unsupported_reason
+from pallas_kernels.mosaic import BLOCK_Q, SharedRing, WarpgroupOps, unsupported_reason
 
 BLOCK_K = 64  # keys per tile (the dK / dV programs' 64 rows)
 
@@ -203,10 +212,195 @@ def _dkv_kernel(start_g, qoff_g, kvl_g, q_g, k_g, v_g, do_g, lse_g, delta_g, dk_
     plgpu.wait_smem_to_gmem(0)
 
 
+def _ws_dq_kernel(start_g, qoff_g, kvl_g, q_g, k_g, v_g, do_g, lse_g, delta_g, dq_g, q_s, do_s, lse_s, delta_s,
+                  k_s, v_s, tile_bar, k_bar, v_bar, k_free, v_free, turn, *, T, S, G, num_q_tiles, kind, block_size,
+                  qk_scale, scale, stages, pingpong, interpret):
+    """`_dq_kernel` warp-specialised (`mosaic._ws_kernel`'s layout): two compute warpgroups, one 64-row
+    query tile each, read one K/V ring (`mosaic.SharedRing`) that warpgroup 2 fills."""
+    plgpu = _plgpu()
+    bq, bk = BLOCK_Q, BLOCK_K
+    ops = WarpgroupOps(interpret, bq, bk)
+    i = num_q_tiles - 1 - lax.axis_index("q")
+    b, h, wg = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("wg")
+    start, qoff, kvl = start_g[b], qoff_g[b], kvl_g[b]
+    pair0 = i * (2 * bq)
+
+    def bounds(q0, rows):
+        return tile_bounds(start=start, kvl=kvl, p_first=qoff + q0, p_last=qoff + jnp.minimum(q0 + (rows - 1), T - 1),
+                           lo_slot=0, hi_slot=S, block_k=bk, kind=kind, block_size=block_size)
+
+    ta, _, _, td = bounds(pair0, 2 * bq)
+    ring = SharedRing([k_bar, v_bar], [k_free, v_free], [[0], [1]], turn, first=ta, end=td, stages=stages,
+                      pingpong=pingpong)
+
+    @pl.when(wg < 2)
+    def _compute():
+        if not interpret:
+            plgpu.set_max_registers(232, action="increase")
+        q0 = pair0 + wg * bq
+        rows = (b, pl.ds(q0, bq), h)
+        q_tile, do_tile = q_s.at[wg], do_s.at[wg]
+        plgpu.copy_gmem_to_smem(q_g.at[rows], q_tile, tile_bar.at[4 * wg])
+        plgpu.copy_gmem_to_smem(do_g.at[rows], do_tile, tile_bar.at[4 * wg + 1])
+        plgpu.copy_gmem_to_smem(lse_g.at[b, h, pl.ds(q0, bq)], lse_s.at[wg], tile_bar.at[4 * wg + 2])
+        plgpu.copy_gmem_to_smem(delta_g.at[b, h, pl.ds(q0, bq)], delta_s.at[wg], tile_bar.at[4 * wg + 3])
+        a, tb, tc, d = bounds(q0, bq)
+        p_first = qoff + q0
+        for j in range(4):
+            plgpu.barrier_wait(tile_bar.at[4 * wg + j])
+        lse = ops.vector(lse_s.at[wg], 1)
+        delta = ops.vector(delta_s.at[wg], 1)
+        ring.start_turn(wg)
+
+        def step(t, dq, masked: bool):
+            slot = ring.slot(t)
+            ring.wait(0, t)
+            s = ops.mm_t(q_tile, k_s.at[slot], issued=ring.meet) * qk_scale
+            p = jnp.exp2(s - lax.broadcast_in_dim(lse, (bq, bk), [0]))
+            if masked:
+                p = jnp.where(ops.visible(t, p_first, start, kind, block_size, kvl), p, 0.0)
+            ring.wait(1, t)
+            dp = ops.mm_t(do_tile, v_s.at[slot])
+            ring.release(1, t)
+            ds = (p * (dp - lax.broadcast_in_dim(delta, (bq, bk), [0]))).astype(q_s.dtype)
+            ring.hand_over()
+            ring.take_back()
+            dq = dq + ops.mm(ds, k_s.at[slot])
+            ring.release(0, t)
+            return dq
+
+        dq = ops.zeros((bq, q_s.shape[-1]))
+        dq = lax.fori_loop(a, tb, functools.partial(step, masked=True), dq)
+        dq = lax.fori_loop(tb, tc, functools.partial(step, masked=False), dq)
+        dq = lax.fori_loop(tc, d, functools.partial(step, masked=True), dq)
+        ring.skip(d, td)
+        ring.end_turn(wg)
+        q_tile[...] = (dq * scale).astype(q_s.dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(q_tile, dq_g.at[rows])
+        plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(wg == 2)
+    def _load():
+        if not interpret:
+            plgpu.set_max_registers(40, action="decrease")
+        kvh = lax.div(h, G)
+
+        def copies(t):
+            rows, slot = (b, pl.ds(t * bk, bk), kvh), ring.slot(t)
+            return [(k_g.at[rows], k_s.at[slot]), (v_g.at[rows], v_s.at[slot])]
+        ring.load(copies)
+
+
+def _ws_dkv_kernel(start_g, qoff_g, kvl_g, q_g, k_g, v_g, do_g, lse_g, delta_g, dk_g, dv_g, k_s, v_s, q_s, do_s,
+                   lse_s, delta_s, kv_bar, q_bar, do_bar, lse_bar, delta_bar, free, turn, *, T, G, kind, block_size,
+                   qk_scale, scale, stages, pingpong, interpret):
+    """`_dkv_kernel` warp-specialised: two compute warpgroups, one 64-key tile each, read one ring of
+    (Q, dO, lse, delta) tiles that warpgroup 2 fills. The ring walks, for each head of the group, the
+    query tiles either key tile needs; a warpgroup skips those only the other needs (the later key
+    tile's first queries come later under a causal mask)."""
+    plgpu = _plgpu()
+    bq, bk = BLOCK_Q, BLOCK_K
+    ops = WarpgroupOps(interpret, bk, bq)  # the transposed score tile: keys x queries
+    j2 = lax.axis_index("k")
+    b, kvh, wg = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("wg")
+    start, qoff, kvl = start_g[b], qoff_g[b], kvl_g[b]
+    nq = pl.cdiv(T, bq)
+
+    def query_tiles(k0):  # [qa, qe) that see some key of the tile at k0, masked before qb
+        kmin = jnp.maximum(k0, start)
+        empty = kmin >= jnp.minimum(kvl, k0 + bk)
+        qa = lax.div(jnp.clip(_first_seeing(kmin, kind, block_size, qoff) - qoff, 0, T), bq)
+        qe = jnp.where(empty, qa, nq)
+        full_from = _first_seeing(k0 + (bk - 1), kind, block_size, qoff) - qoff
+        qb = jnp.clip(cdiv(jnp.clip(full_from, 0, T), bq), qa, qe)
+        return qa, jnp.where((k0 >= start) & (k0 + bk <= kvl), qb, qe), qe
+
+    pair0 = j2 * (2 * bk)
+    (qa0, _, qe0), (qa1, _, qe1) = query_tiles(pair0), query_tiles(pair0 + bk)
+    lo, hi = jnp.minimum(qa0, qa1), jnp.maximum(qe0, qe1)
+    per_head = hi - lo
+    ring = SharedRing([q_bar, do_bar, lse_bar, delta_bar], [free], [[0, 1, 2, 3]], turn, first=0,
+                      end=G * per_head, stages=stages, pingpong=pingpong)
+
+    @pl.when(wg < 2)
+    def _compute():
+        if not interpret:
+            plgpu.set_max_registers(232, action="increase")
+        k0 = pair0 + wg * bk
+        keys = (b, pl.ds(k0, bk), kvh)
+        k_tile, v_tile = k_s.at[wg], v_s.at[wg]
+        plgpu.copy_gmem_to_smem(k_g.at[keys], k_tile, kv_bar.at[2 * wg])
+        plgpu.copy_gmem_to_smem(v_g.at[keys], v_tile, kv_bar.at[2 * wg + 1])
+        qa, qb, qe = query_tiles(k0)
+        plgpu.barrier_wait(kv_bar.at[2 * wg])
+        plgpu.barrier_wait(kv_bar.at[2 * wg + 1])
+        ring.start_turn(wg)
+
+        def step(qt, carry, g, masked: bool):
+            dk, dv = carry
+            n = g * per_head + (qt - lo)
+            slot = ring.slot(n)
+            ring.wait(0, n)
+            ring.wait(2, n)
+            s_t = ops.mm_t(k_tile, q_s.at[slot], issued=ring.meet) * qk_scale  # [bk, bq]
+            p_t = jnp.exp2(s_t - lax.broadcast_in_dim(ops.vector(lse_s.at[slot], 0), (bk, bq), [1]))
+            if masked:
+                keys_at = k0 + ops.iota(0)
+                vis = (keys_at >= start) & (keys_at < key_end(qoff + qt * bq + ops.iota(1), kind, block_size, kvl))
+                p_t = jnp.where(vis, p_t, 0.0)
+            ring.wait(1, n)
+            ring.wait(3, n)
+            dv = dv + ops.mm(p_t.astype(k_s.dtype), do_s.at[slot])
+            dp_t = ops.mm_t(v_tile, do_s.at[slot])
+            ds_t = p_t * (dp_t - lax.broadcast_in_dim(ops.vector(delta_s.at[slot], 0), (bk, bq), [1]))
+            ring.hand_over()
+            ring.take_back()
+            dk = dk + ops.mm(ds_t.astype(k_s.dtype), q_s.at[slot])
+            ring.release(0, n)
+            return dk, dv
+
+        def head(g, carry):
+            base = g * per_head - lo
+            ring.skip(base + lo, base + qa)
+            carry = lax.fori_loop(qa, qb, functools.partial(step, g=g, masked=True), carry)
+            carry = lax.fori_loop(qb, qe, functools.partial(step, g=g, masked=False), carry)
+            ring.skip(base + qe, base + hi)
+            return carry
+
+        D = k_s.shape[-1]
+        dk, dv = lax.fori_loop(0, G, head, (ops.zeros((bk, D)), ops.zeros((bk, D))))
+        ring.end_turn(wg)
+        k_tile[...] = (dk * scale).astype(k_s.dtype)
+        v_tile[...] = dv.astype(v_s.dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(k_tile, dk_g.at[keys])
+        plgpu.copy_smem_to_gmem(v_tile, dv_g.at[keys])
+        plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(wg == 2)
+    def _load():
+        if not interpret:
+            plgpu.set_max_registers(40, action="decrease")
+
+        def copies(n):
+            width = jnp.maximum(per_head, 1)
+            h = kvh * G + lax.div(n, width)
+            t0 = (lo + lax.rem(n, width)) * bq
+            slot = ring.slot(n)
+            return [(q_g.at[b, pl.ds(t0, bq), h], q_s.at[slot]), (do_g.at[b, pl.ds(t0, bq), h], do_s.at[slot]),
+                    (lse_g.at[b, h, pl.ds(t0, bq)], lse_s.at[slot]),
+                    (delta_g.at[b, h, pl.ds(t0, bq)], delta_s.at[slot])]
+        ring.load(copies)
+
+
 def attention_backward(q, k, v, o, lse, do, *, start, q_offset, kv_len, kind, block_size, scale=None,
-                       stages: int = 2, interpret: bool = False):
+                       stages: int = 2, warp_specialized: bool = False, pingpong: bool = True,
+                       interpret: bool = False):
     """(dq, dk, dv) of the masked attention from its output o and row lse [B, H, T] (log2 units), as
-    `backward.attention_backward`; q, o, do [B, T, H, D], k, v [B, S, KV, D], float16 / bfloat16."""
+    `backward.attention_backward`; q, o, do [B, T, H, D], k, v [B, S, KV, D], float16 / bfloat16.
+    `warp_specialized`: the `_ws_*` kernels (two compute warpgroups on 128 query rows / keys and a
+    loader warpgroup, `pingpong` staggering the two) instead of one warpgroup per 64."""
     plgpu = _plgpu()
     reason = unsupported_reason(q, k)
     if reason:
@@ -219,13 +413,14 @@ def attention_backward(q, k, v, o, lse, do, *, start, q_offset, kv_len, kind, bl
     scale = D ** -0.5 if scale is None else scale
     delta = jnp.einsum("bthd,bthd->bht", o.astype(jnp.float32), do.astype(jnp.float32),
                        precision=dot_precision(jnp.float32))  # [B, H, T]
-    Tp, Sp = pl.cdiv(T, BLOCK_Q) * BLOCK_Q, pl.cdiv(S, BLOCK_K) * BLOCK_K
+    wgs = 2 if warp_specialized else 1
+    Tp, Sp = pl.cdiv(T, wgs * BLOCK_Q) * wgs * BLOCK_Q, pl.cdiv(S, wgs * BLOCK_K) * wgs * BLOCK_K
     k, v, do = k.astype(q.dtype), v.astype(q.dtype), do.astype(q.dtype)
     q, do = pad_axis(q, 1, Tp), pad_axis(do, 1, Tp)  # zero rows: their dO and delta add nothing
     k, v = pad_axis(k, 1, Sp), pad_axis(v, 1, Sp)
     lse, delta = pad_axis(lse, 2, Tp), pad_axis(delta, 2, Tp)
     start, qoff, kvl = row_scalars(start, q_offset, kv_len, B, S)
-    nq, nk = Tp // BLOCK_Q, Sp // BLOCK_K
+    nq, nk = Tp // (wgs * BLOCK_Q), Sp // (wgs * BLOCK_K)
     common = dict(kind=kind, block_size=block_size, qk_scale=scale * LOG2E, scale=scale, stages=stages,
                   interpret=interpret)
 
@@ -239,6 +434,31 @@ def attention_backward(q, k, v, o, lse, do, *, start, q_offset, kv_len, kind, bl
         params = getattr(plgpu, "CompilerParams", None) or plgpu.GPUCompilerParams
         kwargs = dict(compiler_params=params(approx_math=True))
     vec = lambda *shape: plgpu.SMEM(shape, jnp.float32)  # noqa: E731
+
+    if warp_specialized:
+        ws = dict(num_threads=3, thread_name="wg")
+        turn = plgpu.Barrier(num_arrivals=2)
+        ring = [plgpu.Barrier(num_barriers=stages) for _ in range(2)]
+        free = [plgpu.Barrier(num_arrivals=2, num_barriers=stages) for _ in range(2)]
+        dq = plgpu.kernel(
+            functools.partial(_ws_dq_kernel, T=T, S=S, G=G, num_q_tiles=nq, pingpong=pingpong, **common),
+            out_type=jax.ShapeDtypeStruct(q.shape, q.dtype),
+            scratch_types=[smem((2, BLOCK_Q, D)), smem((2, BLOCK_Q, D)), vec(2, BLOCK_Q), vec(2, BLOCK_Q),
+                           smem((stages, BLOCK_K, D)), smem((stages, BLOCK_K, D)), plgpu.Barrier(num_barriers=8),
+                           *ring, *free, turn],
+            grid=(nq, B, H), grid_names=("q", "b", "h"), **ws, **kwargs,
+        )(start, qoff, kvl, q, k, v, do, lse, delta)
+        ring = [plgpu.Barrier(num_barriers=stages) for _ in range(4)]
+        dk, dv = plgpu.kernel(
+            functools.partial(_ws_dkv_kernel, T=T, G=G, pingpong=pingpong, **common),
+            out_type=(jax.ShapeDtypeStruct(k.shape, k.dtype),) * 2,
+            scratch_types=[smem((2, BLOCK_K, D)), smem((2, BLOCK_K, D)), smem((stages, BLOCK_Q, D)),
+                           smem((stages, BLOCK_Q, D)), vec(stages, BLOCK_Q), vec(stages, BLOCK_Q),
+                           plgpu.Barrier(num_barriers=4), *ring,
+                           plgpu.Barrier(num_arrivals=2, num_barriers=stages), turn],
+            grid=(nk, B, KV), grid_names=("k", "b", "h"), **ws, **kwargs,
+        )(start, qoff, kvl, q, k, v, do, lse, delta)
+        return dq[:, :T], dk[:, :S], dv[:, :S]
 
     dq = plgpu.kernel(
         functools.partial(_dq_kernel, T=T, S=S, G=G, num_q_tiles=nq, **common),
