@@ -25,17 +25,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels.common import (LOG2E, Tiles, cdiv, dot, dot_precision, key_end, pad_axis, pad_head_dim,
-                                   row_scalars, tile_bounds, tile_size, triton_params)
-
-
-def _first_seeing(s, kind: str, block_size: int, qoff):
-    """Smallest query slot whose horizon passes key slot s (qoff: any query, bidirectional)."""
-    if kind == "causal":
-        return s
-    if kind == "block_causal":
-        return lax.div(s, block_size) * block_size
-    return jnp.zeros_like(s) + qoff
+from pallas_kernels.common import (LOG2E, Tiles, dot, dot_precision, key_end, key_tile_queries, pad_axis,
+                                   pad_head_dim, query_rows_bounds, row_scalars, tile_size, triton_params)
 
 
 def _probs(q, k, lse, qk_scale, vis):
@@ -50,9 +41,8 @@ def _dq_kernel(start_ref, qoff_ref, kvl_ref, q_ref, k_ref, v_ref, do_ref, lse_re
     i = num_q_tiles - 1 - pl.program_id(0)
     start, qoff, kvl = start_ref[()], qoff_ref[()], kvl_ref[()]
     rows_p = qoff + i * block_q + lax.broadcasted_iota(jnp.int32, (block_q,), 0)
-    a, b, c, d = tile_bounds(start=start, kvl=kvl, p_first=qoff + i * block_q,
-                              p_last=qoff + jnp.minimum(i * block_q + (block_q - 1), T - 1), lo_slot=0,
-                              hi_slot=S, block_k=block_k, kind=kind, block_size=block_size)
+    a, b, c, d = query_rows_bounds(i * block_q, block_q, T=T, S=S, start=start, qoff=qoff, kvl=kvl,
+                                   block_k=block_k, kind=kind, block_size=block_size)
     q, do = q_ref[...], do_ref[...]  # [bq, D]
     lse, delta = lse_ref[...], delta_ref[...]  # [bq]
 
@@ -83,14 +73,8 @@ def _dkv_kernel(start_ref, qoff_ref, kvl_ref, q_ref, k_ref, v_ref, do_ref, lse_r
     k0 = j * block_k
     k, v = k_ref[...], v_ref[...]  # [bk, D]
     cols = k0 + lax.broadcasted_iota(jnp.int32, (1, block_k), 1)  # [1, bk]
-    kmin = jnp.maximum(k0, start)
-    empty = kmin >= jnp.minimum(kvl, k0 + block_k)
-    nq = pl.cdiv(T, block_q)  # query tiles holding real queries
-    qa = lax.div(jnp.clip(_first_seeing(kmin, kind, block_size, qoff) - qoff, 0, T), block_q)
-    qe = jnp.where(empty, qa, nq)
-    full_from = _first_seeing(k0 + (block_k - 1), kind, block_size, qoff) - qoff
-    qb = jnp.clip(cdiv(jnp.clip(full_from, 0, T), block_q), qa, qe)
-    qb = jnp.where((k0 >= start) & (k0 + block_k <= kvl), qb, qe)
+    qa, qb, qe = key_tile_queries(k0, block_k, block_q, T=T, start=start, qoff=qoff, kvl=kvl, kind=kind,
+                                  block_size=block_size)
 
     def step(qt, carry, g, masked: bool):
         dk, dv = carry

@@ -166,6 +166,38 @@ def tile_bounds(*, start, kvl, p_first, p_last, lo_slot, hi_slot, block_k, kind,
     return a, b, c, d
 
 
+def query_rows_bounds(q0, rows: int, *, T: int, S: int, start, qoff, kvl, block_k: int, kind: str,
+                      block_size: int):
+    """`tile_bounds` over the whole cache [0, S) for the query rows [q0, q0 + rows) of a T-query
+    chunk at slot offset qoff (rows past T count as the last query): the key walk of a prefill
+    or dq program."""
+    return tile_bounds(start=start, kvl=kvl, p_first=qoff + q0, p_last=qoff + jnp.minimum(q0 + (rows - 1), T - 1),
+                       lo_slot=0, hi_slot=S, block_k=block_k, kind=kind, block_size=block_size)
+
+
+def first_seeing(s, kind: str, block_size: int, qoff):
+    """Smallest query slot whose horizon passes key slot s (qoff: any query, bidirectional)."""
+    if kind == "causal":
+        return s
+    if kind == "block_causal":
+        return lax.div(s, block_size) * block_size
+    return jnp.zeros_like(s) + qoff
+
+
+def key_tile_queries(k0, block_k: int, block_q: int, *, T: int, start, qoff, kvl, kind: str, block_size: int):
+    """The query tiles [qa, qe) of a T-query chunk at slot offset qoff that see some key of the tile
+    [k0, k0 + block_k), and qb: from it on every query of a tile sees every key of this one (tiles
+    [qa, qb) need the mask); a key tile no query sees gives qa = qb = qe. The walk of a dk / dv
+    program."""
+    kmin = jnp.maximum(k0, start)
+    empty = kmin >= jnp.minimum(kvl, k0 + block_k)
+    qa = lax.div(jnp.clip(first_seeing(kmin, kind, block_size, qoff) - qoff, 0, T), block_q)
+    qe = jnp.where(empty, qa, -(-T // block_q))  # the tiles holding real queries
+    full_from = first_seeing(k0 + (block_k - 1), kind, block_size, qoff) - qoff
+    qb = jnp.clip(cdiv(jnp.clip(full_from, 0, T), block_q), qa, qe)
+    return qa, jnp.where((k0 >= start) & (k0 + block_k <= kvl), qb, qe), qe
+
+
 def online_softmax_step(carry, s, vis, pv):
     """Fold one key tile into the running (acc [R, D], m [R], l [R]) of the online softmax.
 

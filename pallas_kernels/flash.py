@@ -64,7 +64,7 @@ from pallas_kernels.backward import attention_backward
 from pallas_kernels.common import (BACKEND_ENV, BACKENDS, LOG2E, MIN_TILE, NEG, Tiles,  # noqa: F401 (re-exported)
                                    cdiv, default_backend, dot, dot_precision, key_end, normalise,
                                    online_softmax_step, pad_axis, pad_head_dim, plain_backend, row_lse,
-                                   row_scalars, tile_bounds, tile_size, triton_params)
+                                   query_rows_bounds, row_scalars, tile_bounds, tile_size, triton_params)
 from pallas_kernels.reference import KINDS, attention_reference
 
 WINDOW_MAX_T = 128  # queries above this use the prefill kernel
@@ -107,10 +107,8 @@ def _prefill_kernel(start_ref, qoff_ref, kvl_ref, q_ref, k_ref, v_ref, *refs, T,
     i = num_q_tiles - 1 - pl.program_id(0)  # heaviest (last) query tiles launch first
     start, qoff, kvl = start_ref[()], qoff_ref[()], kvl_ref[()]
     rows_p = qoff + i * block_q + lax.broadcasted_iota(jnp.int32, (block_q,), 0)  # [bq]
-    p_first = qoff + i * block_q
-    p_last = qoff + jnp.minimum(i * block_q + (block_q - 1), T - 1)
-    bounds = tile_bounds(start=start, kvl=kvl, p_first=p_first, p_last=p_last, lo_slot=0,
-                          hi_slot=S, block_k=block_k, kind=kind, block_size=block_size)
+    bounds = query_rows_bounds(i * block_q, block_q, T=T, S=S, start=start, qoff=qoff, kvl=kvl, block_k=block_k,
+                               kind=kind, block_size=block_size)
     acc, m, l = _attend(q_ref[...], rows_p, k_ref, v_ref, bounds, start=start, kvl=kvl,
                         block_k=block_k, kind=kind, block_size=block_size, qk_scale=qk_scale)
     o_ref[...] = normalise(acc, l).astype(o_ref.dtype)

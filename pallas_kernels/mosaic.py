@@ -58,8 +58,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels.common import is_hopper  # noqa: F401 (re-exported: mosaic.is_hopper)
-from pallas_kernels.common import (LOG2E, NEG, dot, key_end, normalise, online_softmax_step, pad_axis, row_lse,
-                                   row_scalars, tile_bounds)
+from pallas_kernels.common import (LOG2E, NEG, dot, key_end, normalise, online_softmax_step, pad_axis,
+                                   query_rows_bounds, row_lse, row_scalars)
 
 BLOCK_Q = 64  # one wgmma M tile per warpgroup
 BLOCK_K = 64  # default key tile (64 or 128)
@@ -177,9 +177,8 @@ def _kernel(start_g, qoff_g, kvl_g, q_g, k_g, v_g, o_g, lse_g, q_s, k_s, v_s, ls
 
     plgpu.copy_gmem_to_smem(q_g.at[b, pl.ds(q0, bq), h], q_s, q_bar)
     p_first = qoff + q0
-    p_last = qoff + jnp.minimum(q0 + (bq - 1), T - 1)
-    ta, tb, tc, td = tile_bounds(start=start, kvl=kvl, p_first=p_first, p_last=p_last, lo_slot=0,
-                                  hi_slot=S, block_k=bk, kind=kind, block_size=block_size)
+    ta, tb, tc, td = query_rows_bounds(q0, bq, T=T, S=S, start=start, qoff=qoff, kvl=kvl, block_k=bk, kind=kind,
+                                       block_size=block_size)
 
     for j in range(stages - 1):  # fill the ring but its last slot
         @pl.when(ta + j < td)
@@ -323,10 +322,8 @@ def _ws_kernel(start_g, qoff_g, kvl_g, q_g, k_g, v_g, o_g, lse_g, qo_s, k_s, v_s
     start, qoff, kvl = start_g[b], qoff_g[b], kvl_g[b]
     pair0 = i * (2 * bq)
 
-    def bounds(q0, rows):  # tile_bounds of query rows [q0, q0 + rows)
-        p_last = qoff + jnp.minimum(q0 + (rows - 1), T - 1)
-        return tile_bounds(start=start, kvl=kvl, p_first=qoff + q0, p_last=p_last, lo_slot=0, hi_slot=S,
-                           block_k=bk, kind=kind, block_size=block_size)
+    bounds = functools.partial(query_rows_bounds, T=T, S=S, start=start, qoff=qoff, kvl=kvl, block_k=bk,
+                               kind=kind, block_size=block_size)
 
     ta, _, _, td = bounds(pair0, 2 * bq)  # the program's tiles: the union of both warpgroups'
     ring = SharedRing([k_bar, v_bar], [k_free, v_free], [[0], [1]], turn, first=ta, end=td, stages=stages,

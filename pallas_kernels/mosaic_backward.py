@@ -46,7 +46,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels.common import LOG2E, cdiv, dot_precision, key_end, pad_axis, row_scalars, tile_bounds
+from pallas_kernels.common import (LOG2E, dot_precision, key_end, key_tile_queries, pad_axis, query_rows_bounds,
+                                   row_scalars)
 from pallas_kernels.mosaic import BLOCK_Q, SharedRing, WarpgroupOps, unsupported_reason
 
 BLOCK_K = 64  # keys per tile (the dK / dV programs' 64 rows)
@@ -55,15 +56,6 @@ BLOCK_K = 64  # keys per tile (the dK / dV programs' 64 rows)
 def _plgpu():
     from jax.experimental.pallas import mosaic_gpu as plgpu  # noqa: PLC0415 (GPU-only import)
     return plgpu
-
-
-def _first_seeing(s, kind: str, block_size: int, qoff):
-    """Smallest query slot whose horizon passes key slot s (qoff: any query, bidirectional)."""
-    if kind == "causal":
-        return s
-    if kind == "block_causal":
-        return lax.div(s, block_size) * block_size
-    return jnp.zeros_like(s) + qoff
 
 
 def _dq_kernel(start_g, qoff_g, kvl_g, q_g, k_g, v_g, do_g, lse_g, delta_g, dq_g, q_s, do_s, lse_s, delta_s,
@@ -83,9 +75,8 @@ def _dq_kernel(start_g, qoff_g, kvl_g, q_g, k_g, v_g, do_g, lse_g, delta_g, dq_g
     plgpu.copy_gmem_to_smem(lse_g.at[b, h, pl.ds(q0, bq)], lse_s, tile_bar.at[2])
     plgpu.copy_gmem_to_smem(delta_g.at[b, h, pl.ds(q0, bq)], delta_s, tile_bar.at[3])
     p_first = qoff + q0
-    ta, tb, tc, td = tile_bounds(start=start, kvl=kvl, p_first=p_first,
-                                  p_last=qoff + jnp.minimum(q0 + (bq - 1), T - 1), lo_slot=0, hi_slot=S,
-                                  block_k=bk, kind=kind, block_size=block_size)
+    ta, tb, tc, td = query_rows_bounds(q0, bq, T=T, S=S, start=start, qoff=qoff, kvl=kvl, block_k=bk, kind=kind,
+                                       block_size=block_size)
 
     def fetch(t, slot):
         kv_rows = (b, pl.ds(t * bk, bk), kvh)
@@ -143,15 +134,7 @@ def _dkv_kernel(start_g, qoff_g, kvl_g, q_g, k_g, v_g, do_g, lse_g, delta_g, dk_
     keys = (b, pl.ds(k0, bk), kvh)
     plgpu.copy_gmem_to_smem(k_g.at[keys], k_s, kv_bar.at[0])
     plgpu.copy_gmem_to_smem(v_g.at[keys], v_s, kv_bar.at[1])
-    # the query tiles that see some key of this tile: [qa, qe), masked before qb (`backward._dkv_kernel`)
-    kmin = jnp.maximum(k0, start)
-    empty = kmin >= jnp.minimum(kvl, k0 + bk)
-    nq = pl.cdiv(T, bq)
-    qa = lax.div(jnp.clip(_first_seeing(kmin, kind, block_size, qoff) - qoff, 0, T), bq)
-    qe = jnp.where(empty, qa, nq)
-    full_from = _first_seeing(k0 + (bk - 1), kind, block_size, qoff) - qoff
-    qb = jnp.clip(cdiv(jnp.clip(full_from, 0, T), bq), qa, qe)
-    qb = jnp.where((k0 >= start) & (k0 + bk <= kvl), qb, qe)
+    qa, qb, qe = key_tile_queries(k0, bk, bq, T=T, start=start, qoff=qoff, kvl=kvl, kind=kind, block_size=block_size)
     per_head = qe - qa
     total = G * per_head  # one walk over (head of the group, query tile)
 
@@ -225,9 +208,8 @@ def _ws_dq_kernel(start_g, qoff_g, kvl_g, q_g, k_g, v_g, do_g, lse_g, delta_g, d
     start, qoff, kvl = start_g[b], qoff_g[b], kvl_g[b]
     pair0 = i * (2 * bq)
 
-    def bounds(q0, rows):
-        return tile_bounds(start=start, kvl=kvl, p_first=qoff + q0, p_last=qoff + jnp.minimum(q0 + (rows - 1), T - 1),
-                           lo_slot=0, hi_slot=S, block_k=bk, kind=kind, block_size=block_size)
+    bounds = functools.partial(query_rows_bounds, T=T, S=S, start=start, qoff=qoff, kvl=kvl, block_k=bk,
+                               kind=kind, block_size=block_size)
 
     ta, _, _, td = bounds(pair0, 2 * bq)
     ring = SharedRing([k_bar, v_bar], [k_free, v_free], [[0], [1]], turn, first=ta, end=td, stages=stages,
@@ -305,16 +287,8 @@ def _ws_dkv_kernel(start_g, qoff_g, kvl_g, q_g, k_g, v_g, do_g, lse_g, delta_g, 
     j2 = lax.axis_index("k")
     b, kvh, wg = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("wg")
     start, qoff, kvl = start_g[b], qoff_g[b], kvl_g[b]
-    nq = pl.cdiv(T, bq)
-
-    def query_tiles(k0):  # [qa, qe) that see some key of the tile at k0, masked before qb
-        kmin = jnp.maximum(k0, start)
-        empty = kmin >= jnp.minimum(kvl, k0 + bk)
-        qa = lax.div(jnp.clip(_first_seeing(kmin, kind, block_size, qoff) - qoff, 0, T), bq)
-        qe = jnp.where(empty, qa, nq)
-        full_from = _first_seeing(k0 + (bk - 1), kind, block_size, qoff) - qoff
-        qb = jnp.clip(cdiv(jnp.clip(full_from, 0, T), bq), qa, qe)
-        return qa, jnp.where((k0 >= start) & (k0 + bk <= kvl), qb, qe), qe
+    query_tiles = functools.partial(key_tile_queries, block_k=bk, block_q=bq, T=T, start=start, qoff=qoff, kvl=kvl,
+                                    kind=kind, block_size=block_size)
 
     pair0 = j2 * (2 * bk)
     (qa0, _, qe0), (qa1, _, qe1) = query_tiles(pair0), query_tiles(pair0 + bk)
