@@ -170,37 +170,23 @@ def _kernel(start_g, qoff_g, kvl_g, q_g, k_g, v_g, o_g, lse_g, q_s, k_s, v_s, ls
     start, qoff, kvl = start_g[b], qoff_g[b], kvl_g[b]
     q0 = i * bq
 
-    def fetch(t, slot):
-        kv_rows = (b, pl.ds(t * bk, bk), kvh)
-        plgpu.copy_gmem_to_smem(k_g.at[kv_rows], k_s.at[slot], k_bar.at[slot])
-        plgpu.copy_gmem_to_smem(v_g.at[kv_rows], v_s.at[slot], v_bar.at[slot])
-
     plgpu.copy_gmem_to_smem(q_g.at[b, pl.ds(q0, bq), h], q_s, q_bar)
     p_first = qoff + q0
     ta, tb, tc, td = query_rows_bounds(q0, bq, T=T, S=S, start=start, qoff=qoff, kvl=kvl, block_k=bk, kind=kind,
                                        block_size=block_size)
-
-    for j in range(stages - 1):  # fill the ring but its last slot
-        @pl.when(ta + j < td)
-        def _():
-            fetch(ta + j, j)
-
+    ring = PrefetchRing([k_s, v_s], [k_bar, v_bar], kv_sources(k_g, v_g, b, kvh, bk), first=ta, end=td,
+                        stages=stages)
     plgpu.barrier_wait(q_bar)
 
     def step(t, carry, masked: bool):
-        slot = lax.rem(t - ta, stages)
-        ahead = t + (stages - 1)
-
-        @pl.when(ahead < td)
-        def _():  # its slot held tile t - 1, whose products have completed
-            fetch(ahead, lax.rem(ahead - ta, stages))
-
-        plgpu.barrier_wait(k_bar.at[slot])
+        slot = ring.slot(t)
+        ring.advance(t)
+        ring.wait(0, t)
         s = ops.qk(q_s, k_s.at[slot]) * qk_scale
         vis = ops.visible(t, p_first, start, kind, block_size, kvl) if masked else None
 
         def pv_after_v_lands(p):
-            plgpu.barrier_wait(v_bar.at[slot])
+            ring.wait(1, t)
             return ops.pv(p.astype(dtype), v_s.at[slot])
         return online_softmax_step(carry, s, vis, pv_after_v_lands)
 
@@ -217,31 +203,80 @@ def _kernel(start_g, qoff_g, kvl_g, q_g, k_g, v_g, o_g, lse_g, q_s, k_s, v_s, ls
     plgpu.wait_smem_to_gmem(0)
 
 
-class SharedRing:
-    """The TMA ring of a warp-specialised program: warpgroup 2 loads, warpgroups 0 and 1 compute.
+COMPUTE_REGISTERS, LOADER_REGISTERS = 232, 40  # per thread, warp-specialised: 2 x 232 + 40 warps' worth fit
 
-    Item n of the walk [first, end) goes into slot (n - first) % stages. `groups` lists, per `free`
-    barrier array (two arrivals: one per compute warpgroup), the buffers whose next load waits for
-    it; every buffer has its own `full` barrier array (the TMA's). A compute warpgroup waits for
-    a buffer (`wait`), releases a group once its products have read it (`release`), and passes
-    over an item only its neighbour computes with `skip` (waits and releases everything, and meets
-    twice, as a computed item does). With `pingpong` the two compute warpgroups `meet` on the
-    `turn` barrier (two arrivals) twice per item: warpgroup 1 starts one meeting late
-    (`start_turn`) and warpgroup 0 ends with the spare one (`end_turn`), so one's softmax runs
-    beside the other's matrix products. The loader (`load`) issues each item's copies once its
-    slot is free, then waits for the last releases, so every barrier phase is observed (Pallas's GPU
-    interpreter checks that)."""
 
-    def __init__(self, full, free, groups, turn, *, first, end, stages: int, pingpong: bool):
+def kv_sources(k_g, v_g, b, kvh, bk: int):
+    """sources(t) -> [K tile t, V tile t] in global memory, KV head kvh of batch row b: what the
+    rings of the prefill and dq kernels stream."""
+    def sources(t):
+        rows = (b, pl.ds(t * bk, bk), kvh)
+        return [k_g.at[rows], v_g.at[rows]]
+    return sources
+
+
+class TmaRing:
+    """A ring of `stages` shared-memory slots fed by TMA: item n of the walk [first, end) goes
+    into slot (n - first) % stages of every buffer in `buffers` ([stages, ...] arrays), buffer j
+    signalling its `full[j]` barrier; sources(n) -> one global-memory ref per buffer."""
+
+    def __init__(self, buffers, full, sources, *, first, end, stages: int):
         self.plgpu = _plgpu()
-        self.full, self.free, self.groups, self.turn = full, free, groups, turn
-        self.first, self.end, self.stages, self.pingpong = first, end, stages, pingpong
+        self.buffers, self.full, self.sources = buffers, full, sources
+        self.first, self.end, self.stages = first, end, stages
 
     def slot(self, n):
         return lax.rem(n - self.first, self.stages)
 
+    def issue(self, n, which=None):
+        """Start the copies of item n (of the buffers `which`, default all)."""
+        srcs, slot = self.sources(n), self.slot(n)
+        for j in range(len(self.buffers)) if which is None else which:
+            self.plgpu.copy_gmem_to_smem(srcs[j], self.buffers[j].at[slot], self.full[j].at[slot])
+
     def wait(self, j: int, n):
         self.plgpu.barrier_wait(self.full[j].at[self.slot(n)])
+
+
+class PrefetchRing(TmaRing):
+    """One warpgroup's ring: the first stages - 1 items are issued when it is built, and each step
+    (`advance(n)`) issues item n + stages - 1 into the slot of item n - 1, whose products have
+    completed by then (each product's result is read before the next step)."""
+
+    def __init__(self, buffers, full, sources, *, first, end, stages: int):
+        super().__init__(buffers, full, sources, first=first, end=end, stages=stages)
+        for j in range(stages - 1):
+            pl.when(first + j < end)(functools.partial(self.issue, first + j))
+
+    def advance(self, n):
+        ahead = n + (self.stages - 1)
+        pl.when(ahead < self.end)(functools.partial(self.issue, ahead))
+
+
+class SharedRing(TmaRing):
+    """The ring of a warp-specialised program: warpgroup 2 loads, warpgroups 0 and 1 compute.
+
+    `groups` lists, per `free` barrier array (two arrivals: one per compute warpgroup), the
+    buffers whose next load waits for it. A compute warpgroup (`compute_side`) waits for a buffer
+    (`wait`), releases a group once its products have read it (`release`), and passes over an
+    item only its neighbour computes with `skip` (waits and releases everything, and meets twice,
+    as a computed item does). With `pingpong` the two compute warpgroups `meet` on the `turn`
+    barrier (two arrivals) twice per item: warpgroup 1 starts one meeting late (`start_turn`) and
+    warpgroup 0 ends with the spare one (`end_turn`), so one's softmax runs beside the other's
+    matrix products. The loader (`load`) gives its registers away, issues each item's copies once
+    its slot is free, then waits for the last releases, so every barrier phase is observed
+    (Pallas's GPU interpreter checks that)."""
+
+    def __init__(self, buffers, full, sources, free, groups, turn, *, first, end, stages: int, pingpong: bool,
+                 interpret: bool):
+        super().__init__(buffers, full, sources, first=first, end=end, stages=stages)
+        self.free, self.groups, self.turn = free, groups, turn
+        self.pingpong, self.interpret = pingpong, interpret
+
+    def compute_side(self):
+        """At the top of a compute warpgroup's branch: take the registers the loader gives up."""
+        if not self.interpret:
+            self.plgpu.set_max_registers(COMPUTE_REGISTERS, action="increase")
 
     def release(self, g: int, n):
         self.plgpu.barrier_arrive(self.free[g].at[self.slot(n)])
@@ -277,19 +312,18 @@ class SharedRing:
                 self.meet()
         lax.fori_loop(lo, hi, one, None)
 
-    def load(self, copies):
-        """The loader warpgroup: copies(n) -> [(source ref, destination ref)] per buffer, slot-indexed
-        destinations already chosen by the caller from `self.slot(n)`."""
+    def load(self):
+        """The loader warpgroup's whole branch."""
         plgpu = self.plgpu
+        if not self.interpret:
+            plgpu.set_max_registers(LOADER_REGISTERS, action="decrease")
 
         def one(n, _):
-            pairs = copies(n)
             for g, bufs in enumerate(self.groups):
                 @pl.when(n - self.first >= self.stages)
                 def _():
                     plgpu.barrier_wait(self.free[g].at[self.slot(n)])
-                for j in bufs:
-                    plgpu.copy_gmem_to_smem(*pairs[j], self.full[j].at[self.slot(n)])
+                self.issue(n, bufs)
 
         def drain(n, _):
             for g in range(len(self.groups)):
@@ -326,13 +360,12 @@ def _ws_kernel(start_g, qoff_g, kvl_g, q_g, k_g, v_g, o_g, lse_g, qo_s, k_s, v_s
                                kind=kind, block_size=block_size)
 
     ta, _, _, td = bounds(pair0, 2 * bq)  # the program's tiles: the union of both warpgroups'
-    ring = SharedRing([k_bar, v_bar], [k_free, v_free], [[0], [1]], turn, first=ta, end=td, stages=stages,
-                      pingpong=pingpong)
+    ring = SharedRing([k_s, v_s], [k_bar, v_bar], kv_sources(k_g, v_g, b, lax.div(h, G), bk), [k_free, v_free],
+                      [[0], [1]], turn, first=ta, end=td, stages=stages, pingpong=pingpong, interpret=interpret)
 
     @pl.when(wg < 2)
     def _compute():
-        if not interpret:
-            plgpu.set_max_registers(232, action="increase")
+        ring.compute_side()
         q0 = pair0 + wg * bq
         q_tile = qo_s.at[wg]
         plgpu.copy_gmem_to_smem(q_g.at[b, pl.ds(q0, bq), h], q_tile, q_bar.at[wg])
@@ -372,16 +405,7 @@ def _ws_kernel(start_g, qoff_g, kvl_g, q_g, k_g, v_g, o_g, lse_g, qo_s, k_s, v_s
         plgpu.copy_smem_to_gmem(lse_s.at[wg], lse_g.at[b, h, pl.ds(q0, bq)])
         plgpu.wait_smem_to_gmem(0)
 
-    @pl.when(wg == 2)
-    def _load():
-        if not interpret:
-            plgpu.set_max_registers(40, action="decrease")
-        kvh = lax.div(h, G)
-
-        def copies(t):
-            rows, slot = (b, pl.ds(t * bk, bk), kvh), ring.slot(t)
-            return [(k_g.at[rows], k_s.at[slot]), (v_g.at[rows], v_s.at[slot])]
-        ring.load(copies)
+    pl.when(wg == 2)(ring.load)
 
 
 SMEM_BYTES = 227 * 1024  # shared memory one Hopper block may hold (sm_90: 227 KiB)
@@ -467,5 +491,5 @@ def prefill_attention(q, k, v, *, start, q_offset=0, kv_len=None, kind="causal",
     return (out, lse[:, :, :T]) if return_lse else out
 
 
-__all__ = ["prefill_attention", "unsupported_reason", "is_hopper", "WarpgroupOps", "SharedRing", "BLOCK_Q", "BLOCK_K", "STAGES",
-           "SMEM_BYTES"]
+__all__ = ["prefill_attention", "unsupported_reason", "is_hopper", "WarpgroupOps", "TmaRing", "PrefetchRing",
+           "SharedRing", "kv_sources", "BLOCK_Q", "BLOCK_K", "STAGES", "SMEM_BYTES"]

@@ -48,7 +48,7 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels.common import (LOG2E, dot_precision, key_end, key_tile_queries, pad_axis, query_rows_bounds,
                                    row_scalars)
-from pallas_kernels.mosaic import BLOCK_Q, SharedRing, WarpgroupOps, unsupported_reason
+from pallas_kernels.mosaic import BLOCK_Q, PrefetchRing, SharedRing, WarpgroupOps, kv_sources, unsupported_reason
 
 BLOCK_K = 64  # keys per tile (the dK / dV programs' 64 rows)
 
@@ -56,6 +56,17 @@ BLOCK_K = 64  # keys per tile (the dK / dV programs' 64 rows)
 def _plgpu():
     from jax.experimental.pallas import mosaic_gpu as plgpu  # noqa: PLC0415 (GPU-only import)
     return plgpu
+
+
+def query_sources(q_g, do_g, lse_g, delta_g, b, kvh, G: int, lo, per_head):
+    """sources(n) -> [Q, dO, lse, delta] of item n of a dk / dv walk in global memory: over the G heads
+    sharing KV head kvh (batch row b), per_head query tiles each from tile lo on."""
+    def sources(n):
+        width = jnp.maximum(per_head, 1)
+        h = kvh * G + lax.div(n, width)
+        rows = pl.ds((lo + lax.rem(n, width)) * BLOCK_Q, BLOCK_Q)
+        return [q_g.at[b, rows, h], do_g.at[b, rows, h], lse_g.at[b, h, rows], delta_g.at[b, h, rows]]
+    return sources
 
 
 def _dq_kernel(start_g, qoff_g, kvl_g, q_g, k_g, v_g, do_g, lse_g, delta_g, dq_g, q_s, do_s, lse_s, delta_s,
@@ -78,35 +89,22 @@ def _dq_kernel(start_g, qoff_g, kvl_g, q_g, k_g, v_g, do_g, lse_g, delta_g, dq_g
     ta, tb, tc, td = query_rows_bounds(q0, bq, T=T, S=S, start=start, qoff=qoff, kvl=kvl, block_k=bk, kind=kind,
                                        block_size=block_size)
 
-    def fetch(t, slot):
-        kv_rows = (b, pl.ds(t * bk, bk), kvh)
-        plgpu.copy_gmem_to_smem(k_g.at[kv_rows], k_s.at[slot], k_bar.at[slot])
-        plgpu.copy_gmem_to_smem(v_g.at[kv_rows], v_s.at[slot], v_bar.at[slot])
-
-    for j in range(stages - 1):
-        @pl.when(ta + j < td)
-        def _():
-            fetch(ta + j, j)
-
+    ring = PrefetchRing([k_s, v_s], [k_bar, v_bar], kv_sources(k_g, v_g, b, kvh, bk), first=ta, end=td,
+                        stages=stages)
     for j in range(4):
         plgpu.barrier_wait(tile_bar.at[j])
     lse = ops.vector(lse_s, 1)
     delta = ops.vector(delta_s, 1)
 
     def step(t, dq, masked: bool):
-        slot = lax.rem(t - ta, stages)
-        ahead = t + (stages - 1)
-
-        @pl.when(ahead < td)
-        def _():  # its slot held tile t - 1, whose products have completed
-            fetch(ahead, lax.rem(ahead - ta, stages))
-
-        plgpu.barrier_wait(k_bar.at[slot])
+        slot = ring.slot(t)
+        ring.advance(t)
+        ring.wait(0, t)
         s = ops.mm_t(q_s, k_s.at[slot]) * qk_scale
         p = jnp.exp2(s - lax.broadcast_in_dim(lse, (bq, bk), [0]))
         if masked:
             p = jnp.where(ops.visible(t, p_first, start, kind, block_size, kvl), p, 0.0)
-        plgpu.barrier_wait(v_bar.at[slot])
+        ring.wait(1, t)
         dp = ops.mm_t(do_s, v_s.at[slot])
         ds = p * (dp - lax.broadcast_in_dim(delta, (bq, bk), [0]))
         return dq + ops.mm(ds.astype(q_s.dtype), k_s.at[slot])
@@ -138,43 +136,27 @@ def _dkv_kernel(start_g, qoff_g, kvl_g, q_g, k_g, v_g, do_g, lse_g, delta_g, dk_
     per_head = qe - qa
     total = G * per_head  # one walk over (head of the group, query tile)
 
-    def fetch(n, slot):
-        g = lax.div(n, jnp.maximum(per_head, 1))
-        t0 = (qa + lax.rem(n, jnp.maximum(per_head, 1))) * bq
-        h = kvh * G + g
-        plgpu.copy_gmem_to_smem(q_g.at[b, pl.ds(t0, bq), h], q_s.at[slot], q_bar.at[slot])
-        plgpu.copy_gmem_to_smem(do_g.at[b, pl.ds(t0, bq), h], do_s.at[slot], do_bar.at[slot])
-        plgpu.copy_gmem_to_smem(lse_g.at[b, h, pl.ds(t0, bq)], lse_s.at[slot], lse_bar.at[slot])
-        plgpu.copy_gmem_to_smem(delta_g.at[b, h, pl.ds(t0, bq)], delta_s.at[slot], delta_bar.at[slot])
-
-    for s_ in range(stages - 1):
-        @pl.when(s_ < total)
-        def _():
-            fetch(s_, s_)
-
+    ring = PrefetchRing([q_s, do_s, lse_s, delta_s], [q_bar, do_bar, lse_bar, delta_bar],
+                        query_sources(q_g, do_g, lse_g, delta_g, b, kvh, G, qa, per_head), first=0, end=total,
+                        stages=stages)
     plgpu.barrier_wait(kv_bar.at[0])
     plgpu.barrier_wait(kv_bar.at[1])
 
     def step(qt, carry, g, masked: bool):
         dk, dv = carry
         n = g * per_head + (qt - qa)  # position in the walk: its ring slot, and what to fetch ahead
-        slot = lax.rem(n, stages)
-        ahead = n + (stages - 1)
-
-        @pl.when(ahead < total)
-        def _():
-            fetch(ahead, lax.rem(ahead, stages))
-
-        plgpu.barrier_wait(q_bar.at[slot])
-        plgpu.barrier_wait(lse_bar.at[slot])
+        slot = ring.slot(n)
+        ring.advance(n)
+        ring.wait(0, n)
+        ring.wait(2, n)
         s_t = ops.mm_t(k_s, q_s.at[slot]) * qk_scale  # [bk, bq]
         p_t = jnp.exp2(s_t - lax.broadcast_in_dim(ops.vector(lse_s.at[slot], 0), (bk, bq), [1]))
         if masked:
             keys_at = k0 + ops.iota(0)
             vis = (keys_at >= start) & (keys_at < key_end(qoff + qt * bq + ops.iota(1), kind, block_size, kvl))
             p_t = jnp.where(vis, p_t, 0.0)
-        plgpu.barrier_wait(do_bar.at[slot])
-        plgpu.barrier_wait(delta_bar.at[slot])
+        ring.wait(1, n)
+        ring.wait(3, n)
         dv = dv + ops.mm(p_t.astype(k_s.dtype), do_s.at[slot])
         dp_t = ops.mm_t(v_s, do_s.at[slot])
         ds_t = p_t * (dp_t - lax.broadcast_in_dim(ops.vector(delta_s.at[slot], 0), (bk, bq), [1]))
@@ -212,13 +194,12 @@ def _ws_dq_kernel(start_g, qoff_g, kvl_g, q_g, k_g, v_g, do_g, lse_g, delta_g, d
                                kind=kind, block_size=block_size)
 
     ta, _, _, td = bounds(pair0, 2 * bq)
-    ring = SharedRing([k_bar, v_bar], [k_free, v_free], [[0], [1]], turn, first=ta, end=td, stages=stages,
-                      pingpong=pingpong)
+    ring = SharedRing([k_s, v_s], [k_bar, v_bar], kv_sources(k_g, v_g, b, lax.div(h, G), bk), [k_free, v_free],
+                      [[0], [1]], turn, first=ta, end=td, stages=stages, pingpong=pingpong, interpret=interpret)
 
     @pl.when(wg < 2)
     def _compute():
-        if not interpret:
-            plgpu.set_max_registers(232, action="increase")
+        ring.compute_side()
         q0 = pair0 + wg * bq
         rows = (b, pl.ds(q0, bq), h)
         q_tile, do_tile = q_s.at[wg], do_s.at[wg]
@@ -262,16 +243,7 @@ def _ws_dq_kernel(start_g, qoff_g, kvl_g, q_g, k_g, v_g, do_g, lse_g, delta_g, d
         plgpu.copy_smem_to_gmem(q_tile, dq_g.at[rows])
         plgpu.wait_smem_to_gmem(0)
 
-    @pl.when(wg == 2)
-    def _load():
-        if not interpret:
-            plgpu.set_max_registers(40, action="decrease")
-        kvh = lax.div(h, G)
-
-        def copies(t):
-            rows, slot = (b, pl.ds(t * bk, bk), kvh), ring.slot(t)
-            return [(k_g.at[rows], k_s.at[slot]), (v_g.at[rows], v_s.at[slot])]
-        ring.load(copies)
+    pl.when(wg == 2)(ring.load)
 
 
 def _ws_dkv_kernel(start_g, qoff_g, kvl_g, q_g, k_g, v_g, do_g, lse_g, delta_g, dk_g, dv_g, k_s, v_s, q_s, do_s,
@@ -294,13 +266,13 @@ def _ws_dkv_kernel(start_g, qoff_g, kvl_g, q_g, k_g, v_g, do_g, lse_g, delta_g, 
     (qa0, _, qe0), (qa1, _, qe1) = query_tiles(pair0), query_tiles(pair0 + bk)
     lo, hi = jnp.minimum(qa0, qa1), jnp.maximum(qe0, qe1)
     per_head = hi - lo
-    ring = SharedRing([q_bar, do_bar, lse_bar, delta_bar], [free], [[0, 1, 2, 3]], turn, first=0,
-                      end=G * per_head, stages=stages, pingpong=pingpong)
+    ring = SharedRing([q_s, do_s, lse_s, delta_s], [q_bar, do_bar, lse_bar, delta_bar],
+                      query_sources(q_g, do_g, lse_g, delta_g, b, kvh, G, lo, per_head), [free], [[0, 1, 2, 3]],
+                      turn, first=0, end=G * per_head, stages=stages, pingpong=pingpong, interpret=interpret)
 
     @pl.when(wg < 2)
     def _compute():
-        if not interpret:
-            plgpu.set_max_registers(232, action="increase")
+        ring.compute_side()
         k0 = pair0 + wg * bk
         keys = (b, pl.ds(k0, bk), kvh)
         k_tile, v_tile = k_s.at[wg], v_s.at[wg]
@@ -352,20 +324,7 @@ def _ws_dkv_kernel(start_g, qoff_g, kvl_g, q_g, k_g, v_g, do_g, lse_g, delta_g, 
         plgpu.copy_smem_to_gmem(v_tile, dv_g.at[keys])
         plgpu.wait_smem_to_gmem(0)
 
-    @pl.when(wg == 2)
-    def _load():
-        if not interpret:
-            plgpu.set_max_registers(40, action="decrease")
-
-        def copies(n):
-            width = jnp.maximum(per_head, 1)
-            h = kvh * G + lax.div(n, width)
-            t0 = (lo + lax.rem(n, width)) * bq
-            slot = ring.slot(n)
-            return [(q_g.at[b, pl.ds(t0, bq), h], q_s.at[slot]), (do_g.at[b, pl.ds(t0, bq), h], do_s.at[slot]),
-                    (lse_g.at[b, h, pl.ds(t0, bq)], lse_s.at[slot]),
-                    (delta_g.at[b, h, pl.ds(t0, bq)], delta_s.at[slot])]
-        ring.load(copies)
+    pl.when(wg == 2)(ring.load)
 
 
 def attention_backward(q, k, v, o, lse, do, *, start, q_offset, kv_len, kind, block_size, scale=None,
