@@ -79,3 +79,25 @@ def test_device_profile_splits_a_traces_device_time_by_kernel_kind():
     assert kinds == {"matmul (cuBLAS / XLA GEMM)": 0.02, "qmatmul (Pallas)": 0.01, "attention (Pallas)": 0.005,
                      "other XLA fusions": 0.005, "copies / memset": 0.005}
     assert gpu.device_profile(dict(traceEvents=meta[1:2] + events[-2:-1]), forwards=2) == dict(device_events=0)
+
+
+def test_a_cached_processs_peak_is_reported_beside_the_cold_one():
+    """A cold first call's peak holds what compiling kept on the device (the GEMM autotuner's copies of
+    its operands among it); the process that compiles from the cache shows the running peak alone. Both
+    come from first-call rows merged into the decode row, and the peak target reports both."""
+    h100 = "NVIDIA H100 80GB HBM3"
+    db = dict(sessions=[dict(session="s1")], rows={})
+    first = {k: v for k, v in _row(h100, 6.45).items() if k not in ("peak_bytes", "peak_exact")}
+    gpu.merge_rows(db, [dict(_row(h100, 6.45), peak_bytes=19 << 30),
+                        dict(first, kind="first_call", compile=dict(session="s1", cold_s=21.0,
+                                                                    cold_peak_bytes=19 << 30, cold_peak_exact=True)),
+                        dict(first, kind="first_call", compile=dict(session="s1", cached_s=3.0,
+                                                                    cached_peak_bytes=15 << 30,
+                                                                    cached_peak_exact=True))])
+    (row,) = db["rows"].values()
+    assert row["compile"]["cold_peak_bytes"] == 19 << 30 and row["compile"]["cached_peak_bytes"] == 15 << 30
+    md = gpu.render(db)
+    assert "peak of a process compiling from the cache: 15.0 GiB" in md
+    lim = (16 << 30) + 2 * gpu.GIB
+    assert (f"AR greedy b1: peak <= weights + KV + 2 GiB = {lim / gpu.GIB:.1f} GiB: MISSED (19.0 GiB); a process "
+            "compiling from the cache: met (15.0 GiB)") in md
