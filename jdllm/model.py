@@ -453,6 +453,10 @@ def forward(params: Params, cfg: ModelConfig, tokens, positions, *, start, cache
     # (`attend_merged`), not the layer's whole cache (SDAR dynamic at gen 512: those copies were 5.6%
     # of the decode's time)
     merge_window = (cache is not None and not write_cache and bool(sizes) and cache.k_scale is None)
+    # the Pallas kernels read layer i of the stacked cache in place (`pallas_kernels.attention(layer=)`):
+    # a slice of it handed to a kernel is a copy of the layer's whole cache on every forward (an AR step
+    # at 384 slots on an H100, deviceless compile: 64 copy kernels, 192 MiB moved; 16 GiB at 32k)
+    in_place = attn_mask is None and isinstance(attn_impl, str) and resolve_impl(attn_impl) == "pallas"
     qk = quant_matmul_kernel(attn_impl)  # quantized weights: few-row matmuls through the Pallas kernel
 
     def layer(carry, xs):
@@ -473,10 +477,11 @@ def forward(params: Params, cfg: ModelConfig, tokens, positions, *, start, cache
             k = rms_norm(k, lp["k_norm"], cfg.rms_norm_eps)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
-        def attend(keys, vals):
-            return attention_op(q, keys.astype(q.dtype), vals.astype(q.dtype), start=start, q_offset=q_offset,
+        def attend(keys, vals, layer=None):  # layer: keys / vals are the stacked cache, read at that layer
+            cast = (lambda x: x) if layer is not None else (lambda x: x.astype(q.dtype))  # noqa: E731
+            return attention_op(q, cast(keys), cast(vals), start=start, q_offset=q_offset,
                                 kv_len=kv_len, kind=cfg.attention, block_size=cfg.block_size,
-                                impl=attn_impl, mask=attn_mask)
+                                impl=attn_impl, mask=attn_mask, layer=layer)
 
         if ck is None:
             a = attend(k, v)
@@ -511,6 +516,8 @@ def forward(params: Params, cfg: ModelConfig, tokens, positions, *, start, cache
             def upto(n):  # attention over this layer's cache slots [0, n)
                 if merge_window:
                     return lambda ck, cv, k, v: attend_merged(n, ck, cv, k, v)
+                if sk is None and stacked and in_place and n == ck.shape[2]:
+                    return lambda kl, vl: attend(kl, vl, layer=i)  # the kernel reads layer i where it lies
                 if sk is None:
                     return lambda kl, vl: attend(cut(kl, n), cut(vl, n))
                 return lambda kl, vl, ks, vs: attend(dequantize_kv(cut(kl, n), cut(ks, n), q.dtype),

@@ -109,20 +109,29 @@ def _cudnn(q, k, v, *, start, q_offset, kv_len, kind, block_size, scale):
 
 
 def attention(q, k, v, *, start, q_offset=0, kv_len=None, kind="causal", block_size=1,
-              scale=None, impl="auto", mask=None):
+              scale=None, impl="auto", mask=None, layer=None):
     """q [B, T, H, D], k/v [B, S, KV, D], start [B] -> [B, T, H, D].
 
     Query t sits at absolute slot q_offset + t; keys at slots >= kv_len are
     ignored (kv_len defaults to S). `mask` [B, T, S] (bool) replaces the rule
     outright; it exists for training objectives whose masks the rule cannot
     express (BD3-LM's noisy/clean pairing) and always runs on the XLA path.
+
+    layer (an int32 scalar, traced or not): k / v are a stacked KV cache [L, B, S, KV, D] and the
+    keys are its layer `layer`: the Pallas kernels read it in place (`flash.attention`), where a
+    slice handed to a kernel is a copy of the layer's cache on every call; the other
+    implementations take the slice.
     """
+    if layer is not None and (mask is not None or resolve_impl(impl) != "pallas"
+                              or isinstance(impl, ShardedAttention)):
+        k, v = (jax.lax.dynamic_index_in_dim(x, jnp.asarray(layer, jnp.int32), 0, keepdims=False) for x in (k, v))
+        layer = None
     if mask is not None:
         return masked_attention_reference(q, k, v, mask, scale=scale)
     if kind not in KINDS:
         raise ValueError(f"attention kind {kind!r} is not one of {KINDS}")
     if kv_len is None:
-        kv_len = k.shape[1]
+        kv_len = k.shape[-3]
     kw = dict(start=jnp.asarray(start, jnp.int32), q_offset=q_offset, kv_len=kv_len,
               kind=kind, block_size=block_size, scale=scale)
     if isinstance(impl, ShardedAttention):
@@ -133,7 +142,7 @@ def attention(q, k, v, *, start, q_offset=0, kv_len=None, kind="causal", block_s
     if impl == "cudnn":
         return _cudnn(q, k, v, **kw)
     from pallas_kernels import flash  # noqa: PLC0415 (imported only when asked for)
-    return flash.attention(q, k, v, **kw)
+    return flash.attention(q, k, v, **kw, layer=layer)
 
 
 __all__ = ["attention", "ShardedAttention", "attention_reference", "visible_mask", "horizon", "resolve_impl",

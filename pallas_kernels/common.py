@@ -246,10 +246,14 @@ def pad_axis(x, axis: int, size: int):
     return jnp.pad(x, widths)
 
 
+def padded_head_dim(D: int, backend: str) -> int:
+    """head_dim as the kernels run it: a power of two (>= 16 on Triton)."""
+    return tile_size(next_pow2(D), D, backend) if backend == "triton" else next_pow2(D)
+
+
 def pad_head_dim(q, k, v, backend: str):
-    """Zero-pad head_dim to a power of two (>= 16 on Triton); zeros change no score."""
-    D = q.shape[-1]
-    Dp = tile_size(next_pow2(D), D, backend) if backend == "triton" else next_pow2(D)
+    """Zero-pad head_dim to `padded_head_dim`; zeros change no score."""
+    Dp = padded_head_dim(q.shape[-1], backend)
     return pad_axis(q, 3, Dp), pad_axis(k, 3, Dp), pad_axis(v, 3, Dp)
 
 

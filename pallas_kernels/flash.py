@@ -63,15 +63,16 @@ from pallas_kernels import mosaic, mosaic_backward
 from pallas_kernels.backward import attention_backward
 from pallas_kernels.common import (BACKEND_ENV, BACKENDS, LOG2E, MIN_TILE, NEG, Tiles,  # noqa: F401 (re-exported)
                                    cdiv, default_backend, dot, dot_precision, key_end, normalise,
-                                   online_softmax_step, pad_axis, pad_head_dim, plain_backend, row_lse,
+                                   online_softmax_step, pad_axis, pad_head_dim, padded_head_dim, plain_backend, row_lse,
                                    query_rows_bounds, row_scalars, tile_bounds, tile_size, triton_params)
 from pallas_kernels.reference import KINDS, attention_reference
 
 WINDOW_MAX_T = 128  # queries above this use the prefill kernel
 
 
-def _attend(q, rows_p, k_ref, v_ref, bounds, *, start, kvl, block_k, kind, block_size, qk_scale):
-    """Online softmax of q [R, D] over key tiles `bounds` of k_ref/v_ref [S, D].
+def _attend(q, rows_p, k_ref, v_ref, bounds, *, start, kvl, block_k, kind, block_size, qk_scale, lead=()):
+    """Online softmax of q [R, D] over key tiles `bounds` of k_ref/v_ref [S, D] (or, with `lead`
+    indices, [*, S, D]: a stacked cache's block, read at those leading indices).
 
     rows_p [R]: absolute slot of each row's query. Returns (acc [R, D] f32,
     m [R] f32 running max in log2 units, l [R] f32 normaliser); acc is not yet
@@ -82,8 +83,8 @@ def _attend(q, rows_p, k_ref, v_ref, bounds, *, start, kvl, block_k, kind, block
 
     def step(t, carry, masked: bool):
         k0 = t * block_k
-        k = k_ref[pl.ds(k0, block_k), :]  # [bk, D]
-        v = v_ref[pl.ds(k0, block_k), :]  # [bk, D]
+        k = k_ref[(*lead, pl.ds(k0, block_k), slice(None))]  # [bk, D]
+        v = v_ref[(*lead, pl.ds(k0, block_k), slice(None))]  # [bk, D]
         s = dot(q, k, ((1,), (1,))) * qk_scale  # [R, bk]
         vis = None
         if masked:
@@ -100,9 +101,12 @@ def _attend(q, rows_p, k_ref, v_ref, bounds, *, start, kvl, block_k, kind, block
 
 
 # --------------------------------------------------------------------------- prefill kernel
-def _prefill_kernel(start_ref, qoff_ref, kvl_ref, q_ref, k_ref, v_ref, *refs, T, S, num_q_tiles,
-                    block_q, block_k, kind, block_size, qk_scale, with_lse=False):
-    # refs: [poisoned buffers aliased to the outputs (unused)], o_ref[, lse_ref]
+def _prefill_kernel(start_ref, qoff_ref, kvl_ref, *refs, T, S, num_q_tiles,
+                    block_q, block_k, kind, block_size, qk_scale, with_lse=False, stacked=False):
+    # refs: [layer_ref (stacked)], q_ref, k_ref, v_ref, [poisoned buffers aliased to the outputs
+    # (unused)], o_ref[, lse_ref]
+    lead, refs = ((refs[0][()],), refs[1:]) if stacked else ((), refs)
+    q_ref, k_ref, v_ref = refs[:3]
     o_ref, lse_ref = (refs[-2], refs[-1]) if with_lse else (refs[-1], None)
     i = num_q_tiles - 1 - pl.program_id(0)  # heaviest (last) query tiles launch first
     start, qoff, kvl = start_ref[()], qoff_ref[()], kvl_ref[()]
@@ -110,50 +114,85 @@ def _prefill_kernel(start_ref, qoff_ref, kvl_ref, q_ref, k_ref, v_ref, *refs, T,
     bounds = query_rows_bounds(i * block_q, block_q, T=T, S=S, start=start, qoff=qoff, kvl=kvl, block_k=block_k,
                                kind=kind, block_size=block_size)
     acc, m, l = _attend(q_ref[...], rows_p, k_ref, v_ref, bounds, start=start, kvl=kvl,
-                        block_k=block_k, kind=kind, block_size=block_size, qk_scale=qk_scale)
+                        block_k=block_k, kind=kind, block_size=block_size, qk_scale=qk_scale, lead=lead)
     o_ref[...] = normalise(acc, l).astype(o_ref.dtype)
     if with_lse:
         lse_ref[...] = row_lse(m, l)
 
 
+def stacked_key_tile(q, k, tile_k: int, backend: str) -> int | None:
+    """The key tile with which a kernel reads layer `layer` of a stacked cache k [L, B, S, KV, D]
+    where it lies, or None when it cannot: the cache must need no padding (head_dim a power of
+    two, q's dtype, S a multiple of the tile: `tile_k`, else the largest smaller tile dividing S,
+    down to the backend's minimum), else the layer is sliced out (a copy of it) and padded as
+    before."""
+    S, D = k.shape[2], k.shape[-1]
+    if padded_head_dim(D, backend) != D or k.dtype != q.dtype:
+        return None
+    bk, floor = tile_size(tile_k, S, backend), (MIN_TILE if backend == "triton" else 1)
+    while S % bk and bk > floor:
+        bk //= 2
+    return bk if S % bk == 0 else None
+
+
+def _layer_of(k, v, layer):
+    """Layer `layer` (traced or not) of stacked k / v [L, B, S, KV, D]."""
+    return (lax.dynamic_index_in_dim(x, jnp.asarray(layer, jnp.int32), 0, keepdims=False) for x in (k, v))
+
+
 def prefill_attention(q, k, v, *, start, q_offset=0, kv_len=None, kind="causal", block_size=1,
                       scale=None, tiles: Tiles = Tiles(), backend: str | None = None,
-                      poison: bool = False, return_lse: bool = False):
+                      poison: bool = False, return_lse: bool = False, layer=None):
     """Flash attention forward: q [B, T, H, D], k/v [B, S, KV, D] -> [B, T, H, D].
 
     start [B]; q_offset, kv_len: ints or traced int32 scalars. T and S need not
     be tile multiples (padded here, sliced back). `poison=True` pre-fills the
     output buffers with NaN (aliased in place) so an element the kernel forgets
     to write shows up in tests. `return_lse=True` also returns the row
-    log2-sum-exp2 [B, H, T] f32 the backward needs.
+    log2-sum-exp2 [B, H, T] f32 the backward needs. `layer` (an int32 scalar,
+    traced or not): k / v are a stacked cache [L, B, S, KV, D] and the keys are
+    its layer `layer`, read in place when `stacked_key_tile` allows (a slice,
+    i.e. a copy of the layer, otherwise).
     """
     backend = plain_backend(backend or default_backend())
+    stacked_bk = None if layer is None else stacked_key_tile(q, k, tiles.block_k, backend)
+    stacked = stacked_bk is not None
+    if layer is not None and not stacked:
+        k, v = _layer_of(k, v, layer)
     B, T, H, D = q.shape
-    S, KV = k.shape[1], k.shape[2]
+    S, KV = k.shape[-3], k.shape[-2]
     G = H // KV
     kv_len = S if kv_len is None else kv_len
     scale = D ** -0.5 if scale is None else scale
-    bq, bk = tile_size(tiles.block_q, T, backend), tile_size(tiles.block_k, S, backend)
+    bq, bk = tile_size(tiles.block_q, T, backend), stacked_bk or tile_size(tiles.block_k, S, backend)
     Tp, Sp = pl.cdiv(T, bq) * bq, pl.cdiv(S, bk) * bk
-    q, k, v = pad_head_dim(q, k.astype(q.dtype), v.astype(q.dtype), backend)
+    if stacked:  # no padding (`stacked_key_tile`): the cache goes in as it is
+        q = pad_axis(q, 1, Tp)
+    else:
+        q, k, v = pad_head_dim(q, k.astype(q.dtype), v.astype(q.dtype), backend)
+        q, k, v = pad_axis(q, 1, Tp), pad_axis(k, 1, Sp), pad_axis(v, 1, Sp)
     Dp = q.shape[-1]
-    q, k, v = pad_axis(q, 1, Tp), pad_axis(k, 1, Sp), pad_axis(v, 1, Sp)
     start, qoff, kvl = row_scalars(start, q_offset, kv_len, B, S)
     nq = Tp // bq
 
     kernel = functools.partial(_prefill_kernel, T=T, S=S, num_q_tiles=nq, block_q=bq, block_k=bk,
                                kind=kind, block_size=block_size, qk_scale=scale * LOG2E,
-                               with_lse=return_lse)
+                               with_lse=return_lse, stacked=stacked)
     row = pl.BlockSpec((None,), lambda i, b, h: (b,))
     q_spec = pl.BlockSpec((None, bq, None, Dp), lambda i, b, h: (b, nq - 1 - i, h, 0))
-    kv_spec = pl.BlockSpec((None, Sp, None, Dp), lambda i, b, h: (b, 0, lax.div(h, G), 0))
+    if stacked:  # every layer of (row, KV head) in the block; the kernel reads its layer's tiles
+        kv_spec = pl.BlockSpec((k.shape[0], None, Sp, None, Dp), lambda i, b, h: (0, b, 0, lax.div(h, G), 0))
+    else:
+        kv_spec = pl.BlockSpec((None, Sp, None, Dp), lambda i, b, h: (b, 0, lax.div(h, G), 0))
     out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype)]
     out_specs = [q_spec]
     if return_lse:
         out_shape.append(jax.ShapeDtypeStruct((B, H, Tp), jnp.float32))
         out_specs.append(pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, nq - 1 - i)))
-    args, in_specs, aliases = _poisoned([start, qoff, kvl, q, k, v],
-                                        [row, row, row, q_spec, kv_spec, kv_spec],
+    lyr = [jnp.reshape(jnp.asarray(layer, jnp.int32), (1,))] if stacked else []
+    lyr_spec = [pl.BlockSpec((None,), lambda i, b, h: (0,))] if stacked else []
+    args, in_specs, aliases = _poisoned([start, qoff, kvl, *lyr, q, k, v],
+                                        [row, row, row, *lyr_spec, q_spec, kv_spec, kv_spec],
                                         out_shape, out_specs, poison)
     outs = pl.pallas_call(
         kernel,
@@ -183,8 +222,11 @@ def _poisoned(args, in_specs, out_shape, out_specs, poison: bool):
 
 
 # --------------------------------------------------------------------------- window kernel
-def _window_kernel(start_ref, qoff_ref, kvl_ref, q_ref, k_ref, v_ref, *refs, T, G, S, num_splits,
-                   block_r, block_k, kind, block_size, qk_scale):
+def _window_kernel(start_ref, qoff_ref, kvl_ref, *refs, T, G, S, num_splits,
+                   block_r, block_k, kind, block_size, qk_scale, stacked=False):
+    # refs: [layer_ref (stacked)], q_ref, k_ref, v_ref, [poisoned buffers], acc_ref, m_ref, l_ref
+    lead, refs = ((refs[0][()],), refs[1:]) if stacked else ((), refs)
+    q_ref, k_ref, v_ref = refs[:3]
     acc_ref, m_ref, l_ref = refs[-3:]
     ri, sj = pl.program_id(2), pl.program_id(3)
     start, qoff, kvl = start_ref[()], qoff_ref[()], kvl_ref[()]
@@ -202,7 +244,7 @@ def _window_kernel(start_ref, qoff_ref, kvl_ref, q_ref, k_ref, v_ref, *refs, T, 
                           hi_slot=jnp.minimum(lo_slot + per_split * block_k, S), block_k=block_k,
                           kind=kind, block_size=block_size)
     acc, m, l = _attend(q_ref[...], rows_p, k_ref, v_ref, bounds, start=start, kvl=kvl,
-                        block_k=block_k, kind=kind, block_size=block_size, qk_scale=qk_scale)
+                        block_k=block_k, kind=kind, block_size=block_size, qk_scale=qk_scale, lead=lead)
     acc_ref[...] = acc
     m_ref[...] = m
     l_ref[...] = l
@@ -216,7 +258,7 @@ def _default_splits(programs: int, key_tiles: int) -> int:
 
 def window_attention(q, k, v, *, start, q_offset=0, kv_len=None, kind="causal", block_size=1,
                      scale=None, tiles: Tiles = Tiles(), backend: str | None = None,
-                     poison: bool = False, return_lse: bool = False):
+                     poison: bool = False, return_lse: bool = False, layer=None):
     """Flash-decoding attention of a short window q [B, T, H, D] over k/v [B, S, KV, D].
 
     Rows of a program are (query, head-in-group) pairs, r = t * G + g, so each
@@ -225,44 +267,55 @@ def window_attention(q, k, v, *, start, q_offset=0, kv_len=None, kind="causal", 
     `tiles.num_splits` programs (so a short kv_len in a long cache still uses
     every program) and the partial (acc, max, sum) are merged here in XLA.
     K/V are copied only when S is not a multiple of the key tile.
-    `poison=True` pre-fills the partial buffers with NaN; `return_lse` as in
-    `prefill_attention`.
+    `poison=True` pre-fills the partial buffers with NaN; `return_lse` and
+    `layer` (k / v a stacked cache [L, B, S, KV, D], its layer read in place)
+    as in `prefill_attention`.
     """
     backend = plain_backend(backend or default_backend())
+    stacked_bk = None if layer is None else stacked_key_tile(q, k, tiles.block_k, backend)
+    stacked = stacked_bk is not None
+    if layer is not None and not stacked:
+        k, v = _layer_of(k, v, layer)
     B, T, H, D = q.shape
-    S, KV = k.shape[1], k.shape[2]
+    S, KV = k.shape[-3], k.shape[-2]
     G = H // KV
     kv_len = S if kv_len is None else kv_len
     scale = D ** -0.5 if scale is None else scale
     R = T * G
-    br, bk = tile_size(tiles.block_r, R, backend), tile_size(tiles.block_k, S, backend)
+    br, bk = tile_size(tiles.block_r, R, backend), stacked_bk or tile_size(tiles.block_k, S, backend)
     Rp, Sp = pl.cdiv(R, br) * br, pl.cdiv(S, bk) * bk
     nr = Rp // br
     key_tiles = Sp // bk
     ns = tiles.num_splits or _default_splits(B * KV * nr, key_tiles)
     split_tiles = pl.cdiv(key_tiles, min(ns, key_tiles))
     ns = pl.cdiv(key_tiles, split_tiles)  # no empty trailing split
-    q, k, v = pad_head_dim(q, k.astype(q.dtype), v.astype(q.dtype), backend)
+    if not stacked:  # (stacked: nothing to pad, `stacked_key_tile`)
+        q, k, v = pad_head_dim(q, k.astype(q.dtype), v.astype(q.dtype), backend)
+        k, v = pad_axis(k, 1, Sp), pad_axis(v, 1, Sp)
     Dp = q.shape[-1]
-    k, v = pad_axis(k, 1, Sp), pad_axis(v, 1, Sp)
     qp = q.reshape(B, T, KV, G, Dp).transpose(0, 2, 1, 3, 4).reshape(B, KV, R, Dp)
     qp = pad_axis(qp, 2, Rp)  # [B, KV, Rp, Dp]
     start, qoff, kvl = row_scalars(start, q_offset, kv_len, B, S)
 
     kernel = functools.partial(_window_kernel, T=T, G=G, S=S, num_splits=ns,
                                block_r=br, block_k=bk, kind=kind, block_size=block_size,
-                               qk_scale=scale * LOG2E)
+                               qk_scale=scale * LOG2E, stacked=stacked)
     row = pl.BlockSpec((None,), lambda b, h, r, s: (b,))
     q_spec = pl.BlockSpec((None, None, br, Dp), lambda b, h, r, s: (b, h, r, 0))
-    kv_spec = pl.BlockSpec((None, Sp, None, Dp), lambda b, h, r, s: (b, 0, h, 0))
+    if stacked:  # every layer of (row, KV head) in the block; the kernel reads its layer's tiles
+        kv_spec = pl.BlockSpec((k.shape[0], None, Sp, None, Dp), lambda b, h, r, s: (0, b, 0, h, 0))
+    else:
+        kv_spec = pl.BlockSpec((None, Sp, None, Dp), lambda b, h, r, s: (b, 0, h, 0))
     acc_spec = pl.BlockSpec((None, None, None, br, Dp), lambda b, h, r, s: (b, h, s, r, 0))
     ml_spec = pl.BlockSpec((None, None, None, br), lambda b, h, r, s: (b, h, s, r))
     out_shape = [jax.ShapeDtypeStruct((B, KV, ns, Rp, Dp), jnp.float32),
                  jax.ShapeDtypeStruct((B, KV, ns, Rp), jnp.float32),
                  jax.ShapeDtypeStruct((B, KV, ns, Rp), jnp.float32)]
     out_specs = [acc_spec, ml_spec, ml_spec]
-    args, in_specs, aliases = _poisoned([start, qoff, kvl, qp, k, v],
-                                        [row, row, row, q_spec, kv_spec, kv_spec],
+    lyr = [jnp.reshape(jnp.asarray(layer, jnp.int32), (1,))] if stacked else []
+    lyr_spec = [pl.BlockSpec((None,), lambda b, h, r, s: (0,))] if stacked else []
+    args, in_specs, aliases = _poisoned([start, qoff, kvl, *lyr, qp, k, v],
+                                        [row, row, row, *lyr_spec, q_spec, kv_spec, kv_spec],
                                         out_shape, out_specs, poison)
     acc, m, l = pl.pallas_call(
         kernel,
@@ -310,18 +363,20 @@ class _Static:
     bwd: str
 
 
-def _forward(q, k, v, start, q_offset, kv_len, st: _Static, return_lse: bool = False):
+def _forward(q, k, v, start, q_offset, kv_len, st: _Static, return_lse: bool = False, layer=None):
     kw = dict(start=start, q_offset=q_offset, kv_len=kv_len, kind=st.kind,
               block_size=st.block_size, scale=st.scale, return_lse=return_lse)
     if st.backend in ("mosaic", "mosaic_interpret") and st.variant == "prefill":
-        if mosaic.unsupported_reason(q, k) is None:
+        if layer is not None and mosaic.unsupported_reason(q, k) is None:  # the TMA kernel takes one layer
+            k, v, layer = *_layer_of(k, v, layer), None
+        if layer is None and mosaic.unsupported_reason(q, k) is None:
             ws = st.tiles.mosaic_warp_specialized and q.shape[1] > mosaic.BLOCK_Q  # one tile: no pair
             return mosaic.prefill_attention(q, k, v, **kw, block_k=st.tiles.mosaic_block_k,
                                             stages=st.tiles.mosaic_stages, warp_specialized=ws,
                                             pingpong=st.tiles.mosaic_pingpong,
                                             interpret=st.backend == "mosaic_interpret")
     fn = window_attention if st.variant == "window" else prefill_attention
-    return fn(q, k, v, **kw, tiles=st.tiles, backend=plain_backend(st.backend))
+    return fn(q, k, v, **kw, tiles=st.tiles, backend=plain_backend(st.backend), layer=layer)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
@@ -359,6 +414,32 @@ def _attention_bwd(st: _Static, res, g):
 _attention.defvjp(_attention_fwd, _attention_bwd)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
+def _attention_layer(q, k, v, layer, start, q_offset, kv_len, st: _Static):
+    """`_attention` over layer `layer` of stacked k / v [L, B, S, KV, D], read in place; the
+    gradient of k / v is zero outside that layer."""
+    return _forward(q, k, v, start, q_offset, kv_len, st, layer=layer)
+
+
+def _attention_layer_fwd(q, k, v, layer, start, q_offset, kv_len, st: _Static):
+    kl, vl = _layer_of(k, v, layer)  # the backward's residuals: this layer only (a decode never gets here)
+    if st.bwd == "xla":
+        return _forward(q, k, v, start, q_offset, kv_len, st, layer=layer), \
+            ((q, kl, vl, start, q_offset, kv_len), layer, k.shape)
+    o, lse = _forward(q, k, v, start, q_offset, kv_len, st, return_lse=True, layer=layer)
+    return o, ((q, kl, vl, start, q_offset, kv_len, o, lse), layer, k.shape)
+
+
+def _attention_layer_bwd(st: _Static, res, g):
+    inner, layer, shape = res
+    dq, dkl, dvl = _attention_bwd(st, inner, g)[:3]
+    put = lambda d: lax.dynamic_update_index_in_dim(jnp.zeros(shape, d.dtype), d, layer, 0)  # noqa: E731
+    return dq, put(dkl), put(dvl), None, None, None, None
+
+
+_attention_layer.defvjp(_attention_layer_fwd, _attention_layer_bwd)
+
+
 def choose_variant(T: int, S: int) -> str:
     """"window" for a short query window over a longer cache, else "prefill"."""
     return "window" if T <= WINDOW_MAX_T and S > T else "prefill"
@@ -366,7 +447,7 @@ def choose_variant(T: int, S: int) -> str:
 
 def attention(q, k, v, *, start, q_offset=0, kv_len=None, kind="causal", block_size=1, scale=None,
               tiles: Tiles | None = None, backend: str | None = None, variant: str = "auto",
-              bwd: str = "pallas"):
+              bwd: str = "pallas", layer=None):
     """Pallas attention under the masking rule: q [B, T, H, D], k/v [B, S, KV, D] -> [B, T, H, D].
 
     variant "auto" picks the window (flash-decoding) kernel for T <= 128 over a
@@ -374,38 +455,46 @@ def attention(q, k, v, *, start, q_offset=0, kv_len=None, kind="causal", block_s
     bwd "pallas" runs the Pallas backward kernels of `backward.py` from the
     forward's saved row log-sum-exp; bwd "xla" uses the XLA reference's VJP
     (materialises the [B, H, T, S] scores).
+
+    layer (an int32 scalar, traced or not): k / v are a stacked KV cache [L, B, S, KV, D] and the
+    keys are its layer `layer`. The Triton kernels read that layer where it lies (`stacked_key_tile`:
+    head_dim a power of two, q's dtype, S a multiple of a key tile); the Mosaic prefill and other
+    shapes take a slice of it, which XLA copies, as a caller's own slice would be.
     """
     from jdllm import errors  # noqa: PLC0415 (keeps pallas_kernels importable alone)
 
     if kind not in KINDS:
         raise errors.ConfigError(f"attention kind={kind!r} is not one of {KINDS}")
-    if q.ndim != 4 or k.ndim != 4 or k.shape != v.shape or q.shape[0] != k.shape[0] \
-            or q.shape[3] != k.shape[3]:
+    one = k.shape if layer is None else k.shape[1:]  # a layer's shape
+    if q.ndim != 4 or len(one) != 4 or k.shape != v.shape or q.shape[0] != one[0] or q.shape[3] != one[3]:
         raise errors.InputError(
-            f"attention expects q [B, T, H, D] and k, v [B, S, KV, D] with equal B and D; got "
-            f"q {q.shape}, k {k.shape}, v {v.shape}")
-    if q.shape[2] % k.shape[2]:
+            f"attention expects q [B, T, H, D] and k, v [B, S, KV, D]" + ("" if layer is None else
+                                                                         " (stacked: [L, B, S, KV, D])")
+            + f" with equal B and D; got q {q.shape}, k {k.shape}, v {v.shape}")
+    if q.shape[2] % one[2]:
         raise errors.InputError(
-            f"query heads {q.shape[2]} are not a multiple of kv heads {k.shape[2]}; fix the head counts")
+            f"query heads {q.shape[2]} are not a multiple of kv heads {one[2]}; fix the head counts")
     if kind == "block_causal" and block_size < 1:
         raise errors.ConfigError(f"block_size={block_size} must be >= 1 for block_causal attention")
     backend = backend or default_backend()
     if backend not in BACKENDS:
         raise errors.ConfigError(f"backend={backend!r} is not one of {BACKENDS}")
     if variant == "auto":
-        variant = choose_variant(q.shape[1], k.shape[1])
+        variant = choose_variant(q.shape[1], one[1])
     if variant not in ("prefill", "window"):
         raise errors.ConfigError(f"variant={variant!r} is not one of ('auto', 'prefill', 'window')")
     if bwd not in ("pallas", "xla"):
         raise errors.ConfigError(f"bwd={bwd!r} is not one of ('pallas', 'xla')")
     if tiles is None:
         tiles = Tiles()
-    kv_len = k.shape[1] if kv_len is None else kv_len
+    kv_len = one[1] if kv_len is None else kv_len
     st = _Static(kind=kind, block_size=int(block_size), scale=scale, tiles=tiles, backend=backend,
                  variant=variant, bwd=bwd)
-    return _attention(q, k, v, jnp.asarray(start, jnp.int32), jnp.asarray(q_offset, jnp.int32),
-                      jnp.asarray(kv_len, jnp.int32), st)
+    scalars = (jnp.asarray(start, jnp.int32), jnp.asarray(q_offset, jnp.int32), jnp.asarray(kv_len, jnp.int32))
+    if layer is not None:
+        return _attention_layer(q, k, v, jnp.asarray(layer, jnp.int32), *scalars, st)
+    return _attention(q, k, v, *scalars, st)
 
 
 __all__ = ["attention", "prefill_attention", "window_attention", "combine_splits", "Tiles",
-           "default_backend", "choose_variant", "BACKENDS", "WINDOW_MAX_T"]
+           "default_backend", "choose_variant", "stacked_key_tile", "BACKENDS", "WINDOW_MAX_T"]

@@ -404,6 +404,107 @@ def test_model_forward_on_the_mosaic_backend(monkeypatch):
     assert _rel_err(logits["pallas"], logits["xla"]) <= 5e-2
 
 
+# ----------------------------------------------------------------------------- a stacked cache, in place
+def _pallas_operand_shapes(closed):
+    """Shapes of every operand of every pallas_call in a jaxpr (and in the jaxprs inside it), and the
+    output shapes of its dynamic_slice / slice / gather eqns."""
+    from jax.extend.core import jaxprs_in_params
+
+    into, sliced = [], []
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "pallas_call":
+                into.extend(tuple(v.aval.shape) for v in eqn.invars)
+            elif eqn.primitive.name in ("dynamic_slice", "slice", "gather"):
+                sliced.extend(tuple(v.aval.shape) for v in eqn.outvars)
+            for sub in jaxprs_in_params(eqn.params):
+                if eqn.primitive.name != "pallas_call":  # the kernel body's own loads are not copies
+                    walk(sub)
+
+    walk(closed.jaxpr)
+    return into, sliced
+
+
+@pytest.mark.parametrize("variant,T,S,tiles,in_place", [
+    ("window", 4, 64, flash.Tiles(block_r=8, block_k=16, num_splits=3), True),
+    ("window", 1, 48, flash.Tiles(block_r=8, block_k=32), True),  # 48 % 32: the key tile halves to 16
+    ("prefill", 24, 64, flash.Tiles(block_q=16, block_k=16), True),
+    ("window", 4, 50, flash.Tiles(block_r=8, block_k=16), False),  # no tile of >= 16 divides 50: sliced
+])
+def test_a_stacked_cache_is_read_in_place_at_its_layer(variant, T, S, tiles, in_place):
+    """`attention(..., layer=l)` over a stacked cache [L, B, S, KV, D] is attention over its layer l,
+    bit for bit, with a traced layer (one compile for every layer) and through the gradient; and
+    the kernel takes the stacked cache itself (no slice of it, which XLA would copy on every call)
+    wherever a key tile divides S, on the Triton backend's tiles."""
+    L, B, H, KV, D = 3, 2, 4, 2, 32
+    rng = np.random.default_rng(7)
+    q = jnp.asarray(rng.standard_normal((B, T, H, D)), jnp.float32)
+    k, v = (jnp.asarray(rng.standard_normal((L, B, S, KV, D)), jnp.float32) for _ in range(2))
+    kw = dict(start=jnp.array([0, 5]), q_offset=S - T, kind="block_causal", block_size=4, tiles=tiles,
+              variant=variant, backend="interpret")
+    traces = []
+
+    @jax.jit
+    def stacked(q, k, v, layer):
+        traces.append(1)
+        return flash.attention(q, k, v, layer=layer, **kw)
+
+    sliced = jax.jit(lambda q, k, v: flash.attention(q, k, v, **kw))
+    # the same key tile: bit for bit; a smaller one read in place (48 / 50 slots): the sum's order
+    same = flash.stacked_key_tile(q, k, tiles.block_k, "interpret") == common.tile_size(tiles.block_k, S, "interpret")
+    check = np.testing.assert_array_equal if same else functools.partial(np.testing.assert_allclose, rtol=2e-6,
+                                                                         atol=2e-6)
+    for layer in (0, 2):
+        check(stacked(q, k, v, jnp.int32(layer)), sliced(q, k[layer], v[layer]))
+    assert len(traces) == 1
+
+    def loss(fn):
+        return lambda q, k, v: jnp.sum(jnp.sin(fn(q, k, v)))
+    g_stacked = jax.jit(jax.grad(loss(lambda q, k, v: flash.attention(q, k, v, layer=1, **kw)), (0, 1, 2)))(q, k, v)
+    g_sliced = jax.jit(jax.grad(loss(lambda q, kl, vl: flash.attention(q, kl, vl, **kw)), (0, 1, 2)))(q, k[1], v[1])
+    check(g_stacked[0], g_sliced[0])
+    for got, want in zip(g_stacked[1:], g_sliced[1:]):
+        check(got[1], want)
+        assert not np.any(np.asarray(got[0])) and not np.any(np.asarray(got[2]))
+
+    into, cut = _pallas_operand_shapes(jax.make_jaxpr(
+        lambda q, k, v: flash.attention(q, k, v, layer=jnp.int32(1), **dict(kw, backend="triton")))(q, k, v))
+    layer_shape = (B, S, KV, D)
+    assert ((L, B, S, KV, D) in into) == in_place
+    assert any(sh[-4:] == layer_shape for sh in cut) == (not in_place)
+    if in_place:  # the Triton lowering takes a layer index into the stacked block (lowering only: no GPU here)
+        hlo = jax.jit(lambda q, k, v, layer: flash.attention(q, k, v, layer=layer, **dict(kw, backend="triton"))).trace(
+            q, k, v, jnp.int32(1)).lower(lowering_platforms=("cuda",)).as_text()
+        assert f'name = "jdllm_flash_{variant}"' in hlo
+
+
+def test_model_forward_reads_its_stacked_cache_in_place():
+    """jdllm.model.forward with a KVCache on attn_impl="pallas": each layer's kernel takes the stacked
+    cache itself, and the logits and the written cache equal the XLA path's (a prompt, then a
+    4-token window over a 32-slot cache)."""
+    cfg = _tiny_cfg("block_causal")
+    params = init_params(cfg, jax.random.key(0))
+    B, P, W, S = 2, 12, 4, 32
+    start = jnp.array([0, 3], jnp.int32)
+    tokens = jax.random.randint(jax.random.key(1), (B, P + W), 0, cfg.vocab_size)
+
+    def run(params, tokens, impl):
+        _, cache = forward(params, cfg, tokens[:, :P], default_positions(start, 0, P), start=start,
+                           cache=KVCache.empty(cfg, B, S), attn_impl=impl)
+        win, cache = forward(params, cfg, tokens[:, P:], default_positions(start, P, W), start=start,
+                             cache=cache.commit(P), attn_impl=impl)
+        return win, cache.k, cache.v
+
+    for got, want in zip(jax.jit(run, static_argnums=2)(params, tokens, "pallas"),
+                         jax.jit(run, static_argnums=2)(params, tokens, "xla")):
+        assert _rel_err(got, want) <= 1e-5
+    into, cut = _pallas_operand_shapes(jax.make_jaxpr(run, static_argnums=2)(params, tokens, "pallas"))
+    stacked = (cfg.num_layers, B, S, cfg.num_kv_heads, cfg.head_dim)
+    assert into.count(stacked) == 2 * 2  # K and V, both forwards (the layer body, traced once)
+    assert not any(sh[-4:] == stacked[1:] for sh in cut) and stacked[1:] not in into
+
+
 # ----------------------------------------------------------------------------- Triton lowering
 @pytest.mark.parametrize("variant,kind,bs,T,S,H,KV,D,dtype", [
     pytest.param("prefill", "block_causal", 32, 300, 300, 8, 2, 128, jnp.bfloat16, marks=slow),
@@ -912,6 +1013,29 @@ def test_gpu_window_compiled(kind, bs, T, dtype):
     _check(flash.window_attention, kind=kind, block_size=bs, B=1, T=T, S=4000, H=28, KV=4, D=128,
            start=[5], q_offset=2048, kv_len=2048 + T, dtype=dtype, tiles=flash.Tiles(),
            backend="triton")
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("variant,T,S,dtype", [("window", 1, 4032, jnp.bfloat16), ("window", 32, 448, jnp.float32),
+                                               ("prefill", 160, 416, jnp.float32)])
+def test_gpu_stacked_cache_read_in_place(variant, T, S, dtype):
+    """The Triton kernels over layer l of a stacked cache [L, B, S, KV, D], compiled: what the
+    model's decode steps run (416 slots: the key tile halves to 32), equal to the kernel over
+    that layer's slice and to the reference."""
+    L, B, H, KV, D = 4, 2, 8, 2, 128
+    rng = np.random.default_rng(5)
+    q = jnp.asarray(rng.standard_normal((B, T, H, D), np.float32), dtype)
+    k, v = (jnp.asarray(rng.standard_normal((L, B, S, KV, D), np.float32), dtype) for _ in range(2))
+    kw = dict(start=jnp.array([0, 9]), q_offset=S - T, kind="block_causal", block_size=32, backend="triton",
+              variant=variant)
+    out = jax.jit(lambda q, k, v, layer: flash.attention(q, k, v, layer=layer, **kw))(q, k, v, jnp.int32(2))
+    sliced = jax.jit(lambda q, k, v: flash.attention(q, k, v, **kw))(q, k[2], v[2])
+    ref_kw = {key: val for key, val in kw.items() if key not in ("backend", "variant")}
+    with jax.default_matmul_precision(EXACT):
+        ref = attention_reference(q, k[2], v[2], **ref_kw)
+    assert _rel_err(out, ref) <= TOL[dtype]
+    assert _rel_err(out, sliced) <= TOL[dtype]
 
 
 @pytest.mark.gpu
