@@ -468,7 +468,7 @@ def attention(q, k, v, *, start, q_offset=0, kv_len=None, kind="causal", block_s
     one = k.shape if layer is None else k.shape[1:]  # a layer's shape
     if q.ndim != 4 or len(one) != 4 or k.shape != v.shape or q.shape[0] != one[0] or q.shape[3] != one[3]:
         raise errors.InputError(
-            f"attention expects q [B, T, H, D] and k, v [B, S, KV, D]" + ("" if layer is None else
+            "attention expects q [B, T, H, D] and k, v [B, S, KV, D]" + ("" if layer is None else
                                                                          " (stacked: [L, B, S, KV, D])")
             + f" with equal B and D; got q {q.shape}, k {k.shape}, v {v.shape}")
     if q.shape[2] % one[2]:
