@@ -175,3 +175,33 @@ def test_bitmask_drives_a_block_diffusion_step():
     assert set(np.asarray(after.tokens)[new].tolist()) <= set(allow)
     free = step(m.params, st, jnp.full_like(bitmask, -1))
     assert not set(np.asarray(free.tokens)[np.asarray(free.revealed) & ~before].tolist()) <= set(allow)
+
+
+def test_per_row_top_k_top_p_filter_matches_numpy_and_keeps_the_logits_out_of_the_branch():
+    """filter_logits with per-row (traced) settings: each row's kept set is numpy's top-k then
+    nucleus, rows without a filter untouched; and the runtime branch yields a [..., 1] floor, not the
+    [..., V] logits (a branch passing them through made XLA copy them on every greedy step)."""
+    from jdllm.sampling import NEG_INF, filter_logits
+
+    z = np.stack([_logits((40,), seed=s, scale=1.5) for s in range(5)])
+    top_k = np.array([0, 5, 0, 7, 40], np.int32)
+    top_p = np.array([1.0, 1.0, 0.6, 0.5, 0.9], np.float32)
+    got = np.asarray(jax.jit(lambda z, k, p: filter_logits(z, temperature=1.0, top_k=k, top_p=p))(
+        jnp.asarray(z), jnp.asarray(top_k), jnp.asarray(top_p)))
+    for row, k, p in zip(range(len(z)), top_k, top_p):
+        x = z[row].astype(np.float32)
+        keep = np.ones_like(x, bool)
+        if 0 < k < x.size:
+            keep &= x >= np.sort(x)[::-1][k - 1]
+        if p < 1:
+            xs = np.where(keep, x, -np.inf)
+            order = np.argsort(-xs, kind="stable")
+            probs = np.exp(xs[order] - xs[order][0])
+            probs /= probs.sum()
+            kept = order[(np.cumsum(probs) - probs) < p]
+            keep &= x >= x[kept].min()
+        np.testing.assert_array_equal(np.isfinite(got[row]) & (got[row] > NEG_INF), keep)
+        np.testing.assert_array_equal(got[row][keep], x[keep])
+    conds = [e for e in jax.make_jaxpr(lambda z, k, p: filter_logits(z, top_k=k, top_p=p))(
+        jnp.asarray(z), jnp.asarray(top_k), jnp.asarray(top_p)).jaxpr.eqns if e.primitive.name == "cond"]
+    assert conds and all(v.aval.shape[-1] == 1 for e in conds for v in e.outvars)
