@@ -68,6 +68,11 @@ from pallas_kernels.common import (BACKEND_ENV, BACKENDS, LOG2E, MIN_TILE, NEG, 
 from pallas_kernels.reference import KINDS, attention_reference
 
 WINDOW_MAX_T = 128  # queries above this use the prefill kernel
+# a prefill chunk over a stacked cache (`attention(layer=)`) of at most this many queries runs the
+# Triton prefill kernel on the cache in place rather than the Mosaic one on a copy of the layer: at
+# 1.3x the Mosaic kernel's rate the copy of 2 S x KV x D elements (read and written) costs more than
+# the slower kernel's extra 4 T S H D flops below T ~ 600 KV / H (the H100's measured rates)
+STACKED_TRITON_MAX_T = 512
 
 
 def _attend(q, rows_p, k_ref, v_ref, bounds, *, start, kvl, block_k, kind, block_size, qk_scale, lead=()):
@@ -367,7 +372,13 @@ def _forward(q, k, v, start, q_offset, kv_len, st: _Static, return_lse: bool = F
     kw = dict(start=start, q_offset=q_offset, kv_len=kv_len, kind=st.kind,
               block_size=st.block_size, scale=st.scale, return_lse=return_lse)
     if st.backend in ("mosaic", "mosaic_interpret") and st.variant == "prefill":
-        if layer is not None and mosaic.unsupported_reason(q, k) is None:  # the TMA kernel takes one layer
+        # A stacked cache: the Mosaic (TMA) kernel takes one layer, a slice XLA copies on every call;
+        # the Triton prefill reads the layer in place. The copy costs ~ S, the Mosaic kernel's lead
+        # ~ T x S: chunks of up to STACKED_TRITON_MAX_T queries (multi_block's suffix windows) run
+        # the Triton kernel in place, longer ones (a long prompt's prefill) the Mosaic one on a copy
+        if layer is not None and (q.shape[1] > STACKED_TRITON_MAX_T
+                                  or stacked_key_tile(q, k, st.tiles.block_k, plain_backend(st.backend)) is None) \
+                and mosaic.unsupported_reason(q, k) is None:
             k, v, layer = *_layer_of(k, v, layer), None
         if layer is None and mosaic.unsupported_reason(q, k) is None:
             ws = st.tiles.mosaic_warp_specialized and q.shape[1] > mosaic.BLOCK_Q  # one tile: no pair

@@ -479,6 +479,32 @@ def test_a_stacked_cache_is_read_in_place_at_its_layer(variant, T, S, tiles, in_
         assert f'name = "jdllm_flash_{variant}"' in hlo
 
 
+def test_stacked_prefill_chunks_on_hopper_pick_in_place_or_the_mosaic_kernel(monkeypatch):
+    """On the Mosaic backend a prefill chunk over a stacked cache runs the Triton kernel in place up
+    to STACKED_TRITON_MAX_T queries and the Mosaic kernel on the layer's slice beyond; both equal the
+    reference."""
+    from pallas_kernels import mosaic
+
+    calls = []
+    kernel = mosaic.prefill_attention
+    monkeypatch.setattr(mosaic, "prefill_attention", lambda *a, **kw: (calls.append(a[1].shape), kernel(*a, **kw))[1])
+    L, B, T, S, H, KV, D = 2, 1, 72, 128, 2, 1, 64
+    rng = np.random.default_rng(3)
+    q = jnp.asarray(rng.standard_normal((B, T, H, D)), jnp.bfloat16)
+    k, v = (jnp.asarray(rng.standard_normal((L, B, S, KV, D)), jnp.bfloat16) for _ in range(2))
+    kw = dict(start=jnp.array([0]), q_offset=S - T, kind="causal", backend="mosaic_interpret", variant="prefill")
+    with jax.default_matmul_precision(EXACT):
+        ref = attention_reference(q, k[1], v[1], start=kw["start"], q_offset=S - T, kind="causal")
+    for limit, mosaic_runs in ((flash.STACKED_TRITON_MAX_T, False), (64, True)):
+        monkeypatch.setattr(flash, "STACKED_TRITON_MAX_T", limit)
+        calls.clear()
+        out = jax.jit(lambda q, k, v: flash.attention(q, k, v, layer=1, **kw))(q, k, v)
+        assert bool(calls) == mosaic_runs and all(c == (B, S, KV, D) for c in calls)
+        assert _rel_err(out, ref) <= TOL[jnp.bfloat16]
+        into, _ = _pallas_operand_shapes(jax.make_jaxpr(lambda q, k, v: flash.attention(q, k, v, layer=1, **kw))(q, k, v))
+        assert ((L, B, S, KV, D) in into) == (not mosaic_runs)
+
+
 def test_model_forward_reads_its_stacked_cache_in_place():
     """jdllm.model.forward with a KVCache on attn_impl="pallas": each layer's kernel takes the stacked
     cache itself, and the logits and the written cache equal the XLA path's (a prompt, then a
