@@ -59,10 +59,15 @@ def refresh_or_window(par, params, ctx, state: DecodeState, plan: common.Plan, a
     computes what it computes alone. The cost: rows that joined at other times refresh at other
     steps, and each refresh makes that step's forward a whole-canvas one for the batch.
 
-    A step where no row refreshes writes nothing back: its window's K/V are recomputed by the
-    row's next step or its next block's refresh, so nobody reads them, and a branch of the
-    refresh / window conditional that writes the cache in place makes XLA copy the whole cache
-    (every layer) on every step, a cost that grows with the canvas."""
+    Dual: a step where no row refreshes writes its block's K/V back although nobody reads them
+    (the row's next step recomputes its block, its next block's refresh rewrites the canvas, and a
+    refresh keeps other rows' K/V only outside their blocks): XLA updates a cache in place under a
+    conditional only when every branch writes it, reads it only after writing, and hands it out
+    behind an optimization barrier; a branch passing it through, or reading it before writing
+    (the keep merge), made XLA copy the whole cache two to four times per step. One row alone
+    rewrites the whole canvas when it refreshes, so its refresh keeps nothing. 8B, P128 + G256 on
+    an H100 (deviceless compile, `benchmarks/gpu_program.py`): 576-768 MiB of copies per step
+    before, none now."""
     S, W = state.slots, plan.width
     shift = int(ctx.model.logit_shift)
     refresh = work & (state.extra["i"] == 0)  # [B]
@@ -98,21 +103,24 @@ def refresh_or_window(par, params, ctx, state: DecodeState, plan: common.Plan, a
     below = jnp.where(refresh, fresh, jnp.where(work, lo, S)).astype(jnp.int32)
     above = jnp.where(refresh, S, jnp.where(work, hi, S)).astype(jnp.int32)
 
+    alone = state.batch == 1 and not ctx.own_layouts  # one row refreshing rewrites the whole canvas
+
     def full(st):  # dual, some row refreshes: the others keep everything outside their block
         return common.switch_width(ctx, st, common.suffix_widths(ctx, S), S - jnp.min(below),
                                    lambda w: lambda s_: cached_logits(params, ctx, s_, S - w, w, at,
-                                                                            keep_below=below, keep_from=above))
+                                                                      keep_below=None if alone else below,
+                                                                      keep_from=None if alone else above))
 
     def blocks(st):  # dual, every row in its block: the block alone, the cached suffix visible
         if par.block_length is not None:  # each row's block at its own offset
             # one row: a scalar offset (a window slice and update, not a per-row gather / scatter)
             return cached_logits(params, ctx, st, lo[0] if st.batch == 1 else lo, W + shift, at, kv_len=S,
-                                       write_cache=False)
+                                       write_cache=True)
         # one block per row, ending at the canvas end: the widest row's, the others keep their prefix
         return cached_logits(params, ctx, st, S - W - shift, W + shift, at,
                                    keep_below=jnp.where(work, lo, S).astype(jnp.int32), write_cache=False)
 
-    return jax.lax.cond(jnp.any(refresh), full, blocks, state)
+    return jax.lax.cond(jnp.any(refresh), common.in_place(full), common.in_place(blocks), state)
 
 
 __all__ = ["full_logits", "cached_logits", "refresh_or_window"]
