@@ -1,0 +1,360 @@
+"""What XLA builds for each decode step on an NVIDIA GPU, compiled on a machine without one.
+
+The GPU is lent to a session only some of the time; the programs XLA compiles for it are not. This
+script compiles the very program `jdllm.generate` runs (`jdllm.decode.loop.compiled()` on the state,
+paradigm and context `jdllm.api.prepare` builds, weights as abstract arrays in jdllm's per-layer
+layout) for an H100 or H200 *deviceless*: a `jax.experimental.topologies` description of the GPU
+(its compute capability, SM count, memory) stands in for the device, and XLA runs its whole GPU
+pipeline (fusion, buffer assignment, copy insertion, Triton and Mosaic GPU kernel compiles) to the
+executable. It reads the optimized HLO:
+
+  kernels / step: kernels the decode loop's body launches per step: its own, plus those of the
+      branch a conditional takes (`branches`: each conditional branch's count; a decode step takes
+      one branch per conditional);
+  copies / step: bytes moved per step by copy, slice and pad kernels of at least 1 MiB in the
+      loop's body (`body`) and in each branch: copies of the KV cache (the whole cache, or one
+      layer of it, re-materialised every step) show up here;
+  temp / args / out: `compiled.memory_analysis()` bytes;
+  compile s: the deviceless compile (no GEMM autotuning: no device to time candidates on).
+
+What it cannot say: times (nothing runs), and GEMM tilings (XLA's defaults, not the autotuner's
+picks). Kernel counts and copies are what this jaxlib's XLA makes of the program for that target;
+the GPU machine's jax may differ (each row records the versions).
+
+Needs the CUDA plugin of the installed jax (about 3 GB of wheels; it installs on a CPU-only
+machine and needs no driver for this):
+
+    pip install "jax[cuda12]==$(python -c 'import jax; print(jax.__version__)')"
+    python benchmarks/gpu_program.py                 # 8B, the priority cases + multi_block exact, P128/G256
+    python benchmarks/gpu_program.py --long          # prompt 32768, gen 1024: AR, block_diffusion, mb exact
+    python benchmarks/gpu_program.py --label before  # rows keyed apart (e.g. a tree before a change)
+    python benchmarks/gpu_program.py --markdown      # the table of --out
+
+Each case compiles in a process of its own. Rows merge into `--out`
+(default benchmarks/results/gpu_program.json), keyed by target, shape, case, prompt, gen and label.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import datetime
+import importlib.util
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+import traceback
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEFAULT_OUT = os.path.join(ROOT, "benchmarks", "results", "gpu_program.json")
+MIB = 2 ** 20
+
+# gpu_device_info of each target (`xla.GpuTargetConfigProto`, text format): what XLA's GPU compiler
+# reads from a device; the numbers are the public specifications of the two cards
+TARGETS = {
+    "h100": dict(name="NVIDIA H100 80GB HBM3", cores=132, clock=1.98, memory=84929347584, bandwidth=3352320000000),
+    "h200": dict(name="NVIDIA H200", cores=132, clock=1.98, memory=150754820096, bandwidth=4800000000000),
+}
+TARGET_CONFIG = """gpu_device_info {{
+  threads_per_block_limit: 1024
+  threads_per_warp: 32
+  shared_memory_per_block: 49152
+  shared_memory_per_core: 233472
+  threads_per_core_limit: 2048
+  core_count: {cores}
+  fpus_per_core: 128
+  block_dim_limit_x: 2147483647
+  block_dim_limit_y: 65535
+  block_dim_limit_z: 65535
+  memory_bandwidth: {bandwidth}
+  l2_cache_size: 52428800
+  clock_rate_ghz: {clock}
+  device_memory_size: {memory}
+  shared_memory_per_block_optin: 232448
+  cuda_compute_capability {{ major: 9 }}
+  registers_per_core_limit: 65536
+  registers_per_block_limit: 65536
+}}
+platform_name: "CUDA"
+dnn_version_info {{ major: 9 minor: 8 }}
+runtime_version {{ major: 12 minor: 8 }}
+device_description_str: "{name}"
+"""
+DEFAULT_CASES = ("ar_b1", "bd_static_b1", "fastdllm_dual_b1", "mb_approx_b1", "mb_exact_b1")
+LONG_CASES = ("ar_b1", "bd_static_b1", "mb_exact_b1")
+COPY_NAMES = re.compile(r"^(copy|wrapped_slice|loop_pad_fusion|loop_slice_fusion|loop_dynamic_slice_fusion)")
+BYTES = {"bf16": 2, "f16": 2, "f32": 4, "s32": 4, "u32": 4, "pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1,
+         "s4": 0.5}
+
+
+def _compile_profile():
+    """benchmarks/compile_profile.py as a module: gpu.py's cases (its `G`), hlo_stats, memory_stats."""
+    spec = importlib.util.spec_from_file_location("jdllm_bench_compile_profile",
+                                                  os.path.join(ROOT, "benchmarks", "compile_profile.py"))
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+# --------------------------------------------------------------------------- reading the optimized HLO
+def computations(text: str) -> dict[str, list[str]]:
+    """Computation name -> its instruction lines, from `compiled.as_text()`; ENTRY's name is kept."""
+    comps, cur = {}, None
+    for line in text.splitlines():
+        m = re.match(r"^(ENTRY )?%(\S+) .*\{$", line)
+        if m:
+            cur = m.group(2)
+            comps[cur] = []
+            if m.group(1):
+                comps["__entry__"] = comps[cur]
+        elif line.startswith("}"):
+            cur = None
+        elif cur is not None:
+            comps[cur].append(line)
+    return comps
+
+
+def shape_bytes(shape: str) -> int:
+    """Bytes of an HLO result shape (a tuple's elements summed)."""
+    total = 0.0
+    for dt, dims in re.findall(r"\b(bf16|f16|f32|s32|u32|pred|s8|u8|f8e4m3fn|s4)\[([\d,]*)\]", shape):
+        n = 1
+        for d in filter(None, dims.split(",")):
+            n *= int(d)
+        total += n * BYTES[dt]
+    return int(total)
+
+
+INSTR = re.compile(r"\s*(?:ROOT )?%(\S+) = (.*?) (fusion|custom-call|copy|while|conditional|sort|gather|scatter)\(")
+
+
+def launches(comps: dict, name: str) -> dict:
+    """What one pass of computation `name` launches: kernels by kind, the copies (copy / slice / pad
+    kernels of >= 1 MiB: name, MiB), its while loops' bodies and its conditionals' branches."""
+    kinds: collections.Counter = collections.Counter()
+    copies, whiles, conds = [], [], []
+    for line in comps.get(name, []):
+        m = INSTR.match(line)
+        if not m:
+            continue
+        instr, shape, op = m.groups()
+        if op == "while":
+            whiles.append(re.search(r"body=%([\w.\-]+)", line).group(1))
+            continue
+        if op == "conditional":
+            br = re.search(r"branch_computations=\{([^}]*)\}", line)
+            names = [b.strip().lstrip("%") for b in br.group(1).split(",")] if br else \
+                [x for k in ("true_computation", "false_computation")
+                 for x in re.findall(k + r"=%([\w.\-]+)", line)]
+            conds.append(names)
+            continue
+        if op == "fusion":
+            kind = "fusion " + re.search(r"kind=(\w+)", line).group(1)
+        elif op == "custom-call":
+            kind = "custom-call " + re.search(r'custom_call_target="([^"]+)"', line).group(1)
+        else:
+            kind = op
+        kinds[kind] += 1
+        if COPY_NAMES.match(instr) and shape_bytes(shape) >= MIB:
+            copies.append((instr, round(shape_bytes(shape) / MIB, 1)))
+    return dict(kernels=sum(kinds.values()), kinds=dict(kinds), copies=copies, whiles=whiles, conditionals=conds)
+
+
+def decode_step(text: str) -> dict:
+    """The decode loop (the entry's widest while body) and what a step launches: the body's own
+    kernels and copies, and each conditional branch's (recursively: a branch's own conditionals are
+    counted into it, each at its most expensive branch)."""
+    comps = computations(text)
+    entry = launches(comps, "__entry__")
+    if not entry["whiles"]:
+        return dict(error="no while loop in the entry computation")
+    body_name = max(entry["whiles"], key=lambda b: launches(comps, b)["kernels"])
+
+    def total(name: str, seen=()) -> tuple[int, float]:  # kernels and copy MiB of one pass, worst branch
+        got = launches(comps, name)
+        k, mib = got["kernels"], sum(c[1] for c in got["copies"])
+        for branches in got["conditionals"]:
+            worst = [total(b, seen + (name,)) for b in branches if b not in seen]
+            if worst:
+                bk, bm = max(worst)
+                k, mib = k + bk, mib + bm
+        return k, mib
+
+    body = launches(comps, body_name)
+    branches = [[dict(name=b, kernels=total(b)[0], copy_mib=round(total(b)[1], 1)) for b in names]
+                for names in body["conditionals"]]
+    worst_k, worst_mib = total(body_name)
+    return dict(body_kernels=body["kernels"], body_kinds=body["kinds"],
+                body_copy_mib=round(sum(c[1] for c in body["copies"]), 1),
+                body_copies=collections.Counter(re.sub(r"\.\d+$", "", c[0]) for c in body["copies"]).most_common(),
+                largest_body_copies=sorted(body["copies"], key=lambda c: -c[1])[:4], branches=branches,
+                step_kernels_max=worst_k, step_copy_mib_max=round(worst_mib, 1),
+                entry_kernels=entry["kernels"], entry_copy_mib=round(sum(c[1] for c in entry["copies"]), 1))
+
+
+# --------------------------------------------------------------------------- a child: one case
+def child(task: dict) -> int:
+    """Compile one case deviceless for `task["target"]` and write its row to task["result"]."""
+    os.environ["JAX_PLATFORMS"] = "cpu"  # the topology below is the GPU; nothing runs anywhere
+    os.environ.setdefault("JDLLM_PALLAS_BACKEND", "mosaic")  # what a Hopper GPU picks (no device to ask)
+    os.environ["JDLLM_CACHE_DIR"] = "off"
+    row = dict(task["row"])
+    try:
+        import jax  # noqa: PLC0415
+        import jax.numpy as jnp  # noqa: PLC0415
+        from jax.experimental import topologies  # noqa: PLC0415
+
+        tgt = TARGETS[task["target"]]
+        topo = topologies.get_topology_desc(platform="cuda", topology_name=task["target"],
+                                            target_config=TARGET_CONFIG.format(**tgt), topology="1x1x1")
+        sharding = jax.sharding.SingleDeviceSharding(topo.devices[0])
+        jax.default_backend = lambda: "gpu"  # jdllm's GPU choices (Pallas kernels, window merging)
+        cp = _compile_profile()
+        G = cp.G
+        import jdllm  # noqa: PLC0415
+        from jdllm.api import params_for, prepare  # noqa: PLC0415
+        from jdllm.decode import loop  # noqa: PLC0415
+        from jdllm.model import default_layout, is_param_spec, param_specs  # noqa: PLC0415
+
+        case = {c.id: c for c in G.all_cases()}[task["case"]]
+        P, Gn, block = task["prompt"], task["gen"], task["block"]
+        base = G.base_config(task["shape"], 1 << (P + Gn + 8 * block).bit_length())
+        cfg = G.model_config(base, case.attention, block)
+        params = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, jnp.bfloat16, sharding=sharding),
+                              param_specs(cfg, default_layout()), is_leaf=is_param_spec)
+        model = jdllm.Model(config=cfg, params=params, attn_impl="auto")
+        dec = G.decoding_for(case, Gn, block)
+        prep = prepare(model, G.prompts_for(case, P, cfg.vocab_size, 0), dec,
+                       jdllm.Sampling(max_new_tokens=Gn, stop_token_ids=()))
+        state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), prep.state)
+        t0 = time.perf_counter()
+        lowered = loop.compiled().trace(params_for(model, dec), state, paradigm=prep.paradigm, ctx=prep.ctx).lower()
+        t1 = time.perf_counter()
+        compiled = lowered.compile()
+        t2 = time.perf_counter()
+        text = compiled.as_text()
+        row.update(lower_s=round(t1 - t0, 2), compile_s=round(t2 - t1, 2), canvas=int(prep.state.slots),
+                   memory=cp.memory_stats(compiled), hlo=cp.hlo_stats(text), step=decode_step(text),
+                   jax=jax.__version__, jdllm_from=os.path.dirname(os.path.dirname(jdllm.__file__)))
+    except Exception as e:  # noqa: BLE001 (a failed case is recorded; the others still run)
+        row["error"] = "".join(traceback.format_exception_only(type(e), e)).strip()[-1500:]
+        traceback.print_exc()
+    with open(task["result"], "w") as f:
+        json.dump(row, f)
+    return 0
+
+
+# --------------------------------------------------------------------------- the parent
+def row_key(r: dict) -> str:
+    return "|".join(str(r.get(k)) for k in ("target", "shape", "case", "prompt", "gen", "label"))
+
+
+def load_db(path: str) -> dict:
+    if os.path.exists(path):
+        with open(path) as f:
+            return json.load(f)
+    return dict(rows={})
+
+
+def git_commit() -> str:
+    try:
+        out = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short=10", "HEAD"], capture_output=True, text=True)
+        dirty = subprocess.run(["git", "-C", ROOT, "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True).stdout.strip()
+        return out.stdout.strip() + (" (dirty)" if dirty else "")
+    except OSError:
+        return "?"
+
+
+def line(r: dict) -> str:
+    head = f"{r['target']} {r['shape']} {r['case']:<17} P{r['prompt']}/G{r['gen']} [{r['label']}]"
+    if r.get("error"):
+        return f"{head} | FAILED: {r['error'].splitlines()[-1][:200]}"
+    s, m = r["step"], r["memory"]
+    return (f"{head} | {s['body_kernels']} kernels in the loop body (worst step {s['step_kernels_max']}) | copies "
+            f"{s['body_copy_mib']:.0f} MiB body, {s['step_copy_mib_max']:.0f} MiB worst step | temp "
+            f"{m.get('temp_bytes', 0) / 2**30:.2f} GiB | compile {r['compile_s']:.1f}s")
+
+
+def table(rows: list[dict]) -> str:
+    out = ["| target | case | P/G | label | kernels / step: body (worst step) | copies / step, MiB: body (worst "
+           "step) | largest copies in the body | temp GiB | out GiB | compile s | jax | tree |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in sorted(rows, key=lambda r: (r["target"], r["prompt"], r["case"], r["label"])):
+        if r.get("error"):
+            out.append(f"| {r['target']} | {r['case']} | {r['prompt']}/{r['gen']} | {r['label']} | FAILED: "
+                       f"{r['error'].splitlines()[-1][:100]} | | | | | | | |")
+            continue
+        s, m = r["step"], r["memory"]
+        big = ", ".join(f"{n} x{c}" for n, c in s["body_copies"][:3]) or "-"
+        out.append(f"| {r['target']} | {r['case']} | {r['prompt']}/{r['gen']} | {r['label']} | {s['body_kernels']} "
+                   f"({s['step_kernels_max']}) | {s['body_copy_mib']:.0f} ({s['step_copy_mib_max']:.0f}) | {big} | "
+                   f"{m.get('temp_bytes', 0) / 2**30:.2f} | {m.get('output_bytes', 0) / 2**30:.2f} | "
+                   f"{r['compile_s']:.1f} | {r.get('jax')} | {r.get('commit')} |")
+    return "\n".join(out)
+
+
+def parse(argv):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--target", choices=sorted(TARGETS), default="h100")
+    ap.add_argument("--shape", default="8b", help="a benchmarks/gpu.py shape (default 8b)")
+    ap.add_argument("--cases", nargs="+", default=None, help="gpu.py case ids (default: "
+                    + " ".join(DEFAULT_CASES) + "; with --long: " + " ".join(LONG_CASES) + ")")
+    ap.add_argument("--prompt", type=int, default=128)
+    ap.add_argument("--gen", type=int, default=256)
+    ap.add_argument("--block", type=int, default=32)
+    ap.add_argument("--long", action="store_true", help="prompt 32768, generation 1024 (gpu.py --long's cases)")
+    ap.add_argument("--label", default="", help="a tag for the rows (kept apart from other labels)")
+    ap.add_argument("--out", default=DEFAULT_OUT)
+    ap.add_argument("--markdown", action="store_true", help="print the table of --out and exit")
+    ap.add_argument("--_child", help=argparse.SUPPRESS)
+    return ap.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse(argv)
+    if args._child:
+        with open(args._child) as f:
+            return child(json.load(f))
+    db = load_db(args.out)
+    if args.markdown:
+        print(table(list(db["rows"].values())))
+        return 0
+    if args.long:
+        args.prompt, args.gen = 32768, 1024
+    cases = args.cases or (LONG_CASES if args.long else DEFAULT_CASES)
+    commit, t_start = git_commit(), time.time()
+    print(f"# deviceless {args.target} compiles of {args.shape}, P{args.prompt}/G{args.gen}, tree {commit}", flush=True)
+    import tempfile  # noqa: PLC0415
+
+    for case in cases:
+        row = dict(target=args.target, shape=args.shape, case=case, prompt=args.prompt, gen=args.gen,
+                   block=args.block, label=args.label, commit=commit,
+                   date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"))
+        with tempfile.TemporaryDirectory() as tmp:
+            task = dict(row=row, target=args.target, shape=args.shape, case=case, prompt=args.prompt, gen=args.gen,
+                        block=args.block, result=os.path.join(tmp, "row.json"))
+            with open(os.path.join(tmp, "task.json"), "w") as f:
+                json.dump(task, f)
+            subprocess.run([sys.executable, os.path.abspath(__file__), "--_child", os.path.join(tmp, "task.json")],
+                           check=False)
+            try:
+                with open(task["result"]) as f:
+                    row = json.load(f)
+            except (OSError, ValueError):
+                row = dict(row, error="the child process wrote no row (crashed or killed)")
+        db["rows"][row_key(row)] = row
+        os.makedirs(os.path.dirname(args.out), exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump(db, f, indent=1, sort_keys=True)
+        print(f"[{time.time() - t_start:5.0f}s] " + line(row), flush=True)
+    print(table([r for r in db["rows"].values() if r.get("label") == args.label and r.get("prompt") == args.prompt]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
