@@ -551,8 +551,9 @@ def abort_running(state: DecodeState) -> DecodeState:
 
 __all__ = ["DecodeCtx", "Layout", "Plan", "right_aligned", "make_plan", "bucket", "fill_token", "new_state",
            "with_buffers", "window", "set_window", "forward_window", "suffix_widths", "block_widths", "count_forward",
+           "switch_width", "in_place",
            "sample_window", "allowed_logits", "advance_keys",
            "constrain_logits", "candidates", "rank",
-           "select_top_k", "select_first_k", "select_threshold", "select_entropy_bounded", "reveal",
+           "select_top_k", "select_first_k", "select_threshold", "select_entropy_bounded",
            "is_stop_token", "stop_end", "close_rows", "finish_rows", "abort_running", "RUNNING", "STOP",
            "LENGTH", "ABORT", "INVALID"]
