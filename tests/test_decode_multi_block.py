@@ -85,6 +85,18 @@ def test_block_causal_matches_reference(config, shifted):
 
 
 @slow
+def test_exact_cache_on_the_pallas_kernels_matches_reference():
+    """The exact cache on the Pallas kernels (interpret mode here), which read the stacked cache in
+    place under the step's window switch: a row alone (scalar window offsets) and a batch."""
+    m0 = block_model()
+    m = Model(m0.config, m0.params, attn_impl="pallas")
+    for prompts in ([PROMPTS[2]], PROMPTS):
+        outs = jdllm.generate(m, prompts, _mb("pipelined", cache_mode="exact"), _sampling())
+        for p, out in zip(prompts, outs):
+            _check(out, _ref(m, p, "pipelined"))
+
+
+@slow
 @pytest.mark.parametrize("config, shifted", [("pipelined", False), ("forced", True)])
 def test_bidirectional_matches_reference(config, shifted):
     """LLaDA-like (Dream-like when shifted) model: whole-canvas forward, mixed-length batch and batch 1."""

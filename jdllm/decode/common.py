@@ -27,6 +27,7 @@ from jdllm.config import ModelConfig
 from jdllm.model import KVCache, default_positions, forward, predicts_next, write_rows
 from jdllm.sampling import RowSampling, Sample, apply_token_bitmask, exclude_token, row_keys, sample_rows, split_rows
 from jdllm.state import ABORT, INVALID, LENGTH, RUNNING, STOP, DecodeState, generated_mask, slot_index
+from pallas_kernels import resolve_impl
 
 
 # --------------------------------------------------------------------------- static context
@@ -322,6 +323,14 @@ def switch_width(ctx: DecodeCtx, state: DecodeState, widths, need, forward_of):
     return jax.lax.switch(branch, [in_place(forward_of(w)) for w in keep], state)
 
 
+def reads_cache_in_place(ctx: DecodeCtx) -> bool:
+    """Whether the model's attention reads the stacked KV cache where it lies (the Pallas kernels,
+    `pallas_kernels.attention(layer=)`), so a step's conditionals keep the cache in place when
+    their branches all write it (`in_place`); the XLA attention copies the cut of each layer it
+    reads instead."""
+    return resolve_impl(ctx.attn_impl) == "pallas"
+
+
 def in_place(branch):
     """A conditional's branch whose result leaves behind an optimization barrier (`switch_width`)."""
     return lambda *operands: jax.lax.optimization_barrier(branch(*operands))
@@ -551,7 +560,7 @@ def abort_running(state: DecodeState) -> DecodeState:
 
 __all__ = ["DecodeCtx", "Layout", "Plan", "right_aligned", "make_plan", "bucket", "fill_token", "new_state",
            "with_buffers", "window", "set_window", "forward_window", "suffix_widths", "block_widths", "count_forward",
-           "switch_width", "in_place",
+           "switch_width", "in_place", "reads_cache_in_place",
            "sample_window", "allowed_logits", "advance_keys",
            "constrain_logits", "candidates", "rank",
            "select_top_k", "select_first_k", "select_threshold", "select_entropy_bounded",

@@ -59,15 +59,17 @@ def refresh_or_window(par, params, ctx, state: DecodeState, plan: common.Plan, a
     computes what it computes alone. The cost: rows that joined at other times refresh at other
     steps, and each refresh makes that step's forward a whole-canvas one for the batch.
 
-    Dual: a step where no row refreshes writes its block's K/V back although nobody reads them
-    (the row's next step recomputes its block, its next block's refresh rewrites the canvas, and a
-    refresh keeps other rows' K/V only outside their blocks): XLA updates a cache in place under a
-    conditional only when every branch writes it, reads it only after writing, and hands it out
-    behind an optimization barrier; a branch passing it through, or reading it before writing
-    (the keep merge), made XLA copy the whole cache two to four times per step. One row alone
-    rewrites the whole canvas when it refreshes, so its refresh keeps nothing. 8B, P128 + G256 on
-    an H100 (deviceless compile, `benchmarks/gpu_program.py`): 576-768 MiB of copies per step
-    before, none now."""
+    Dual, on the Pallas kernels (`common.reads_cache_in_place`): a step where no row refreshes
+    writes its block's K/V back although nobody reads them (the row's next step recomputes its
+    block, its next block's refresh rewrites the canvas, and a refresh keeps other rows' K/V only
+    outside their blocks): XLA updates a cache in place under a conditional only when every branch
+    writes it, reads it only after writing, and hands it out behind an optimization barrier; a
+    branch passing it through, or reading it before writing (the keep merge), made XLA copy the
+    whole cache two to four times per step. One row alone rewrites the whole canvas when it
+    refreshes, so its refresh keeps nothing. 8B, P128 + G256 on an H100 (deviceless compile,
+    `benchmarks/gpu_program.py`): 576-768 MiB of copies per step before, none now. On the XLA
+    attention (the CPU) a block step writes nothing: its attention reads a copy of the cut of each
+    layer's cache it needs anyway, and there the writing variant costs whole-cache copies."""
     S, W = state.slots, plan.width
     shift = int(ctx.model.logit_shift)
     refresh = work & (state.extra["i"] == 0)  # [B]
@@ -104,6 +106,7 @@ def refresh_or_window(par, params, ctx, state: DecodeState, plan: common.Plan, a
     above = jnp.where(refresh, S, jnp.where(work, hi, S)).astype(jnp.int32)
 
     alone = state.batch == 1 and not ctx.own_layouts  # one row refreshing rewrites the whole canvas
+    writes = common.reads_cache_in_place(ctx)  # the kernels: block steps write back (docstring)
 
     def full(st):  # dual, some row refreshes: the others keep everything outside their block
         return common.switch_width(ctx, st, common.suffix_widths(ctx, S), S - jnp.min(below),
@@ -115,12 +118,14 @@ def refresh_or_window(par, params, ctx, state: DecodeState, plan: common.Plan, a
         if par.block_length is not None:  # each row's block at its own offset
             # one row: a scalar offset (a window slice and update, not a per-row gather / scatter)
             return cached_logits(params, ctx, st, lo[0] if st.batch == 1 else lo, W + shift, at, kv_len=S,
-                                       write_cache=True)
+                                       write_cache=writes)
         # one block per row, ending at the canvas end: the widest row's, the others keep their prefix
         return cached_logits(params, ctx, st, S - W - shift, W + shift, at,
                                    keep_below=jnp.where(work, lo, S).astype(jnp.int32), write_cache=False)
 
-    return jax.lax.cond(jnp.any(refresh), common.in_place(full), common.in_place(blocks), state)
+    if writes and par.block_length is not None:
+        full, blocks = common.in_place(full), common.in_place(blocks)
+    return jax.lax.cond(jnp.any(refresh), full, blocks, state)
 
 
 __all__ = ["full_logits", "cached_logits", "refresh_or_window"]
