@@ -27,7 +27,7 @@ machine and needs no driver for this):
     pip install "jax[cuda12]==$(python -c 'import jax; print(jax.__version__)')"
     python benchmarks/gpu_program.py                 # 8B, the priority cases + multi_block exact, P128/G256
     python benchmarks/gpu_program.py --long          # prompt 32768, gen 1024: AR, block_diffusion, mb exact
-    python benchmarks/gpu_program.py --label before  # rows keyed apart (e.g. a tree before a change)
+    PYTHONPATH=../old python benchmarks/gpu_program.py --label before  # another checkout's jdllm, rows apart
     python benchmarks/gpu_program.py --markdown      # the table of --out
 
 Each case compiles in a process of its own. Rows merge into `--out`
@@ -240,6 +240,7 @@ def child(task: dict) -> int:
         row.update(lower_s=round(t1 - t0, 2), compile_s=round(t2 - t1, 2), canvas=int(prep.state.slots),
                    memory=cp.memory_stats(compiled), hlo=cp.hlo_stats(text), step=decode_step(text),
                    jax=jax.__version__, jdllm_from=os.path.dirname(os.path.dirname(jdllm.__file__)))
+        row["commit"] = git_commit(row["jdllm_from"])  # the tree compiled (PYTHONPATH may name another)
     except Exception as e:  # noqa: BLE001 (a failed case is recorded; the others still run)
         row["error"] = "".join(traceback.format_exception_only(type(e), e)).strip()[-1500:]
         traceback.print_exc()
@@ -260,10 +261,11 @@ def load_db(path: str) -> dict:
     return dict(rows={})
 
 
-def git_commit() -> str:
+def git_commit(where: str = ROOT) -> str:
+    """The commit of the checkout at `where` (+ " (dirty)" with uncommitted changes)."""
     try:
-        out = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short=10", "HEAD"], capture_output=True, text=True)
-        dirty = subprocess.run(["git", "-C", ROOT, "status", "--porcelain", "--untracked-files=no"],
+        out = subprocess.run(["git", "-C", where, "rev-parse", "--short=10", "HEAD"], capture_output=True, text=True)
+        dirty = subprocess.run(["git", "-C", where, "status", "--porcelain", "--untracked-files=no"],
                                capture_output=True, text=True).stdout.strip()
         return out.stdout.strip() + (" (dirty)" if dirty else "")
     except OSError:

@@ -312,15 +312,18 @@ def switch_width(ctx: DecodeCtx, state: DecodeState, widths, need, forward_of):
     under a `lax.switch`, or a plain call when one shape remains. A wider window than needed gives
     the same logits (it recomputes slots whose K/V the cache already holds, from the same tokens).
 
-    Each branch hands its result out behind `lax.optimization_barrier`: with it, XLA updates the
-    KV cache in place under a two-way switch whose branches both write it (and read it only after
-    writing); without it, it copied the whole cache into and out of the branch on every step
-    (multi_block exact, 8B on an H100, deviceless compile: 416 MiB per step at P128 + G256)."""
+    On the Pallas kernels (`reads_cache_in_place`) each branch hands its result out behind
+    `lax.optimization_barrier`: with it, XLA updates the KV cache in place under a two-way switch
+    whose branches both write it (and read it only after writing); without it, it copied the whole
+    cache into and out of the branch on every step (multi_block exact, 8B on an H100, deviceless
+    compile: 416 MiB per step at P128 + G256). The XLA attention's programs (the CPU's) keep
+    their form."""
     keep = compiled_widths(ctx, state.batch, widths)
     if len(keep) == 1:
         return forward_of(keep[0])(state)
     branch = jnp.sum(need > jnp.asarray(keep[:-1], jnp.int32)).astype(jnp.int32)
-    return jax.lax.switch(branch, [in_place(forward_of(w)) for w in keep], state)
+    wrap = in_place if reads_cache_in_place(ctx) else (lambda f: f)
+    return jax.lax.switch(branch, [wrap(forward_of(w)) for w in keep], state)
 
 
 def reads_cache_in_place(ctx: DecodeCtx) -> bool:
