@@ -229,15 +229,20 @@ class BlockDiffusion(Paradigm):
         """
         W, c = self.block_length, plan.offset
         shift = int(ctx.model.logit_shift)  # a shifted model predicts slot c from c - 1: keep it in the window
+        # the narrow window's K/V (the block's, uncommitted) are recomputed by the block's next step or
+        # by the wide window that commits it, so nobody reads them: on the XLA attention they are not
+        # written (there two writing branches made XLA copy the whole cache every step); on the Pallas
+        # kernels they are, because there the switch updates the cache in place only when both
+        # branches write it (`common.switch_width`; a passing branch copied the whole cache: 7 GiB on
+        # an 8B wide step at batch 32). Not for a shifted model, whose narrow window would rewrite its
+        # committed slot c - 1 (from the same tokens, up to rounding)
+        narrow_writes = common.reads_cache_in_place(ctx) and not shift
 
         def window_forward(width):  # the wide window starts at the previous block, the narrow one at this block
             wide = width == 2 * W
             lo = c - W if wide else c - shift
-            # the narrow window's K/V (the block's, uncommitted) are recomputed by the block's next step
-            # or by the wide window that commits it: not written, so only the wide branch of the switch
-            # writes the cache in place (two writing branches make XLA copy the whole cache every step)
             return lambda st: common.forward_window(params, ctx, st, lo, width, at=plan.slots, commit=c,
-                                                    write_cache=wide)
+                                                    write_cache=wide or narrow_writes)
 
         commits = jnp.any((state.cache.length < c) & ~state.done)
         # on a GPU at small batch both shapes cost one read of the weights: only the wide one compiles
