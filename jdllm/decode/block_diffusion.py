@@ -31,7 +31,6 @@ import dataclasses
 import warnings
 from typing import ClassVar
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
