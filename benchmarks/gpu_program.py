@@ -262,11 +262,11 @@ def load_db(path: str) -> dict:
 
 
 def git_commit(where: str = ROOT) -> str:
-    """The commit of the checkout at `where` (+ " (dirty)" with uncommitted changes)."""
+    """The commit of the checkout at `where` (+ " (dirty)" with uncommitted changes to the code compiled)."""
     try:
         out = subprocess.run(["git", "-C", where, "rev-parse", "--short=10", "HEAD"], capture_output=True, text=True)
-        dirty = subprocess.run(["git", "-C", where, "status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", where, "status", "--porcelain", "--untracked-files=no", "--",
+                                "jdllm", "pallas_kernels"], capture_output=True, text=True).stdout.strip()
         return out.stdout.strip() + (" (dirty)" if dirty else "")
     except OSError:
         return "?"
