@@ -29,6 +29,7 @@ machine and needs no driver for this):
     python benchmarks/gpu_program.py --long          # prompt 32768, gen 1024: AR, block_diffusion, mb exact
     PYTHONPATH=../old python benchmarks/gpu_program.py --label before  # another checkout's jdllm, rows apart
     python benchmarks/gpu_program.py --markdown      # the table of --out
+    python benchmarks/gpu_program.py --conditionals  # when XLA keeps a buffer in place under a conditional
 
 Each case compiles in a process of its own. Rows merge into `--out`
 (default benchmarks/results/gpu_program.json), keyed by target, shape, case, prompt, gen and label.
@@ -39,6 +40,7 @@ from __future__ import annotations
 import argparse
 import collections
 import datetime
+import functools
 import importlib.util
 import json
 import os
@@ -196,6 +198,85 @@ def decode_step(text: str) -> dict:
                 entry_kernels=entry["kernels"], entry_copy_mib=round(sum(c[1] for c in entry["copies"]), 1))
 
 
+def target_sharding(target: str):
+    """A single-device sharding on a deviceless `target` GPU (`jax.experimental.topologies`): arrays
+    given it make `jit(...).lower(...).compile()` compile for that GPU."""
+    import jax  # noqa: PLC0415
+    from jax.experimental import topologies  # noqa: PLC0415
+
+    topo = topologies.get_topology_desc(platform="cuda", topology_name=target,
+                                        target_config=TARGET_CONFIG.format(**TARGETS[target]), topology="1x1x1")
+    return jax.sharding.SingleDeviceSharding(topo.devices[0])
+
+
+# --------------------------------------------------------------------------- when a conditional copies
+def conditional_rules(target: str) -> list[dict]:
+    """The rule behind the cache copies of RESULTS.md: a while loop carries a [4, 1024, 512] bf16
+    buffer (a stand-in for a KV cache) through a conditional, in each variant below; copies of the
+    buffer inside the loop (its body and branches) are counted in the program compiled for `target`.
+    Each branch writes rows of one "layer" per layer (dynamic_update_slice) and reads them back as
+    an attention would; variants differ in what the branches do and how they return."""
+    import jax  # noqa: PLC0415
+    import jax.numpy as jnp  # noqa: PLC0415
+    from jax import lax  # noqa: PLC0415
+
+    sharding = target_sharding(target)
+    L, S, D = 4, 1024, 512
+    ob = lax.optimization_barrier
+
+    def writer(w, barrier=True, read_first=False):
+        def branch(c, i):
+            s = jnp.sum(c[0, :8].astype(jnp.float32)) if read_first else jnp.float32(0)
+            for layer in range(L):
+                c = lax.dynamic_update_slice(c, jnp.ones((1, w, D), c.dtype) * (s > 0).astype(c.dtype), (layer, i, 0))
+                s = s + jnp.sum(lax.dynamic_slice(c, (layer, 0, 0), (1, 64, D)).astype(jnp.float32))
+            return ob((c, s)) if barrier else (c, s)
+        return branch
+
+    def passing(barrier=True):
+        def branch(c, i):
+            s = jnp.sum(lax.dynamic_slice(c, (1, i, 0), (1, 8, D)).astype(jnp.float32))
+            return ob((c, s)) if barrier else (c, s)
+        return branch
+
+    def outside(c, i):  # the branches compute the rows; one write after the conditional
+        rows, s = lax.cond(i % 3 == 0, lambda c: (jnp.ones((1, 8, D), c.dtype), jnp.sum(c[0, :8].astype(jnp.float32))),
+                           lambda c: (jnp.zeros((1, 8, D), c.dtype), jnp.sum(c[1, :8].astype(jnp.float32))), c)
+        return lax.dynamic_update_slice(c, rows, (0, i, 0)), s
+
+    def switch(*branches):
+        return lambda c, i: lax.switch(i % len(branches), [functools.partial(b, i=i) for b in branches], c)
+
+    variants = [
+        ("two writers, no barrier", switch(writer(8, barrier=False), writer(16, barrier=False))),
+        ("two writers behind a barrier", switch(writer(8), writer(16))),
+        ("a writer and a pass-through, barrier", switch(writer(8), passing())),
+        ("two writers, one reads before writing, barrier", switch(writer(8, read_first=True), writer(16))),
+        ("three writers behind a barrier", switch(writer(8), writer(16), writer(32))),
+        ("two writers, the second a nested two-way switch", switch(
+            writer(8), lambda c, i: ob(lax.cond(i % 2 == 0, functools.partial(writer(16), i=i),
+                                                functools.partial(writer(32), i=i), c)))),
+        ("rows from the branches, written after", outside),
+    ]
+    out = []
+    for name, step in variants:
+        def body(carry, step=step):
+            c, i = carry
+            c, s = step(c, i)
+            return c, i + 1 + (s > 1e9).astype(jnp.int32)
+
+        fn = jax.jit(lambda c, body=body: lax.while_loop(lambda cr: cr[1] < 100, body, (c, jnp.int32(0)))[0])
+        text = fn.lower(jax.ShapeDtypeStruct((L, S, D), jnp.bfloat16, sharding=sharding)).compile().as_text()
+        comps = computations(text)
+        body_name = max(launches(comps, "__entry__")["whiles"], key=lambda b: launches(comps, b)["kernels"])
+        names = [body_name] + [b for branches in launches(comps, body_name)["conditionals"] for b in branches]
+        big = f"[{L},{S},{D}]"
+        copies = sum(1 for n in names for line in comps[n] if " copy(" in line and big in line)
+        out.append(dict(variant=name, copies_in_loop=copies))
+        print(f"  {name:<52} {copies} copies of the buffer in the loop", flush=True)
+    return out
+
+
 # --------------------------------------------------------------------------- a child: one case
 def child(task: dict) -> int:
     """Compile one case deviceless for `task["target"]` and write its row to task["result"]."""
@@ -206,12 +287,8 @@ def child(task: dict) -> int:
     try:
         import jax  # noqa: PLC0415
         import jax.numpy as jnp  # noqa: PLC0415
-        from jax.experimental import topologies  # noqa: PLC0415
 
-        tgt = TARGETS[task["target"]]
-        topo = topologies.get_topology_desc(platform="cuda", topology_name=task["target"],
-                                            target_config=TARGET_CONFIG.format(**tgt), topology="1x1x1")
-        sharding = jax.sharding.SingleDeviceSharding(topo.devices[0])
+        sharding = target_sharding(task["target"])
         jax.default_backend = lambda: "gpu"  # jdllm's GPU choices (Pallas kernels, window merging)
         cp = _compile_profile()
         G = cp.G
@@ -313,6 +390,9 @@ def parse(argv):
     ap.add_argument("--label", default="", help="a tag for the rows (kept apart from other labels)")
     ap.add_argument("--out", default=DEFAULT_OUT)
     ap.add_argument("--markdown", action="store_true", help="print the table of --out and exit")
+    ap.add_argument("--conditionals", action="store_true",
+                    help="compile small loops that carry a buffer through a conditional, count its copies per "
+                         "variant (when XLA updates a cache in place under lax.cond / lax.switch) and exit")
     ap.add_argument("--_child", help=argparse.SUPPRESS)
     return ap.parse_args(argv)
 
@@ -325,6 +405,13 @@ def main(argv=None) -> int:
     db = load_db(args.out)
     if args.markdown:
         print(table(list(db["rows"].values())))
+        return 0
+    if args.conditionals:
+        os.environ["JAX_PLATFORMS"] = "cpu"
+        print(f"# deviceless {args.target}: a [4, 1024, 512] bf16 buffer carried through a conditional", flush=True)
+        db["conditionals"] = dict(target=args.target, rows=conditional_rules(args.target))
+        with open(args.out, "w") as f:
+            json.dump(db, f, indent=1, sort_keys=True)
         return 0
     if args.long:
         args.prompt, args.gen = 32768, 1024
