@@ -110,8 +110,7 @@ def _prefill_kernel(start_ref, qoff_ref, kvl_ref, *refs, T, S, num_q_tiles,
                     block_q, block_k, kind, block_size, qk_scale, with_lse=False, stacked=False):
     # refs: [layer_ref (stacked)], q_ref, k_ref, v_ref, [poisoned buffers aliased to the outputs
     # (unused)], o_ref[, lse_ref]
-    lead, refs = ((refs[0][()],), refs[1:]) if stacked else ((), refs)
-    q_ref, k_ref, v_ref = refs[:3]
+    lead, (q_ref, k_ref, v_ref, *refs) = _layer_lead(refs, stacked)
     o_ref, lse_ref = (refs[-2], refs[-1]) if with_lse else (refs[-1], None)
     i = num_q_tiles - 1 - pl.program_id(0)  # heaviest (last) query tiles launch first
     start, qoff, kvl = start_ref[()], qoff_ref[()], kvl_ref[()]
@@ -145,6 +144,30 @@ def _layer_of(k, v, layer):
     return (lax.dynamic_index_in_dim(x, jnp.asarray(layer, jnp.int32), 0, keepdims=False) for x in (k, v))
 
 
+def _stacked_keys(q, k, v, layer, tiles: Tiles, backend: str):
+    """(k, v, key tile or None): a stacked cache's k / v as they are and the tile that reads its layer
+    in place (`stacked_key_tile`), else that layer's slice (a copy) and None; k / v unchanged
+    without `layer`."""
+    bk = None if layer is None else stacked_key_tile(q, k, tiles.block_k, backend)
+    if layer is not None and bk is None:
+        k, v = _layer_of(k, v, layer)
+    return k, v, bk
+
+
+def _layer_operand(layer, stacked: bool):
+    """The kernel's extra operand and BlockSpec for a stacked cache's layer index ([1] int32, the
+    same block for every program, whatever the grid): empty lists otherwise."""
+    if not stacked:
+        return [], []
+    return [jnp.reshape(jnp.asarray(layer, jnp.int32), (1,))], [pl.BlockSpec((None,), lambda *_: (0,))]
+
+
+def _layer_lead(refs, stacked: bool):
+    """A kernel's (leading indices into its K / V blocks, the remaining refs): with a stacked cache
+    the first ref is the layer index, and the K / V blocks hold every layer."""
+    return ((refs[0][()],), refs[1:]) if stacked else ((), refs)
+
+
 def prefill_attention(q, k, v, *, start, q_offset=0, kv_len=None, kind="causal", block_size=1,
                       scale=None, tiles: Tiles = Tiles(), backend: str | None = None,
                       poison: bool = False, return_lse: bool = False, layer=None):
@@ -160,10 +183,8 @@ def prefill_attention(q, k, v, *, start, q_offset=0, kv_len=None, kind="causal",
     i.e. a copy of the layer, otherwise).
     """
     backend = plain_backend(backend or default_backend())
-    stacked_bk = None if layer is None else stacked_key_tile(q, k, tiles.block_k, backend)
+    k, v, stacked_bk = _stacked_keys(q, k, v, layer, tiles, backend)
     stacked = stacked_bk is not None
-    if layer is not None and not stacked:
-        k, v = _layer_of(k, v, layer)
     B, T, H, D = q.shape
     S, KV = k.shape[-3], k.shape[-2]
     G = H // KV
@@ -194,8 +215,7 @@ def prefill_attention(q, k, v, *, start, q_offset=0, kv_len=None, kind="causal",
     if return_lse:
         out_shape.append(jax.ShapeDtypeStruct((B, H, Tp), jnp.float32))
         out_specs.append(pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, nq - 1 - i)))
-    lyr = [jnp.reshape(jnp.asarray(layer, jnp.int32), (1,))] if stacked else []
-    lyr_spec = [pl.BlockSpec((None,), lambda i, b, h: (0,))] if stacked else []
+    lyr, lyr_spec = _layer_operand(layer, stacked)
     args, in_specs, aliases = _poisoned([start, qoff, kvl, *lyr, q, k, v],
                                         [row, row, row, *lyr_spec, q_spec, kv_spec, kv_spec],
                                         out_shape, out_specs, poison)
@@ -230,8 +250,7 @@ def _poisoned(args, in_specs, out_shape, out_specs, poison: bool):
 def _window_kernel(start_ref, qoff_ref, kvl_ref, *refs, T, G, S, num_splits,
                    block_r, block_k, kind, block_size, qk_scale, stacked=False):
     # refs: [layer_ref (stacked)], q_ref, k_ref, v_ref, [poisoned buffers], acc_ref, m_ref, l_ref
-    lead, refs = ((refs[0][()],), refs[1:]) if stacked else ((), refs)
-    q_ref, k_ref, v_ref = refs[:3]
+    lead, (q_ref, k_ref, v_ref, *refs) = _layer_lead(refs, stacked)
     acc_ref, m_ref, l_ref = refs[-3:]
     ri, sj = pl.program_id(2), pl.program_id(3)
     start, qoff, kvl = start_ref[()], qoff_ref[()], kvl_ref[()]
@@ -277,10 +296,8 @@ def window_attention(q, k, v, *, start, q_offset=0, kv_len=None, kind="causal", 
     as in `prefill_attention`.
     """
     backend = plain_backend(backend or default_backend())
-    stacked_bk = None if layer is None else stacked_key_tile(q, k, tiles.block_k, backend)
+    k, v, stacked_bk = _stacked_keys(q, k, v, layer, tiles, backend)
     stacked = stacked_bk is not None
-    if layer is not None and not stacked:
-        k, v = _layer_of(k, v, layer)
     B, T, H, D = q.shape
     S, KV = k.shape[-3], k.shape[-2]
     G = H // KV
@@ -317,8 +334,7 @@ def window_attention(q, k, v, *, start, q_offset=0, kv_len=None, kind="causal", 
                  jax.ShapeDtypeStruct((B, KV, ns, Rp), jnp.float32),
                  jax.ShapeDtypeStruct((B, KV, ns, Rp), jnp.float32)]
     out_specs = [acc_spec, ml_spec, ml_spec]
-    lyr = [jnp.reshape(jnp.asarray(layer, jnp.int32), (1,))] if stacked else []
-    lyr_spec = [pl.BlockSpec((None,), lambda b, h, r, s: (0,))] if stacked else []
+    lyr, lyr_spec = _layer_operand(layer, stacked)
     args, in_specs, aliases = _poisoned([start, qoff, kvl, *lyr, qp, k, v],
                                         [row, row, row, *lyr_spec, q_spec, kv_spec, kv_spec],
                                         out_shape, out_specs, poison)
