@@ -397,6 +397,16 @@ def parse(argv):
     return ap.parse_args(argv)
 
 
+def cuda_plugin_missing() -> str | None:
+    """Why no deviceless GPU compile can run here (None when the jax CUDA plugin is installed)."""
+    if importlib.util.find_spec("jax_plugins") and any(importlib.util.find_spec(f"jax_plugins.xla_cuda{v}")
+                                                         for v in (12, 13)):
+        return None
+    return ("the jax CUDA plugin is not installed, so XLA cannot compile for a GPU here; install the one "
+            "matching your jax (it needs no GPU or driver): pip install \"jax[cuda12]==$(python -c "
+            "'import jax; print(jax.__version__)')\"")
+
+
 def main(argv=None) -> int:
     args = parse(argv)
     if args._child:
@@ -406,6 +416,10 @@ def main(argv=None) -> int:
     if args.markdown:
         print(table(list(db["rows"].values())))
         return 0
+    missing = cuda_plugin_missing()
+    if missing:
+        print(f"gpu_program.py: {missing}", file=sys.stderr)
+        return 2
     if args.conditionals:
         os.environ["JAX_PLATFORMS"] = "cpu"
         print(f"# deviceless {args.target}: a [4, 1024, 512] bf16 buffer carried through a conditional", flush=True)

@@ -84,3 +84,15 @@ def test_rows_render_with_their_labels():
     assert "| h100 | ar_b1 | 128/256 | before | 5 (8) | 2 (3) | copy x1 | 0.25 | 1.00 | 17.4 | 0.10.2 | abc |" in md
     assert "| after |" in md and "FAILED: RuntimeError: boom" in md
     assert gp.row_key(row) != gp.row_key(dict(row, label="after"))
+
+
+def test_without_the_cuda_plugin_it_says_how_to_install_it(monkeypatch, capsys, tmp_path):
+    """No jax CUDA plugin (as in the test extra): exit 2 and the install line, no traceback, no file."""
+    real = gp.importlib.util.find_spec
+    monkeypatch.setattr(gp.importlib.util, "find_spec",
+                        lambda name, *a: None if name.startswith("jax_plugins") else real(name, *a))
+    out = tmp_path / "gpu_program.json"
+    assert gp.main(["--conditionals", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "jax CUDA plugin is not installed" in err and 'pip install "jax[cuda12]==' in err
+    assert not out.exists()
