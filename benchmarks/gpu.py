@@ -477,10 +477,11 @@ def run_decode_case(case: Case, model, task, base_row: dict) -> dict:
 
 # --------------------------------------------------------------------------- device profile (--profile)
 # kernel-name patterns -> kind, first match wins (XLA names its fusions after their root op; cuBLAS /
-# CUTLASS GEMMs carry gemm / gemv / xmma / cutlass in their names; Pallas kernels their pallas_call name)
+# CUTLASS GEMMs carry gemm / gemv / xmma / cutlass in their names, cuBLAS 13's Hopper GEMMs are
+# nvjet_sm90_*; Pallas kernels their pallas_call name)
 KERNEL_KINDS = (("qmatmul (Pallas)", ("jdllm_qmatmul",)),
                 ("attention (Pallas)", ("jdllm_flash", "mosaic")),
-                ("matmul (cuBLAS / XLA GEMM)", ("gemm", "gemv", "xmma", "cutlass", "cublas", "triton_gemm",
+                ("matmul (cuBLAS / XLA GEMM)", ("gemm", "gemv", "xmma", "cutlass", "cublas", "nvjet", "triton_gemm",
                                                 "__triton_gemm", "dot")),
                 ("copies / memset", ("memcpy", "memset", "copy")),
                 ("other XLA fusions", ("",)))

@@ -79,6 +79,8 @@ def test_device_profile_splits_a_traces_device_time_by_kernel_kind():
     assert kinds == {"matmul (cuBLAS / XLA GEMM)": 0.02, "qmatmul (Pallas)": 0.01, "attention (Pallas)": 0.005,
                      "other XLA fusions": 0.005, "copies / memset": 0.005}
     assert gpu.device_profile(dict(traceEvents=meta[1:2] + events[-2:-1]), forwards=2) == dict(device_events=0)
+    # cuBLAS 13 on Hopper names its GEMMs nvjet_* (an H200 run counted them as "other" before)
+    assert gpu.kernel_kind("nvjet_sm90_tst_192x64_64x6_2x1_v_bz_NNT") == "matmul (cuBLAS / XLA GEMM)"
 
 
 def test_a_cached_processs_peak_is_reported_beside_the_cold_one():
@@ -101,3 +103,31 @@ def test_a_cached_processs_peak_is_reported_beside_the_cold_one():
     lim = (16 << 30) + 2 * gpu.GIB
     assert (f"AR greedy b1: peak <= weights + KV + 2 GiB = {lim / gpu.GIB:.1f} GiB: MISSED (19.0 GiB); a process "
             "compiling from the cache: met (15.0 GiB)") in md
+
+
+def test_attention_benchmark_chains_window_calls_in_one_loop_and_says_which_timing_a_table_used():
+    """benchmarks/attention.py times windows (tens of microseconds on a GPU) as calls chained inside one
+    compiled loop: `loop_seconds` runs fn once per pass, each pass on the previous output, so it
+    measures calls rather than one dispatch. Its tables say which timing the JSON used: the first GPU
+    run (2026-11-26) timed one dispatch per call."""
+    import jax
+    import jax.numpy as jnp
+
+    limits = load_script("benchmarks/device_limits.py")
+    attention = load_script("benchmarks/attention.py")
+    calls = []
+
+    def fn(q, k):
+        jax.debug.callback(lambda: calls.append(1))
+        return q * k
+    q, k = jnp.ones((4,), jnp.float32), jnp.full((4,), 2.0, jnp.float32)
+    sec = limits.loop_seconds(fn, q, k, iters=2, passes=3)
+    assert sec > 0 and len(calls) == 3 * (2 + 2)  # 2 warm-ups + 2 timed runs, 3 chained calls each
+    res = dict(device="NVIDIA H200", platform="gpu", pallas_backend="mosaic", jax="0.11.2", mode="full",
+               dtype="bfloat16", shape={}, matmul_tflops=700.0, copy_gbps=4000.0, prefill=[],
+               window=[dict(mask="block_causal(B=32)", T=32, S=4096, impl="pallas", ms=0.01, gbps=1600.0,
+                            frac_of_copy=0.4)])
+    assert "one dispatch per call" in attention.markdown(res)
+    assert "compiled loop" in attention.markdown(dict(res, window_timing="loop"))
+    # the backward rows' Tiles: the earlier default (Triton backward) stays timed beside the new one
+    assert attention.GRAD_TILES["pallas-triton-bwd"] == dict(mosaic_warp_specialized=False, mosaic_backward=False)
