@@ -1,11 +1,11 @@
 """Attention kernels against the XLA reference, forward and gradient.
 
     python examples/attention.py                              # default Pallas backend
-    python examples/attention.py --backend mosaic_interpret   # the Hopper kernel, on the CPU
-    python examples/attention.py --backend mosaic_interpret --warp-specialized
-                                  # its warp-specialised variant (loader + two compute warpgroups)
-    python examples/attention.py --backend mosaic_interpret --mosaic-backward
-                                  # the gradient through the Mosaic backward kernels
+    python examples/attention.py --backend mosaic_interpret   # the Hopper kernels, on the CPU: the
+                                  # warp-specialised prefill (loader + two compute warpgroups)
+                                  # and the Mosaic backward, the defaults there
+    python examples/attention.py --backend mosaic_interpret --one-warpgroup --triton-backward
+                                  # the one-warpgroup prefill and the Triton backward kernels
 
 On the CPU the Pallas kernels run in interpret mode (slow, exact); on a GPU the
 default backend compiles them (Mosaic GPU on Hopper, Triton elsewhere).
@@ -33,12 +33,18 @@ def main(argv=None) -> int:
     ap.add_argument("--kind", default="block_causal", choices=("causal", "block_causal",
                                                               "bidirectional"))
     ap.add_argument("--block-size", type=int, default=4)
-    ap.add_argument("--warp-specialized", action="store_true",
-                    help="the Mosaic prefill's warp-specialised variant (flash.Tiles(mosaic_warp_specialized=True))")
-    ap.add_argument("--mosaic-backward", action="store_true",
-                    help="the Mosaic backward kernels on the mosaic backends (flash.Tiles(mosaic_backward=True))")
+    ap.add_argument("--one-warpgroup", action="store_true",
+                    help="the Mosaic prefill's one-warpgroup kernel, not the warp-specialised default "
+                         "(flash.Tiles(mosaic_warp_specialized=False))")
+    ap.add_argument("--triton-backward", action="store_true",
+                    help="the Triton backward kernels on the mosaic backends, not the Mosaic ones "
+                         "(flash.Tiles(mosaic_backward=False))")
+    ap.add_argument("--warp-specialized-backward", action="store_true",
+                    help="the Mosaic backward's warp-specialised variant "
+                         "(flash.Tiles(mosaic_backward_warp_specialized=True))")
     args = ap.parse_args(argv)
-    tiles = flash.Tiles(mosaic_warp_specialized=args.warp_specialized, mosaic_backward=args.mosaic_backward)
+    tiles = flash.Tiles(mosaic_warp_specialized=not args.one_warpgroup, mosaic_backward=not args.triton_backward,
+                        mosaic_backward_warp_specialized=args.warp_specialized_backward)
 
     B, T, H, KV, D = 2, 96, 4, 2, 64
     rng = np.random.default_rng(0)

@@ -39,12 +39,14 @@ class Tiles:
     mosaic_warp_specialized: the Mosaic prefill's warp-specialised variant
     (two compute warpgroups on 128 query rows beside a TMA loader warpgroup;
     prompts of more than 64 rows), with `mosaic_pingpong` staggering its two
-    compute warpgroups. Off by default until a GPU session has timed it
-    (benchmarks/attention.py's "pallas-mosaic-ws" rows). mosaic_backward: on
-    the "mosaic" backends, the backward runs the Mosaic GPU kernels of
-    `mosaic_backward.py` (wgmma, TMA ring of `mosaic_stages`) instead of the
-    Triton ones, warp-specialised likewise with `mosaic_warp_specialized`; off
-    by default too ("pallas-mosaic-bwd+grad" / "pallas-mosaic-ws-bwd+grad" rows).
+    compute warpgroups. mosaic_backward: on the "mosaic" backends, the backward
+    runs the Mosaic GPU kernels of `mosaic_backward.py` (wgmma, TMA ring of
+    `mosaic_stages`) instead of the Triton ones, warp-specialised with
+    `mosaic_backward_warp_specialized`. The defaults are what an H200 timed
+    fastest (benchmarks/attention.py, S=4096, 2026-11-26): the warp-specialised
+    forward without the ping-pong (1.06-1.41x the one-warpgroup kernel) and the
+    one-warpgroup Mosaic backward (fwd+bwd 2.1x the Triton backward; the
+    warp-specialised backward was 0.85-0.92x of it).
     """
 
     block_q: int = 128
@@ -57,9 +59,10 @@ class Tiles:
     block_k_bwd: int = 64
     mosaic_block_k: int = 64
     mosaic_stages: int = 2
-    mosaic_warp_specialized: bool = False
-    mosaic_pingpong: bool = True
-    mosaic_backward: bool = False
+    mosaic_warp_specialized: bool = True
+    mosaic_pingpong: bool = False
+    mosaic_backward: bool = True
+    mosaic_backward_warp_specialized: bool = False
 
     def __post_init__(self):
         for name in ("block_q", "block_k", "block_r", "block_q_bwd", "block_k_bwd"):

@@ -28,24 +28,22 @@ the Mosaic GPU kernel of `mosaic.py` (wgmma + TMA) when it takes the inputs
 kernel, the backward kernels, other dtypes) runs the Triton lowering.
 "mosaic_interpret" is "mosaic" on the CPU: the Mosaic kernel in Pallas's GPU
 interpret mode, the rest in interpret mode. `JDLLM_PALLAS_BACKEND` overrides
-the default. On the "mosaic" backends, `Tiles(mosaic_warp_specialized=True)`
-picks the Mosaic prefill's warp-specialised variant and
-`Tiles(mosaic_backward=True)` the Mosaic backward kernels
-(`mosaic_backward.py`, warp-specialised too with the first); both are off
-until timed on a GPU.
+the default. On the "mosaic" backends the prefill forward of more than 64 query
+rows runs the Mosaic kernel's warp-specialised variant (without the ping-pong)
+and the backward the Mosaic backward kernels (`mosaic_backward.py`): what an
+H200 timed fastest (`Tiles` says by how much; `Tiles(mosaic_warp_specialized=False,
+mosaic_backward=False)` restores the one-warpgroup forward and the Triton
+backward).
 
-STATUS: the "triton" and "mosaic" paths have NOT been compiled to PTX or run on
-a GPU yet (no GPU was lent to the sessions that wrote them). What is checked on
-the CPU: the kernels give the reference's results in interpret mode (the Mosaic
-one in GPU interpret mode), and every kernel goes through its Pallas -> Triton
-IR or Pallas -> Mosaic GPU lowering for CUDA (`test_*_lowers_for_cuda`). The
-first GPU session must run `pytest -m gpu tests/test_kernels.py` and
-`benchmarks/attention.py`; until then `JDLLM_PALLAS_BACKEND=triton` (or
+STATUS: the Triton and Mosaic kernels have run on an H100 and an H200 (the
+`gpu` test tier compiles each variant and checks it against the reference;
+benchmarks/RESULTS.md has their timings). `JDLLM_PALLAS_BACKEND=triton` (or
 `impl="xla"`) is the way around a kernel that fails to compile.
 
 Gradients: `attention` is a `jax.custom_vjp`; the forward kernel also saves the
 row log-sum-exp and the backward runs the Pallas kernels of `backward.py`
-(dq, and dk/dv summed over each GQA group). `bwd="xla"` swaps in the VJP of the
+(dq, and dk/dv summed over each GQA group; on the "mosaic" backends the Mosaic
+GPU ones of `mosaic_backward.py`). `bwd="xla"` swaps in the VJP of the
 XLA reference instead.
 """
 
@@ -429,7 +427,7 @@ def _attention_bwd(st: _Static, res, g):
     if (st.tiles.mosaic_backward and st.backend in ("mosaic", "mosaic_interpret")
             and mosaic.unsupported_reason(q, k) is None):
         dq, dk, dv = mosaic_backward.attention_backward(q, k, v, o, lse, g, **kw, stages=st.tiles.mosaic_stages,
-                                                        warp_specialized=st.tiles.mosaic_warp_specialized,
+                                                        warp_specialized=st.tiles.mosaic_backward_warp_specialized,
                                                         pingpong=st.tiles.mosaic_pingpong,
                                                         interpret=st.backend == "mosaic_interpret")
         return dq, dk.astype(k.dtype), dv.astype(v.dtype), None, None, None

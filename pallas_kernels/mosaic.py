@@ -42,9 +42,10 @@ unobserved, so the CPU tests check the protocol, not only the numbers.
 
 STATUS: the one-warpgroup kernel has run on an H100 and an H200 (the `gpu`
 tests; 255-295 TFLOP/s block-causal at S = 4096 on the H100, see
-benchmarks/RESULTS.md). The warp-specialised variant has not yet been compiled
-to PTX or timed: it is off by default (`Tiles.mosaic_warp_specialized`) until
-benchmarks/attention.py's "pallas-mosaic-ws" rows show it faster.
+benchmarks/RESULTS.md). The warp-specialised variant has run on an H200, where
+it was the fastest without the ping-pong (0.515-0.591 ms against the one
+warpgroup's 0.566-0.727 ms, S = 4096): that is the default for prompts of more
+than 64 rows (`Tiles.mosaic_warp_specialized`, `Tiles.mosaic_pingpong`).
 `JDLLM_PALLAS_BACKEND=triton` sidesteps both.
 """
 

@@ -752,7 +752,7 @@ def test_mosaic_tiles_outside_the_rule_are_never_read(ws):
 
 @slow
 def test_mosaic_backend_through_attention_with_grad_and_fallbacks(monkeypatch):
-    """backend="mosaic_interpret": Mosaic forward + Pallas backward; float32 and windows fall back."""
+    """backend="mosaic_interpret": the Mosaic forward and backward (the defaults); float32 and windows fall back."""
     q, k, v = _qkv(22, 2, 70, 70, 4, 2, 64, jnp.bfloat16)
     kw = dict(start=jnp.array([0, 9]), kind="block_causal", block_size=4)
 
@@ -799,7 +799,8 @@ def test_mosaic_under_vmap():
 @pytest.mark.parametrize("block_k,stages", [(64, 2), (128, 3)])
 @pytest.mark.parametrize("ws", [False, True], ids=["one-warpgroup", "warp-specialized"])
 def test_mosaic_path_lowers_for_cuda(kind, bs, T, S, H, KV, D, block_k, stages, ws):
-    """backend="mosaic" lowers to one Mosaic GPU custom call (forward) and two Triton ones (backward).
+    """backend="mosaic" with the Triton backward (`mosaic_backward=False`; the Mosaic one's lowering is
+    tested below) lowers to one Mosaic GPU custom call (forward) and two Triton ones (backward).
 
     Cross-platform lowering on the CPU runs the Pallas -> Mosaic GPU lowering
     (layouts, wgmma and TMA shapes) with the compiled path's wgmma, layout casts
@@ -812,7 +813,7 @@ def test_mosaic_path_lowers_for_cuda(kind, bs, T, S, H, KV, D, block_k, stages, 
         out = flash.attention(q, k, v, start=jnp.array([0, 3]), q_offset=off, kind=kind,
                               block_size=bs, backend="mosaic", variant="prefill",
                               tiles=flash.Tiles(mosaic_block_k=block_k, mosaic_stages=stages,
-                                                mosaic_warp_specialized=ws))
+                                                mosaic_warp_specialized=ws, mosaic_backward=False))
         return jnp.sum(out.astype(jnp.float32))
 
     def lower():
@@ -884,9 +885,10 @@ def test_mosaic_backward_warp_specialized_matches_one_warpgroup(case, pingpong):
 
 @slow
 def test_mosaic_backward_through_attention_and_lowered_for_cuda():
-    """Tiles(mosaic_backward=True): jax.grad of flash.attention on "mosaic_interpret" runs the Mosaic
-    backward (the default one's gradients); lowered for CUDA, forward and backward are three Mosaic
-    GPU kernels and no Triton one. float32 keeps the Triton backward."""
+    """Tiles.mosaic_backward (the default): jax.grad of flash.attention on "mosaic_interpret" runs the
+    Mosaic backward (the Triton backward's gradients); lowered for CUDA, forward and backward are three
+    Mosaic GPU kernels and no Triton one, with or without warp specialisation (forward and backward
+    each have their own switch). float32 keeps the Triton backward."""
     q, k, v = _qkv(33, 2, 70, 70, 4, 2, 64, jnp.bfloat16)
     kw = dict(start=jnp.array([0, 9]), kind="block_causal", block_size=4)
 
@@ -894,15 +896,17 @@ def test_mosaic_backward_through_attention_and_lowered_for_cuda():
         out = flash.attention(q, k, v, **kw, backend="mosaic_interpret", variant="prefill", tiles=tiles)
         return jnp.sum(out.astype(jnp.float32) ** 2)
 
-    got = jax.grad(functools.partial(loss, flash.Tiles(mosaic_backward=True)), argnums=(0, 1, 2))(q, k, v)
-    want = jax.grad(functools.partial(loss, flash.Tiles()), argnums=(0, 1, 2))(q, k, v)
+    one = dict(mosaic_warp_specialized=False)  # the one-warpgroup forward: a third of the interpreter's time
+    got = jax.grad(functools.partial(loss, flash.Tiles(**one)), argnums=(0, 1, 2))(q, k, v)
+    want = jax.grad(functools.partial(loss, flash.Tiles(**one, mosaic_backward=False)), argnums=(0, 1, 2))(q, k, v)
     for g, w in zip(got, want):
         assert _rel_err(g, w) <= 1e-3
 
     for ws in (False, True):  # and the warp-specialised forward and backward
         def cuda_loss(q, k, v):
             out = flash.attention(q, k, v, **kw, backend="mosaic", variant="prefill",
-                                  tiles=flash.Tiles(mosaic_backward=True, mosaic_warp_specialized=ws))
+                                  tiles=flash.Tiles(mosaic_warp_specialized=ws,
+                                                    mosaic_backward_warp_specialized=ws))
             return jnp.sum(out.astype(jnp.float32))
         hlo = jax.jit(jax.grad(cuda_loss, argnums=(0, 1, 2))).trace(q, k, v).lower(
             lowering_platforms=("cuda",)).as_text()
@@ -916,18 +920,19 @@ def test_mosaic_backward_through_attention_and_lowered_for_cuda():
 @slow
 def test_attention_example_runs_the_mosaic_backward(capsys):
     """examples/attention.py with the Mosaic forward and backward (GPU interpreter) checks itself against
-    the XLA reference and exits 0 (the warp-specialised switch is the same path with a flag: its kernels
-    are tested above, and in the interpreter it costs 30 s here)."""
+    the XLA reference and exits 0 (with the one-warpgroup forward: the warp-specialised default is the
+    same path with a flag, its kernels are tested above, and in the interpreter it costs 30 s here)."""
     from tests.scripts import load_script
 
     example = load_script("examples/attention.py")
-    assert example.main(["--backend", "mosaic_interpret", "--mosaic-backward"]) == 0
+    assert example.main(["--backend", "mosaic_interpret", "--one-warpgroup"]) == 0
     assert "matches the XLA reference" in capsys.readouterr().out
 
 
 def test_mosaic_warp_specialized_dispatch(monkeypatch):
-    """Tiles(mosaic_warp_specialized=True) sends prompts of more than one 64-row tile to the
-    warp-specialised variant (with the ping-pong setting given); one tile keeps one warpgroup."""
+    """Tiles.mosaic_warp_specialized sends prompts of more than one 64-row tile to the
+    warp-specialised variant (with the ping-pong setting given); one tile keeps one warpgroup. By
+    default: warp-specialised, no ping-pong; mosaic_warp_specialized=False keeps one warpgroup."""
     from pallas_kernels import mosaic
 
     seen = []
@@ -943,7 +948,10 @@ def test_mosaic_warp_specialized_dispatch(monkeypatch):
                         variant="prefill", tiles=tiles)
     flash.attention(q, k, v, start=jnp.zeros((1,), jnp.int32), kind="causal", backend="mosaic_interpret",
                     variant="prefill")
-    assert seen == [(100, True, True), (64, False, True), (300, True, False), (300, False, True)]
+    flash.attention(q, k, v, start=jnp.zeros((1,), jnp.int32), kind="causal", backend="mosaic_interpret",
+                    variant="prefill", tiles=flash.Tiles(mosaic_warp_specialized=False))
+    assert seen == [(100, True, True), (64, False, True), (300, True, False), (300, True, False),
+                    (300, False, False)]
 
 
 # ----------------------------------------------------------------------------- quantized matmul
