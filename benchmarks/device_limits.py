@@ -30,6 +30,16 @@ def median_seconds(fn, *args, iters: int, warmup: int = 1) -> float:
     return statistics.median(ts)
 
 
+def loop_seconds(fn, q, *rest, iters: int, passes: int = PASSES) -> float:
+    """Seconds per call of fn(q, *rest) -> an array shaped like q, from `passes` calls chained in one
+    compiled loop (each call's q takes a trace of the previous output, so none is hoisted or merged):
+    for kernels of tens of microseconds, which one dispatch per call would measure instead."""
+    def body(i, q):
+        return (q + 1e-3 * fn(q, *rest).astype(q.dtype)).astype(q.dtype)
+    f = jax.jit(lambda q, *rest: jax.lax.fori_loop(0, passes, body, q))
+    return median_seconds(f, q, *rest, iters=iters, warmup=2) / passes
+
+
 def copy_gbps(nbytes: int, iters: int, passes: int = PASSES) -> float:
     """Bytes read + written by `passes` passes of x <- x * a + b over `nbytes` of float32 (donated)."""
     x = jax.random.uniform(jax.random.key(0), (nbytes // 4,), jnp.float32)

@@ -43,10 +43,11 @@
 # starts no new case: a case started just before it may compile for 2 minutes on the 8B shape);
 # GPU_BENCH_ARGS adds arguments to gpu.py (e.g. "--only mb_approx_b1 hf" or "--layouts per_layer
 # stacked"); ATTN_S (0: the attention step is skipped; 75 runs it, ~10.5 minutes in all) with ATTN_SEQ
-# ("4096 16384"), ATTN_IMPLS ("pallas,pallas-mosaic-ws,pallas-mosaic-ws-nopp,pallas-mosaic-bwd,
-# pallas-mosaic-ws-bwd,cudnn,xla" on one line: on Hopper "pallas" is the one-warpgroup Mosaic prefill with
-# the Triton backward, the -ws ones the warp-specialised forward, pallas-mosaic-bwd the Mosaic backward,
-# pallas-mosaic-ws-bwd both warp-specialised) and ATTN_ARGS ("--backward"); LONG_S (0: the
+# ("4096 16384"), ATTN_IMPLS ("pallas,pallas-mosaic-1wg,pallas-mosaic-ws,pallas-triton-bwd,
+# pallas-mosaic-ws-bwd,cudnn,xla" on one line: on Hopper "pallas" is the default, the warp-specialised
+# Mosaic prefill without the ping-pong and the Mosaic backward; pallas-mosaic-1wg the one-warpgroup
+# prefill, pallas-mosaic-ws the warp-specialised one with the ping-pong, pallas-triton-bwd the earlier
+# default (one-warpgroup forward, Triton backward), pallas-mosaic-ws-bwd both warp-specialised) and ATTN_ARGS ("--backward"); LONG_S (0: the
 # long-context step is skipped; 450 runs it, the hard limit) with LONG_BUDGET_S (LONG_S - 150: gpu.py
 # starts no case after it) and LONG_ARGS (more gpu.py arguments, e.g. "--long-prompt 16384" or
 # "--long-cases ar_b1 mb_exact_b1 mb_approx_b1" or "--repeats 0": the first run's timings alone, or
@@ -149,7 +150,7 @@ if [ "$T_ATTN" -gt 0 ]; then
   note "4. benchmarks/attention.py (timeout ${T_ATTN}s)"
   # shellcheck disable=SC2086  # ATTN_SEQ is a list of lengths, ATTN_ARGS a list of arguments
   timeout -k 10 "$T_ATTN" python3 benchmarks/attention.py --seq ${ATTN_SEQ:-4096 16384} ${ATTN_ARGS:---backward} \
-    --impls "${ATTN_IMPLS:-pallas,pallas-mosaic-ws,pallas-mosaic-ws-nopp,pallas-mosaic-bwd,pallas-mosaic-ws-bwd,cudnn,xla}" --iters 5 \
+    --impls "${ATTN_IMPLS:-pallas,pallas-mosaic-1wg,pallas-mosaic-ws,pallas-triton-bwd,pallas-mosaic-ws-bwd,cudnn,xla}" --iters 5 \
     --window 32 128 --out "$out/attention.json" 2>&1 | tee "$out/attention.log"
   status=$(( status ? status : ${PIPESTATUS[0]} ))
 else
