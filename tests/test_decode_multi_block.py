@@ -85,15 +85,29 @@ def test_block_causal_matches_reference(config, shifted):
 
 
 @slow
-def test_exact_cache_on_the_pallas_kernels_matches_reference():
+@pytest.mark.parametrize("config, shifted", [("pipelined", False), ("serial", True)])
+def test_exact_cache_on_the_pallas_kernels_matches_reference(config, shifted, monkeypatch):
     """The exact cache on the Pallas kernels (interpret mode here), which read the stacked cache in
-    place under the step's window switch: a row alone (scalar window offsets) and a batch."""
-    m0 = block_model()
+    place: a window wider than the narrowest compiled width runs as consecutive chunks of that width
+    in a while loop (`ExactCache.chunked`; a switch of more than two widths copied the cache), here
+    up to four chunks of one block; a row alone (scalar window offsets) and a batch, and a shifted
+    (Fast-dLLM-like) model, whose first chunk takes the slot before it from prev_logits."""
+    from jdllm.decode import multi_block_cache
+
+    chunks = []
+    chunked = multi_block_cache.ExactCache.chunked
+
+    def spy(params, ctx, state, width, need, at, also):
+        jax.debug.callback(lambda n: chunks.append(-(-int(n) // width)), need)
+        return chunked(params, ctx, state, width, need, at, also)
+    monkeypatch.setattr(multi_block_cache.ExactCache, "chunked", staticmethod(spy))
+    m0 = block_model(seed=2, logit_shift=True) if shifted else block_model()
     m = Model(m0.config, m0.params, attn_impl="pallas")
     for prompts in ([PROMPTS[2]], PROMPTS):
-        outs = jdllm.generate(m, prompts, _mb("pipelined", cache_mode="exact"), _sampling())
+        outs = jdllm.generate(m, prompts, _mb(config, cache_mode="exact"), _sampling())
         for p, out in zip(prompts, outs):
-            _check(out, _ref(m, p, "pipelined"))
+            _check(out, _ref(m, p, config))
+    assert max(chunks) >= 2
 
 
 @slow
