@@ -314,6 +314,10 @@ def child(task: dict) -> int:
         compiled = lowered.compile()
         t2 = time.perf_counter()
         text = compiled.as_text()
+        if task.get("dump"):
+            os.makedirs(os.path.dirname(task["dump"]), exist_ok=True)
+            with open(task["dump"], "w") as f:
+                f.write(text)
         row.update(lower_s=round(t1 - t0, 2), compile_s=round(t2 - t1, 2), canvas=int(prep.state.slots),
                    memory=cp.memory_stats(compiled), hlo=cp.hlo_stats(text), step=decode_step(text),
                    jax=jax.__version__, jdllm_from=os.path.dirname(os.path.dirname(jdllm.__file__)))
@@ -389,6 +393,7 @@ def parse(argv):
     ap.add_argument("--long", action="store_true", help="prompt 32768, generation 1024 (gpu.py --long's cases)")
     ap.add_argument("--label", default="", help="a tag for the rows (kept apart from other labels)")
     ap.add_argument("--out", default=DEFAULT_OUT)
+    ap.add_argument("--dump", metavar="DIR", help="also write each case's compiled program (HLO text) into DIR")
     ap.add_argument("--markdown", action="store_true", help="print the table of --out and exit")
     ap.add_argument("--conditionals", action="store_true",
                     help="compile small loops that carry a buffer through a conditional, count its copies per "
@@ -440,7 +445,9 @@ def main(argv=None) -> int:
                    date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"))
         with tempfile.TemporaryDirectory() as tmp:
             task = dict(row=row, target=args.target, shape=args.shape, case=case, prompt=args.prompt, gen=args.gen,
-                        block=args.block, result=os.path.join(tmp, "row.json"))
+                        block=args.block, result=os.path.join(tmp, "row.json"),
+                        dump=args.dump and os.path.abspath(os.path.join(args.dump, f"{args.target}_{case}_P{args.prompt}"
+                                                                                   f"_G{args.gen}.hlo.txt")))
             with open(os.path.join(tmp, "task.json"), "w") as f:
                 json.dump(task, f)
             subprocess.run([sys.executable, os.path.abspath(__file__), "--_child", os.path.join(tmp, "task.json")],
