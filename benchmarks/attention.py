@@ -128,6 +128,14 @@ def _grad_fn(impl: str, *, kind, block_size, tiles):
     return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
 
 
+# --window-sweep: the window kernel's Tiles variants timed beside its defaults (key tile, software
+# pipeline depth, warps, packed rows per program, key splits)
+WINDOW_SWEEP = ([(f"bk{bk} st{st} w{nw}", dict(block_k=bk, num_stages=st, num_warps=nw))
+                 for bk in (32, 64, 128) for st in (2, 3, 4) for nw in (4, 8)]
+                + [(f"bk64 splits{n}", dict(block_k=64, num_splits=n)) for n in (16, 32, 64, 128)]
+                + [(f"bk64 br{br}", dict(block_k=64, block_r=br)) for br in (16, 32, 64)])
+
+
 def _xla_fits(B, H, T, S, budget_bytes) -> bool:
     return 3 * B * H * T * S * 4 <= budget_bytes  # f32 scores, probabilities and a temporary
 
@@ -171,7 +179,7 @@ def run(args) -> dict:
 
     rows = []
     B, H, KV, D = args.batch, args.heads, args.kv_heads, args.head_dim
-    for kind, bs in MASKS:
+    for kind, bs in (() if args.window_only else MASKS):
         for S in seqs:
             q, k, v = _inputs(B, S, S, H, KV, D, dtype)
             flops = 4 * B * H * D * visible_pairs(S, S, kind, bs)
@@ -193,7 +201,7 @@ def run(args) -> dict:
     result["prefill"] = rows
 
     brows = []
-    for kind, bs in (MASKS if args.backward else ()):
+    for kind, bs in (MASKS if args.backward and not args.window_only else ()):
         for S in seqs:
             q, k, v = _inputs(B, S, S, H, KV, D, dtype)
             w = jnp.ones(q.shape, jnp.float32)
@@ -222,13 +230,14 @@ def run(args) -> dict:
                 continue
             q, k, v = _inputs(B, T, S, H, KV, D, dtype, seed=1)
             nbytes = 2 * B * KV * S * D * dtype.itemsize  # K and V of every visible slot
-            for impl in ("pallas", "xla"):
-                if impl not in impls:
-                    continue
+            variants = [(i, tiles) for i in ("pallas", "xla") if i in impls]
+            if args.window_sweep:  # the window kernel's tiles (issue 28: its long-context rate)
+                variants += [(f"pallas {name}", dataclasses.replace(tiles, **kw)) for name, kw in WINDOW_SWEEP]
+            for impl, vtiles in variants:
                 row = dict(mask=f"block_causal(B={T})", T=T, S=S, impl=impl)
                 try:
-                    fn = _attn_fn(impl, kind="block_causal", block_size=T, q_offset=S - T, kv_len=S,
-                                  tiles=tiles)
+                    fn = _attn_fn(impl.split()[0], kind="block_causal", block_size=T, q_offset=S - T, kv_len=S,
+                                  tiles=vtiles)
                     # a window takes tens of microseconds: chained in one compiled loop, not one
                     # dispatch per call (the H200 run of 2026-11-26 timed dispatches: 0.12-0.32 ms)
                     sec = loop_seconds(fn, q, k, v, iters=args.iters)
@@ -257,6 +266,7 @@ def print_table(res: dict) -> None:
         rel = f"{base['ms'] / r['ms']:.2f}x" if "ms" in base else "-"
         print(f"{r['mask']:<20}{r['S']:>7}  {r['impl']:<22}{r['ms']:>10.3f}{r['tflops']:>10.3f}{rel:>10}")
     print(f"\n{'window':<20}{'T':>4}{'S':>7}  {'impl':<22}{'ms':>10}{'GB/s':>10}{'of copy':>10}")
+    # (--window-sweep rows: "pallas <tiles>"; the fastest per T and S is what the defaults should be)
     for r in res["window"]:
         if "skipped" in r:
             print(f"{r['mask']:<20}{r['T']:>4}{r['S']:>7}  {r['impl']:<22}  skipped: {r['skipped']}")
@@ -275,7 +285,8 @@ def markdown(res: dict) -> str:
     out = [f"Device {res['device']} ({res['platform']}, Pallas backend {res['pallas_backend']}), jax {res['jax']}, "
            f"{res['mode']} mode, {res['dtype']}, shape {res['shape']}; measured bf16 matmul "
            f"{res['matmul_tflops']:.1f} TFLOP/s, copy {res['copy_gbps']:.0f} GB/s (read + write)"
-           + (f"; {res['when']}" if res.get("when") else "") + ".\n"]
+           + (f"; {res['when']}" if res.get("when") else "")
+           + (f" (the prefill rows: {res['prefill_when']})" if res.get("prefill_when") else "") + ".\n"]
     if res["platform"] != "gpu":
         out.append("**Not a GPU run**: on the CPU the Pallas kernels are interpreted; these rows prove the script "
                    "runs and say nothing about speed.\n")
@@ -337,6 +348,10 @@ def main(argv=None) -> int:
                     help="implementations to time (prefill: all but the *-bwd ones; window: pallas and xla; with "
                          "--backward: pallas, pallas-triton-bwd, pallas-mosaic-bwd, pallas-mosaic-ws-bwd and xla); "
                          "the pallas-mosaic* ones are recorded as skipped off Hopper")
+    ap.add_argument("--window-sweep", action="store_true",
+                    help="also time the window kernel with each Tiles variant of WINDOW_SWEEP (key tile, stages, "
+                         "warps, splits, packed rows) at every window length and S")
+    ap.add_argument("--window-only", action="store_true", help="time the windows alone (no prefill, no backward)")
     ap.add_argument("--iters", type=int, default=None)
     ap.add_argument("--backward", action="store_true",
                     help="also time forward+backward (jax.grad) for Pallas and XLA")
@@ -361,6 +376,12 @@ def main(argv=None) -> int:
         args.window = sorted({min(t, 16) for t in args.window})
     res = run(args)
     res["when"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    if args.window_only and os.path.exists(args.out):  # keep the prefill rows a full run of this device wrote
+        with open(args.out) as f:
+            old = json.load(f)
+        if old.get("device") == res["device"] and old.get("prefill"):
+            res.update(prefill=old["prefill"], forward_backward=old.get("forward_backward", []),
+                       prefill_when=old.get("prefill_when", old.get("when")))
     print()
     print_table(res)
     os.makedirs(os.path.dirname(args.out), exist_ok=True)

@@ -47,7 +47,9 @@
 # pallas-mosaic-ws-bwd,cudnn,xla" on one line: on Hopper "pallas" is the default, the warp-specialised
 # Mosaic prefill without the ping-pong and the Mosaic backward; pallas-mosaic-1wg the one-warpgroup
 # prefill, pallas-mosaic-ws the warp-specialised one with the ping-pong, pallas-triton-bwd the earlier
-# default (one-warpgroup forward, Triton backward), pallas-mosaic-ws-bwd both warp-specialised) and ATTN_ARGS ("--backward"); LONG_S (0: the
+# default (one-warpgroup forward, Triton backward), pallas-mosaic-ws-bwd both warp-specialised)
+# and ATTN_ARGS ("--backward"; "--window-only --window-sweep" with ATTN_WINDOW="1 32" times the window
+# kernel's Tiles variants alone, keeping the prefill rows of an earlier full run of the device); LONG_S (0: the
 # long-context step is skipped; 450 runs it, the hard limit) with LONG_BUDGET_S (LONG_S - 150: gpu.py
 # starts no case after it) and LONG_ARGS (more gpu.py arguments, e.g. "--long-prompt 16384" or
 # "--long-cases ar_b1 mb_exact_b1 mb_approx_b1" or "--repeats 0": the first run's timings alone, or
@@ -148,10 +150,12 @@ fi
 
 if [ "$T_ATTN" -gt 0 ]; then
   note "4. benchmarks/attention.py (timeout ${T_ATTN}s)"
-  # shellcheck disable=SC2086  # ATTN_SEQ is a list of lengths, ATTN_ARGS a list of arguments
+  # (a --window-only run keeps the prefill rows of the committed JSON when it is this device's)
+  [ -f benchmarks/results/attention.json ] && cp benchmarks/results/attention.json "$out/attention.json"
+  # shellcheck disable=SC2086  # ATTN_SEQ / ATTN_WINDOW are lists of lengths, ATTN_ARGS a list of arguments
   timeout -k 10 "$T_ATTN" python3 benchmarks/attention.py --seq ${ATTN_SEQ:-4096 16384} ${ATTN_ARGS:---backward} \
     --impls "${ATTN_IMPLS:-pallas,pallas-mosaic-1wg,pallas-mosaic-ws,pallas-triton-bwd,pallas-mosaic-ws-bwd,cudnn,xla}" --iters 5 \
-    --window 32 128 --out "$out/attention.json" 2>&1 | tee "$out/attention.log"
+    --window ${ATTN_WINDOW:-32 128} --out "$out/attention.json" 2>&1 | tee "$out/attention.log"
   status=$(( status ? status : ${PIPESTATUS[0]} ))
 else
   note "4. benchmarks/attention.py skipped (ATTN_S=0)"

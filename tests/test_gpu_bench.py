@@ -131,3 +131,24 @@ def test_attention_benchmark_chains_window_calls_in_one_loop_and_says_which_timi
     assert "compiled loop" in attention.markdown(dict(res, window_timing="loop"))
     # the backward rows' Tiles: the earlier default (Triton backward) stays timed beside the new one
     assert attention.GRAD_TILES["pallas-triton-bwd"] == dict(mosaic_warp_specialized=False, mosaic_backward=False)
+
+
+def test_attention_window_only_run_keeps_the_prefill_rows_and_sweeps_window_tiles(tmp_path, capsys):
+    """`attention.py --window-only` (a lease's call for the window kernel alone) keeps the prefill rows
+    that a full run of the same device wrote to --out, and says when they were taken; `--window-sweep`
+    adds a row per Tiles variant of the window kernel."""
+    attention = load_script("benchmarks/attention.py")
+    out = str(tmp_path / "attention.json")
+    tiny = ["--quick", "--iters", "1", "--seq", "64", "--window", "16", "--out", out]
+    assert attention.main(tiny + ["--impls", "xla"]) == 0
+    with open(out) as f:
+        full = json.load(f)
+    assert full["prefill"] and full["window"]
+    attention.WINDOW_SWEEP = attention.WINDOW_SWEEP[:2]  # two variants keep the interpreter's time short
+    assert attention.main(tiny + ["--impls", "pallas", "--window-only", "--window-sweep"]) == 0
+    with open(out) as f:
+        res = json.load(f)
+    assert res["prefill"] == full["prefill"] and res["prefill_when"] == full["when"]
+    assert [r["impl"] for r in res["window"]] == ["pallas"] + [f"pallas {n}" for n, _ in attention.WINDOW_SWEEP]
+    assert "the prefill rows: " in attention.markdown(res)
+    capsys.readouterr()
