@@ -96,10 +96,14 @@ so the logits equal the no-cache forward's and so does the output. Each row's
 window starts at its own cache length (per-row offsets); the batch shares the
 window's width, the narrowest that reaches every row's active end (when even
 the widest does not, the step runs one full forward: same result, more
-compute). The
+compute). On the Pallas kernels, where a switch over three or more widths
+would copy the cache every step, a window wider than the narrowest compiled
+width runs instead as consecutive windows of that width in a while loop
+(`ExactCache.chunked`; the same K/V and logits, as the chunks start on block
+boundaries). The
 first step starts from an empty cache at slot 0 (a window when the prompt's
-whole blocks are short enough, else the full forward); it writes the prompt's
-blocks, which are committed right after it.
+whole blocks are short enough, else the full forward, or those chunks); it
+writes the prompt's blocks, which are committed right after it.
 
 `cache_mode="approx"` (bidirectional models, off by default): d3LLM's delayed
 prefix cache, `generate_multi_block_kv_cache` (d3llm_llada_generate_util.py),
