@@ -1715,7 +1715,12 @@ def parse(argv=None):
     ap.add_argument("--write-results-md", action="store_true",
                     help="write the tables (GPU rows only) between the markers in benchmarks/RESULTS.md")
     ap.add_argument("--results-md", default=RESULTS_MD, help=argparse.SUPPRESS)
+    # an XLA flag given alone as a variant ("--xla_gpu_...=x") would read as an option of this script:
+    # its leading space makes it a value (stripped below)
+    argv = [f" {a}" if a.startswith("--xla_") else a for a in (sys.argv[1:] if argv is None else argv)]
     args = ap.parse_args(argv)
+    if args.xla_flags_variants is not None:
+        args.xla_flags_variants = [v.strip() for v in args.xla_flags_variants]
     if args.quick:
         args.shape = args.shape or "8b"
         args.only = args.only or list(QUICK_CASES)

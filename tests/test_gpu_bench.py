@@ -152,3 +152,11 @@ def test_attention_window_only_run_keeps_the_prefill_rows_and_sweeps_window_tile
     assert [r["impl"] for r in res["window"]] == ["pallas"] + [f"pallas {n}" for n, _ in attention.WINDOW_SWEEP]
     assert "the prefill rows: " in attention.markdown(res)
     capsys.readouterr()
+
+
+def test_an_xla_flag_alone_is_a_flags_variant():
+    """`gpu.py --xla-flags-variants "" --xla_gpu_enable_command_buffer=...`: a lone XLA flag is a variant
+    (argparse would take it for an option of the script), kept as typed."""
+    flag = "--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,WHILE,CONDITIONAL"
+    args = gpu.parse(["--only", "ar_b1", "--xla-flags-variants", "", flag, "--no-hf"])
+    assert args.xla_flags_variants == ["", flag] and args.no_hf and args.only == ["ar_b1"]
