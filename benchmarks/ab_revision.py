@@ -88,7 +88,7 @@ def decoding(name: str, args, gen: int):
     if name == "fastdllm_prefix":
         return jdllm.MaskedDiffusion(gen_length=gen, block_length=args.block, confidence_threshold=0.9,
                                      cache_mode="prefix")
-    return jdllm.MultiBlock(block_length=args.block)
+    return jdllm.MultiBlock(block_size=args.block)
 
 
 def main(argv=None) -> int:
