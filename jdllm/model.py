@@ -211,12 +211,13 @@ def write_rows(buf: jax.Array, x: jax.Array, offset, layer=None) -> jax.Array:
     """
     x = x.astype(buf.dtype)
     offset = jnp.asarray(offset, jnp.int32)
-    if offset.shape == (1,):
-        # one row: its slice updated at a clamped start, as the scatter below clips it; the scatter of
-        # a single row became a read of the old rows, a select (its dropped-if-out-of-bounds rule) and
-        # an update: two kernels more per K / V write on the GPU (AR batch 1, 8B: 64 per token)
-        offset = offset[0]
     lead = () if layer is None else (jnp.asarray(layer, jnp.int32),)
+    if offset.shape == (1,):
+        # one row: its slice updated at the start the scatter below would use (clipped: a negative one
+        # would otherwise wrap around in dynamic_update_slice); the scatter of a single row became a
+        # read of the old rows, a select (its dropped-if-out-of-bounds rule) and an update: two kernels
+        # more per K / V write on the GPU (AR batch 1, 8B: 64 per token)
+        offset = jnp.clip(offset[0], 0, buf.shape[len(lead) + 1] - x.shape[1])
     if offset.ndim == 0:
         start = (*lead, jnp.zeros((), jnp.int32), offset) + (jnp.zeros((), jnp.int32),) * (x.ndim - 2)
         return jax.lax.dynamic_update_slice(buf, x[None] if lead else x, start)

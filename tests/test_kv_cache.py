@@ -300,3 +300,25 @@ def _forward_at(params, cache, toks, kv_len, *, cfg, off, write, static_kv):
     pos = default_positions(START, off, toks.shape[1])
     return forward(params, cfg, toks, pos, start=START, cache=cache, offset=off, attn_impl="xla",
                    kv_len=kv_len if static_kv is None else static_kv, write_cache=write)
+
+
+@pytest.mark.parametrize("layer", [None, 1])
+def test_one_rows_cache_write_is_the_scatters_write(layer):
+    """`write_rows` writes a lone row (offset [1]) with one dynamic_update_slice, not the per-row
+    scatter (which XLA turned into a read, a select and an update on the GPU). It must write what
+    the scatter writes for that row, a start past either end clamped the same way (the window kept
+    inside S), with or without the stacked layer axis."""
+    from jdllm.model import write_rows
+
+    S, T = 10, 3
+    lead = () if layer is None else (3,)
+    buf = jnp.asarray(np.random.default_rng(0).standard_normal((*lead, 2, S, 4)), jnp.float32)
+    x = jnp.asarray(np.random.default_rng(1).standard_normal((2, T, 4)), jnp.float32)
+    for off in (-5, 0, 4, S - T, S - 1, S + 7):
+        pair = write_rows(buf, x, jnp.array([off, off]), layer=layer)  # two rows: the scatter
+        one = write_rows(buf[..., :1, :, :], x[:1], jnp.array([off]), layer=layer)  # one row: the update
+        np.testing.assert_array_equal(np.asarray(one), np.asarray(pair[..., :1, :, :]))
+        assert not np.array_equal(np.asarray(one), np.asarray(buf[..., :1, :, :]))  # it wrote something
+    hlo = jax.jit(lambda b, x, o: write_rows(b, x, o, layer=layer)).lower(buf[..., :1, :, :], x[:1],
+                                                                            jnp.array([2])).as_text()
+    assert "dynamic_update_slice" in hlo and "scatter" not in hlo
