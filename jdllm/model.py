@@ -206,8 +206,8 @@ def write_rows(buf: jax.Array, x: jax.Array, offset, layer=None) -> jax.Array:
     [offset, offset + T) of each row (of that layer).
 
     offset: a scalar (one dynamic_update_slice) or [B] (each row at its own slot:
-    a scatter). Like dynamic_update_slice, a start is clamped so the window stays
-    inside S.
+    a scatter; one row's [1], an update at that start clipped into [0, S - T]).
+    Like dynamic_update_slice, a start is clamped so the window stays inside S.
     """
     x = x.astype(buf.dtype)
     offset = jnp.asarray(offset, jnp.int32)

@@ -42,11 +42,12 @@ class Tiles:
     compute warpgroups. mosaic_backward: on the "mosaic" backends, the backward
     runs the Mosaic GPU kernels of `mosaic_backward.py` (wgmma, TMA ring of
     `mosaic_stages`) instead of the Triton ones, warp-specialised with
-    `mosaic_backward_warp_specialized`. The defaults are what an H200 timed
-    fastest (benchmarks/attention.py, S=4096, 2026-11-26): the warp-specialised
-    forward without the ping-pong (1.06-1.41x the one-warpgroup kernel) and the
-    one-warpgroup Mosaic backward (fwd+bwd 2.1x the Triton backward; the
-    warp-specialised backward was 0.85-0.92x of it).
+    `mosaic_backward_warp_specialized` (its ping-pong is `mosaic_pingpong` too).
+    The defaults are what an H200 timed fastest (benchmarks/attention.py,
+    S=4096, 2026-11-26): the warp-specialised forward without the ping-pong
+    (1.06-1.41x the one-warpgroup kernel) and the one-warpgroup Mosaic backward
+    (fwd+bwd 1.8-2.1x the Triton backward; the warp-specialised backward, timed
+    with the ping-pong, was 0.85-0.90x of it).
     """
 
     block_q: int = 128

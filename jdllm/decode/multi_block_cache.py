@@ -77,6 +77,15 @@ class NoCache(CacheStrategy):
                                    lambda w: lambda st: prefix_logits(params, ctx, st, w, at))
 
 
+def window_start(length, S: int, width: int, chunk=0):
+    """Where each row's exact-cache window of `width` slots starts: `chunk` windows past its cache
+    `length` [B], or ending at the canvas end S when it would run off it (recomputing committed slots
+    from their final tokens rewrites the same K/V). One row: a scalar (a slice and an update, not a
+    gather / scatter)."""
+    start = jnp.minimum(length + chunk * width, S - width)
+    return start[0] if length.shape[0] == 1 else start
+
+
 @dataclasses.dataclass(frozen=True)
 class ExactCache(CacheStrategy):
     """cache_mode="exact": a window from each row's cache.length; commit the blocks that were Completed
@@ -109,11 +118,8 @@ class ExactCache(CacheStrategy):
 
         def windowed(width):
             def forward(st):
-                offset = jnp.minimum(L, S - width)
-                if st.batch == 1:  # one row: a scalar offset (a slice and update, not a gather / scatter)
-                    offset = offset[0]
-                st, logits = common.forward_window(params, ctx, st, offset, width, at=at, also=also,
-                                                   use_prev=True)
+                st, logits = common.forward_window(params, ctx, st, window_start(L, S, width), width, at=at,
+                                                   also=also, use_prev=True)
                 return commit(st, logits)
             return forward
 
@@ -155,17 +161,12 @@ class ExactCache(CacheStrategy):
         on the Pallas kernels: 16.5 GiB per step, 54.6 ms per forward on an H200 against 13.6 for
         block_diffusion). A while loop carries the cache in place."""
         S, L = state.slots, state.cache.length
-
-        def offset(c):
-            o = jnp.minimum(L + c * width, S - width)
-            return o[0] if state.batch == 1 else o  # one row: a scalar offset (a slice, not a scatter)
-
-        state, logits = common.forward_window(params, ctx, state, offset(0), width, at=at, also=also,
-                                              use_prev=True)
+        state, logits = common.forward_window(params, ctx, state, window_start(L, S, width), width, at=at,
+                                              also=also, use_prev=True)
 
         def more(carry):
             c, st, logits = carry
-            o = offset(c)
+            o = window_start(L, S, width, c)
             st, lg = common.forward_window(params, ctx, st, o, width, at=at, also=also)
             rel = jnp.concatenate([common.head_index(ctx, at, o),
                                    also - common.rows_of(st, o)[:, None]], axis=1)  # [B, N + 1]
@@ -309,4 +310,4 @@ CACHE_STRATEGIES: dict[str, CacheStrategy] = {c.mode: c() for c in (NoCache, Exa
 """mode -> its strategy (`MultiBlock.resolved_cache_mode(cfg)` picks one)."""
 
 __all__ = ["CacheStrategy", "NoCache", "ExactCache", "ApproxCache", "WindowCache", "CACHE_STRATEGIES",
-           "WINDOW_BLOCKS", "prefix_logits", "suffix_logits"]
+           "WINDOW_BLOCKS", "prefix_logits", "suffix_logits", "window_start"]
