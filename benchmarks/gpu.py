@@ -418,8 +418,10 @@ def tokens_digest(outs) -> str:
     return h.hexdigest()[:12]
 
 
-def run_decode_case(case: Case, model, task, base_row: dict) -> dict:
-    """First call (a full `generate`), then `repeats` timed runs of the compiled decode."""
+def run_decode_case(case: Case, model, task, base_row: dict, timed=None) -> dict:
+    """First call (a full `generate`), then `repeats` timed runs of the compiled decode; with
+    `--profile`, one more under the profiler, after `timed(row)` has recorded the timed row (a
+    profile that never ends, as Fast-dLLM prefix's did on an H100, then costs the profile, not the row)."""
     import jax  # noqa: PLC0415
     import numpy as np  # noqa: PLC0415
 
@@ -462,15 +464,19 @@ def run_decode_case(case: Case, model, task, base_row: dict) -> dict:
                bytes_in_use_after=in_use)
     if base_row.get("floor_ms"):
         row["x_floor"] = row["ms_per_forward"] / base_row["floor_ms"]
-    if task.get("profile"):
-        row["profile"] = profile_decode(lambda: jax.block_until_ready(
-            loop.compiled()(params, prep.state, paradigm=prep.paradigm, ctx=prep.ctx)), forwards)
     if case.paradigm == "ar_spec":
         tr = [o.trace for o in outs0]
         prop = sum(t.get("drafts_proposed", 0) for t in tr)
         acc = sum(t.get("drafts_accepted", 0) for t in tr)
         row.update(drafts_proposed=prop, drafts_accepted=acc, acceptance_rate=acc / prop if prop else 0.0,
                    acceptance_rate_row0=tr[0].get("acceptance_rate"))
+    if task.get("profile"):
+        if timed is not None:
+            timed(row)
+        state, paradigm, ctx = prep.state, prep.paradigm, prep.ctx
+        row["profile"] = profile_decode(lambda: jax.block_until_ready(
+            loop.compiled()(params, state, paradigm=paradigm, ctx=ctx)), forwards)
+        del state
     del final, prep, outs0
     return row
 
@@ -873,7 +879,12 @@ def child_main(task_path: str) -> int:
                 elif case.window == "serve":
                     row = run_serve_case(case, models[mk], task, row)
                 else:
-                    row = run_decode_case(case, models[mk], task, row)
+                    def timed(r, started=state["started"]):
+                        started["row"] = dict(r, profile=dict(error="the profiled decode did not finish "
+                                                              "(the child was stopped during it)"))
+                        write_json(out, state)
+
+                    row = run_decode_case(case, models[mk], task, row, timed=timed)
             except Exception as e:  # noqa: BLE001 (one failing case is recorded, the others still run)
                 msg = "".join(traceback.format_exception_only(type(e), e)).strip()[-1500:]
                 traceback.print_exc()
@@ -1102,6 +1113,29 @@ def died(rc: int, started: dict, tail: list[str]) -> str:
     return f"the child process died (exit {rc}){spent}: {error_tail(tail)}"
 
 
+def child_rows(res, rc: int, tail: list[str], task: dict, *, shape: str, prompt: int, gen: int, session: str,
+               device) -> list[dict]:
+    """The rows a child left (`res`: its result file, or None) after exiting with `rc`. A child that
+    stopped mid-case adds that case: its timed row when only the profile after the timings was
+    unfinished, else an error row saying how it died."""
+    rows = list((res or {}).get("rows", []))
+    started = (res or {}).get("started")
+    if rc == 0 or not started:
+        return rows
+    if started.get("row"):
+        print(f"# {started['case']}: the child stopped during the profiled decode; its timed row is kept",
+              flush=True)
+        return rows + [started["row"]]
+    c = {c.id: c for c in all_cases()}[started["case"]]
+    return rows + [dict(shape=shape, case=c.id, name=c.name, label=c.label, paradigm=c.paradigm,
+                        batch=c.batch, layout=task.get("layout", "-"), impl=started["impl"],
+                        flags=task.get("flags", ""), prompt=task.get("prompt", prompt), gen=task.get("gen", gen),
+                        session=session, device=device, window=c.window,
+                        kind=MODE_KIND.get(task.get("mode"), "decode"), merge_tokens=task.get("merge_tokens"),
+                        quantize=task.get("quantize"), quant_matmul=quant_matmul_mode(task.get("quantize")),
+                        error=died(rc, started, tail))]
+
+
 def error_tail(tail: list[str]) -> str:
     keep = [ln for ln in tail if ln.strip() and not ln.startswith("[")]
     return "\n".join(keep[-6:])[-1500:]
@@ -1237,19 +1271,9 @@ def parent_main(args) -> int:
 
     def handle(res, rc, tail, task):
         """Merge a child's rows; a child that died mid-case gets an error row for that case."""
-        rows = (res or {}).get("rows", [])
-        started = (res or {}).get("started")
-        if rc != 0 and started:
-            c = {c.id: c for c in all_cases()}[started["case"]]
-            rows = rows + [dict(shape=args.shape, case=c.id, name=c.name, label=c.label, paradigm=c.paradigm,
-                                batch=c.batch, layout=task.get("layout", "-"), impl=started["impl"],
-                                flags=task.get("flags", ""), prompt=task.get("prompt", args.prompt),
-                                gen=task.get("gen", args.gen), session=session, device=meta.get("device"),
-                                window=c.window, kind=MODE_KIND.get(task.get("mode"), "decode"),
-                                merge_tokens=task.get("merge_tokens"), quantize=task.get("quantize"),
-                                quant_matmul=quant_matmul_mode(task.get("quantize")),
-                                error=died(rc, started, tail))]
-        elif rc != 0 and not rows:
+        rows = child_rows(res, rc, tail, task, shape=args.shape, prompt=args.prompt, gen=args.gen,
+                          session=session, device=meta.get("device"))
+        if rc != 0 and not rows:
             note = (f"{task['kind']} child (flags {task.get('flags', '')!r}, layout {task.get('layout', '-')}) "
                     f"exited {rc} before any case: {error_tail(tail)}")
             meta["notes"].append(note)

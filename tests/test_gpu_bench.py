@@ -160,3 +160,28 @@ def test_an_xla_flag_alone_is_a_flags_variant():
     flag = "--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,WHILE,CONDITIONAL"
     args = gpu.parse(["--only", "ar_b1", "--xla-flags-variants", "", flag, "--no-hf"])
     assert args.xla_flags_variants == ["", flag] and args.no_hf and args.only == ["ar_b1"]
+
+
+def test_a_child_stopped_during_the_profile_keeps_its_timed_row_and_one_stopped_before_gets_an_error_row(capsys):
+    """On an H100 the profiled decode of Fast-dLLM prefix ran for minutes (the plain runs took 2 s) and the
+    step's time limit stopped the child: the timings it had were lost with it. The child now records
+    the timed row before profiling; the parent keeps that row when the child dies afterwards."""
+    timed = dict(_row("NVIDIA H100 80GB HBM3", 8.4), case="fastdllm_prefix_b1",
+                 profile=dict(error="the profiled decode did not finish"))
+    done = _row("NVIDIA H100 80GB HBM3", 6.1)
+    kw = dict(shape="8b", prompt=128, gen=256, session="s1", device="NVIDIA H100 80GB HBM3")
+    task = dict(kind="run", layout="per_layer", mode="run")
+    started = dict(case="fastdllm_prefix_b1", impl="auto", at=0.0)
+
+    rows = gpu.child_rows(dict(rows=[done], started=dict(started, row=timed)), -15, [], task, **kw)
+    assert rows == [done, timed]
+    assert "timed row is kept" in capsys.readouterr().out
+
+    rows = gpu.child_rows(dict(rows=[done], started=started), -15, ["[  1s] x"], task, **kw)
+    assert rows[0] == done and len(rows) == 2
+    assert rows[1]["case"] == "fastdllm_prefix_b1" and "killed by signal 15" in rows[1]["error"]
+    assert "ms_per_forward" not in rows[1]
+
+    # a child that finished (or never started a case) adds nothing
+    assert gpu.child_rows(dict(rows=[done], started=None), 0, [], task, **kw) == [done]
+    assert gpu.child_rows(None, 1, [], task, **kw) == []
