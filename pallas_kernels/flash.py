@@ -361,7 +361,12 @@ def combine_splits(acc, m, l):
 
     Splits that saw nothing carry m = NEG, l = 0 and drop out; rows that saw
     nothing in any split come out as zeros. Returns (out [..., R, D], lse [..., R]).
+    One split (a short cache, or `Tiles(num_splits=1)`) is a division: one elementwise fusion where
+    the general merge is two XLA kernels (the max and weights, then the weighted sums).
     """
+    if acc.shape[2] == 1:
+        l1 = l[:, :, 0]
+        return acc[:, :, 0] / jnp.where(l1 == 0.0, 1.0, l1)[..., None], row_lse(m[:, :, 0], l1)
     m_all = jnp.max(m, axis=2)  # [B, KV, R]
     w = jnp.exp2(m - m_all[:, :, None])  # [B, KV, n, R]
     exact = dot_precision(jnp.float32)  # XLA dots too: on a GPU the default would be TF32

@@ -195,6 +195,8 @@ WINDOW = [
     ("block_causal", 32, 1, 32, 200, 168, 200, 8, 2, 64, [0], (16, 16, 5), jnp.float16),
     ("causal", 1, 2, 8, 100, 92, 100, 4, 2, 64, [0, 37], (8, 16, 3), jnp.float32),
     ("bidirectional", 1, 2, 16, 90, 74, 90, 4, 1, 64, [3, 50], (16, 32, 2), jnp.bfloat16),
+    # one split (the merge is a division), a row whose keys start past kv_len (it sees nothing)
+    ("causal", 1, 2, 1, 96, 80, 81, 4, 2, 64, [0, 90], (8, 16, 1), jnp.float32),
 ]
 
 
