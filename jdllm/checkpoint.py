@@ -29,7 +29,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from jdllm import errors, hf_layout, host_memory
-from jdllm.inputs import DTYPES, np_dtype  # noqa: F401 (DTYPES: the CLIs read it here)
+from jdllm.inputs import DTYPES, np_dtype, to_device  # noqa: F401 (DTYPES: the CLIs read it here)
 from jdllm.config import ModelConfig
 
 CONFIG_FILE = "config.json"
@@ -514,7 +514,6 @@ def _load_hf_params(path: str, cfg: ModelConfig, dtype, placement, check_finite:
     layer slice at a time: on the host off a mesh, so its full-precision copy never reaches the
     device; on a mesh where its shards land, which are freed at once (with the caller's own stacked
     shardings: once the model is placed)."""
-    import jax.numpy as jnp  # noqa: PLC0415 (startup: `jdllm convert --help` and config reads stay free of JAX)
     from jdllm import quant  # noqa: PLC0415 (startup: `jdllm convert --help` and config reads stay free of JAX)
     from jdllm.model import default_layout, to_layout  # noqa: PLC0415 (startup: `jdllm convert --help` and config reads stay free of JAX)
     from jdllm.sharding import put  # noqa: PLC0415 (startup: `jdllm convert --help` and config reads stay free of JAX)
@@ -525,7 +524,7 @@ def _load_hf_params(path: str, cfg: ModelConfig, dtype, placement, check_finite:
 
     def place(x, name, sharding):  # one weight (or layer slice) on the device / its shards, quantized if asked
         if sharding is None:
-            return jnp.asarray(x) if quantize is None else quant.quantize_host(x, name, quantize)
+            return to_device(x) if quantize is None else quant.quantize_host(x, name, quantize)
         x = put(x, sharding)
         return x if quantize is None else quant.quantize_weight(name, x, quantize, consume=True)
 

@@ -278,7 +278,8 @@ def quantize_host(x: np.ndarray, name: str, qc: Quantization, device=None):
     """One weight read on the host (NumPy), quantized there with NumPy and put on `device` (None:
     the default device, uncommitted): its full-precision copy never reaches the device. A weight
     `qc` leaves plain goes as it is."""
-    place = jnp.asarray if device is None else (lambda a: jax.device_put(a, device))
+    def place(a):  # a transfer (device None: the default device, uncommitted); `jnp.asarray` of a
+        return jax.device_put(a, device)  # NumPy array would compile a program per shape (`inputs.to_device`)
     if not qc.wants(name) or not jnp.issubdtype(x.dtype, jnp.floating):
         return place(x)
     axes, group = qc.axes_for(name, x.shape)

@@ -21,6 +21,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jdllm import errors, inputs
 
@@ -127,9 +128,9 @@ class RowSampling:
     @classmethod
     def of(cls, settings) -> "RowSampling":
         """From one `Sampling` per row (host side)."""
-        return cls(temperature=jnp.asarray([s.temperature for s in settings], jnp.float32),
-                   top_k=jnp.asarray([s.top_k for s in settings], jnp.int32),
-                   top_p=jnp.asarray([s.top_p for s in settings], jnp.float32))
+        return cls(temperature=inputs.to_device([s.temperature for s in settings], np.float32),
+                   top_k=inputs.to_device([s.top_k for s in settings], np.int32),
+                   top_p=inputs.to_device([s.top_p for s in settings], np.float32))
 
 
 def _static(x) -> bool:

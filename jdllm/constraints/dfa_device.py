@@ -33,6 +33,7 @@ import numpy as np
 
 from jdllm.decode.common import bucket, rank, window
 from jdllm.state import generated_mask
+from jdllm.inputs import to_device
 
 
 @jax.tree_util.register_dataclass
@@ -114,8 +115,8 @@ def stack(dfas: list, vocab: int, q_bucket: int | None = None, c_bucket: int | N
         qs, cs = np.nonzero(np.broadcast_to(used, (Q, C)))
         anyq[b, qs, nxt[b, qs, cs]] = 1.0
     fg = None if slots is None else jnp.zeros((B, slots + 1, Q), jnp.float32)
-    return DFATables(next_state=jnp.asarray(nxt), token_class=jnp.asarray(cls), accepting=jnp.asarray(acc),
-                     start=jnp.asarray(start), any_step=jnp.asarray(anyq), fwd=fg, bwd=fg)
+    return DFATables(next_state=to_device(nxt), token_class=to_device(cls), accepting=to_device(acc),
+                     start=to_device(start), any_step=to_device(anyq), fwd=fg, bwd=fg)
 
 
 # --------------------------------------------------------------------------- the dynamic program

@@ -106,6 +106,7 @@ from jdllm.decode import common, loop
 from jdllm.errors import ConstraintError
 from jdllm.sharding import auto_axes
 from jdllm.state import LENGTH, RUNNING, STOP, slot_index
+from jdllm.inputs import to_device
 
 
 
@@ -531,7 +532,7 @@ def _edit(state, ctl: Controller, fill: int, paradigm, ctx):
                            "finish": state.finish})
     e = ctl.advance(host["tokens"], host["revealed"], host["done"], host["finish"])
     if e is not None:
-        state = _compiled(loop.current_options())["apply_edits"](state, *(jnp.asarray(a) for a in e), fill=fill,
+        state = _compiled(loop.current_options())["apply_edits"](state, *(to_device(a) for a in e), fill=fill,
                                                            paradigm=paradigm, ctx=ctx)
         host["done"] = np.asarray(jax.device_get(state.done))
     return state, host["done"]
@@ -570,7 +571,7 @@ def generate_constrained(model, prompts, decoding, sampling, constraints, *, app
         done = np.asarray(jax.device_get(state.done))
         mask = paradigm.constraint_masks(ctl, state, p, done)
         with watch(steps["prefill"], f"{paradigm.name} prefill", state, (prep.paradigm, prep.ctx)):
-            state = steps["prefill"](params, state, jnp.asarray(mask), **kw)
+            state = steps["prefill"](params, state, to_device(mask), **kw)
         state, done = _edit(state, ctl, fill, prep.paradigm, prep.ctx)
     else:
         with watch(steps["prefill"], f"{paradigm.name} prefill", state, (prep.paradigm, prep.ctx)):
@@ -588,7 +589,7 @@ def generate_constrained(model, prompts, decoding, sampling, constraints, *, app
             with watch(steps["forward"], f"{paradigm.name} forward", state, (prep.paradigm, prep.ctx)):
                 state, logits = steps["forward"](params, state, p, **kw)
         mask = paradigm.constraint_masks(ctl, state, p, done)  # on the host while the forward runs
-        state = steps["reveal"](state, p, logits, jnp.asarray(mask), **kw)
+        state = steps["reveal"](state, p, logits, to_device(mask), **kw)
         state, done = _edit(state, ctl, fill, prep.paradigm, prep.ctx)
         ctl.stats.steps += 1
         it += 1

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jdllm.config import ModelConfig
+from jdllm.inputs import to_device
 from jdllm.model import KVCache, default_positions, forward, predicts_next, write_rows
 from jdllm.sampling import RowSampling, Sample, apply_token_bitmask, exclude_token, row_keys, sample_rows, split_rows
 from jdllm.state import ABORT, INVALID, LENGTH, RUNNING, STOP, DecodeState, generated_mask, slot_index
@@ -182,15 +183,15 @@ def new_state(cfg: ModelConfig, prompts: list[np.ndarray], layout: Layout, max_n
     seeds = np.broadcast_to(np.asarray(seed, np.uint32), (B,))
     streams = np.arange(B, dtype=np.uint32) if stream is None else np.broadcast_to(np.asarray(stream, np.uint32), (B,))
     return DecodeState(
-        tokens=jnp.asarray(tokens),
-        revealed=jnp.asarray(revealed),
-        start=jnp.asarray(layout.start, jnp.int32),
-        gen_start=jnp.asarray(gen_start),
-        limit=jnp.asarray(limit),
-        done=jnp.asarray(~active),
+        tokens=to_device(tokens),
+        revealed=to_device(revealed),
+        start=to_device(layout.start, np.int32),
+        gen_start=to_device(gen_start),
+        limit=to_device(limit),
+        done=to_device(~active),
         sampling=RowSampling.of(settings),
-        stop_ids=jnp.asarray(stops),
-        **_fresh_arrays(jnp.asarray(seeds), jnp.asarray(streams), batch=B, slots=S),
+        stop_ids=to_device(stops),
+        **_fresh_arrays(to_device(seeds), to_device(streams), batch=B, slots=S),
     )
 
 

@@ -61,6 +61,7 @@ from jdllm.model import lm_head
 from jdllm.rl import rollouts
 from jdllm.rl.replay import check_params, teacher_forced_hidden
 from jdllm.sampling import Sampling
+from jdllm.inputs import to_device
 
 try:  # optional: google-tunix (pip install jdllm[tunix])
     from tunix.rl.rollout import base_rollout as _tunix_base
@@ -201,8 +202,8 @@ class JdllmRollout(_Base):
     def get_per_token_logps(self, prompt_tokens, completion_tokens, completion_mask=None) -> jax.Array:
         """[B, C] teacher-forced log-probs of `completion_tokens` after the left-padded `prompt_tokens`."""
         del completion_mask  # tunix masks the padded tail itself
-        prompt_tokens = jnp.asarray(prompt_tokens, jnp.int32)
-        completion_tokens = jnp.asarray(completion_tokens, jnp.int32)
+        prompt_tokens = to_device(prompt_tokens, jnp.int32)
+        completion_tokens = to_device(completion_tokens, jnp.int32)
         if prompt_tokens.ndim != 2 or completion_tokens.ndim != 2 or \
                 prompt_tokens.shape[0] != completion_tokens.shape[0]:
             raise errors.InputError(f"prompt_tokens {prompt_tokens.shape} and completion_tokens "

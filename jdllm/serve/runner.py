@@ -35,6 +35,7 @@ from jdllm.decode import common, loop
 from jdllm.model import KVCache
 from jdllm.sharding import auto_axes
 from jdllm.state import ABORT, DecodeState
+from jdllm.inputs import to_device
 
 STOP_WIDTH = 8  # stop ids a request may carry (the pool's stop_ids width)
 HOST_FIELDS = ("tokens", "revealed", "step_map", "logprobs", "gen_start", "limit", "end", "done", "finish", "nfe")
@@ -159,7 +160,7 @@ class Runner:
 
     def close(self, rows: np.ndarray) -> None:
         """Rows [B] (bool) still running finish as ABORT."""
-        self.pool = self.fns["close"](self.pool, jnp.asarray(rows))
+        self.pool = self.fns["close"](self.pool, to_device(rows))
 
     def close_all(self) -> None:
         self.close(np.ones(self.pool.batch, bool))
