@@ -4,7 +4,8 @@
 host data a first `generate` moves to the device (tokens, masks, per-row settings, stop ids) once
 compiled 20 such programs beside the decode on tiny-ar, and `load` one per distinct weight shape;
 on a GPU each is an XLA:GPU compile in the cold process and a persistent-cache load in a warm one,
-paid by every first call. Host data now moves by `jdllm.inputs.to_device` (a transfer). The
+paid by every first call; the serving engine compiled one per count of rows it closed. Host data
+now moves by `jdllm.inputs.to_device` (a transfer), row indices as NumPy scalars. The
 programs are counted in a fresh process (`jax.monitoring`'s compile events), so what earlier tests
 compiled cannot hide one.
 """
@@ -38,6 +39,15 @@ phase[0] = "generate"
 jdllm.generate(ar, [[5, 6, 7], [8, 9]], jdllm.AR(), S)
 jdllm.generate(q8, [[5, 6, 7], [8, 9]], jdllm.AR(), S)
 jdllm.generate(sdar, [[5, 6, 7], [8, 9]], jdllm.BlockDiffusion(block_length=4, denoising_steps=4), S)
+from jdllm.serve.engine import Engine
+phase[0] = "serve"
+eng = Engine(ar, jdllm.AR(), max_batch=2, max_prompt_tokens=8, max_new_tokens=8, steps_per_round=2)
+for wave in ("serve", "serve again"):
+    phase[0] = wave
+    for i, p in enumerate([[5, 6, 7], [8, 9], [10, 11, 12, 13], [14]]):  # rows freed and reused
+        eng.submit(p, jdllm.Sampling(max_new_tokens=3 + i, stop_token_ids=()))
+        eng.step_round()
+    eng.run_until_idle()
 print(json.dumps(names))
 """
 
@@ -54,6 +64,11 @@ def test_a_first_load_and_generate_compile_no_program_per_host_array():
     assert {n for n in names if n.startswith("generate")} == {"generate jit(run)", "generate jit(_fresh_arrays)"}, names
     # load: only the fusion of q / k / v and gate / up (one concatenate per distinct shape)
     assert {n for n in names if n.startswith("load")} <= {"load jit(concatenate)"}, names
+    # the serving engine: its pool's buffers, its two pieces and a row state's fresh arrays, once; a
+    # second wave nothing
+    assert {n for n in names if n.startswith("serve ")} == {
+        "serve jit(with_buffers)", "serve jit(_fresh_arrays)", "serve jit(admit_row)", "serve jit(run_round)"}, names
+    assert not any(n.startswith("serve again") for n in names), names
     assert not any("stage" in n or "convert_element_type" in n for n in names), names
 
 

@@ -189,14 +189,14 @@ class Runner:
         ctx = dataclasses.replace(self.ctx, prefill_len=int(lay.prefill_len))
         key = (self.paradigm, ctx, self.pool.tokens.shape)
         with compile_progress.watch(self.fns["admit"], f"{self.paradigm.name} prefill", fresh, key):
-            self.pool = self.fns["admit"](self.params, self.pool, fresh, jnp.int32(row), paradigm=self.paradigm,
+            self.pool = self.fns["admit"](self.params, self.pool, fresh, np.int32(row), paradigm=self.paradigm,
                                           ctx=ctx)
 
     def step(self, steps: int) -> None:
         """Up to `steps` steps of the whole pool."""
         with compile_progress.watch(self.fns["round"], f"{self.paradigm.name} step", self.pool,
                                     (self.paradigm, self.round_ctx)):
-            self.pool = self.fns["round"](self.params, self.pool, jnp.int32(steps), paradigm=self.paradigm,
+            self.pool = self.fns["round"](self.params, self.pool, np.int32(steps), paradigm=self.paradigm,
                                           ctx=self.round_ctx)
 
     def host(self) -> dict:
