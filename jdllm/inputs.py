@@ -232,9 +232,9 @@ def check_output_path(path: str, what: str, create_parents: bool) -> None:
 def to_device(x, dtype=None):
     """Host data (a NumPy array, a list, a scalar) as a jax array on the default device, moved by a
     transfer. `jnp.asarray` of a NumPy array is a `lax.stage`, which compiles an XLA program per
-    shape and dtype: a first `generate` compiled 9 such programs besides its decode (an XLA:GPU
-    compile each, then a persistent-cache load each in a later process) and `jdllm.load` one per
-    distinct weight shape. Integers and floats canonicalise as `jnp.asarray` does (int64 -> int32
+    shape and dtype (of a list with a dtype, a conversion program): a first `generate` compiled 10
+    such programs besides its decode (an XLA:GPU compile each, then a persistent-cache load each in
+    a later process) and `jdllm.load` one per distinct weight shape. Integers and floats canonicalise as `jnp.asarray` does (int64 -> int32
     without x64). A jax array passes through (converted to `dtype` if given)."""
     import jax  # noqa: PLC0415 (startup: input checks run before any array library loads)
 

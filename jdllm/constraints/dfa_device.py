@@ -32,8 +32,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jdllm.decode.common import bucket, rank, window
-from jdllm.state import generated_mask
 from jdllm.inputs import to_device
+from jdllm.state import generated_mask
 
 
 @jax.tree_util.register_dataclass

@@ -104,9 +104,9 @@ from jdllm import api
 from jdllm.constraints import Constraint, lark_language
 from jdllm.decode import common, loop
 from jdllm.errors import ConstraintError
+from jdllm.inputs import to_device
 from jdllm.sharding import auto_axes
 from jdllm.state import LENGTH, RUNNING, STOP, slot_index
-from jdllm.inputs import to_device
 
 
 

@@ -57,11 +57,11 @@ from jdllm import errors, quant
 from jdllm.api import tokenize
 from jdllm.decode.ar import AR
 from jdllm.decode.protocol import Paradigm
+from jdllm.inputs import to_device
 from jdllm.model import lm_head
 from jdllm.rl import rollouts
 from jdllm.rl.replay import check_params, teacher_forced_hidden
 from jdllm.sampling import Sampling
-from jdllm.inputs import to_device
 
 try:  # optional: google-tunix (pip install jdllm[tunix])
     from tunix.rl.rollout import base_rollout as _tunix_base

@@ -32,10 +32,10 @@ from jdllm import compile_progress
 from jdllm.api import params_for, prepare, trace_arrays
 from jdllm.constraints.dfa_device import stack
 from jdllm.decode import common, loop
+from jdllm.inputs import to_device
 from jdllm.model import KVCache
 from jdllm.sharding import auto_axes
 from jdllm.state import ABORT, DecodeState
-from jdllm.inputs import to_device
 
 STOP_WIDTH = 8  # stop ids a request may carry (the pool's stop_ids width)
 HOST_FIELDS = ("tokens", "revealed", "step_map", "logprobs", "gen_start", "limit", "end", "done", "finish", "nfe")
