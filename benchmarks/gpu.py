@@ -76,7 +76,9 @@ window's rows) at the read bandwidth measured in the same run (a max-reduction o
 timed in a compiled loop; rows of the first GPU session, which measured only a copy timed one pass
 per call, use that copy figure, which read low). first call: seconds of the
 first `generate` in a process whose persistent cache is empty (cold) / filled by an earlier
-process (cached). peak: `peak_bytes_in_use` of the device when the case ended; JAX cannot reset
+process (cached); the first-call child's progress line and row (`compile.cached_phases`) split it
+by JAX's compile events: programs (from the cache), tracing, lowering, the backend's compile or
+cache load, and the rest (running, host work). peak: `peak_bytes_in_use` of the device when the case ended; JAX cannot reset
 it, so it is the process's running peak: exact for the case when the case raised it (the row
 says so), otherwise an upper bound (the cases of a child run smallest-first for that reason).
 
@@ -96,6 +98,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import dataclasses
 import datetime
 import functools
@@ -908,9 +911,11 @@ def first_call_row(case: Case, model, task, row: dict) -> dict:
     dec = decoding_for(case, G, task["block"])
     prompts = prompts_for(case, P, model.config.vocab_size, task["seed"])
     peak0, _ = device_peak()
-    t0 = time.perf_counter()
-    jdllm.generate(model, prompts, dec, jdllm.Sampling(max_new_tokens=G, stop_token_ids=()))
-    sec = time.perf_counter() - t0
+    with compile_phases() as phases:
+        t0 = time.perf_counter()
+        jdllm.generate(model, prompts, dec, jdllm.Sampling(max_new_tokens=G, stop_token_ids=()))
+        sec = time.perf_counter() - t0
+    phases["rest_s"] = sec - phases["trace_s"] - phases["lower_s"] - phases["compile_s"]
     peak, _ = device_peak()
     entries = sum(len(fs) for _, _, fs in os.walk(task["cache_dir"])) if task.get("cache_dir") else None
     which = task["which"]  # "cold" | "cached"
@@ -921,7 +926,43 @@ def first_call_row(case: Case, model, task, row: dict) -> dict:
                                                  "cache_files": entries, "session": task["session"],
                                                  f"{which}_peak_bytes": peak,
                                                  f"{which}_peak_exact": None if peak is None else
-                                                 bool(peak0 is None or peak > peak0)})
+                                                 bool(peak0 is None or peak > peak0),
+                                                 f"{which}_phases": phases})
+
+
+PHASE_EVENTS = {"/jax/core/compile/jaxpr_trace_duration": "trace_s",
+                "/jax/core/compile/jaxpr_to_mlir_module_duration": "lower_s",
+                "/jax/core/compile/backend_compile_duration": "compile_s"}
+_phases: list = []  # the open `compile_phases` accumulators
+
+
+@contextlib.contextmanager
+def compile_phases():
+    """Where a first call's seconds went, from `jax.monitoring`'s compile events: tracing, lowering,
+    the backend (an XLA compile, or a persistent-cache hit's retrieval and load), the number of
+    programs and how many came from the cache; the caller adds the rest (running, host work)."""
+    import jax  # noqa: PLC0415
+
+    if not getattr(compile_phases, "listening", False):
+        def duration(event, secs, **kw):
+            for acc in _phases:
+                if event in PHASE_EVENTS:
+                    acc[PHASE_EVENTS[event]] += secs
+                    acc["programs"] += event.endswith("backend_compile_duration")
+
+        def count(event, **kw):
+            for acc in _phases:
+                acc["cache_hits"] += event == "/jax/compilation_cache/cache_hits"
+
+        jax.monitoring.register_event_duration_secs_listener(duration)
+        jax.monitoring.register_event_listener(count)
+        compile_phases.listening = True
+    acc = dict(trace_s=0.0, lower_s=0.0, compile_s=0.0, programs=0, cache_hits=0)
+    _phases.append(acc)
+    try:
+        yield acc
+    finally:
+        _phases.remove(acc)
 
 
 def progress_line(r: dict, elapsed: float) -> str:
@@ -931,8 +972,11 @@ def progress_line(r: dict, elapsed: float) -> str:
         return f"{head} | FAILED: {r['error'].splitlines()[-1][:300]}"
     if r["kind"] == "first_call":
         c = r["compile"]
+        ph = "".join(f"; {w}: {p['programs']} programs ({p['cache_hits']} from the cache), trace {p['trace_s']:.1f}s, "
+                     f"lower {p['lower_s']:.1f}s, compile / load {p['compile_s']:.1f}s, the rest {p['rest_s']:.1f}s"
+                     for w in ("cold", "cached") if (p := c.get(f"{w}_phases")))
         return f"{head} | first call {' '.join(f'{k} {v:.1f}s' for k, v in c.items() if k.endswith('_s'))}" \
-               f" ({c.get('cache_files')} cache files)"
+               f" ({c.get('cache_files')} cache files{ph})"
     if r["kind"] == "long":
         head += f" P{r['prompt']}/G{r['gen']}"
         if r.get("skipped"):
