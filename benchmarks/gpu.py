@@ -479,7 +479,6 @@ def run_decode_case(case: Case, model, task, base_row: dict, timed=None) -> dict
         state, paradigm, ctx = prep.state, prep.paradigm, prep.ctx
         row["profile"] = profile_decode(lambda: jax.block_until_ready(
             loop.compiled()(params, state, paradigm=paradigm, ctx=ctx)), forwards)
-        del state
     del final, prep, outs0
     return row
 
@@ -930,9 +929,7 @@ def first_call_row(case: Case, model, task, row: dict) -> dict:
                                                  f"{which}_phases": phases})
 
 
-PHASE_EVENTS = {"/jax/core/compile/jaxpr_trace_duration": "trace_s",
-                "/jax/core/compile/jaxpr_to_mlir_module_duration": "lower_s",
-                "/jax/core/compile/backend_compile_duration": "compile_s"}
+LOWER_EVENT = "/jax/core/compile/jaxpr_to_mlir_module_duration"
 _phases: list = []  # the open `compile_phases` accumulators
 
 
@@ -943,16 +940,20 @@ def compile_phases():
     programs and how many came from the cache; the caller adds the rest (running, host work)."""
     import jax  # noqa: PLC0415
 
+    from jdllm.compile_progress import CACHE_HIT_EVENT, COMPILE_EVENT, TRACE_EVENT  # noqa: PLC0415
+
     if not getattr(compile_phases, "listening", False):
+        phase_of = {TRACE_EVENT: "trace_s", LOWER_EVENT: "lower_s", COMPILE_EVENT: "compile_s"}
+
         def duration(event, secs, **kw):
-            for acc in _phases:
-                if event in PHASE_EVENTS:
-                    acc[PHASE_EVENTS[event]] += secs
-                    acc["programs"] += event.endswith("backend_compile_duration")
+            key = phase_of.get(event)
+            for acc in _phases if key else ():
+                acc[key] += secs
+                acc["programs"] += event == COMPILE_EVENT
 
         def count(event, **kw):
-            for acc in _phases:
-                acc["cache_hits"] += event == "/jax/compilation_cache/cache_hits"
+            for acc in _phases if event == CACHE_HIT_EVENT else ():
+                acc["cache_hits"] += 1
 
         jax.monitoring.register_event_duration_secs_listener(duration)
         jax.monitoring.register_event_listener(count)
