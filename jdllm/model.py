@@ -492,6 +492,12 @@ def forward(params: Params, cfg: ModelConfig, tokens, positions, *, start, cache
         if ck is None:
             a = attend(k, v)
         else:
+            if cfg.qk_norm and (keep_below is not None or keep_from is not None):
+                # K's norm apart from the merge with layer i's cached K: fused, XLA:GPU made the norm a
+                # Triton kernel holding layer i's cache slice, one kernel per layer and window width
+                # that it compiled anew each time (4B shape, multi_block approx, H200: a 79 s first
+                # call); alone, one norm kernel serves every layer
+                k = jax.lax.optimization_barrier(k)
             if (keep_below is not None or keep_from is not None) and sk is None:  # keep the cached K/V outside [below, from)
                 k, v = (jnp.where(keep[:, :, None, None], window_of(c[i]), x.astype(c.dtype))
                         for c, x in ((ck, k), (cv, v)))
