@@ -727,6 +727,24 @@ def run_long_case(case: Case, model, task, base_row: dict) -> dict:
     return row  # the cache, the states and the executables go with this frame
 
 
+def first_difference(a, b) -> int | None:
+    """The first position where token lists a and b differ (the shorter one's length if one is a prefix
+    of the other), None if they are equal."""
+    a, b = list(a), list(b)
+    if a == b:
+        return None
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def diverge(r: dict) -> str:
+    """' (the others first differ at token ...)' for a serving row whose outputs differ from offline."""
+    pos = sorted(p for p in r.get("first_difference") or () if p is not None)
+    if not pos:
+        return ""
+    return (f" (the others first differ at token {pos[0]}-{pos[-1]}, median {statistics.median(pos):.0f}, "
+            f"of {r['tokens'] // max(1, r['requests'])})")
+
+
 def run_serve_case(case: Case, model, task, base_row: dict) -> dict:
     """The serving engine with `batch` requests submitted together (a pool of `batch` rows, its own
     thread) against one offline `generate` call of the same prompts; the second pass of each is
@@ -789,6 +807,9 @@ def run_serve_case(case: Case, model, task, base_row: dict) -> dict:
                 offline_seconds=off, offline_tok_s=off_toks / off, offline_first_call_s=off_first,
                 offline_latency_ms=1e3 * off, same_tokens=e["outs"] == [o.token_ids for o in offline],
                 same_requests=sum(a == o.token_ids for a, o in zip(e["outs"], offline)),
+                # where an engine output first differs from the offline one (None: equal): in bf16 the two
+                # batch their rows differently, so a near-tie of two logits can flip and the rest follows
+                first_difference=[first_difference(a, o.token_ids) for a, o in zip(e["outs"], offline)],
                 same_tokens_passes=passes[0]["outs"] == e["outs"], peak_bytes=peak,
                 peak_exact=None if peak is None else bool(peak0 is None or peak > peak0))
 
@@ -992,7 +1013,7 @@ def progress_line(r: dict, elapsed: float) -> str:
     if r["kind"] == "serve":
         return (f"{head} | engine {r['tok_s']:9.1f} tok/s p50 {r['latency_p50_ms']:.0f} ms p99 "
                 f"{r['latency_p99_ms']:.0f} ms | offline generate {r['offline_tok_s']:9.1f} tok/s | same tokens "
-                f"{r['same_requests']}/{r['requests']} requests | peak {fmt_gib(r.get('peak_bytes'))}")
+                f"{r['same_requests']}/{r['requests']} requests{diverge(r)} | peak {fmt_gib(r.get('peak_bytes'))}")
     xf = f"{r['x_floor']:5.2f}x floor" if r.get("x_floor") else "- floor"
     acc = f" | accept {r['acceptance_rate']:.2f}" if "acceptance_rate" in r else ""
     pf = r.get("profile") or {}
@@ -1563,7 +1584,7 @@ def render(db: dict, sessions_of=None, gpu_only: bool = False) -> str:
                            f"{f1(r['latency_p50_ms'], '{:.0f}')} / {f1(r['latency_p99_ms'], '{:.0f}')} | "
                            f"{f1(r['ttft_p50_ms'], '{:.0f}')} / {f1(r['ttft_p99_ms'], '{:.0f}')} | "
                            f"{f1(r['offline_tok_s'])} | {f1(r['offline_latency_ms'], '{:.0f}')} | "
-                           f"{r.get('same_requests', '?')}/{r['requests']} | "
+                           f"{r.get('same_requests', '?')}/{r['requests']}{diverge(r)} | "
                            f"{'' if r.get('peak_exact') is not False else 'peak running'} |")
             out.append("")
         out.append(render_targets(rs))

@@ -64,6 +64,13 @@ VARIANTS = [
     ("reduce k256 n64", dict(mode="reduce", block_k=256, block_n=64)),
     ("reduce k64 n256", dict(mode="reduce", block_k=64, block_n=256)),
     ("reduce k128 n128 w8", dict(mode="reduce", num_warps=8)),
+    # bigger tiles: more bytes in flight per program (an H100 needs ~40 KB per multiprocessor in flight to
+    # reach its read rate; k128 n128 int8 is 16 KB a stage)
+    ("k256 n256", dict(block_k=256, block_n=256)),
+    ("k512", dict(block_k=512)),
+    ("k256 w8", dict(block_k=256, num_warps=8)),
+    ("k256 n256 w8 s4", dict(block_k=256, block_n=256, num_warps=8, num_stages=4)),
+    ("k256 s4", dict(block_k=256, num_stages=4)),
 ]
 QUICK_VARIANTS = ("default (dot, k128 n128, auto splits, w4 s3)", "n64", "k256", "stages 4", "reduce k128 n128",
                   "reduce k256 n64")
@@ -98,7 +105,9 @@ def time_calls(fn, args, iters: int) -> float:
     return statistics.median(rounds)
 
 
-def run(args) -> list[dict]:
+def run(args, save=None) -> list[dict]:
+    """The figures of every matrix, row count and variant; save(rows) after each matrix (a run stopped
+    by its time limit keeps the matrices it finished)."""
     import jax  # noqa: PLC0415
     import jax.numpy as jnp  # noqa: PLC0415
     import numpy as np  # noqa: PLC0415
@@ -188,6 +197,8 @@ def run(args) -> list[dict]:
                     print(f"{name:>20} M={M:<3} {label:<58} FAILED: {row['error'][:200]}", flush=True)
                 rows.append(row)
         del ws, qs
+        if save is not None:
+            save(rows)
     return rows
 
 
@@ -224,12 +235,14 @@ def main(argv=None) -> int:
         with open(args.out) as f:
             db = json.load(f)
     if not args.markdown:
-        rows = run(args)
-        for r in rows:
-            db["rows"][row_key(r)] = r
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump(db, f, indent=1)
+        def save(rows):
+            for r in rows:
+                db["rows"][row_key(r)] = r
+            os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+            with open(args.out, "w") as f:
+                json.dump(db, f, indent=1)
+
+        rows = run(args, save)
         print(f"\n# wrote {args.out}\n", flush=True)
         if any(r.get("error") or r.get("ok") is False for r in rows):
             print(render(db))
