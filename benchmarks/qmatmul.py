@@ -13,7 +13,8 @@ stages, and for one row multiply-and-sum instead of a dot). For each matrix of t
 o, gate_up, down, LM head) and row count: microseconds per matmul, the weight bytes over that time
 (GB/s) and its fraction of the read bandwidth measured in the same run, and the ratio to bf16's
 time. Each matmul reads its own copy of the weight, so the copies' bytes exceed the 50 MB L2 and no
-figure is an L2 hit; a call runs the copies back to back and calls are queued without waiting
+figure is an L2 hit; a call runs the copies back to back (at least 1 GiB of int8 weights, so that the
+host's dispatch hides behind the device's work) and calls are queued without waiting
 (no host round trip between matmuls, as in a compiled decode). Every variant's output is checked
 against the float32 product first (relative error <= 4e-3 for bf16 activations).
 
@@ -37,7 +38,13 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 OUT = os.path.join(ROOT, "benchmarks", "results", "qmatmul.json")
-L2_COVER = 200 << 20  # weight bytes per call: four times an H100's L2
+# int8 weight bytes per call (each matmul on its own copy of the weight, so none is an L2 hit): at
+# least 1 GiB, so that the device's work per call (~0.25 ms at an H100's read rate) outlasts the host's
+# dispatch of the next one. The first sweep (H200, 2026-11-27) ran 200 MiB calls: XLA's bf16 dot came
+# out at 0.53-0.80 of the read rate there, where the same GEMMs inside a compiled decode ran at
+# 0.85-0.96, so its figures were partly the host's
+CALL_BYTES = 1 << 30
+MAX_COPIES = 64
 
 # (name, K, N, transpose): the 8B shape's (LLaMA-3-8B / LLaDA-8B) matmuls; tiny for the CPU self-check
 SHAPES = {
@@ -133,7 +140,7 @@ def run(args, save=None) -> list[dict]:
     for name, K, N, transpose in matrices:
         wshape = (N, K) if transpose else (K, N)
         q_bytes = K * N  # one byte per weight
-        copies = max(2, min(16, math.ceil(L2_COVER / q_bytes))) if gpu else 2
+        copies = max(2, min(MAX_COPIES, math.ceil(CALL_BYTES / q_bytes))) if gpu else 2
         ws, qs = [], []
         for c in range(copies):
             w = (jax.random.normal(jax.random.fold_in(key, c), wshape, jnp.float32) * 0.02).astype(jnp.bfloat16)

@@ -478,10 +478,22 @@ def forward(params: Params, cfg: ModelConfig, tokens, positions, *, start, cache
             v = mm("btd,dhk->bthk", x, lp["v"], qk)
         if cfg.qkv_bias:
             q, k, v = q + lp["q_bias"], k + lp["k_bias"], v + lp["v_bias"]
-        if cfg.qk_norm:
-            q = rms_norm(q, lp["q_norm"], cfg.rms_norm_eps)
-            k = rms_norm(k, lp["k_norm"], cfg.rms_norm_eps)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if "qkv" in lp and not cfg.qkv_bias and keep_below is None and keep_from is None:
+            # q's and k's heads normed and rotated as one array, the way the fused matmul returns them:
+            # one kernel for both where XLA:GPU made two each (4B shape, AR: 22 kernels a layer -> 20).
+            # Not where cached K is merged in (multi_block approx): there XLA then copied more per step
+            nq = cfg.num_heads + cfg.num_kv_heads
+            qk_heads = qkv[:, :, :nq]
+            if cfg.qk_norm:
+                w = jnp.concatenate([jnp.broadcast_to(lp["q_norm"], (cfg.num_heads, cfg.head_dim)),
+                                     jnp.broadcast_to(lp["k_norm"], (cfg.num_kv_heads, cfg.head_dim))])
+                qk_heads = rms_norm(qk_heads, w, cfg.rms_norm_eps)
+            q, k = jnp.split(apply_rope(qk_heads, cos, sin), (cfg.num_heads,), axis=2)
+        else:
+            if cfg.qk_norm:
+                q = rms_norm(q, lp["q_norm"], cfg.rms_norm_eps)
+                k = rms_norm(k, lp["k_norm"], cfg.rms_norm_eps)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
         def attend(keys, vals, layer=None):  # layer: keys / vals are the stacked cache, read at that layer
             cast = (lambda x: x) if layer is not None else (lambda x: x.astype(q.dtype))  # noqa: E731
