@@ -152,6 +152,34 @@ def test_aborted_requests_free_their_rows_without_leaking():
     assert _fields(r.output) == _fields(_alone(m, par, [9, 8, 7, 6], s))
 
 
+def test_a_burst_is_prefilled_in_groups_and_each_row_equals_generate_alone(monkeypatch):
+    """Requests arriving together join in batched prefills (groups of E.runner.ADMIT_GROUPS sizes,
+    one prompt-length bucket each), not one prefill per request; each answer still equals
+    generate() on its prompt alone, sampled rows too (each row keeps its own seed), and the rows
+    land where the scheduler put them."""
+    m, par = causal_model(), jdllm.AR()
+    eng = E.Engine(m, par, max_batch=7, max_prompt_tokens=24, max_new_tokens=12, steps_per_round=3)
+    groups = []
+    admit_group = eng.runner._admit_group
+    monkeypatch.setattr(eng.runner, "_admit_group", lambda g, n: (groups.append([r for _, r, _ in g]),
+                                                                   admit_group(g, n))[1])
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(3, 90, size=6).tolist() for _ in range(6)] + [rng.integers(3, 90, size=20).tolist()]
+    settings = [jdllm.Sampling(max_new_tokens=12 - i, stop_token_ids=()) for i in range(7)]
+    settings[2] = jdllm.Sampling(max_new_tokens=9, stop_token_ids=(), temperature=0.9, top_k=30, seed=11)
+    reqs = [eng.submit(p, s) for p, s in zip(prompts, settings)]
+    eng.run_until_idle()
+    lay = [par.row_layout(m.config, len(p), s.max_new_tokens, eng.runner.slots).prefill_len
+           for p, s in zip(prompts, settings)]
+    assert lay[0] == lay[5] != lay[6]  # six prompts of one bucket, one of another
+    assert sorted(map(len, groups)) == [1, 1, 1, 4], groups  # 6 = 4 + 1 + 1 in one bucket, 1 in the other
+    assert sorted(r for g in groups for r in g) == list(range(7))
+    for r, p, s in zip(reqs, prompts, settings):
+        w = _alone(m, par, p, s)
+        assert _fields(r.output) == _fields(w)
+        np.testing.assert_allclose(r.output.logprobs, w.logprobs, rtol=1e-5, atol=1e-5)
+
+
 def test_bounded_queue_and_bad_requests_fail_before_compiling():
     m = causal_model()
     eng = E.Engine(m, jdllm.AR(), max_batch=2, max_queue=2, max_prompt_tokens=8, max_new_tokens=8)

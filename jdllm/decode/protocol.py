@@ -130,8 +130,9 @@ class Paradigm:
 
     # ------------------------------------------------------------------ serving
     joins_running_batch: ClassVar[bool] = True
-    """A request may join a running batch at any scheduling round: its row is prefilled alone on
-    the pool's canvas and merged into a free row (`jdllm.serve`); the step must then let each row
+    """A request may join a running batch at any scheduling round: its row is laid out as for its
+    prompt alone on the pool's canvas, prefilled (with the round's other joining rows) and merged
+    into a free row (`jdllm.serve`); the step must then let each row
     follow its own schedule (every bundled paradigm does). False: rows share one canvas schedule,
     so requests start together once the batch has drained (a paradigm may make it a property
     when it depends on the configuration)."""

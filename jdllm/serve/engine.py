@@ -8,7 +8,8 @@ parts, each its own module:
    went away are dropped, waiting requests are admitted into free rows (at any round, or as a
    new batch once the pool has drained: `Paradigm.joins_running_batch`);
 2. the runner (`jdllm.serve.runner`) carries it out on the device: aborted rows closed, joining
-   rows prefilled alone and merged into the pool (or a drained batch prepared and prefilled),
+   rows prefilled (together when they arrive together) and merged into the pool (or a drained
+   batch prepared and prefilled),
    then up to `steps_per_round` compiled steps (`loop.step_n`) for the whole pool;
 3. the output processor (`jdllm.serve.output`) turns the host copy of the pool into each
    request's events: the tokens that became final, per-step events on request, and the `Output`

@@ -6,9 +6,12 @@ that change it and the constraint tables, and carries out a `SchedulerOutput`
 the round's steps, and return the host copy of what the output processor reads.
 
 - A joining row (`admit`) is built exactly as `jdllm.generate` builds that prompt alone (the
-  paradigm's `row_layout`, on the pool canvas), prefilled alone and merged into its row
-  (`merge_row`), in one jitted call with the pool donated. The row index is a traced value and
-  the prefill compiles once per prompt-length bucket, so requests come and go without recompiles.
+  paradigm's `row_layout`, on the pool canvas, its own seed and stop ids) and merged into its row
+  (`merge_row`), in one jitted call with the pool donated. Rows joining in the same round with the
+  same prompt-length bucket are prefilled together, in groups of `ADMIT_GROUPS` sizes (1, 4, 16,
+  64): a burst of 64 requests is one batched forward, not 64. The rows are traced values and the
+  prefill compiles once per prompt-length bucket and group size, so requests come and go without
+  recompiles.
 - A drained batch (`start_batch`) is built by `jdllm.api.prepare(..., max_rows=)`, exactly as
   `generate` builds that batch, and prefilled: one compile per batch shape bucket.
 - A round is up to n steps of the whole pool (`loop.step_n`). A finished row takes part in the
@@ -38,24 +41,29 @@ from jdllm.sharding import auto_axes
 from jdllm.state import ABORT, DecodeState
 
 STOP_WIDTH = 8  # stop ids a request may carry (the pool's stop_ids width)
+ADMIT_GROUPS = (1, 4, 16, 64)  # joining rows prefilled together: these counts (a bigger group is split)
 HOST_FIELDS = ("tokens", "revealed", "step_map", "logprobs", "gen_start", "limit", "end", "done", "finish", "nfe")
 
 
 def merge_row(pool: DecodeState, new: DecodeState, row) -> DecodeState:
-    """`pool` with its row `row` (a traced int: no recompile per row) replaced by `new`'s only row.
+    """`pool` with its rows `row` replaced by `new`'s rows, in order: `row` a traced int (one row) or
+    [k] ints (new has k rows), so no recompile per row; an index past the pool's rows is dropped.
 
     Every per-row field (canvas, positions, sampling, stop ids, PRNG key, counters, the row's KV
     cache and prev_logits, paradigm `extra` arrays, on-device constraint tables) is copied; a
     `KVCache` anywhere (the state's, or one a paradigm keeps in `extra`, e.g. ar_spec's draft
     cache) along its batch axis 1; batch scalars (`forwards`, `iteration`) stay the pool's.
     """
+    rows = jnp.reshape(jnp.asarray(row, jnp.int32), (-1,))
+
     def put(p, n):
         if isinstance(p, KVCache):
-            scales = {} if p.k_scale is None else dict(k_scale=p.k_scale.at[:, row].set(n.k_scale[:, 0]),
-                                                       v_scale=p.v_scale.at[:, row].set(n.v_scale[:, 0]))
-            return dataclasses.replace(p, k=p.k.at[:, row].set(n.k[:, 0]), v=p.v.at[:, row].set(n.v[:, 0]),
-                                       length=p.length.at[row].set(n.length[0]), **scales)
-        return p if p.ndim == 0 else p.at[row].set(n[0])
+            def at(a, b):
+                return a.at[:, rows].set(b, mode="drop")
+            scales = {} if p.k_scale is None else dict(k_scale=at(p.k_scale, n.k_scale), v_scale=at(p.v_scale, n.v_scale))
+            return dataclasses.replace(p, k=at(p.k, n.k), v=at(p.v, n.v),
+                                       length=p.length.at[rows].set(n.length, mode="drop"), **scales)
+        return p if p.ndim == 0 else p.at[rows].set(n, mode="drop")
 
     rest = {f.name: getattr(pool, f.name) for f in dataclasses.fields(pool)
             if f.name not in ("forwards", "iteration")}
@@ -66,9 +74,10 @@ def merge_row(pool: DecodeState, new: DecodeState, row) -> DecodeState:
 
 # --------------------------------------------------------------------------- jitted pieces
 def admit_row(params, pool: DecodeState, fresh: DecodeState, row, *, paradigm, ctx):
-    """Prefill `fresh` (one row, the pool's canvas) with the row's own context and merge it into `row`.
-    On a mesh the lone row is left to XLA (one row does not split over `data`); the merged pool is
-    pinned to its shardings."""
+    """Prefill `fresh` (k joining rows on the pool's canvas, one prompt-length bucket: their
+    context) in one batched forward and merge them into the pool's rows `row` [k]. On a mesh the
+    joining rows are left to XLA (a few rows do not split over `data`); the merged pool is pinned
+    to its shardings."""
     new = loop.prefill(params, fresh, paradigm=paradigm, ctx=dataclasses.replace(ctx, placement=None))
     return common.constrain(ctx, merge_row(pool, new, row))
 
@@ -151,8 +160,8 @@ class Runner:
             self.close(mask)
         if out.start_batch:
             self.start_batch(out.start_batch)
-        for req, row in out.admit:
-            self.admit(req, row)
+        if out.admit:
+            self.admit_many(out.admit)
         if not out.run_round:
             return None
         self.step(steps)
@@ -179,18 +188,40 @@ class Runner:
 
     def admit(self, req, row: int) -> None:
         """Prefill `req` alone on the pool canvas and merge it into `row`."""
-        s = req.sampling
-        lay = self.paradigm.row_layout(self.cfg, len(req.prompt_ids), s.max_new_tokens, self.slots)
-        stops = req.stop_ids + (-1,) * (STOP_WIDTH - len(req.stop_ids))
-        fresh = common.new_state(self.cfg, [np.asarray(req.prompt_ids, np.int32)], lay, s.max_new_tokens,
-                                 settings=[s], stop_ids=[stops], seed=s.seed, stream=0)
+        self.admit_many([(req, row)])
+
+    def admit_many(self, pairs) -> None:
+        """Prefill joining (request, row) pairs and merge each into its row. Requests of one
+        prompt-length bucket are prefilled together, in groups of ADMIT_GROUPS sizes (64 arriving
+        at once: one batched forward, not 64), each row built exactly as `generate` builds its prompt
+        alone (its own layout, seed and stop ids); at most len(ADMIT_GROUPS) compiles per bucket."""
+        by_len: dict = {}
+        for req, row in pairs:
+            s = req.sampling
+            lay = self.paradigm.row_layout(self.cfg, len(req.prompt_ids), s.max_new_tokens, self.slots)
+            by_len.setdefault(int(lay.prefill_len), []).append((req, row, lay))
+        for prefill_len, group in by_len.items():
+            while group:
+                k = max(g for g in ADMIT_GROUPS if g <= len(group))
+                self._admit_group(group[:k], prefill_len)
+                group = group[k:]
+
+    def _admit_group(self, group, prefill_len: int) -> None:
+        reqs = [req for req, _, _ in group]
+        lay = common.Layout(start=np.concatenate([l.start for _, _, l in group]),
+                            gen_start=np.concatenate([l.gen_start for _, _, l in group]),
+                            slots=self.slots, prefill_len=prefill_len)
+        stops = [r.stop_ids + (-1,) * (STOP_WIDTH - len(r.stop_ids)) for r in reqs]
+        fresh = common.new_state(self.cfg, [np.asarray(r.prompt_ids, np.int32) for r in reqs], lay,
+                                 [r.sampling.max_new_tokens for r in reqs], settings=[r.sampling for r in reqs],
+                                 stop_ids=stops, seed=[r.sampling.seed for r in reqs], stream=0)
         if self.constraint_states:
-            fresh = fresh.replace(constraint=self.tables([req.dfa], self.slots))
-        ctx = dataclasses.replace(self.ctx, prefill_len=int(lay.prefill_len))
+            fresh = fresh.replace(constraint=self.tables([r.dfa for r in reqs], self.slots))
+        ctx = dataclasses.replace(self.ctx, prefill_len=prefill_len)
         key = (self.paradigm, ctx, self.pool.tokens.shape)
+        rows = np.asarray([row for _, row, _ in group], np.int32)
         with compile_progress.watch(self.fns["admit"], f"{self.paradigm.name} prefill", fresh, key):
-            self.pool = self.fns["admit"](self.params, self.pool, fresh, np.int32(row), paradigm=self.paradigm,
-                                          ctx=ctx)
+            self.pool = self.fns["admit"](self.params, self.pool, fresh, rows, paradigm=self.paradigm, ctx=ctx)
 
     def step(self, steps: int) -> None:
         """Up to `steps` steps of the whole pool."""

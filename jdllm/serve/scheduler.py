@@ -7,8 +7,8 @@ that out on the device. No JAX here: it is tested with plain objects standing in
 
 Admission follows the paradigm (`Paradigm.joins_running_batch`):
 - True (every bundled paradigm: ar, block_diffusion, ar_spec, masked_diffusion, multi_block):
-  rows are independent, so waiting requests take free rows at any round, FIFO, each prefilled
-  alone and merged into the running batch.
+  rows are independent, so waiting requests take free rows at any round, FIFO, and are merged
+  into the running batch (the runner prefills those of one round together).
 - False (a paradigm whose rows share one canvas schedule, e.g. a lockstep one of your own): a
   new batch starts only once every row has finished: the waiting requests, FIFO, up to the pool
   size, and (unless the paradigm has `ragged_lengths`) only those asking for the head request's
