@@ -727,6 +727,19 @@ def run_long_case(case: Case, model, task, base_row: dict) -> dict:
     return row  # the cache, the states and the executables go with this frame
 
 
+def kv_floor_ms(r: dict) -> float | None:
+    """A decode row's floor with the KV cache's reads: the weights a forward reads plus the cache's
+    live part at the average length (prompt + gen / 2 of its `canvas` slots, every row), over the
+    read bandwidth. At batch 1 and a short context the cache is noise; at b64 on the 8B shape (32 KV
+    heads) the live cache is ~10 GB a step, more than half of what a forward reads."""
+    need = ("kv_bytes", "canvas", "prompt", "gen", "read_bytes")
+    bw = r.get("read_gbs") if r.get("floor_basis", "read") == "read" else r.get("copy_gbs")
+    if not bw or any(not r.get(k) for k in need) or r.get("kind") != "decode":
+        return None
+    live = min(1.0, (r["prompt"] + r["gen"] / 2) / r["canvas"])
+    return 1e3 * (r["read_bytes"] + r["kv_bytes"] * live) / (bw * 1e9)
+
+
 def first_difference(a, b) -> int | None:
     """The first position where token lists a and b differ (the shorter one's length if one is a prefix
     of the other), None if they are equal."""
@@ -1528,6 +1541,9 @@ def render(db: dict, sessions_of=None, gpu_only: bool = False) -> str:
                 fin = r.get("finish") or {}
                 if fin and set(fin) - {"length", "stop"}:
                     note.append(f"finish {fin}")
+                kvf = kv_floor_ms(r)
+                if kvf and (r.get("batch") or 1) > 1 and r.get("window") == "token":  # b32 windows: compute-bound
+                    note.append(f"weights + KV read floor {kvf:.2f} ms: {r['ms_per_forward'] / kvf:.2f}x")
                 out.append("| " + " | ".join([
                     f"{r.get('label', r['case'])}", str(r.get("batch")), weights_label(r),
                     str(r.get("layout")), str(r.get("impl")),
