@@ -208,8 +208,8 @@ class Runner:
 
     def _admit_group(self, group, prefill_len: int) -> None:
         reqs = [req for req, _, _ in group]
-        lay = common.Layout(start=np.concatenate([l.start for _, _, l in group]),
-                            gen_start=np.concatenate([l.gen_start for _, _, l in group]),
+        lay = common.Layout(start=np.concatenate([row_lay.start for _, _, row_lay in group]),
+                            gen_start=np.concatenate([row_lay.gen_start for _, _, row_lay in group]),
                             slots=self.slots, prefill_len=prefill_len)
         stops = [r.stop_ids + (-1,) * (STOP_WIDTH - len(r.stop_ids)) for r in reqs]
         fresh = common.new_state(self.cfg, [np.asarray(r.prompt_ids, np.int32) for r in reqs], lay,
