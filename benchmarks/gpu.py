@@ -638,10 +638,9 @@ def run_long_case(case: Case, model, task, base_row: dict) -> dict:
     act = prefill_activation_bytes(cfg, prep.state.batch * S, itemsize)
     avg_live = P + G / 2
     kv_read = kv_cache_bytes(cfg, prep.state.batch, 1, itemsize) * avg_live
-    bw = task.get("read_gbs") or task.get("copy_gbs")
-    kv_floor = 1e3 * (base_row["read_bytes"] + kv_read) / (bw * 1e9) if bw else None
     row = dict(base_row, kind="long", canvas=S, kv_bytes=kv, activation_estimate_bytes=act, avg_live_kv=avg_live,
-               kv_read_bytes=kv_read, kv_floor_ms=kv_floor)
+               kv_read_bytes=kv_read)
+    row["kv_floor_ms"] = kv_floor = kv_floor_ms(row)
     free, limit = free_device_bytes()
     if task.get("assume_free_gib") is not None:  # --long-assume-free: exercise the check where nothing is counted
         free = limit = int(task["assume_free_gib"] * GIB)
@@ -728,13 +727,14 @@ def run_long_case(case: Case, model, task, base_row: dict) -> dict:
 
 
 def kv_floor_ms(r: dict) -> float | None:
-    """A decode row's floor with the KV cache's reads: the weights a forward reads plus the cache's
-    live part at the average length (prompt + gen / 2 of its `canvas` slots, every row), over the
-    read bandwidth. At batch 1 and a short context the cache is noise; at b64 on the 8B shape (32 KV
-    heads) the live cache is ~10 GB a step, more than half of what a forward reads."""
+    """A decode or long-context row's floor with the KV cache's reads: the weights a forward reads
+    plus the cache's live part at the average length (prompt + gen / 2 of its `canvas` slots, every
+    row), over the bandwidth its plain floor uses. At batch 1 and a short context the cache is
+    noise; at b64 on the 8B shape (32 KV heads) the live cache is ~8.6 GB a step (of a 12.9 GB
+    cache), beside the 15.0 GB of weights."""
     need = ("kv_bytes", "canvas", "prompt", "gen", "read_bytes")
     bw = r.get("read_gbs") if r.get("floor_basis", "read") == "read" else r.get("copy_gbs")
-    if not bw or any(not r.get(k) for k in need) or r.get("kind") != "decode":
+    if not bw or any(not r.get(k) for k in need) or r.get("kind") not in ("decode", "long"):
         return None
     live = min(1.0, (r["prompt"] + r["gen"] / 2) / r["canvas"])
     return 1e3 * (r["read_bytes"] + r["kv_bytes"] * live) / (bw * 1e9)

@@ -429,7 +429,8 @@ def forward(params: Params, cfg: ModelConfig, tokens, positions, *, start, cache
             q_offset = jnp.clip(q_offset, 0, cache.max_len - T)
         kv_len = q_offset + T if kv_len is None else jnp.asarray(kv_len, jnp.int32)
 
-    if keep_below is not None or keep_from is not None:
+    merge_cached = keep_below is not None or keep_from is not None  # cached K/V kept outside [below, from)
+    if merge_cached:
         if q_offset.ndim:
             raise ValueError("keep_below / keep_from need one window offset for the batch")
         slots = q_offset + jnp.arange(T, dtype=jnp.int32)
@@ -478,7 +479,7 @@ def forward(params: Params, cfg: ModelConfig, tokens, positions, *, start, cache
             v = mm("btd,dhk->bthk", x, lp["v"], qk)
         if cfg.qkv_bias:
             q, k, v = q + lp["q_bias"], k + lp["k_bias"], v + lp["v_bias"]
-        if "qkv" in lp and not cfg.qkv_bias and keep_below is None and keep_from is None:
+        if "qkv" in lp and not cfg.qkv_bias and not merge_cached:
             # q's and k's heads normed and rotated as one array, the way the fused matmul returns them:
             # one kernel for both where XLA:GPU made two each (4B shape, AR: 22 kernels a layer -> 20).
             # Not where cached K is merged in (multi_block approx): there XLA then copied more per step
@@ -504,16 +505,16 @@ def forward(params: Params, cfg: ModelConfig, tokens, positions, *, start, cache
         if ck is None:
             a = attend(k, v)
         else:
-            if cfg.qk_norm and (keep_below is not None or keep_from is not None):
+            if cfg.qk_norm and merge_cached:
                 # K's norm apart from the merge with layer i's cached K: fused, XLA:GPU made the norm a
                 # Triton kernel holding layer i's cache slice, one kernel per layer and window width
                 # that it compiled anew each time (4B shape, multi_block approx, H200: a 79 s first
                 # call); alone, one norm kernel serves every layer
                 k = jax.lax.optimization_barrier(k)
-            if (keep_below is not None or keep_from is not None) and sk is None:  # keep the cached K/V outside [below, from)
+            if merge_cached and sk is None:  # keep the cached K/V outside [below, from)
                 k, v = (jnp.where(keep[:, :, None, None], window_of(c[i]), x.astype(c.dtype))
                         for c, x in ((ck, k), (cv, v)))
-            elif keep_below is not None or keep_from is not None:  # int8: re-quantizing a kept row gives it back
+            elif merge_cached:  # int8: re-quantizing a kept row gives it back
                 k, v = (jnp.where(keep[:, :, None, None], dequantize_kv(window_of(c[i]), window_of(sc[i]), x.dtype), x)
                         for c, sc, x in ((ck, sk, k), (cv, sv, v)))
             if sk is not None:  # int8 cache: K / V written quantized, one scale per (token, KV head)

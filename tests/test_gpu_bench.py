@@ -212,13 +212,15 @@ def test_a_first_calls_phases_come_from_jaxs_compile_events():
 
 
 def test_the_kv_floor_counts_the_live_cache_and_shows_on_batched_token_rows():
-    """At b64 on the 8B shape the live KV cache is ~half a forward's reads: the table's note gives the
-    weights + KV floor (the live part at prompt + gen / 2 of the canvas) for batched AR rows only."""
+    """At b64 on the 8B shape the live KV cache is over half the weights' bytes: the table's note gives
+    the weights + KV floor (the live part at prompt + gen / 2 of the canvas) for batched AR rows only;
+    the long-context rows take their floor from the same function."""
     r = dict(_row("NVIDIA H100 80GB HBM3", 11.24), batch=64, read_bytes=16e9, kv_bytes=12e9, canvas=384,
              read_gbs=3000.0)
     want = 1e3 * (16e9 + 12e9 * 256 / 384) / 3000e9
     assert abs(gpu.kv_floor_ms(r) - want) < 1e-9
-    assert gpu.kv_floor_ms(dict(r, kind="long")) is None and gpu.kv_floor_ms(dict(r, kv_bytes=0)) is None
+    assert gpu.kv_floor_ms(dict(r, kind="long")) == gpu.kv_floor_ms(r)  # the long-context rows' floor too
+    assert gpu.kv_floor_ms(dict(r, kind="serve")) is None and gpu.kv_floor_ms(dict(r, kv_bytes=0)) is None
     db = dict(sessions=[dict(session="s1")], rows={})
     gpu.merge_rows(db, [r, dict(r, case="bd_static_b32", label="block_diffusion", window="window", batch=32)])
     md = gpu.render(db)

@@ -47,7 +47,7 @@ HOST_FIELDS = ("tokens", "revealed", "step_map", "logprobs", "gen_start", "limit
 
 def merge_row(pool: DecodeState, new: DecodeState, row) -> DecodeState:
     """`pool` with its rows `row` replaced by `new`'s rows, in order: `row` a traced int (one row) or
-    [k] ints (new has k rows), so no recompile per row; an index past the pool's rows is dropped.
+    [k] ints (new has k rows), so no recompile per row.
 
     Every per-row field (canvas, positions, sampling, stop ids, PRNG key, counters, the row's KV
     cache and prev_logits, paradigm `extra` arrays, on-device constraint tables) is copied; a
@@ -59,11 +59,11 @@ def merge_row(pool: DecodeState, new: DecodeState, row) -> DecodeState:
     def put(p, n):
         if isinstance(p, KVCache):
             def at(a, b):
-                return a.at[:, rows].set(b, mode="drop")
+                return a.at[:, rows].set(b)
             scales = {} if p.k_scale is None else dict(k_scale=at(p.k_scale, n.k_scale), v_scale=at(p.v_scale, n.v_scale))
             return dataclasses.replace(p, k=at(p.k, n.k), v=at(p.v, n.v),
-                                       length=p.length.at[rows].set(n.length, mode="drop"), **scales)
-        return p if p.ndim == 0 else p.at[rows].set(n, mode="drop")
+                                       length=p.length.at[rows].set(n.length), **scales)
+        return p if p.ndim == 0 else p.at[rows].set(n)
 
     rest = {f.name: getattr(pool, f.name) for f in dataclasses.fields(pool)
             if f.name not in ("forwards", "iteration")}
