@@ -1268,10 +1268,21 @@ def row_key(r: dict) -> str:
     return key + f"|{r.get('device') or '?'}"
 
 
+def first_calls(r: dict) -> tuple[dict, float | None, str]:
+    """A row's first-call figures: (`compile`, its cold seconds, a note naming the session they come
+    from when it is not the row's own: an earlier run of the same case kept its figures)."""
+    comp = r.get("compile") or {}
+    own = comp.get("session") in (None, r.get("session"))
+    cold = comp.get("cold_s", r.get("first_call_s")) if own else r.get("first_call_s", comp.get("cold_s"))
+    return comp, cold, "" if own else f"from session {comp['session']}"
+
+
 def merge_rows(db: dict, new_rows: list[dict]) -> None:
-    """Add rows to db["rows"] (key -> row): a measured row replaces the earlier one (keeping its
-    `compile` figures only when they come from the same session); a first-call row only sets
-    `compile`; a failed row does not erase an earlier figure (it is noted as `last_error`)."""
+    """Add rows to db["rows"] (key -> row): a measured row replaces the earlier one, keeping its
+    `compile` figures (first calls cold and from the cache, with their `session`: the tables name an
+    earlier session's) unless the new row brings its own; a first-call row only sets `compile`
+    (replacing another session's); a failed row does not erase an earlier figure (it is noted as
+    `last_error`)."""
     rows = db.setdefault("rows", {})
     for r in new_rows:
         k = row_key(r)
@@ -1294,7 +1305,7 @@ def merge_rows(db: dict, new_rows: list[dict]) -> None:
             old["last_error"] = r.get("error") or f"skipped: {r['skipped']}"
             old["last_error_session"] = r.get("session")
             continue
-        if old is not None and (old.get("compile") or {}).get("session") == r.get("session") and "compile" not in r:
+        if old is not None and old.get("compile") and "compile" not in r:
             r = dict(r, compile=old["compile"])
         rows[k] = r
 
@@ -1524,9 +1535,10 @@ def render(db: dict, sessions_of=None, gpu_only: bool = False) -> str:
                        "first call s: cold / cached | peak GiB | same tokens | note |")
             out.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
             for r in dec:
-                comp = r.get("compile") or {}
-                cold = comp.get("cold_s", r.get("first_call_s"))
+                comp, cold, elsewhere = first_calls(r)
                 note = []
+                if elsewhere and (comp.get("cached_s") is not None or comp.get("cached_peak_bytes") is not None):
+                    note.append(f"cached first call {elsewhere}")
                 if r.get("error"):
                     note.append("FAILED: " + r["error"].splitlines()[-1][:120])
                 if r.get("last_error"):
@@ -1703,23 +1715,25 @@ def render_targets(rs: list[dict]) -> str:
         for cid, r in got.items():
             if r.get("batch") != 1 or r.get("window") == "serve":
                 continue
-            comp = r.get("compile") or {}
-            cold = comp.get("cold_s", r.get("first_call_s"))
+            comp, cold, elsewhere = first_calls(r)
             if cold is not None:
                 t.append(f"{r.get('label', cid)}: first call <= 30 s cold: {verdict(cold <= 30)} ({cold:.1f} s)"
-                         + (f"; <= 5 s cached: {verdict(comp['cached_s'] <= 5)} ({comp['cached_s']:.1f} s)"
+                         + (f"; <= 5 s cached: {verdict(comp['cached_s'] <= 5)} ({comp['cached_s']:.1f} s"
+                            + (f", {elsewhere})" if elsewhere else ")")
                             if comp.get("cached_s") is not None else "; cached: not measured"))
         for cid, r in ok_rows.items():
             if r.get("peak_bytes") is None or not r.get("weight_bytes"):
                 continue
             lim = r["weight_bytes"] + r.get("kv_bytes", 0) + 2 * GIB
             ok = r["peak_bytes"] <= lim
-            cached = (r.get("compile") or {}).get("cached_peak_bytes")
+            comp, _, elsewhere = first_calls(r)
+            cached = comp.get("cached_peak_bytes")
             t.append(f"{r['label']} b{r['batch']}: peak <= weights + KV + 2 GiB = {lim / GIB:.1f} GiB: {verdict(ok)} "
                      f"({r['peak_bytes'] / GIB:.1f} GiB{'' if r.get('peak_exact') else ', running peak'})"
                      + ("" if cached is None else
                         f"; a process compiling from the cache: {verdict(cached <= lim)} ({cached / GIB:.1f} GiB"
-                        f"{'' if (r.get('compile') or {}).get('cached_peak_exact') else ', running peak'})"))
+                        f"{'' if comp.get('cached_peak_exact') else ', running peak'}"
+                        f"{', ' + elsewhere if elsewhere else ''})"))
         if quant != "bf16":  # issue 29: against bf16's rows of the same configuration
             bf16 = {r["case"]: r for r in dec if cfg_of(r) == ("bf16",) + cfg[1:] and r.get("kind") == "decode"
                     and not r.get("error")}

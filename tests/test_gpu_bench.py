@@ -105,6 +105,32 @@ def test_a_cached_processs_peak_is_reported_beside_the_cold_one():
             "compiling from the cache: met (15.0 GiB)") in md
 
 
+def test_a_later_timing_keeps_an_earlier_sessions_first_call_figures_and_names_that_session():
+    """A lease short of time re-times a case without its first calls (`--cold-cases` with none). The
+    row it writes replaces the earlier one, but the earlier session's cached first call and peak stay,
+    marked with that session, instead of vanishing from the tables; the new row's own cold first call
+    is the one reported. A later first-call row of another session replaces them."""
+    h100 = "NVIDIA H100 80GB HBM3"
+    db = dict(sessions=[dict(session="s1"), dict(session="s2")], rows={})
+    first = {k: v for k, v in _row(h100, 6.45).items() if k not in ("peak_bytes", "peak_exact")}
+    gpu.merge_rows(db, [dict(_row(h100, 6.45), first_call_s=19.0),
+                        dict(first, kind="first_call", compile=dict(session="s1", cached_s=6.1,
+                                                                    cached_peak_bytes=15 << 30,
+                                                                    cached_peak_exact=True))])
+    gpu.merge_rows(db, [dict(_row(h100, 5.98, session="s2"), first_call_s=14.7)])
+    (row,) = db["rows"].values()
+    assert row["ms_per_forward"] == 5.98 and row["compile"]["session"] == "s1"
+    md = gpu.render(db)
+    assert "| 14.7 / 6.1 |" in md and "cached first call from session s1" in md
+    assert "AR greedy: first call <= 30 s cold: met (14.7 s); <= 5 s cached: MISSED (6.1 s, from session s1)" in md
+    assert "a process compiling from the cache: met (15.0 GiB, from session s1)" in md
+    gpu.merge_rows(db, [dict(first, session="s2", kind="first_call", compile=dict(session="s2", cached_s=2.9))])
+    (row,) = db["rows"].values()
+    assert row["compile"] == dict(session="s2", cached_s=2.9)
+    md = gpu.render(db)
+    assert "from session" not in md and "| 14.7 / 2.9 |" in md
+
+
 def test_attention_benchmark_chains_window_calls_in_one_loop_and_says_which_timing_a_table_used():
     """benchmarks/attention.py times windows (tens of microseconds on a GPU) as calls chained inside one
     compiled loop: `loop_seconds` runs fn once per pass, each pass on the previous output, so it
