@@ -152,7 +152,9 @@ def progress(t0: float, part: str, row: dict) -> None:
     print(f"[{time.perf_counter() - t0:7.1f}s] {part:<8} {what:<55} {fig}", flush=True)
 
 
-def run(args) -> dict:
+def run(args, save=None) -> dict:
+    """The benchmark's rows; `save(partial_result)`, when given, is called after each window row, so
+    a run stopped by a time limit (a device lease's) leaves what it timed."""
     t0 = time.perf_counter()
     dev = jax.devices()[0]
     on_gpu = jax.default_backend() == "gpu"
@@ -247,6 +249,8 @@ def run(args) -> dict:
                     row["skipped"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
                 progress(t0, "window", row)
                 wrows.append(row)
+                if save is not None:
+                    save(dict(result, window=wrows, window_timing="loop", partial=True))
     result["window"] = wrows
     result["window_timing"] = "loop"  # see loop_seconds; absent in JSON written before: one dispatch per call
     return result
@@ -287,6 +291,9 @@ def markdown(res: dict) -> str:
            f"{res['matmul_tflops']:.1f} TFLOP/s, copy {res['copy_gbps']:.0f} GB/s (read + write)"
            + (f"; {res['when']}" if res.get("when") else "")
            + (f" (the prefill rows: {res['prefill_when']})" if res.get("prefill_when") else "") + ".\n"]
+    if res.get("partial"):
+        out.append("**A partial run**: it was stopped after the last window row below (the rows it had not "
+                   "reached are missing).\n")
     if res["platform"] != "gpu":
         out.append("**Not a GPU run**: on the CPU the Pallas kernels are interpreted; these rows prove the script "
                    "runs and say nothing about speed.\n")
@@ -374,19 +381,25 @@ def main(argv=None) -> int:
     args.iters = args.iters or (2 if args.quick else 10)
     if args.quick:
         args.window = sorted({min(t, 16) for t in args.window})
-    res = run(args)
-    res["when"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    old = None
     if args.window_only and os.path.exists(args.out):  # keep the prefill rows a full run of this device wrote
         with open(args.out) as f:
             old = json.load(f)
-        if old.get("device") == res["device"] and old.get("prefill"):
+
+    def save(res: dict) -> None:
+        res["when"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+        if old is not None and old.get("device") == res["device"] and old.get("prefill"):
             res.update(prefill=old["prefill"], forward_backward=old.get("forward_backward", []),
                        prefill_when=old.get("prefill_when", old.get("when")))
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out + ".tmp", "w") as f:
+            json.dump(res, f, indent=1)
+        os.replace(args.out + ".tmp", args.out)
+
+    res = run(args, save=save)
+    save(res)
     print()
     print_table(res)
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(res, f, indent=1)
     print(f"\nwrote {args.out}")
     return 0
 
