@@ -1166,11 +1166,29 @@ def run_child(task: dict, env: dict, tmp: str, log_tail: int = 40):
     return res, rc, list(tail)
 
 
+ENV_WORD = re.compile(r"[A-Z][A-Z0-9_]*=\S*$")
+
+
+def split_variant(variant: str) -> tuple[dict, str]:
+    """A variant string's environment settings (`NAME=VALUE` words, e.g. JDLLM_WINDOW_SPLITS=1) and
+    its XLA flags (the other words)."""
+    env, flags = {}, []
+    for word in variant.split():
+        if ENV_WORD.match(word):
+            name, _, value = word.partition("=")
+            env[name] = value
+        else:
+            flags.append(word)
+    return env, " ".join(flags)
+
+
 def child_env(flags: str, cache_dir: str | None) -> dict:
     env = dict(os.environ)
     env["PYTHONUNBUFFERED"] = "1"
     env.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # peak_bytes_in_use then means what is used
     env["PYTHONPATH"] = ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    settings, flags = split_variant(flags)
+    env.update(settings)
     base_flags = env.get("XLA_FLAGS", "")
     if flags:
         env["XLA_FLAGS"] = (base_flags + " " + flags).strip()
@@ -1816,8 +1834,10 @@ def parse(argv=None):
                     help="weight-only int8 / fp8 weights (jdllm.quant; issue 29): rows keyed apart from bf16's, "
                          "floor from the quantized bytes")
     ap.add_argument("--xla-flags-variants", nargs="+", default=None, metavar="FLAGS",
-                    help="XLA_FLAGS strings, each run in processes of its own ('' = none added); default '' "
-                         "(tiny shape: '' and '--xla_cpu_enable_fast_math=false')")
+                    help="XLA_FLAGS strings, each run in processes of its own ('' = none added); a word "
+                         "NAME=VALUE sets that environment variable in the variant's processes instead (e.g. "
+                         "'JDLLM_WINDOW_SPLITS=1'); default '' (tiny shape: '' and "
+                         "'--xla_cpu_enable_fast_math=false')")
     ap.add_argument("--cold-cases", nargs="*", default=list(DEFAULT_COLD), metavar="CASE",
                     help="cases whose first call is also timed from the filled persistent cache in a new process")
     ap.add_argument("--cold-separate", action="store_true",

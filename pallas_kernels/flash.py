@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -272,8 +273,22 @@ def _window_kernel(start_ref, qoff_ref, kvl_ref, *refs, T, G, S, num_splits,
     l_ref[...] = l
 
 
+SPLITS_ENV = "JDLLM_WINDOW_SPLITS"
+
+
 def _default_splits(programs: int, key_tiles: int) -> int:
-    """Key splits so that programs * splits covers twice the device's cores."""
+    """Key splits so that programs * splits covers twice the device's cores. `JDLLM_WINDOW_SPLITS=N`
+    (read when a program is traced) fixes N instead, at most one per key tile: with 1, a short
+    cache's window is one program per row tile and KV head, and its combine one division instead of
+    two merge kernels (benchmarks/gpu.py times it as a variant: `--xla-flags-variants ""
+    JDLLM_WINDOW_SPLITS=1`)."""
+    env = os.environ.get(SPLITS_ENV, "").strip()
+    if env:
+        from jdllm import errors  # noqa: PLC0415 (keeps pallas_kernels importable alone)
+
+        if not env.isdigit() or int(env) < 1:
+            raise errors.ConfigError(f"{SPLITS_ENV}={env!r} must be a whole number >= 1 (or unset)")
+        return min(key_tiles, int(env))
     cores = getattr(jax.devices()[0], "core_count", None) or 132
     return max(1, min(key_tiles, pl.cdiv(2 * cores, programs)))
 

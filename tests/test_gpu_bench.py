@@ -131,6 +131,23 @@ def test_a_later_timing_keeps_an_earlier_sessions_first_call_figures_and_names_t
     assert "from session" not in md and "| 14.7 / 2.9 |" in md
 
 
+def test_a_variant_sets_environment_words_apart_from_xla_flags(monkeypatch):
+    """`--xla-flags-variants` words of the form NAME=VALUE (a jdllm knob such as JDLLM_WINDOW_SPLITS)
+    go into the variant's process environment, the other words into XLA_FLAGS after the caller's."""
+    monkeypatch.setenv("XLA_FLAGS", "--xla_dump_to=/tmp/d")
+    assert gpu.split_variant("") == ({}, "")
+    assert gpu.split_variant("JDLLM_WINDOW_SPLITS=1 --xla_gpu_enable_pdl=true") == (
+        {"JDLLM_WINDOW_SPLITS": "1"}, "--xla_gpu_enable_pdl=true")
+    env = gpu.child_env("JDLLM_WINDOW_SPLITS=1 --xla_gpu_enable_pdl=true", None)
+    assert env["JDLLM_WINDOW_SPLITS"] == "1"
+    assert env["XLA_FLAGS"] == "--xla_dump_to=/tmp/d --xla_gpu_enable_pdl=true"
+    env = gpu.child_env("JDLLM_WINDOW_SPLITS=1", None)
+    assert env["XLA_FLAGS"] == "--xla_dump_to=/tmp/d"
+    # an XLA flag's own '=' stays a flag: it starts with '--'
+    assert gpu.split_variant("--xla_gpu_enable_command_buffer=FUSION,WHILE") == (
+        {}, "--xla_gpu_enable_command_buffer=FUSION,WHILE")
+
+
 def test_attention_benchmark_chains_window_calls_in_one_loop_and_says_which_timing_a_table_used():
     """benchmarks/attention.py times windows (tens of microseconds on a GPU) as calls chained inside one
     compiled loop: `loop_seconds` runs fn once per pass, each pass on the previous output, so it

@@ -207,6 +207,28 @@ def test_window_matches_reference(kind, bs, B, T, S, qoff, kvl, H, KV, D, start,
            tiles=flash.Tiles(block_r=tiles[0], block_k=tiles[1], num_splits=tiles[2]))
 
 
+def test_window_split_count_from_the_environment(monkeypatch):
+    """`JDLLM_WINDOW_SPLITS` fixes the window kernel's split count where Tiles leaves it open (a
+    benchmark variant: one split for short caches), capped at one split per key tile; the output is
+    the reference's either way, and a bad value is a jdllm error naming the variable."""
+    from jdllm import errors
+
+    B, T, S, H, KV, D = 1, 1, 96, 4, 2, 64
+    monkeypatch.delenv(flash.SPLITS_ENV, raising=False)
+    auto = flash._default_splits(2, 6)
+    assert auto == 6  # 2 programs, 6 key tiles: every tile its own split to fill the cores
+    for value, want in (("1", 1), ("4", 4), ("64", 6)):
+        monkeypatch.setenv(flash.SPLITS_ENV, value)
+        assert flash._default_splits(2, 6) == want
+    monkeypatch.setenv(flash.SPLITS_ENV, "1")
+    _check(flash.window_attention, kind="causal", block_size=1, B=B, T=T, S=S, H=H, KV=KV, D=D, start=[3],
+           q_offset=80, kv_len=81, dtype=jnp.float32, tiles=flash.Tiles(block_r=8, block_k=16))
+    for bad in ("0", "two", "-1"):
+        monkeypatch.setenv(flash.SPLITS_ENV, bad)
+        with pytest.raises(errors.ConfigError, match=flash.SPLITS_ENV):
+            flash._default_splits(2, 6)
+
+
 @slow
 def test_window_traced_offset_and_length_under_jit():
     """q_offset / kv_len as traced scalars (decoding with a KV cache): one compile, many windows."""
