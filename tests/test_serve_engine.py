@@ -123,6 +123,47 @@ def test_diffusion_streams_only_the_final_prefix_and_step_events():
     assert len(steps) > 1 and max(out.step_map) > 1  # it really decoded over several rounds and steps
 
 
+def test_the_host_streams_a_round_while_the_device_runs_the_next(monkeypatch):
+    """The engine dispatches round k+1 before it copies and streams round k (on a GPU the host's
+    per-round work then overlaps the device's next round: at 64 rows it had left the device idle
+    for ~10% of the time). A streamed round is one dispatched before; a row that finishes is taken
+    by a waiting request two rounds later; every request still equals generate() alone, and what
+    it streamed equals its output."""
+    m, par, lens, news = _case("ar")
+    eng = E.Engine(m, par, max_batch=2, max_prompt_tokens=16, max_new_tokens=16, steps_per_round=2,
+                   compiler_options=FAST_COMPILE)
+    log = []
+    execute, process = eng.runner.execute, eng.output_processor.process
+
+    def logged_execute(out, steps):
+        view = execute(out, steps)
+        log.append(("dispatch", eng.rounds + (view is not None), tuple(sorted(r.id for r, _ in out.admit))))
+        return view
+
+    def logged_process(host, running, now=None):
+        log.append(("stream", tuple(sorted(req.id for _, req in running))))
+        return process(host, running, now)
+
+    monkeypatch.setattr(eng.runner, "execute", logged_execute)
+    monkeypatch.setattr(eng.output_processor, "process", logged_process)
+    settings = [jdllm.Sampling(max_new_tokens=n, stop_token_ids=()) for n in news[:3]]
+    prompts = [list(range(3, 3 + n)) for n in lens[:3]]
+    reqs = [eng.submit(p, s) for p, s in zip(prompts, settings)]
+    eng.run_until_idle()
+    assert log[0] == ("dispatch", 1, (reqs[0].id, reqs[1].id)) and log[1][0] == "dispatch"
+    assert log[2][0] == "stream"  # round 1 streamed after round 2 was dispatched
+    for i, entry in enumerate(log):
+        if entry[0] == "stream":
+            assert log[i - 1][0] == "dispatch"  # every stream follows a dispatch
+    # the third request waited for a row: it was admitted two rounds after the stream that freed it
+    joined = next(i for i, e in enumerate(log) if e[0] == "dispatch" and reqs[2].id in e[2])
+    freed = max(i for i, e in enumerate(log[:joined]) if e[0] == "stream")
+    assert log[freed + 1] == log[joined]
+    for p, s, r in zip(prompts, settings, reqs):
+        assert _fields(r.output) == _fields(_alone(m, par, p, s))
+        assert [t for ev in r.events if ev.kind == "tokens" for t in ev.token_ids] == r.output.token_ids
+
+
 def test_aborted_requests_free_their_rows_without_leaking():
     """1,000 requests aborted while waiting or while decoding: the pool returns to idle, no device
     array is left behind, and the next request still decodes as it does alone."""

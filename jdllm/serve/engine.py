@@ -15,6 +15,11 @@ parts, each its own module:
    request's events: the tokens that became final, per-step events on request, and the `Output`
    of a finished row, whose row the scheduler then frees.
 
+Parts 1-2 of a round are dispatched before part 3 of the round before it runs: the device works
+on round k+1 while the host copies and streams round k (a round's host view is copied out of the
+pool on the device, so donating the pool to the next round leaves it intact). A row that
+finishes in round k is freed when round k is streamed, so it takes a new request at round k+2.
+
 No recompiles as requests come and go: the pool's shape (rows, canvas, stop-id width) is fixed at
 construction, the row to merge into and the step count are traced values, and a joining row's
 prefill compiles once per prompt-length bucket (a drained batch: once per batch shape bucket).
@@ -35,7 +40,7 @@ from typing import Any, Callable
 import numpy as np
 
 from jdllm import compile_cache, constraints as C, errors, inputs
-from jdllm.api import Output, default_paradigm
+from jdllm.api import Output, default_paradigm, to_host
 from jdllm.constraints import dfa
 from jdllm.decode import common, loop
 from jdllm.decode.protocol import Paradigm
@@ -111,6 +116,7 @@ class Engine:
         self._cv = threading.Condition()  # guards the scheduler, _stopping and _thread
         self._thread: threading.Thread | None = None
         self._stopping = False
+        self._pending = None  # (host view, rows) of the round dispatched last, not yet streamed
         self.rounds = 0
         self.aborted = 0  # requests aborted (client gone) so far
 
@@ -277,6 +283,7 @@ class Engine:
             t, self._thread = self._thread, None
         if t is not None:
             t.join()
+        self._pending = None
         with self._cv:
             left = self.scheduler.clear()
         for req in left:
@@ -297,6 +304,7 @@ class Engine:
                 self._fail_all(f"engine error: {type(e).__name__}: {e}")
 
     def _fail_all(self, message: str) -> None:
+        self._pending = None
         with self._cv:
             reqs = self.scheduler.clear()
         self.runner.close_all()
@@ -305,17 +313,28 @@ class Engine:
             r.emit(Event("error", message=message))
 
     def step_round(self) -> None:
-        """One scheduling round: the scheduler decides, the runner runs `steps_per_round` steps, the
-        output processor streams what became final; finished rows are freed."""
+        """One scheduling round: the scheduler decides, the runner dispatches it (`steps_per_round`
+        steps), and while the device runs those the output processor streams what the previous
+        round made final; the rows that finished there are freed (the next round admits into them).
+        The host's work of a round thus overlaps the device's next round instead of idling it."""
         with self._cv:
             decided = self.scheduler.schedule()
             self.aborted += len(decided.aborted)
-        host = self.runner.execute(decided, self.steps_per_round)
-        if host is None:
-            return
-        self.rounds += 1
-        with self._cv:
-            running = list(self.scheduler.running.items())
+        view = self.runner.execute(decided, self.steps_per_round)
+        pending, self._pending = self._pending, None
+        if view is not None:
+            self.rounds += 1
+            with self._cv:  # the rows as this round runs them (admissions after it are not in its view)
+                self._pending = (view, list(self.scheduler.running.items()))
+        if pending is not None:
+            self._process(*pending)
+        if self._pending is not None and self.idle():  # everything finished in the round just read
+            self._pending = None
+
+    def _process(self, view: dict, running: list) -> None:
+        """Stream a dispatched round's host view to the requests that ran in it and still do."""
+        host = to_host(view)
+        running = [(row, req) for row, req in running if req.status == "running"]
         events, finished = self.output_processor.process(host, running)
         for req, ev in events:
             req.emit(ev)

@@ -15,7 +15,9 @@ the round's steps, and return the host copy of what the output processor reads.
 - A drained batch (`start_batch`) is built by `jdllm.api.prepare(..., max_rows=)`, exactly as
   `generate` builds that batch, and prefilled: one compile per batch shape bucket.
 - A round is up to n steps of the whole pool (`loop.step_n`). A finished row takes part in the
-  batched forward until an admission reuses it (it reveals nothing).
+  batched forward until an admission reuses it (it reveals nothing). A round also returns its
+  host view (the arrays the output processor reads, copies of their own), whose transfer starts
+  at once: the engine reads it while the next round runs.
 
 Constraints: with constraint_states > 0 every row carries an on-device token-DFA table
 (`DecodeState.constraint`) padded to fixed buckets; a free row's table allows everything, so
@@ -32,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jdllm import compile_progress
-from jdllm.api import params_for, prepare, trace_arrays
+from jdllm.api import params_for, prepare, to_host, trace_arrays
 from jdllm.constraints.dfa_device import stack
 from jdllm.decode import common, loop
 from jdllm.inputs import to_device
@@ -82,10 +84,21 @@ def admit_row(params, pool: DecodeState, fresh: DecodeState, row, *, paradigm, c
     return common.constrain(ctx, merge_row(pool, new, row))
 
 
+def host_view(paradigm, pool: DecodeState) -> dict:
+    """What the output processor reads of a pool (`HOST_FIELDS`, and under "extra" the arrays
+    `Paradigm.output_trace` reads, or None)."""
+    fields = {k: getattr(pool, k) for k in HOST_FIELDS}
+    fields["extra"] = trace_arrays(paradigm, pool.extra)
+    return fields
+
+
 def run_round(params, pool: DecodeState, n, *, paradigm, ctx):
-    """Up to n steps for the whole pool (the iteration guard counts per round: the pool lives on)."""
+    """Up to n steps for the whole pool (the iteration guard counts per round: the pool lives on).
+    Returns (pool, its host view): the view is arrays of their own, so they outlive the pool's
+    donation to the next round while the host reads them."""
     pool = pool.replace(iteration=jnp.zeros((), jnp.int32))
-    return loop.step_n(params, pool, n, paradigm=paradigm, ctx=ctx)
+    pool = loop.step_n(params, pool, n, paradigm=paradigm, ctx=ctx)
+    return pool, jax.tree.map(jnp.copy, host_view(paradigm, pool))
 
 
 def abort_rows(pool: DecodeState, rows):
@@ -152,8 +165,9 @@ class Runner:
         return stack(dfas, self.cfg.vocab_size, self.constraint_states, self.constraint_classes, slots=slots)
 
     def execute(self, out, steps: int) -> dict | None:
-        """Carry out one `SchedulerOutput`; the host arrays after the round's `steps` steps, or None
-        when no row is running."""
+        """Carry out one `SchedulerOutput`: everything is dispatched, nothing waited for. Returns
+        the round's host view (device arrays whose copy to the host has started: `to_host` them
+        when needed) after its `steps` steps, or None when no row is running."""
         if out.close_rows:
             mask = np.zeros(self.pool.batch, bool)
             mask[list(out.close_rows)] = True
@@ -164,8 +178,11 @@ class Runner:
             self.admit_many(out.admit)
         if not out.run_round:
             return None
-        self.step(steps)
-        return self.host()
+        view = self.step(steps)
+        for a in jax.tree.leaves(view):
+            if a.is_fully_addressable:  # (a multi-host array is gathered by to_host)
+                a.copy_to_host_async()
+        return view
 
     def close(self, rows: np.ndarray) -> None:
         """Rows [B] (bool) still running finish as ABORT."""
@@ -223,19 +240,18 @@ class Runner:
         with compile_progress.watch(self.fns["admit"], f"{self.paradigm.name} prefill", fresh, key):
             self.pool = self.fns["admit"](self.params, self.pool, fresh, rows, paradigm=self.paradigm, ctx=ctx)
 
-    def step(self, steps: int) -> None:
-        """Up to `steps` steps of the whole pool."""
+    def step(self, steps: int) -> dict:
+        """Up to `steps` steps of the whole pool; returns the pool's host view after them (device
+        arrays, dispatched: nothing is waited for)."""
         with compile_progress.watch(self.fns["round"], f"{self.paradigm.name} step", self.pool,
                                     (self.paradigm, self.round_ctx)):
-            self.pool = self.fns["round"](self.params, self.pool, np.int32(steps), paradigm=self.paradigm,
-                                          ctx=self.round_ctx)
+            self.pool, view = self.fns["round"](self.params, self.pool, np.int32(steps), paradigm=self.paradigm,
+                                                ctx=self.round_ctx)
+        return view
 
     def host(self) -> dict:
-        """NumPy copies of what the output processor reads (`HOST_FIELDS`, and under "extra" the
-        arrays `Paradigm.output_trace` reads, or None)."""
-        fields = {k: getattr(self.pool, k) for k in HOST_FIELDS}
-        fields["extra"] = trace_arrays(self.paradigm, self.pool.extra)
-        return jax.device_get(fields)
+        """NumPy copies of what the output processor reads of the pool now (waits for it)."""
+        return to_host(host_view(self.paradigm, self.pool))
 
 
 __all__ = ["Runner", "merge_row", "STOP_WIDTH"]
