@@ -234,7 +234,10 @@ def run(args, save=None) -> dict:
             nbytes = 2 * B * KV * S * D * dtype.itemsize  # K and V of every visible slot
             variants = [(i, tiles) for i in ("pallas", "xla") if i in impls]
             if args.window_sweep:  # the window kernel's tiles (issue 28: its long-context rate)
-                variants += [(f"pallas {name}", dataclasses.replace(tiles, **kw)) for name, kw in WINDOW_SWEEP]
+                variants += [(f"pallas {name}", dataclasses.replace(tiles, **kw)) for name, kw in WINDOW_SWEEP
+                             if not args.sweep_only or name in args.sweep_only]
+                if "pallas" in impls:  # the defaults once more, last: how far two timings of one kernel differ
+                    variants.append(("pallas (defaults again)", tiles))
             for impl, vtiles in variants:
                 row = dict(mask=f"block_causal(B={T})", T=T, S=S, impl=impl)
                 try:
@@ -358,6 +361,9 @@ def main(argv=None) -> int:
     ap.add_argument("--window-sweep", action="store_true",
                     help="also time the window kernel with each Tiles variant of WINDOW_SWEEP (key tile, stages, "
                          "warps, splits, packed rows) at every window length and S")
+    ap.add_argument("--sweep-only", default=None, type=lambda v: [x.strip() for x in v.split(",") if x.strip()],
+                    help="with --window-sweep: only these WINDOW_SWEEP labels, comma-separated (e.g. "
+                         "'bk32 st3 w4,bk64 st2 w4,bk64 splits16')")
     ap.add_argument("--window-only", action="store_true", help="time the windows alone (no prefill, no backward)")
     ap.add_argument("--iters", type=int, default=None)
     ap.add_argument("--backward", action="store_true",
@@ -367,6 +373,11 @@ def main(argv=None) -> int:
     ap.add_argument("--markdown", action="store_true", help="print the tables of --out and exit")
     ap.add_argument("--write-results-md", action="store_true", help="with --markdown: also into RESULTS.md")
     args = ap.parse_args(argv)
+    unknown = sorted(set(args.sweep_only or ()) - {name for name, _ in WINDOW_SWEEP})
+    if unknown:
+        ap.error(f"--sweep-only: {unknown} are not WINDOW_SWEEP labels ({', '.join(n for n, _ in WINDOW_SWEEP)})")
+    if args.sweep_only and not args.window_sweep:
+        ap.error("--sweep-only selects among --window-sweep's variants: add --window-sweep")
     if args.markdown:
         with open(args.out) as f:
             text = markdown(json.load(f))
