@@ -78,6 +78,10 @@ VARIANTS = [
     ("k256 w8", dict(block_k=256, num_warps=8)),
     ("k256 n256 w8 s4", dict(block_k=256, block_n=256, num_warps=8, num_stages=4)),
     ("k256 s4", dict(block_k=256, num_stages=4)),
+    # no split with narrow columns: as many programs as the default's split, no partials to sum (an
+    # H100 sweep of 2026-11-27 timed "no split" at n128, 32 programs for the o projection: 2.5x slower)
+    ("no split n32", dict(splits=1, block_n=32)),
+    ("no split n32 s4", dict(splits=1, block_n=32, num_stages=4)),
 ]
 QUICK_VARIANTS = ("default (dot, k128 n128, auto splits, w4 s3)", "n64", "k256", "stages 4", "reduce k128 n128",
                   "reduce k256 n64")
