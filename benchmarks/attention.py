@@ -227,7 +227,8 @@ def run(args, save=None) -> dict:
                 brows.append(row)
     result["forward_backward"] = brows
 
-    wrows = []
+    wrows = result["window"] = []
+    result["window_timing"] = "loop"  # see loop_seconds; absent in JSON written before: one dispatch per call
     for T in args.window:
         for S in seqs:
             if S <= T:
@@ -255,9 +256,7 @@ def run(args, save=None) -> dict:
                 progress(t0, "window", row)
                 wrows.append(row)
                 if save is not None:
-                    save(dict(result, window=wrows, window_timing="loop", partial=True))
-    result["window"] = wrows
-    result["window_timing"] = "loop"  # see loop_seconds; absent in JSON written before: one dispatch per call
+                    save(dict(result, partial=True))
     return result
 
 

@@ -342,13 +342,6 @@ def cache_entries(path: str | None) -> list:
                   if os.path.isfile(os.path.join(path, n)))
 
 
-def write_json(path: str, obj) -> None:
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=1, default=str)
-    os.replace(tmp, path)
-
-
 def configure_cache(task) -> dict:
     """The persistent cache this child compiles with (before anything compiles)."""
     import jax  # noqa: PLC0415
@@ -405,7 +398,7 @@ def child_row(task: dict) -> int:
     out = task["result"]
     spec = Spec(**task["spec"])
     row = dict(task["row"])
-    write_json(out, row)
+    G.write_json(out, row)
     import jax  # noqa: PLC0415
 
     row["cache"] = configure_cache(task)
@@ -413,7 +406,7 @@ def child_row(task: dict) -> int:
     opts = OPTIONS[spec.options]
     if row["backend"] != "gpu" and any(k.startswith("xla_gpu_") for k in opts) and not task["force_options"]:
         row["skipped"] = f"GPU-only options on {row['backend']}"
-        write_json(out, row)
+        G.write_json(out, row)
         return 0
     import jax.numpy as jnp  # noqa: PLC0415
 
@@ -463,14 +456,14 @@ def child_row(task: dict) -> int:
         t = time.perf_counter()
         traced = fn.trace(run_params, prep.state, paradigm=prep.paradigm, ctx=ctx)
         row[f"{tag}trace_s"] = time.perf_counter() - t
-        write_json(out, row)
+        G.write_json(out, row)
         t = time.perf_counter()
         lowered = traced.lower()
         row[f"{tag}lower_s"] = time.perf_counter() - t
-        write_json(out, row)
+        G.write_json(out, row)
         if not tag:
             row["compile_started"] = time.time()
-            write_json(out, row)
+            G.write_json(out, row)
         print(BEGIN, flush=True)
         t = time.perf_counter()
         try:
@@ -490,13 +483,13 @@ def child_row(task: dict) -> int:
         row["error"] = msg[-1500:]
         if "compile_s" in row and (any(k in msg for k in opts) or "option" in msg.lower()):
             row["rejected"] = True
-        write_json(out, row)
+        G.write_json(out, row)
         traceback.print_exc()
         return 0
     if task["cache"] == "fresh":
         row["cache_entries_after_cold"] = cache_entries(task["cache_dir"])
     row["cache_log"] = log.take()
-    write_json(out, row)
+    G.write_json(out, row)
     # what the program holds
     names = ("rsqrt", "pallas_call", "while", "cond", "scan")
     prog = count_eqns(traced.jaxpr, names)
@@ -508,13 +501,13 @@ def child_row(task: dict) -> int:
                forwards_in_program=round(prog["rsqrt"] / per["rsqrt"], 2) if per["rsqrt"] else None,
                stablehlo_chars=len(lowered.as_text()), memory=memory_stats(compiled), cost=cost_stats(compiled),
                hlo=hlo_stats(compiled.as_text()))
-    write_json(out, row)
+    G.write_json(out, row)
     if spec.time_run and task["time_run"]:
         try:
             row["run"] = time_run(compiled, run_params, prep, row["weight_bytes"])
         except Exception as e:  # noqa: BLE001 (out of memory, ...: the compile figures stand)
             row["run"] = dict(error="".join(traceback.format_exception_only(type(e), e)).strip()[-800:])
-        write_json(out, row)
+        G.write_json(out, row)
     if spec.cached and task["cache"] == "fresh":
         del compiled, lowered, traced
         jax.clear_caches()
@@ -523,7 +516,7 @@ def child_row(task: dict) -> int:
         except Exception as e:  # noqa: BLE001
             row["cached_error"] = "".join(traceback.format_exception_only(type(e), e)).strip()[-800:]
         row["cached_cache_log"] = log.take()
-        write_json(out, row)
+        G.write_json(out, row)
     return 0
 
 
@@ -557,7 +550,7 @@ def child_generate(task: dict) -> int:
     but for its imports)."""
     out = task["result"]
     rows = []
-    write_json(out, dict(rows=rows))
+    G.write_json(out, dict(rows=rows))
     import jax  # noqa: PLC0415
 
     cache = configure_cache(task)
@@ -594,7 +587,7 @@ def child_generate(task: dict) -> int:
             row["error"] = "".join(traceback.format_exception_only(type(e), e)).strip()[-1500:]
             traceback.print_exc()
         rows.append(row)
-        write_json(out, dict(rows=rows))
+        G.write_json(out, dict(rows=rows))
         print(generate_line(row), flush=True)
     return 0
 
@@ -716,7 +709,7 @@ def run_child(task: dict, tmp: str, deadline: float | None, vmodule: str):
     tid = uuid.uuid4().hex[:8]
     task = dict(task, result=os.path.join(tmp, f"result_{tid}.json"))
     path = os.path.join(tmp, f"task_{tid}.json")
-    write_json(path, task)
+    G.write_json(path, task)
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     env["PYTHONPATH"] = ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     env.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
@@ -972,7 +965,7 @@ def parent_main(args) -> int:
     def save():
         if args.out:
             os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-            write_json(args.out, db)
+            G.write_json(args.out, db)
 
     try:
         for spec in specs:
