@@ -228,6 +228,26 @@ def write_rows(buf: jax.Array, x: jax.Array, offset, layer=None) -> jax.Array:
     return buf.at[(*lead, rows, slots)].set(x, unique_indices=True)
 
 
+def write_rows_except(buf: jax.Array, x: jax.Array, offset, keep, layer) -> jax.Array:
+    """buf [L, B, S, ...] with x [B, T, ...] written at layer `layer`, slots [offset, offset + T)
+    (one scalar offset, clamped as `write_rows` clamps it), except where keep [B, T] is set: those
+    slots keep what buf holds (their indices are sent out of bounds and the scatter drops them).
+
+    The same cache as `where(keep, buf's window, x)` written with `write_rows`, without reading
+    the window back first. Under a conditional whose branches all update the cache (multi_block
+    approx's switch over suffix widths), that read before the write made XLA:GPU copy the whole
+    cache into and out of the conditional on every step (8B shape, P128 + G256, deviceless H100
+    compile: 192 MiB per step in the loop body and 584 MiB on the worst step; with this: 0 and
+    8 MiB, 575 -> 506 kernels)."""
+    B, T = x.shape[:2]
+    S = buf.shape[2]
+    slots = jnp.clip(jnp.asarray(offset, jnp.int32), 0, S - T) + jnp.arange(T, dtype=jnp.int32)
+    idx = jnp.where(keep, S, slots[None])  # [B, T]
+    rows = jnp.arange(B, dtype=jnp.int32)[:, None]
+    return buf.at[jnp.asarray(layer, jnp.int32), rows, idx].set(x.astype(buf.dtype), mode="drop",
+                                                                 unique_indices=True)
+
+
 KV_BUCKETS_FROM = 128  # shorter caches are attended whole: a switch would cost more compile time than it saves
 
 
@@ -511,7 +531,11 @@ def forward(params: Params, cfg: ModelConfig, tokens, positions, *, start, cache
                 # that it compiled anew each time (4B shape, multi_block approx, H200: a 79 s first
                 # call); alone, one norm kernel serves every layer
                 k = jax.lax.optimization_barrier(k)
-            if merge_cached and sk is None:  # keep the cached K/V outside [below, from)
+            # the kept slots dropped from the write instead of read back (the kernels read the cache)
+            drop_kept = merge_cached and sk is None and write_cache and in_place
+            if drop_kept:
+                ck, cv = write_rows_except(ck, k, q_offset, keep, i), write_rows_except(cv, v, q_offset, keep, i)
+            elif merge_cached and sk is None:  # keep the cached K/V outside [below, from)
                 k, v = (jnp.where(keep[:, :, None, None], window_of(c[i]), x.astype(c.dtype))
                         for c, x in ((ck, k), (cv, v)))
             elif merge_cached:  # int8: re-quantizing a kept row gives it back
@@ -520,7 +544,8 @@ def forward(params: Params, cfg: ModelConfig, tokens, positions, *, start, cache
             if sk is not None:  # int8 cache: K / V written quantized, one scale per (token, KV head)
                 (k, ks), (v, vs) = quantize_kv(k), quantize_kv(v)
             if write_cache:  # the window written in place; each bucket branch cuts layer i's first slots
-                ck, cv = write_rows(ck, k, q_offset, layer=i), write_rows(cv, v, q_offset, layer=i)
+                if not drop_kept:
+                    ck, cv = write_rows(ck, k, q_offset, layer=i), write_rows(cv, v, q_offset, layer=i)
                 if sk is not None:
                     sk, sv = write_rows(sk, ks, q_offset, layer=i), write_rows(sv, vs, q_offset, layer=i)
                 # the stacked arrays themselves go into the switch: XLA passes them without a copy,

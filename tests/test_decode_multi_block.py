@@ -327,6 +327,25 @@ def test_approx_cache_follows_d3llm_dream(delay, refresh, setting):
 
 
 @slow
+def test_approx_cache_on_the_pallas_kernels_follows_d3llm():
+    """cache_mode="approx" on the Pallas kernels (interpret mode here), which read the stacked cache
+    in place: the slots a row keeps (below its cache edge) are dropped from the K/V write rather
+    than read back and rewritten (`jdllm.model.write_rows_except`); d3LLM's replay token for token,
+    with refreshes beside suffix forwards in one batch, and a row alone."""
+    m0 = bidir_model()
+    m = Model(m0.config, m0.params, attn_impl="pallas")
+    max_new = 24
+    ac = dict(cache_delay_iter=1, refresh_interval=3)
+    refs = [_ref(m, p, "pipelined", max_new=max_new, approx_cache=ac) for p in PROMPTS]
+    d = _mb("pipelined", cache_mode="approx", **ac)
+    for out, ref in zip(jdllm.generate(m, PROMPTS, d, _sampling(max_new)), refs):
+        _check(out, ref)
+    (solo,) = jdllm.generate(m, [PROMPTS[2]], d, _sampling(max_new))
+    _check(solo, refs[2])
+    assert {"suffix+cache", "refresh"} <= {k for r in refs for k in r["kinds"]}
+
+
+@slow
 def test_approx_cache_with_eos_early_stop():
     """The approximate cache under EOS early stop against the replay (stop ids, early_stop).
 
@@ -360,6 +379,12 @@ def test_window_cache_bidirectional():
     for e, r, a in zip(exact, every, approx):
         assert e.token_ids == r.token_ids and e.step_map == r.step_map
         assert MASK not in a.token_ids and len(a.token_ids) == MAX_NEW
+    # the Pallas kernels (their full forwards keep each windowed row's K/V outside its window by
+    # dropping those slots from the write): the XLA path's tokens
+    on_kernels = jdllm.generate(Model(m.config, m.params, attn_impl="pallas"), PROMPTS,
+                                _mb("pipelined", cache_mode="window"), _sampling())
+    for a, k in zip(approx, on_kernels):
+        assert (a.token_ids, a.step_map, a.nfe) == (k.token_ids, k.step_map, k.nfe)
 
 
 def test_no_retrace_on_second_call_with_same_buckets():

@@ -138,24 +138,30 @@ def test_rewritten_window_replaces_stale_keys(kind):
 
 
 @slow
-def test_keep_below_keeps_each_rows_cached_prefix():
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
+def test_keep_below_keeps_each_rows_cached_prefix(impl):
     """forward(keep_below=[B]): one window for rows whose cache edges differ. Row 0 keeps its
     (stale) cached K/V below slot 8 and equals a window from slot 8 against that cache; row 1
-    (keep_below 0) equals the plain window forward, its K/V all rewritten."""
+    (keep_below 0) equals the plain window forward, its K/V all rewritten. On the Pallas kernels
+    (interpret mode) the kept slots are dropped from the write instead of read back."""
     cfg, params, tokens = _setup("bidirectional", seed=3)
     edge = 8
     stale_tokens = jnp.asarray(np.random.default_rng(4).integers(0, cfg.vocab_size, (B, T)), jnp.int32)
     _, stale = _window(params, stale_tokens, _garbage_cache(cfg), 0, cfg=cfg)  # K/V of other tokens
     stale = stale.commit(edge)
     pos = default_positions(START, 0, T)
-    logits, cache = forward(params, cfg, tokens, pos, start=START, cache=stale, offset=0, attn_impl="xla",
+    logits, cache = forward(params, cfg, tokens, pos, start=START, cache=stale, offset=0, attn_impl=impl,
                             kv_len=T, keep_below=jnp.asarray([edge, 0], jnp.int32))
     # row 0: the suffix [edge, T) against the stale prefix
     pos8 = default_positions(START, edge, T - edge)
     suffix, suffix_cache = forward(params, cfg, tokens[:, edge:], pos8, start=START, cache=stale, offset=edge,
                                    attn_impl="xla", kv_len=T)
     np.testing.assert_allclose(np.asarray(logits)[0, edge:], np.asarray(suffix)[0], atol=1e-5, rtol=0)
-    np.testing.assert_array_equal(np.asarray(cache.k)[:, 0, :edge], np.asarray(stale.k)[:, 0, :edge])
+    for c, o in ((cache.k, stale.k), (cache.v, stale.v)):  # kept below the edge; past the window untouched
+        np.testing.assert_array_equal(np.asarray(c)[:, 0, :edge], np.asarray(o)[:, 0, :edge])
+        np.testing.assert_array_equal(np.asarray(c)[:, :, T:], np.asarray(o)[:, :, T:])
+    np.testing.assert_allclose(np.asarray(cache.v)[:, 0, edge:T], np.asarray(suffix_cache.v)[:, 0, edge:T],
+                               atol=1e-5, rtol=0)
     np.testing.assert_allclose(np.asarray(cache.k)[:, 0, edge:T], np.asarray(suffix_cache.k)[:, 0, edge:T],
                                atol=1e-5, rtol=0)
     # row 1: everything fresh
