@@ -73,3 +73,34 @@ def test_compiled_widths_keep_what_is_not_weight_bound():
                                                common.GPU_WEIGHT_BOUND_TOKENS)
     np.testing.assert_equal(common.compiled_widths(cpu, 1, [4, 8]), [4, 8] if jax.default_backend() != "gpu"
                             else [8])
+
+
+def test_merge_bound_from_the_environment(monkeypatch):
+    """`JDLLM_MERGE_TOKENS=N` sets the merge bound for the process (a benchmark variant: 128 on a
+    GPU so that wide windows keep their narrower shapes), read when the decode program is traced; a
+    decode's own `merge_tokens` wins. The program it compiles traces fewer forwards and gives the
+    tokens of the program that compiles every width; a bad value is a jdllm error naming it."""
+    from jdllm import errors  # noqa: PLC0415
+    from tests.compiles import traces  # noqa: PLC0415
+
+    ctx = common.DecodeCtx(model=block_model().config)
+    monkeypatch.setenv(common.MERGE_TOKENS_ENV, "64")
+    assert common.weight_bound_tokens(ctx) == 64
+    assert common.compiled_widths(ctx, 1, [8, 16, 32, 64, 128]) == [64, 128]
+    assert common.weight_bound_tokens(dataclasses.replace(ctx, merge_tokens=0)) == 0
+    make, decoding = CASES["multi_block_exact"]
+    model = make()
+    sampling = jdllm.Sampling(max_new_tokens=9)  # shapes of this test alone: no compile to reuse
+    prep = prepare(model, PROMPTS, decoding, sampling)
+    with traces() as seen:  # the program is traced here, under the environment's bound
+        merged = outputs(prep, DECODE(model.params, prep.state, paradigm=prep.paradigm, ctx=prep.ctx))
+    assert seen["run"] == 1
+    n_merged = _norms_in_program(model, prep)
+    every = dataclasses.replace(prep, ctx=dataclasses.replace(prep.ctx, merge_tokens=0))
+    out_every = outputs(every, DECODE(model.params, every.state, paradigm=every.paradigm, ctx=every.ctx))
+    assert [(o.token_ids, o.step_map, o.nfe) for o in merged] == [(o.token_ids, o.step_map, o.nfe) for o in out_every]
+    assert n_merged < _norms_in_program(model, every), n_merged
+    for bad in ("-1", "many", "1.5"):
+        monkeypatch.setenv(common.MERGE_TOKENS_ENV, bad)
+        with pytest.raises(errors.ConfigError, match=common.MERGE_TOKENS_ENV):
+            common.weight_bound_tokens(ctx)

@@ -17,12 +17,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jdllm import errors
 from jdllm.config import ModelConfig
 from jdllm.inputs import to_device
 from jdllm.model import KVCache, default_positions, forward, predicts_next, write_rows
@@ -286,15 +288,28 @@ def forward_window(params, ctx: DecodeCtx, state: DecodeState, offset, width: in
 
 
 GPU_WEIGHT_BOUND_TOKENS = 256  # an H100 reads bf16 weights at ~2.5 TB/s and multiplies at ~750 TFLOP/s
+MERGE_TOKENS_ENV = "JDLLM_MERGE_TOKENS"
 
 
 def weight_bound_tokens(ctx: DecodeCtx) -> int:
     """How many tokens (batch x window) a forward may hold and still cost what reading the weights
     costs. On a GPU that is a few hundred (arithmetic intensity ~ tokens FLOP per weight byte against
     the ~300 FLOP/byte ridge of an H100), so a paradigm's narrower window shapes gain nothing and
-    each costs another whole-model compile; on the CPU every token costs time: 0."""
+    each costs another whole-model compile; on the CPU every token costs time: 0.
+
+    `DecodeCtx.merge_tokens` sets it for one decode; the environment's `JDLLM_MERGE_TOKENS=N` (read
+    when a program is traced) for the process, on any backend: benchmarks/gpu.py times it as a
+    variant (`--xla-flags-variants "" JDLLM_MERGE_TOKENS=128`). At 256 tokens an 8B forward's matmuls
+    are at the H100's ridge (754 TFLOP/s over 3.05 TB/s: 247 FLOP per weight byte), where they reach
+    neither limit: multi_block approx, whose suffixes all run 256 wide at batch 1, spent 6.77 ms a
+    forward in matmuls against AR's 5.15."""
     if ctx.merge_tokens is not None:
         return int(ctx.merge_tokens)
+    env = os.environ.get(MERGE_TOKENS_ENV, "").strip()
+    if env:
+        if not env.isdigit():
+            raise errors.ConfigError(f"{MERGE_TOKENS_ENV}={env!r} must be a whole number >= 0 (or unset)")
+        return int(env)
     return GPU_WEIGHT_BOUND_TOKENS if jax.default_backend() == "gpu" else 0
 
 
