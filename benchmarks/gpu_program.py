@@ -247,6 +247,23 @@ def conditional_rules(target: str) -> list[dict]:
     def switch(*branches):
         return lambda c, i: lax.switch(i % len(branches), [functools.partial(b, i=i) for b in branches], c)
 
+    def one_row(c, i, dropped=False):  # a writer of one row, of zeros (dropped: a scatter past the end)
+        if dropped:
+            c = c.at[0, jnp.maximum(i, S)].set(jnp.zeros((D,), c.dtype), mode="drop")
+        else:
+            c = lax.dynamic_update_slice(c, jnp.zeros((1, 1, D), c.dtype) + (i > S).astype(c.dtype), (0, S - 1, 0))
+        return ob((c, jnp.float32(0)))
+
+    def in_turn(*branches, dropped=False):  # one two-way conditional per writer, in turn
+        def step(c, i):
+            total = jnp.float32(0)
+            for j, b in enumerate(branches):
+                c, s = lax.cond(i % len(branches) == j, functools.partial(b, i=i),
+                                functools.partial(one_row, i=i, dropped=dropped), c)
+                total = total + s
+            return c, total
+        return step
+
     variants = [
         ("two writers, no barrier", switch(writer(8, barrier=False), writer(16, barrier=False))),
         ("two writers behind a barrier", switch(writer(8), writer(16))),
@@ -257,6 +274,9 @@ def conditional_rules(target: str) -> list[dict]:
             writer(8), lambda c, i: ob(lax.cond(i % 2 == 0, functools.partial(writer(16), i=i),
                                                 functools.partial(writer(32), i=i), c)))),
         ("rows from the branches, written after", outside),
+        ("three writers in turn, each beside a one-row writer", in_turn(writer(8), writer(16), writer(32))),
+        ("three writers in turn, each beside a dropped write", in_turn(writer(8), writer(16), writer(32),
+                                                                      dropped=True)),
     ]
     out = []
     for name, step in variants:
