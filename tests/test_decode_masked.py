@@ -209,19 +209,21 @@ def test_caches_on_deeper_model_match_cache_reference_and_deviation_is_measured(
 
 
 @slow
-def test_dual_cache_on_the_pallas_kernels_matches_the_cache_reference():
+@pytest.mark.parametrize("cache", ["dual", "prefix"])
+def test_cache_on_the_pallas_kernels_matches_the_cache_reference(cache):
     """On the Pallas kernels (interpret mode here) a dual-cache block step writes its block's K/V back
-    into the cache, so that the step's conditional updates the cache in place; nobody reads those
-    K/V before they are recomputed, so the batch (rows at their own blocks) and a row alone still
-    compute Fast-dLLM's dual cache exactly."""
+    into the cache, and a prefix-cache window step its window (one switch over the widths, a refresh
+    the widest), so that the step's conditionals update the cache in place; nobody reads those K/V
+    before they are recomputed, so the batch (rows at their own blocks) and a row alone still
+    compute Fast-dLLM's caches exactly."""
     ref_model = bidir_model(layers=2)
     m = Model(ref_model.config, ref_model.params, attn_impl="pallas")
-    kw = dict(block_length=8, confidence_threshold=0.5, cache_mode="dual")
+    kw = dict(block_length=8, confidence_threshold=0.5, cache_mode=cache)
     for prompts in (PROMPTS, PROMPTS[:1]):
         got = jdllm.generate(m, prompts, jdllm.MaskedDiffusion(**kw), _sampling())
         xla = jdllm.generate(ref_model, prompts, jdllm.MaskedDiffusion(**kw), _sampling())
         for p, o, x in zip(prompts, got, xla):
-            assert_matches_reference(o, masked_diffusion_reference(m.params, m.config, p, gen_length=G, cache="dual",
+            assert_matches_reference(o, masked_diffusion_reference(m.params, m.config, p, gen_length=G, cache=cache,
                                                                    block_length=8, confidence_threshold=0.5))
             assert o.token_ids == x.token_ids and o.step_map == x.step_map and o.nfe == x.nfe
 

@@ -154,17 +154,26 @@ def _joined(m, par, prompts, settings, waits=(0, 2, 3)):
     return [row_output(host, r, p, None, trace(r)) for r, p in enumerate(prompts)], host
 
 
+# on the Pallas kernels (interpret mode here): the caches whose writes drop the slots a row keeps
+# (`jdllm.model.write_rows_except`) and whose window steps write back (prefix: one switch of writers)
+PALLAS_JOIN_CASES = ("masked_prefix", "masked_one_block_prefix_dream", "multi_approx")
+
+
 @slow
-@pytest.mark.parametrize("which", ["ar", "block_diffusion", *JOIN_CASES])
+@pytest.mark.parametrize("which", ["ar", "block_diffusion", *JOIN_CASES, *(f"pallas-{c}" for c in PALLAS_JOIN_CASES)])
 def test_rows_at_different_positions_decode_as_alone(which):
     """AR rows start generating at their own prompt ends; block-diffusion rows move to their next
     block as soon as they fill the current one: in one batch each row is at its own position, and
     each still decodes exactly as it does alone. masked_diffusion and multi_block rows (every cache
     mode) each on its own layout, joining a running batch at different steps (as a serving pool
     admits them), with their own lengths, one of them sampled: each decodes exactly as it does alone
-    (tokens, step map, NFE, finish reason, block trajectory)."""
-    if which in JOIN_CASES:
+    (tokens, step map, NFE, finish reason, block trajectory); some caches also on the Pallas kernels."""
+    if which.startswith("pallas-"):
+        m, par, news = JOIN_CASES[which.removeprefix("pallas-")]()
+        m = jdllm.Model(m.config, m.params, attn_impl="pallas")
+    elif which in JOIN_CASES:
         m, par, news = JOIN_CASES[which]()
+    if which.startswith("pallas-") or which in JOIN_CASES:
         settings = [jdllm.Sampling(max_new_tokens=n, stop_token_ids=()) for n in news]
         settings[1] = jdllm.Sampling(max_new_tokens=news[1], stop_token_ids=(), temperature=0.8, top_k=20, seed=7)
         batch, host = _joined(m, par, PROMPTS, settings)

@@ -59,17 +59,21 @@ def refresh_or_window(par, params, ctx, state: DecodeState, plan: common.Plan, a
     computes what it computes alone. The cost: rows that joined at other times refresh at other
     steps, and each refresh makes that step's forward a whole-canvas one for the batch.
 
-    Dual, on the Pallas kernels (`common.reads_cache_in_place`): a step where no row refreshes
-    writes its block's K/V back although nobody reads them (the row's next step recomputes its
-    block, its next block's refresh rewrites the canvas, and a refresh keeps other rows' K/V only
-    outside their blocks): XLA updates a cache in place under a conditional only when every branch
+    On the Pallas kernels (`common.reads_cache_in_place`) a step where no row refreshes writes its
+    K/V back although nobody reads them (the row's next step recomputes its window, or its block;
+    its next block's refresh rewrites the canvas; a refresh keeps other rows' K/V only outside what
+    they recompute): XLA updates a cache in place under a conditional only when every branch
     writes it, reads it only after writing, and hands it out behind an optimization barrier; a
-    branch passing it through, or reading it before writing (the keep merge), made XLA copy the
-    whole cache two to four times per step. One row alone rewrites the whole canvas when it
+    branch passing it through, or reading it before writing, made XLA copy the whole cache two to
+    four times per step. So dual's block steps write their block, and prefix runs one switch over
+    its widths whose every branch writes (a refresh is the widest need: its floor is 0, or the
+    row's start in a serving pool); the slots a row keeps are dropped from the write, not read
+    back (`jdllm.model.write_rows_except`). One row alone rewrites the whole canvas when it
     refreshes, so its refresh keeps nothing. 8B, P128 + G256 on an H100 (deviceless compile,
-    `benchmarks/gpu_program.py`): 576-768 MiB of copies per step before, none now. On the XLA
-    attention (the CPU) a block step writes nothing: its attention reads a copy of the cut of each
-    layer's cache it needs anyway, and there the writing variant costs whole-cache copies."""
+    `benchmarks/gpu_program.py`): dual 576-768 MiB of copies per step before, none now; prefix
+    192 MiB in the loop body and 640 on its worst step before, none now. On the XLA attention
+    (the CPU) a window step writes nothing: its attention reads a copy of the cut of each layer's
+    cache it needs anyway, and there the writing variant costs whole-cache copies."""
     S, W = state.slots, plan.width
     shift = int(ctx.model.logit_shift)
     refresh = work & (state.extra["i"] == 0)  # [B]
@@ -98,6 +102,10 @@ def refresh_or_window(par, params, ctx, state: DecodeState, plan: common.Plan, a
         def windows(st):  # every row in its window: K/V the next step recomputes, not written back
             return common.switch_width(ctx, st, widths, S - jnp.min(floor), lambda w: suffix(w, False))
 
+        if common.reads_cache_in_place(ctx):
+            # the kernels: one switch of writers (a refresh is the widest need, floor 0 or the row's
+            # start): the window steps write back what their next step recomputes (docstring)
+            return common.switch_width(ctx, state, widths, S - jnp.min(floor), lambda w: suffix(w, True))
         return jax.lax.cond(jnp.any(refresh), refreshing, windows, state)
 
     hi = b0 + par._rows(state)[0]  # [B] the block's end (one block: the canvas end)
