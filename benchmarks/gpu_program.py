@@ -384,20 +384,19 @@ def line(r: dict) -> str:
 
 
 def table(rows: list[dict]) -> str:
-    out = ["| target | case | P/G | label | kernels / step: body (worst step) | copies / step, MiB: body (worst "
-           "step) | largest copies in the body | temp GiB | out GiB | compile s | jax | tree |",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in sorted(rows, key=lambda r: (r["target"], r["prompt"], r["case"], r["label"])):
+    out = ["| target | shape | case | P/G | label | kernels / step: body (worst step) | copies / step, MiB: body "
+           "(worst step) | largest copies in the body | temp GiB | out GiB | compile s | jax | tree |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in sorted(rows, key=lambda r: (r["target"], r["shape"], r["prompt"], r["case"], r.get("date", ""))):
+        head = f"| {r['target']} | {r['shape']} | {r['case']} | {r['prompt']}/{r['gen']} | {r['label']} |"
         if r.get("error"):
-            out.append(f"| {r['target']} | {r['case']} | {r['prompt']}/{r['gen']} | {r['label']} | FAILED: "
-                       f"{r['error'].splitlines()[-1][:100]} | | | | | | | |")
+            out.append(f"{head} FAILED: {r['error'].splitlines()[-1][:100]} | | | | | | | |")
             continue
         s, m = r["step"], r["memory"]
         big = ", ".join(f"{n} x{c}" for n, c in s["body_copies"][:3]) or "-"
-        out.append(f"| {r['target']} | {r['case']} | {r['prompt']}/{r['gen']} | {r['label']} | {s['body_kernels']} "
-                   f"({s['step_kernels_max']}) | {s['body_copy_mib']:.0f} ({s['step_copy_mib_max']:.0f}) | {big} | "
-                   f"{m.get('temp_bytes', 0) / 2**30:.2f} | {m.get('output_bytes', 0) / 2**30:.2f} | "
-                   f"{r['compile_s']:.1f} | {r.get('jax')} | {r.get('commit')} |")
+        out.append(f"{head} {s['body_kernels']} ({s['step_kernels_max']}) | {s['body_copy_mib']:.0f} "
+                   f"({s['step_copy_mib_max']:.0f}) | {big} | {m.get('temp_bytes', 0) / 2**30:.2f} | "
+                   f"{m.get('output_bytes', 0) / 2**30:.2f} | {r['compile_s']:.1f} | {r.get('jax')} | {r.get('commit')} |")
     return "\n".join(out)
 
 

@@ -81,8 +81,10 @@ def test_rows_render_with_their_labels():
                memory=dict(temp_bytes=2**28, output_bytes=2**30), step=gp.decode_step(HLO), jax="0.10.2",
                commit="abc")
     md = gp.table([row, dict(row, label="after"), dict(row, case="mb_exact_b1", error="RuntimeError: boom")])
-    assert "| h100 | ar_b1 | 128/256 | before | 5 (8) | 2 (3) | copy x1 | 0.25 | 1.00 | 17.4 | 0.10.2 | abc |" in md
-    assert "| after |" in md and "FAILED: RuntimeError: boom" in md
+    assert "| h100 | 8b | ar_b1 | 128/256 | before | 5 (8) | 2 (3) | copy x1 | 0.25 | 1.00 | 17.4 | 0.10.2 | abc |" in md
+    assert "| after |" in md
+    assert "| mb_exact_b1 | 128/256 | before | FAILED: RuntimeError: boom" in md
+    assert md.index("| after |") > md.index("| before |")  # a shape's rows in the order they were made
     assert gp.row_key(row) != gp.row_key(dict(row, label="after"))
 
 
