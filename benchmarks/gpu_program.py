@@ -10,7 +10,9 @@ executable. It reads the optimized HLO:
 
   kernels / step: kernels the decode loop's body launches per step: its own, plus those of the
       branch a conditional takes (`branches`: each conditional branch's count; a decode step takes
-      one branch per conditional);
+      one branch per conditional; the worst step adds each conditional's costliest branch, so a
+      chain of window widths run in turn, `jdllm.decode.common.in_turn`, counts every width's
+      forward where a step runs one of them);
   copies / step: bytes moved per step by copy, slice and pad kernels of at least 1 MiB in the
       loop's body (`body`) and in each branch: copies of the KV cache (the whole cache, or one
       layer of it, re-materialised every step) show up here;
@@ -39,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import datetime
 import functools
 import importlib.util
@@ -298,6 +301,17 @@ def conditional_rules(target: str) -> list[dict]:
 
 
 # --------------------------------------------------------------------------- a child: one case
+def case_of(G, case_id: str):
+    """gpu.py's case of that id, or one of its b1 cases at another batch (`mb_approx_b8`)."""
+    cases = {c.id: c for c in G.all_cases()}
+    if case_id in cases:
+        return cases[case_id]
+    m = re.fullmatch(r"(\w+)_b(\d+)", case_id)
+    if not m or f"{m.group(1)}_b1" not in cases:
+        raise ValueError(f"unknown case {case_id!r}: gpu.py's cases are {sorted(cases)}, or NAME_bN for another batch")
+    return dataclasses.replace(cases[f"{m.group(1)}_b1"], batch=int(m.group(2)))
+
+
 def child(task: dict) -> int:
     """Compile one case deviceless for `task["target"]` and write its row to task["result"]."""
     os.environ["JAX_PLATFORMS"] = "cpu"  # the topology below is the GPU; nothing runs anywhere
@@ -317,7 +331,7 @@ def child(task: dict) -> int:
         from jdllm.decode import loop  # noqa: PLC0415
         from jdllm.model import default_layout, is_param_spec, param_specs  # noqa: PLC0415
 
-        case = {c.id: c for c in G.all_cases()}[task["case"]]
+        case = case_of(G, task["case"])
         P, Gn, block = task["prompt"], task["gen"], task["block"]
         base = G.base_config(task["shape"], 1 << (P + Gn + 8 * block).bit_length())
         cfg = G.model_config(base, case.attention, block)

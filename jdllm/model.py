@@ -393,7 +393,7 @@ def apply_rope(x, cos, sin):
 # --------------------------------------------------------------------------- forward
 def forward(params: Params, cfg: ModelConfig, tokens, positions, *, start, cache: KVCache | None = None,
             offset=None, attn_impl: str = "auto", return_hidden: bool = False, attn_mask=None, kv_len=None,
-            logits_at=None, keep_below=None, keep_from=None, write_cache: bool = True):
+            logits_at=None, keep_below=None, keep_from=None, write_cache: bool = True, head: bool = True):
     """Run the window `tokens` [B, T] at absolute slots [offset, offset + T).
 
     positions [B, T]: RoPE positions (slot - start for left-padded rows).
@@ -433,6 +433,9 @@ def forward(params: Params, cfg: ModelConfig, tokens, positions, *, start, cache
     there (logits [B, N, V]); the default is every position. Decoding asks only
     for the positions whose tokens it chooses: the head is the largest matmul
     of a small model and its output the largest buffer.
+
+    head False: the final-normed hidden states [B, T or N, D] where the logits would be (the caller
+    runs `head_logits` on them later: `jdllm.decode.common.switch_width`'s chain of conditionals).
 
     Returns (logits [B, T or N, V] float32, cache or None[, hidden [B, T, D]]).
     """
@@ -615,7 +618,7 @@ def forward(params: Params, cfg: ModelConfig, tokens, positions, *, start, cache
         (h, ck, cv, sk, sv), _ = jax.lax.scan(layer, (h, ck, cv, sk, sv), (params["layers"], idx))
     h = rms_norm(h, params["final_norm"], cfg.rms_norm_eps)
     hs = h if logits_at is None else jnp.take_along_axis(h, jnp.asarray(logits_at, jnp.int32)[..., None], axis=1)
-    logits = lm_head(params, cfg, hs, kernel=qk)
+    logits = lm_head(params, cfg, hs, kernel=qk) if head else hs
     new_cache = None if cache is None else dataclasses.replace(cache, k=ck, v=cv, k_scale=sk, v_scale=sv)
     if return_hidden:
         return logits, new_cache, h
@@ -785,6 +788,12 @@ def lm_head(params: Params, cfg: ModelConfig, h, kernel: bool = False) -> jax.Ar
     if cfg.tie_word_embeddings:
         return mm("...d,vd->...v", h, params["embed"], kernel, preferred_element_type=jnp.float32)
     return mm("...d,dv->...v", h, params["lm_head"], kernel, preferred_element_type=jnp.float32)
+
+
+def head_logits(params: Params, cfg: ModelConfig, hs, attn_impl="auto") -> jax.Array:
+    """The LM head of `forward` on the final-normed hidden states `forward(head=False)` returns ->
+    float32 logits [..., V] (the same matmul, the same kernel choice)."""
+    return lm_head(params, cfg, hs, kernel=quant_matmul_kernel(attn_impl))
 
 
 def predicts_next(cfg: ModelConfig) -> int:

@@ -11,11 +11,13 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import jdllm
 from jdllm.api import outputs, prepare
+from jdllm.model import KVCache
 from jdllm.decode import common, loop
 from tests.decode_fixtures import FAST_COMPILE, block_model
 from tests.quick import slow
@@ -104,3 +106,39 @@ def test_merge_bound_from_the_environment(monkeypatch):
         monkeypatch.setenv(common.MERGE_TOKENS_ENV, bad)
         with pytest.raises(errors.ConfigError, match=common.MERGE_TOKENS_ENV):
             common.weight_bound_tokens(ctx)
+
+
+def test_in_turn_equals_a_switch():
+    """`common.in_turn` (the chain of two-way conditionals that keeps the cache in place on the
+    kernels) gives what a switch gives, whichever branch runs: the taken forward's cache writes,
+    the last slot included (the branches not taken write its original value back; the chain then
+    restores what the taken one left there; one forward leaves it alone), its hidden states and its
+    forward count."""
+    model = bidir_model()
+    prep = prepare(model, PROMPTS, CASES["multi_block_approx"][1], jdllm.Sampling(max_new_tokens=8))
+    S = prep.state.slots
+    k = jax.random.normal(jax.random.key(1), KVCache.empty(model.config, prep.state.batch, S).k.shape)
+    state = prep.state.replace(cache=KVCache(k=k, v=-k, length=jnp.zeros((prep.state.batch,), jnp.int32)))
+    N, D = 3, 5
+
+    def forward_of(j, width):  # writes the last `width` slots; a negative width: the first ones
+        cut = slice(S - width, None) if width > 0 else slice(0, -width)
+
+        def fwd(st):
+            c = st.cache
+            k = c.k.at[:, :, cut].set(j + 1.0)
+            v = c.v.at[:, :, cut].set(-(j + 1.0))
+            st = st.replace(cache=dataclasses.replace(c, k=k, v=v), forwards=st.forwards + 1)
+            return st, jnp.full((st.batch, N, D), float(j + 1), jnp.float32)
+        return fwd
+
+    forwards = [forward_of(j, w) for j, w in enumerate((2, -4, 8, S))]
+    chain = jax.jit(lambda b, st: common.in_turn(b, forwards, st))
+    switch = jax.jit(lambda b, st: jax.lax.switch(b, forwards, st))
+    for b in range(len(forwards)):
+        (got, h), (want, hw) = chain(np.int32(b), state), switch(np.int32(b), state)
+        for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+            if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+                x, y = jax.random.key_data(x), jax.random.key_data(y)
+            np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+        np.testing.assert_array_equal(np.asarray(h), np.asarray(hw))

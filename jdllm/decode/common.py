@@ -252,8 +252,8 @@ def head_index(ctx: DecodeCtx, slots: jax.Array, offset) -> jax.Array:
 
 def forward_window(params, ctx: DecodeCtx, state: DecodeState, offset, width: int, *, at: jax.Array,
                    commit=None, also: jax.Array | None = None, kv_len=None,
-                   use_prev: bool = False, keep_below=None, keep_from=None, write_cache: bool = True
-                   ) -> tuple[DecodeState, jax.Array]:
+                   use_prev: bool = False, keep_below=None, keep_from=None, write_cache: bool = True,
+                   head: bool = True) -> tuple[DecodeState, jax.Array]:
     """One model forward over slots [offset, offset + width) against the cache.
 
     at [B, N]: the canvas slots whose tokens this step chooses. Returns (state,
@@ -266,8 +266,11 @@ def forward_window(params, ctx: DecodeCtx, state: DecodeState, offset, width: in
     (scalar or [B]) then marks [0, commit) as committed. kv_len: as in
     `jdllm.model.forward` (default: the window end); so are keep_below and keep_from ([B]:
     cached K/V below / at or after them are kept, not overwritten). Per-row NFE is the
-    caller's to count (`count_forward`).
+    caller's to count (`count_forward`). head False: the final-normed hidden states [B, N, D]
+    instead of the logits (`switch_width`'s `hidden_of`; not with use_prev or also).
     """
+    if not head and (use_prev or also is not None):
+        raise ValueError("forward_window(head=False) returns hidden states: no use_prev / also rows")
     tokens = window(state.tokens, offset, width)  # [B, W]
     positions = default_positions(state.start, offset, width)
     off = rows_of(state, offset)
@@ -277,7 +280,7 @@ def forward_window(params, ctx: DecodeCtx, state: DecodeState, offset, width: in
         idx = jnp.concatenate([idx, jnp.clip(also - off[:, None], 0, width - 1)], axis=1)
     logits, cache = forward(params, ctx.model, tokens, positions, start=state.start, cache=state.cache,
                             offset=offset, attn_impl=ctx.attn_impl, logits_at=idx, kv_len=kv_len,
-                            keep_below=keep_below, keep_from=keep_from, write_cache=write_cache)
+                            keep_below=keep_below, keep_from=keep_from, write_cache=write_cache, head=head)
     N = at.shape[1]
     if use_prev and predicts_next(ctx.model):
         head = jnp.where((src < 0)[..., None], state.prev_logits[:, None], logits[:, :N])
@@ -322,7 +325,7 @@ def compiled_widths(ctx: DecodeCtx, batch: int, widths) -> list[int]:
     return ([small[-1]] if small else []) + [w for w in widths if batch * w > weight_bound_tokens(ctx)]
 
 
-def switch_width(ctx: DecodeCtx, state: DecodeState, widths, need, forward_of):
+def switch_width(ctx: DecodeCtx, state: DecodeState, widths, need, forward_of, hidden_of=None, head=None):
     """`forward_of(width)(state)` for the narrowest compiled width (`compiled_widths`) >= need (a traced
     scalar; the widest when none is): one forward per window shape the paradigm distinguishes,
     under a `lax.switch`, or a plain call when one shape remains. A wider window than needed gives
@@ -333,13 +336,64 @@ def switch_width(ctx: DecodeCtx, state: DecodeState, widths, need, forward_of):
     whose branches both write it (and read it only after writing); without it, it copied the whole
     cache into and out of the branch on every step (multi_block exact, 8B on an H100, deviceless
     compile: 416 MiB per step at P128 + G256). The XLA attention's programs (the CPU's) keep
-    their form."""
+    their form.
+
+    More than two widths on the kernels, where the caller gives `hidden_of(width)(state) -> (state,
+    final-normed hidden states [B, N, D])` (`forward(head=False)`) and `head(hidden) -> logits`:
+    a switch of three or more branches copies the cache whatever they do, so the widths run as
+    `in_turn`'s chain of two-way conditionals instead, the LM head after it."""
     keep = compiled_widths(ctx, state.batch, widths)
     if len(keep) == 1:
         return forward_of(keep[0])(state)
     branch = jnp.sum(need > jnp.asarray(keep[:-1], jnp.int32)).astype(jnp.int32)
-    wrap = in_place if reads_cache_in_place(ctx) else (lambda f: f)
-    return jax.lax.switch(branch, [wrap(forward_of(w)) for w in keep], state)
+    if not reads_cache_in_place(ctx):
+        return jax.lax.switch(branch, [forward_of(w) for w in keep], state)
+    if len(keep) > 2 and hidden_of is not None and state.cache is not None and state.cache.k_scale is None:
+        state, hidden = in_turn(branch, [hidden_of(w) for w in keep], state)
+        return state, head(hidden)
+    return jax.lax.switch(branch, [in_place(forward_of(w)) for w in keep], state)
+
+
+def in_turn(branch, forwards, state: DecodeState):
+    """`forwards[branch](state)` -> (state, hidden), with the KV cache updated in place: one two-way
+    conditional per forward, in turn, each beside a branch that writes one slot of the cache.
+
+    XLA updates a buffer in place under a conditional when both of its branches write it (behind an
+    optimization barrier) and read it only after writing; a switch of three or more such branches
+    still copies it (`benchmarks/gpu_program.py --conditionals`: 4 copies in the loop; these chains:
+    0). The branch not taken writes the slot's original value (the last slot, layer 0, every row,
+    read before the chain): a chain's forward sees the cache as it was. The forward that runs
+    hands out that slot as it left it, and it is written back after the chain, over what the
+    conditionals after it wrote. The hidden states of the branches not taken are zeros, and only
+    the taken branch's are kept; NFE counts only the forward that ran. 8B, batch 4, P128 + G256,
+    deviceless H100 compile: multi_block approx moved 768 MiB of cache copies in its loop body and
+    2.2 GiB on its worst step; Fast-dLLM prefix 768 MiB and 1.7 GiB."""
+    cache = state.cache
+    slot = cache.k.shape[2] - 1
+    at = lambda: (0, 0, slot) + (0,) * (cache.k.ndim - 3)  # noqa: E731
+
+    def last(c):  # layer 0's last slot of every row: [1, B, 1, ...]
+        return jax.lax.slice_in_dim(jax.lax.slice_in_dim(c, 0, 1, axis=0), slot, slot + 1, axis=2)
+
+    def put(c, kv):
+        return dataclasses.replace(c, k=jax.lax.dynamic_update_slice(c.k, kv[0], at()),
+                                   v=jax.lax.dynamic_update_slice(c.v, kv[1], at()))
+
+    orig = (last(cache.k), last(cache.v))
+    hidden_shape = jax.eval_shape(lambda st: forwards[0](st)[1], state)
+    hidden, after = None, None
+    for j, fwd in enumerate(forwards):
+        def taken(st, kv, fwd=fwd):
+            st, h = fwd(st)
+            return st, h, (last(st.cache.k), last(st.cache.v))
+
+        def other(st, kv):
+            return st.replace(cache=put(st.cache, kv)), jnp.zeros(hidden_shape.shape, hidden_shape.dtype), kv
+
+        state, h, kv = jax.lax.cond(branch == j, in_place(taken), in_place(other), state, orig)
+        hidden = h if hidden is None else jnp.where(branch == j, h, hidden)
+        after = kv if after is None else jax.tree.map(lambda x, y: jnp.where(branch == j, x, y), kv, after)
+    return state.replace(cache=put(state.cache, after)), hidden
 
 
 def reads_cache_in_place(ctx: DecodeCtx) -> bool:
@@ -579,7 +633,7 @@ def abort_running(state: DecodeState) -> DecodeState:
 
 __all__ = ["DecodeCtx", "Layout", "Plan", "right_aligned", "make_plan", "bucket", "fill_token", "new_state",
            "with_buffers", "window", "set_window", "forward_window", "suffix_widths", "block_widths", "count_forward",
-           "switch_width", "in_place", "reads_cache_in_place",
+           "switch_width", "in_turn", "in_place", "reads_cache_in_place",
            "sample_window", "allowed_logits", "advance_keys",
            "constrain_logits", "candidates", "rank",
            "select_top_k", "select_first_k", "select_threshold", "select_entropy_bounded",

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from jdllm.decode import common
-from jdllm.model import default_positions, forward
+from jdllm.model import default_positions, forward, head_logits
 from jdllm.state import DecodeState, slot_index
 
 
@@ -34,16 +34,17 @@ def full_logits(par, params, ctx, state: DecodeState, at, lo: int = 0):
 
 
 def cached_logits(params, ctx, state: DecodeState, lo, width: int, at, *, kv_len=None,
-                  keep_below=None, keep_from=None, write_cache: bool = True):
+                  keep_below=None, keep_from=None, write_cache: bool = True, head: bool = True):
     """(state, logits [B, N, V] at canvas slots `at`) of a forward over [lo, lo + width) (lo:
     scalar or [B]) against the cache, writing the window's K/V except where kept (write_cache=False:
-    nothing written, for a window nobody reads back; see `refresh_or_window`)."""
+    nothing written, for a window nobody reads back; see `refresh_or_window`). head False: the
+    final-normed hidden states [B, N, D] instead (`common.switch_width`'s `hidden_of`)."""
     toks = common.window(state.tokens, lo, width)
     pos = default_positions(state.start, lo, width)
     idx = jnp.clip(at - jnp.asarray(lo, jnp.int32).reshape(-1, 1), 0, width - 1)
     raw, cache = forward(params, ctx.model, toks, pos, start=state.start, cache=state.cache, offset=lo,
                          attn_impl=ctx.attn_impl, kv_len=kv_len, logits_at=idx, keep_below=keep_below,
-                         keep_from=keep_from, write_cache=write_cache)
+                         keep_from=keep_from, write_cache=write_cache, head=head)
     return state.replace(cache=cache if write_cache else state.cache, forwards=state.forwards + 1), raw
 
 
@@ -76,6 +77,7 @@ def refresh_or_window(par, params, ctx, state: DecodeState, plan: common.Plan, a
     cache it needs anyway, and there the writing variant costs whole-cache copies."""
     S, W = state.slots, plan.width
     shift = int(ctx.model.logit_shift)
+    head = lambda h: head_logits(params, ctx.model, h, ctx.attn_impl)  # noqa: E731 (after a chain of widths)
     refresh = work & (state.extra["i"] == 0)  # [B]
     b0 = par._block_start(state)  # [B]
     lo = b0 - shift  # [B] a window row's first recomputed slot
@@ -91,9 +93,9 @@ def refresh_or_window(par, params, ctx, state: DecodeState, plan: common.Plan, a
         # one row alone recomputes its whole window: nothing in it to keep (and no per-layer select)
         keep = floor if state.batch > 1 or ctx.own_layouts else None
 
-        def suffix(width, write):
+        def suffix(width, write, head=True):
             return lambda st: cached_logits(params, ctx, st, S - width, width, at, keep_below=keep,
-                                                  write_cache=write)
+                                            write_cache=write, head=head)
 
         def refreshing(st):  # some row refreshes: the window's K/V are written (generate: the whole canvas)
             return common.switch_width(ctx, st, widths if ctx.own_layouts else [S], S - jnp.min(floor),
@@ -105,7 +107,8 @@ def refresh_or_window(par, params, ctx, state: DecodeState, plan: common.Plan, a
         if common.reads_cache_in_place(ctx):
             # the kernels: one switch of writers (a refresh is the widest need, floor 0 or the row's
             # start): the window steps write back what their next step recomputes (docstring)
-            return common.switch_width(ctx, state, widths, S - jnp.min(floor), lambda w: suffix(w, True))
+            return common.switch_width(ctx, state, widths, S - jnp.min(floor), lambda w: suffix(w, True),
+                                       hidden_of=lambda w: suffix(w, True, head=False), head=head)
         return jax.lax.cond(jnp.any(refresh), refreshing, windows, state)
 
     hi = b0 + par._rows(state)[0]  # [B] the block's end (one block: the canvas end)
@@ -117,10 +120,11 @@ def refresh_or_window(par, params, ctx, state: DecodeState, plan: common.Plan, a
     writes = common.reads_cache_in_place(ctx)  # the kernels: block steps write back (docstring)
 
     def full(st):  # dual, some row refreshes: the others keep everything outside their block
-        return common.switch_width(ctx, st, common.suffix_widths(ctx, S), S - jnp.min(below),
-                                   lambda w: lambda s_: cached_logits(params, ctx, s_, S - w, w, at,
-                                                                      keep_below=None if alone else below,
-                                                                      keep_from=None if alone else above))
+        def refresh_at(w, head=True):
+            return lambda s_: cached_logits(params, ctx, s_, S - w, w, at, keep_below=None if alone else below,
+                                            keep_from=None if alone else above, head=head)
+        return common.switch_width(ctx, st, common.suffix_widths(ctx, S), S - jnp.min(below), refresh_at,
+                                   hidden_of=lambda w: refresh_at(w, head=False), head=head)
 
     def blocks(st):  # dual, every row in its block: the block alone, the cached suffix visible
         if par.block_length is not None:  # each row's block at its own offset

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from jdllm.decode import common
 from jdllm.decode.multi_block_states import (ACTIVATED, COMPLETED, FULLY_ACTIVATED, INACTIVE, block_stats,
                                              block_view, first_open, num_blocks)
-from jdllm.model import default_positions, forward
+from jdllm.model import default_positions, forward, head_logits
 from jdllm.state import DecodeState
 
 WINDOW_BLOCKS = 4  # cache_mode="window" recomputes this many blocks (+ 1) when max_blocks is None
@@ -247,19 +247,21 @@ class ApproxCache(CacheStrategy):
         N = at.shape[1]
         tail = mb.max_blocks is None  # the planned slots are [S - N, S) (`MultiBlock._flight_width`)
 
-        def suffix_forward(width):
+        def suffix_forward(width, head=True):  # head False: hidden states for `switch_width`'s chain
             if not tail or width >= N:  # the head runs at every planned slot
                 return lambda s_: common.forward_window(params, ctx, s_, S - width, width, at=at, kv_len=S,
-                                                        keep_below=floor, commit=commit)
+                                                        keep_below=floor, commit=commit, head=head)
 
             def run(s_):  # the head runs only inside the window: every candidate is there (>= its row's floor)
-                s_, logits = common.forward_window(params, ctx, s_, S - width, width, at=at[:, N - width:],
-                                                   kv_len=S, keep_below=floor, commit=commit)
-                pad = jnp.zeros((s_.batch, N - width, logits.shape[-1]), logits.dtype)
-                return s_, jnp.concatenate([pad, logits], axis=1)
+                s_, out = common.forward_window(params, ctx, s_, S - width, width, at=at[:, N - width:],
+                                                kv_len=S, keep_below=floor, commit=commit, head=head)
+                pad = jnp.zeros((s_.batch, N - width, out.shape[-1]), out.dtype)  # zero states: zero logits
+                return s_, jnp.concatenate([pad, out], axis=1)
             return run
 
-        return common.switch_width(ctx, state, widths, S - jnp.min(floor), suffix_forward)
+        return common.switch_width(ctx, state, widths, S - jnp.min(floor), suffix_forward,
+                                   hidden_of=lambda w: suffix_forward(w, head=False),
+                                   head=lambda h: head_logits(params, ctx.model, h, ctx.attn_impl))
 
 
 @dataclasses.dataclass(frozen=True)
