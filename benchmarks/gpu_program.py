@@ -29,6 +29,7 @@ machine and needs no driver for this):
     pip install "jax[cuda12]==$(python -c 'import jax; print(jax.__version__)')"
     python benchmarks/gpu_program.py                 # 8B, the priority cases + multi_block exact, P128/G256
     python benchmarks/gpu_program.py --long          # prompt 32768, gen 1024: AR, block_diffusion, mb exact
+    python benchmarks/gpu_program.py --cases mb_approx_b4   # a gpu.py case at another batch (NAME_bN)
     PYTHONPATH=../old python benchmarks/gpu_program.py --label before  # another checkout's jdllm, rows apart
     python benchmarks/gpu_program.py --markdown      # the table of --out
     python benchmarks/gpu_program.py --conditionals  # when XLA keeps a buffer in place under a conditional
@@ -418,7 +419,8 @@ def parse(argv):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--target", choices=sorted(TARGETS), default="h100")
     ap.add_argument("--shape", default="8b", help="a benchmarks/gpu.py shape (default 8b)")
-    ap.add_argument("--cases", nargs="+", default=None, help="gpu.py case ids (default: "
+    ap.add_argument("--cases", nargs="+", default=None, help="gpu.py case ids, or NAME_bN for one at another "
+                    "batch (default: "
                     + " ".join(DEFAULT_CASES) + "; with --long: " + " ".join(LONG_CASES) + ")")
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--gen", type=int, default=256)

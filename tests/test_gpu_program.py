@@ -8,6 +8,8 @@ the cache and takes one branch of a conditional.
 
 from __future__ import annotations
 
+import pytest
+
 from scripts import load_script
 
 gp = load_script("benchmarks/gpu_program.py")
@@ -98,3 +100,15 @@ def test_without_the_cuda_plugin_it_says_how_to_install_it(monkeypatch, capsys, 
     err = capsys.readouterr().err
     assert "jax CUDA plugin is not installed" in err and 'pip install "jax[cuda12]==' in err
     assert not out.exists()
+
+
+def test_cases_at_another_batch():
+    """`--cases NAME_bN`: gpu.py's b1 case NAME at batch N (the copies of switches that keep more
+    widths at larger batches); gpu.py's own ids as they are; anything else an error naming it."""
+    G = load_script("benchmarks/gpu.py")
+    assert gp.case_of(G, "ar_b16") == {c.id: c for c in G.all_cases()}["ar_b16"]
+    four = gp.case_of(G, "mb_approx_b4")
+    assert (four.id, four.batch, four.paradigm) == ("mb_approx_b4", 4, "multi_block")
+    for bad in ("mb_approx", "nothing_b4", "mb_approx_bx"):
+        with pytest.raises(ValueError, match=bad):
+            gp.case_of(G, bad)
