@@ -283,8 +283,8 @@ def forward_window(params, ctx: DecodeCtx, state: DecodeState, offset, width: in
                             keep_below=keep_below, keep_from=keep_from, write_cache=write_cache, head=head)
     N = at.shape[1]
     if use_prev and predicts_next(ctx.model):
-        head = jnp.where((src < 0)[..., None], state.prev_logits[:, None], logits[:, :N])
-        logits = head if also is None else jnp.concatenate([head, logits[:, N:]], axis=1)
+        first = jnp.where((src < 0)[..., None], state.prev_logits[:, None], logits[:, :N])
+        logits = first if also is None else jnp.concatenate([first, logits[:, N:]], axis=1)
     if commit is not None:
         cache = cache.commit(commit)
     return state.replace(cache=cache, forwards=state.forwards + 1), logits
