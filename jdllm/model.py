@@ -201,51 +201,40 @@ class KVCache:
         return dataclasses.replace(self, length=jnp.broadcast_to(jnp.asarray(length, jnp.int32), (self.batch,)))
 
 
-def write_rows(buf: jax.Array, x: jax.Array, offset, layer=None) -> jax.Array:
+def write_rows(buf: jax.Array, x: jax.Array, offset, layer=None, keep=None) -> jax.Array:
     """buf [B, S, ...] (or [L, B, S, ...] with `layer`) with x [B, T, ...] written at slots
     [offset, offset + T) of each row (of that layer).
 
     offset: a scalar (one dynamic_update_slice) or [B] (each row at its own slot:
     a scatter; one row's [1], an update at that start clipped into [0, S - T]).
     Like dynamic_update_slice, a start is clamped so the window stays inside S.
+
+    keep [B, T] (bool), optional: those slots keep what buf holds; the scatter drops them (their
+    indices are sent past the end) instead of the window being read back and merged. Under a
+    conditional whose branches all update the cache (multi_block approx's switch over suffix
+    widths), that read before the write made XLA:GPU copy the whole cache into and out of the
+    conditional on every step (8B shape, P128 + G256, deviceless H100 compile: 192 MiB per step in
+    the loop body and 584 MiB on the worst step; with the drop: 0 and 8 MiB, 575 -> 506 kernels).
     """
     x = x.astype(buf.dtype)
     offset = jnp.asarray(offset, jnp.int32)
     lead = () if layer is None else (jnp.asarray(layer, jnp.int32),)
-    if offset.shape == (1,):
+    if keep is None and offset.shape == (1,):
         # one row: its slice updated at the start the scatter below would use (clipped: a negative one
         # would otherwise wrap around in dynamic_update_slice); the scatter of a single row became a
         # read of the old rows, a select (its dropped-if-out-of-bounds rule) and an update: two kernels
         # more per K / V write on the GPU (AR batch 1, 8B: 64 per token)
         offset = jnp.clip(offset[0], 0, buf.shape[len(lead) + 1] - x.shape[1])
-    if offset.ndim == 0:
+    if keep is None and offset.ndim == 0:
         start = (*lead, jnp.zeros((), jnp.int32), offset) + (jnp.zeros((), jnp.int32),) * (x.ndim - 2)
         return jax.lax.dynamic_update_slice(buf, x[None] if lead else x, start)
     B, T = x.shape[:2]
     S = buf.shape[len(lead) + 1]
-    slots = jnp.clip(offset, 0, S - T)[:, None] + jnp.arange(T, dtype=jnp.int32)  # [B, T]
+    slots = jnp.clip(offset, 0, S - T).reshape(-1, 1) + jnp.arange(T, dtype=jnp.int32)  # [B or 1, T]
     rows = jnp.arange(B, dtype=jnp.int32)[:, None]
-    return buf.at[(*lead, rows, slots)].set(x, unique_indices=True)
-
-
-def write_rows_except(buf: jax.Array, x: jax.Array, offset, keep, layer) -> jax.Array:
-    """buf [L, B, S, ...] with x [B, T, ...] written at layer `layer`, slots [offset, offset + T)
-    (one scalar offset, clamped as `write_rows` clamps it), except where keep [B, T] is set: those
-    slots keep what buf holds (their indices are sent out of bounds and the scatter drops them).
-
-    The same cache as `where(keep, buf's window, x)` written with `write_rows`, without reading
-    the window back first. Under a conditional whose branches all update the cache (multi_block
-    approx's switch over suffix widths), that read before the write made XLA:GPU copy the whole
-    cache into and out of the conditional on every step (8B shape, P128 + G256, deviceless H100
-    compile: 192 MiB per step in the loop body and 584 MiB on the worst step; with this: 0 and
-    8 MiB, 575 -> 506 kernels)."""
-    B, T = x.shape[:2]
-    S = buf.shape[2]
-    slots = jnp.clip(jnp.asarray(offset, jnp.int32), 0, S - T) + jnp.arange(T, dtype=jnp.int32)
-    idx = jnp.where(keep, S, slots[None])  # [B, T]
-    rows = jnp.arange(B, dtype=jnp.int32)[:, None]
-    return buf.at[jnp.asarray(layer, jnp.int32), rows, idx].set(x.astype(buf.dtype), mode="drop",
-                                                                 unique_indices=True)
+    if keep is None:
+        return buf.at[(*lead, rows, slots)].set(x, unique_indices=True)
+    return buf.at[(*lead, rows, jnp.where(keep, S, slots))].set(x, mode="drop", unique_indices=True)
 
 
 KV_BUCKETS_FROM = 128  # shorter caches are attended whole: a switch would cost more compile time than it saves
@@ -534,21 +523,20 @@ def forward(params: Params, cfg: ModelConfig, tokens, positions, *, start, cache
                 # that it compiled anew each time (4B shape, multi_block approx, H200: a 79 s first
                 # call); alone, one norm kernel serves every layer
                 k = jax.lax.optimization_barrier(k)
-            # the kept slots dropped from the write instead of read back (the kernels read the cache)
+            # on the kernels (they read the cache where it lies) the kept slots are dropped from the
+            # write (`write_rows(keep=)`) instead of read back and merged
             drop_kept = merge_cached and sk is None and write_cache and in_place
-            if drop_kept:
-                ck, cv = write_rows_except(ck, k, q_offset, keep, i), write_rows_except(cv, v, q_offset, keep, i)
-            elif merge_cached and sk is None:  # keep the cached K/V outside [below, from)
+            if merge_cached and sk is None and not drop_kept:  # keep the cached K/V outside [below, from)
                 k, v = (jnp.where(keep[:, :, None, None], window_of(c[i]), x.astype(c.dtype))
                         for c, x in ((ck, k), (cv, v)))
-            elif merge_cached:  # int8: re-quantizing a kept row gives it back
+            elif merge_cached and sk is not None:  # int8: re-quantizing a kept row gives it back
                 k, v = (jnp.where(keep[:, :, None, None], dequantize_kv(window_of(c[i]), window_of(sc[i]), x.dtype), x)
                         for c, sc, x in ((ck, sk, k), (cv, sv, v)))
             if sk is not None:  # int8 cache: K / V written quantized, one scale per (token, KV head)
                 (k, ks), (v, vs) = quantize_kv(k), quantize_kv(v)
             if write_cache:  # the window written in place; each bucket branch cuts layer i's first slots
-                if not drop_kept:
-                    ck, cv = write_rows(ck, k, q_offset, layer=i), write_rows(cv, v, q_offset, layer=i)
+                kept = keep if drop_kept else None
+                ck, cv = write_rows(ck, k, q_offset, layer=i, keep=kept), write_rows(cv, v, q_offset, layer=i, keep=kept)
                 if sk is not None:
                     sk, sv = write_rows(sk, ks, q_offset, layer=i), write_rows(sv, vs, q_offset, layer=i)
                 # the stacked arrays themselves go into the switch: XLA passes them without a copy,

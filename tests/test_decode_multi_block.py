@@ -330,7 +330,7 @@ def test_approx_cache_follows_d3llm_dream(delay, refresh, setting):
 def test_approx_cache_on_the_pallas_kernels_follows_d3llm():
     """cache_mode="approx" on the Pallas kernels (interpret mode here), which read the stacked cache
     in place: the slots a row keeps (below its cache edge) are dropped from the K/V write rather
-    than read back and rewritten (`jdllm.model.write_rows_except`); d3LLM's replay token for token,
+    than read back and rewritten (`jdllm.model.write_rows(keep=)`); d3LLM's replay token for token,
     with refreshes beside suffix forwards in one batch, and a row alone."""
     m0 = bidir_model()
     m = Model(m0.config, m0.params, attn_impl="pallas")

@@ -155,7 +155,7 @@ def _joined(m, par, prompts, settings, waits=(0, 2, 3)):
 
 
 # on the Pallas kernels (interpret mode here): the caches whose writes drop the slots a row keeps
-# (`jdllm.model.write_rows_except`) and whose window steps write back (prefix: one switch of writers)
+# (`jdllm.model.write_rows(keep=)`) and whose window steps write back (prefix: one switch of writers)
 PALLAS_JOIN_CASES = ("masked_prefix", "masked_one_block_prefix_dream", "multi_approx")
 
 

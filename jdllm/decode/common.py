@@ -27,7 +27,7 @@ import numpy as np
 from jdllm import errors
 from jdllm.config import ModelConfig
 from jdllm.inputs import to_device
-from jdllm.model import KVCache, default_positions, forward, predicts_next, write_rows
+from jdllm.model import KVCache, default_positions, forward, head_logits, predicts_next, write_rows
 from jdllm.sampling import RowSampling, Sample, apply_token_bitmask, exclude_token, row_keys, sample_rows, split_rows
 from jdllm.state import ABORT, INVALID, LENGTH, RUNNING, STOP, DecodeState, generated_mask, slot_index
 from pallas_kernels import resolve_impl
@@ -325,7 +325,7 @@ def compiled_widths(ctx: DecodeCtx, batch: int, widths) -> list[int]:
     return ([small[-1]] if small else []) + [w for w in widths if batch * w > weight_bound_tokens(ctx)]
 
 
-def switch_width(ctx: DecodeCtx, state: DecodeState, widths, need, forward_of, hidden_of=None, head=None):
+def switch_width(ctx: DecodeCtx, state: DecodeState, widths, need, forward_of, hidden_of=None, params=None):
     """`forward_of(width)(state)` for the narrowest compiled width (`compiled_widths`) >= need (a traced
     scalar; the widest when none is): one forward per window shape the paradigm distinguishes,
     under a `lax.switch`, or a plain call when one shape remains. A wider window than needed gives
@@ -339,9 +339,9 @@ def switch_width(ctx: DecodeCtx, state: DecodeState, widths, need, forward_of, h
     their form.
 
     More than two widths on the kernels, where the caller gives `hidden_of(width)(state) -> (state,
-    final-normed hidden states [B, N, D])` (`forward(head=False)`) and `head(hidden) -> logits`:
-    a switch of three or more branches copies the cache whatever they do, so the widths run as
-    `in_turn`'s chain of two-way conditionals instead, the LM head after it."""
+    final-normed hidden states [B, N, D])` (`forward(head=False)`) and the `params` whose LM head
+    turns them into logits: a switch of three or more branches copies the cache whatever they do,
+    so the widths run as `in_turn`'s chain of two-way conditionals instead, the LM head after it."""
     keep = compiled_widths(ctx, state.batch, widths)
     if len(keep) == 1:
         return forward_of(keep[0])(state)
@@ -350,7 +350,7 @@ def switch_width(ctx: DecodeCtx, state: DecodeState, widths, need, forward_of, h
         return jax.lax.switch(branch, [forward_of(w) for w in keep], state)
     if len(keep) > 2 and hidden_of is not None and state.cache is not None and state.cache.k_scale is None:
         state, hidden = in_turn(branch, [hidden_of(w) for w in keep], state)
-        return state, head(hidden)
+        return state, head_logits(params, ctx.model, hidden, ctx.attn_impl)
     return jax.lax.switch(branch, [in_place(forward_of(w)) for w in keep], state)
 
 
@@ -370,14 +370,14 @@ def in_turn(branch, forwards, state: DecodeState):
     2.2 GiB on its worst step; Fast-dLLM prefix 768 MiB and 1.7 GiB."""
     cache = state.cache
     slot = cache.k.shape[2] - 1
-    at = lambda: (0, 0, slot) + (0,) * (cache.k.ndim - 3)  # noqa: E731
+    at = (0, 0, slot) + (0,) * (cache.k.ndim - 3)  # layer 0, every row, the last slot
 
     def last(c):  # layer 0's last slot of every row: [1, B, 1, ...]
         return jax.lax.slice_in_dim(jax.lax.slice_in_dim(c, 0, 1, axis=0), slot, slot + 1, axis=2)
 
     def put(c, kv):
-        return dataclasses.replace(c, k=jax.lax.dynamic_update_slice(c.k, kv[0], at()),
-                                   v=jax.lax.dynamic_update_slice(c.v, kv[1], at()))
+        return dataclasses.replace(c, k=jax.lax.dynamic_update_slice(c.k, kv[0], at),
+                                   v=jax.lax.dynamic_update_slice(c.v, kv[1], at))
 
     orig = (last(cache.k), last(cache.v))
     hidden_shape = jax.eval_shape(lambda st: forwards[0](st)[1], state)

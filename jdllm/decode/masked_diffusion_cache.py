@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from jdllm.decode import common
-from jdllm.model import default_positions, forward, head_logits
+from jdllm.model import default_positions, forward
 from jdllm.state import DecodeState, slot_index
 
 
@@ -69,7 +69,7 @@ def refresh_or_window(par, params, ctx, state: DecodeState, plan: common.Plan, a
     four times per step. So dual's block steps write their block, and prefix runs one switch over
     its widths whose every branch writes (a refresh is the widest need: its floor is 0, or the
     row's start in a serving pool); the slots a row keeps are dropped from the write, not read
-    back (`jdllm.model.write_rows_except`). One row alone rewrites the whole canvas when it
+    back (`jdllm.model.write_rows(keep=)`). One row alone rewrites the whole canvas when it
     refreshes, so its refresh keeps nothing. 8B, P128 + G256 on an H100 (deviceless compile,
     `benchmarks/gpu_program.py`): dual 576-768 MiB of copies per step before, none now; prefix
     192 MiB in the loop body and 640 on its worst step before, none now. On the XLA attention
@@ -77,7 +77,6 @@ def refresh_or_window(par, params, ctx, state: DecodeState, plan: common.Plan, a
     cache it needs anyway, and there the writing variant costs whole-cache copies."""
     S, W = state.slots, plan.width
     shift = int(ctx.model.logit_shift)
-    head = lambda h: head_logits(params, ctx.model, h, ctx.attn_impl)  # noqa: E731 (after a chain of widths)
     refresh = work & (state.extra["i"] == 0)  # [B]
     b0 = par._block_start(state)  # [B]
     lo = b0 - shift  # [B] a window row's first recomputed slot
@@ -97,6 +96,12 @@ def refresh_or_window(par, params, ctx, state: DecodeState, plan: common.Plan, a
             return lambda st: cached_logits(params, ctx, st, S - width, width, at, keep_below=keep,
                                             write_cache=write, head=head)
 
+        if common.reads_cache_in_place(ctx):
+            # the kernels: one switch of writers (a refresh is the widest need, floor 0 or the row's
+            # start): the window steps write back what their next step recomputes (docstring)
+            return common.switch_width(ctx, state, widths, S - jnp.min(floor), lambda w: suffix(w, True),
+                                       hidden_of=lambda w: suffix(w, True, head=False), params=params)
+
         def refreshing(st):  # some row refreshes: the window's K/V are written (generate: the whole canvas)
             return common.switch_width(ctx, st, widths if ctx.own_layouts else [S], S - jnp.min(floor),
                                        lambda w: suffix(w, True))
@@ -104,11 +109,6 @@ def refresh_or_window(par, params, ctx, state: DecodeState, plan: common.Plan, a
         def windows(st):  # every row in its window: K/V the next step recomputes, not written back
             return common.switch_width(ctx, st, widths, S - jnp.min(floor), lambda w: suffix(w, False))
 
-        if common.reads_cache_in_place(ctx):
-            # the kernels: one switch of writers (a refresh is the widest need, floor 0 or the row's
-            # start): the window steps write back what their next step recomputes (docstring)
-            return common.switch_width(ctx, state, widths, S - jnp.min(floor), lambda w: suffix(w, True),
-                                       hidden_of=lambda w: suffix(w, True, head=False), head=head)
         return jax.lax.cond(jnp.any(refresh), refreshing, windows, state)
 
     hi = b0 + par._rows(state)[0]  # [B] the block's end (one block: the canvas end)
@@ -124,7 +124,7 @@ def refresh_or_window(par, params, ctx, state: DecodeState, plan: common.Plan, a
             return lambda s_: cached_logits(params, ctx, s_, S - w, w, at, keep_below=None if alone else below,
                                             keep_from=None if alone else above, head=head)
         return common.switch_width(ctx, st, common.suffix_widths(ctx, S), S - jnp.min(below), refresh_at,
-                                   hidden_of=lambda w: refresh_at(w, head=False), head=head)
+                                   hidden_of=lambda w: refresh_at(w, head=False), params=params)
 
     def blocks(st):  # dual, every row in its block: the block alone, the cached suffix visible
         if par.block_length is not None:  # each row's block at its own offset

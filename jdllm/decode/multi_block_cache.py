@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from jdllm.decode import common
 from jdllm.decode.multi_block_states import (ACTIVATED, COMPLETED, FULLY_ACTIVATED, INACTIVE, block_stats,
                                              block_view, first_open, num_blocks)
-from jdllm.model import default_positions, forward, head_logits
+from jdllm.model import default_positions, forward
 from jdllm.state import DecodeState
 
 WINDOW_BLOCKS = 4  # cache_mode="window" recomputes this many blocks (+ 1) when max_blocks is None
@@ -260,8 +260,7 @@ class ApproxCache(CacheStrategy):
             return run
 
         return common.switch_width(ctx, state, widths, S - jnp.min(floor), suffix_forward,
-                                   hidden_of=lambda w: suffix_forward(w, head=False),
-                                   head=lambda h: head_logits(params, ctx.model, h, ctx.attn_impl))
+                                   hidden_of=lambda w: suffix_forward(w, head=False), params=params)
 
 
 @dataclasses.dataclass(frozen=True)
