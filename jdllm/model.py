@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from jdllm import errors, quant
 from jdllm.config import ModelConfig
 from pallas_kernels import attention as attention_op
-from pallas_kernels import resolve_impl
+from pallas_kernels import dequantize, resolve_impl
 from pallas_kernels.common import dot_precision
 
 Params = dict[str, Any]
@@ -266,8 +266,7 @@ def quantize_kv(x):
     return jnp.clip(jnp.round(xf / scale), -127, 127).astype(jnp.int8), scale
 
 
-def dequantize_kv(q, scale, dtype):
-    return (q.astype(jnp.float32) * scale).astype(dtype)
+dequantize_kv = dequantize  # int8 values and their scales [..., 1] -> dtype: what every attention path reads
 
 
 # --------------------------------------------------------------------------- pieces
@@ -508,11 +507,14 @@ def forward(params: Params, cfg: ModelConfig, tokens, positions, *, start, cache
                 k = rms_norm(k, lp["k_norm"], cfg.rms_norm_eps)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
-        def attend(keys, vals, layer=None):  # layer: keys / vals are the stacked cache, read at that layer
-            cast = (lambda x: x) if layer is not None else (lambda x: x.astype(q.dtype))  # noqa: E731
+        def attend(keys, vals, layer=None, scales=(None, None)):
+            # layer: keys / vals are the stacked cache, read at that layer; scales: an int8 cache's,
+            # dequantized by the attention (on chip by the Pallas kernels)
+            keep_dtype = layer is not None or scales[0] is not None
+            cast = (lambda x: x) if keep_dtype else (lambda x: x.astype(q.dtype))  # noqa: E731
             return attention_op(q, cast(keys), cast(vals), start=start, q_offset=q_offset,
                                 kv_len=kv_len, kind=cfg.attention, block_size=cfg.block_size,
-                                impl=attn_impl, mask=attn_mask, layer=layer)
+                                impl=attn_impl, mask=attn_mask, layer=layer, k_scale=scales[0], v_scale=scales[1])
 
         if ck is None:
             a = attend(k, v)
@@ -524,12 +526,12 @@ def forward(params: Params, cfg: ModelConfig, tokens, positions, *, start, cache
                 # call); alone, one norm kernel serves every layer
                 k = jax.lax.optimization_barrier(k)
             # on the kernels (they read the cache where it lies) the kept slots are dropped from the
-            # write (`write_rows(keep=)`) instead of read back and merged
-            drop_kept = merge_cached and sk is None and write_cache and in_place
+            # write (`write_rows(keep=)`; an int8 cache's scales too) instead of read back and merged
+            drop_kept = merge_cached and write_cache and in_place
             if merge_cached and sk is None and not drop_kept:  # keep the cached K/V outside [below, from)
                 k, v = (jnp.where(keep[:, :, None, None], window_of(c[i]), x.astype(c.dtype))
                         for c, x in ((ck, k), (cv, v)))
-            elif merge_cached and sk is not None:  # int8: re-quantizing a kept row gives it back
+            elif merge_cached and not drop_kept:  # int8: re-quantizing a kept row gives it back
                 k, v = (jnp.where(keep[:, :, None, None], dequantize_kv(window_of(c[i]), window_of(sc[i]), x.dtype), x)
                         for c, sc, x in ((ck, sk, k), (cv, sv, v)))
             if sk is not None:  # int8 cache: K / V written quantized, one scale per (token, KV head)
@@ -538,7 +540,8 @@ def forward(params: Params, cfg: ModelConfig, tokens, positions, *, start, cache
                 kept = keep if drop_kept else None
                 ck, cv = write_rows(ck, k, q_offset, layer=i, keep=kept), write_rows(cv, v, q_offset, layer=i, keep=kept)
                 if sk is not None:
-                    sk, sv = write_rows(sk, ks, q_offset, layer=i), write_rows(sv, vs, q_offset, layer=i)
+                    sk, sv = (write_rows(sk, ks, q_offset, layer=i, keep=kept),
+                              write_rows(sv, vs, q_offset, layer=i, keep=kept))
                 # the stacked arrays themselves go into the switch: XLA passes them without a copy,
                 # where slicing layer i out first copied it whole (AR at gen 512: 374 of 2,416 ms of
                 # XLA op time)
@@ -557,12 +560,14 @@ def forward(params: Params, cfg: ModelConfig, tokens, positions, *, start, cache
             def upto(n):  # attention over this layer's cache slots [0, n)
                 if merge_window:
                     return lambda ck, cv, k, v: attend_merged(n, ck, cv, k, v)
-                if sk is None and stacked and in_place and n == ck.shape[2]:
-                    return lambda kl, vl: attend(kl, vl, layer=i)  # the kernel reads layer i where it lies
+                whole = stacked and in_place and n == ck.shape[2]  # the kernel reads layer i where it lies
+                if sk is None and whole:
+                    return lambda kl, vl: attend(kl, vl, layer=i)
                 if sk is None:
                     return lambda kl, vl: attend(cut(kl, n), cut(vl, n))
-                return lambda kl, vl, ks, vs: attend(dequantize_kv(cut(kl, n), cut(ks, n), q.dtype),
-                                                     dequantize_kv(cut(vl, n), cut(vs, n), q.dtype))
+                if whole:  # an int8 cache too, its tiles scaled on chip
+                    return lambda kl, vl, ks, vs: attend(kl, vl, layer=i, scales=(ks, vs))
+                return lambda kl, vl, ks, vs: attend(cut(kl, n), cut(vl, n), scales=(cut(ks, n), cut(vs, n)))
 
             def attend_merged(n, ck, cv, k, v):
                 # this layer's cached slots [0, n + T) copied and the window written there (where it

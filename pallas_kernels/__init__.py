@@ -108,8 +108,13 @@ def _cudnn(q, k, v, *, start, q_offset, kv_len, kind, block_size, scale):
                                         implementation="cudnn")
 
 
+def dequantize(x, scale, dtype):
+    """An int8 KV cache's values x with their float32 scales [..., 1], in `dtype`."""
+    return (x.astype(jnp.float32) * scale).astype(dtype)
+
+
 def attention(q, k, v, *, start, q_offset=0, kv_len=None, kind="causal", block_size=1,
-              scale=None, impl="auto", mask=None, layer=None):
+              scale=None, impl="auto", mask=None, layer=None, k_scale=None, v_scale=None):
     """q [B, T, H, D], k/v [B, S, KV, D], start [B] -> [B, T, H, D].
 
     Query t sits at absolute slot q_offset + t; keys at slots >= kv_len are
@@ -121,11 +126,21 @@ def attention(q, k, v, *, start, q_offset=0, kv_len=None, kind="causal", block_s
     keys are its layer `layer`: the Pallas kernels read it in place (`flash.attention`), where a
     slice handed to a kernel is a copy of the layer's cache on every call; the other
     implementations take the slice.
+
+    k_scale / v_scale (float32 [B, S, KV, 1], stacked [L, ...]): k / v are an int8 KV cache. The
+    Pallas kernels read it as int8 and scale on chip (`flash.attention`); the other
+    implementations (and a mesh's `ShardedAttention`) take it dequantized to q's dtype.
     """
-    if layer is not None and (mask is not None or resolve_impl(impl) != "pallas"
-                              or isinstance(impl, ShardedAttention)):
+    scaled = k_scale is not None
+    pallas = mask is None and not isinstance(impl, ShardedAttention) and resolve_impl(impl) == "pallas"
+    if layer is not None and not pallas:
         k, v = (jax.lax.dynamic_index_in_dim(x, jnp.asarray(layer, jnp.int32), 0, keepdims=False) for x in (k, v))
+        if scaled:
+            k_scale, v_scale = (jax.lax.dynamic_index_in_dim(x, jnp.asarray(layer, jnp.int32), 0, keepdims=False)
+                                for x in (k_scale, v_scale))
         layer = None
+    if scaled and not pallas:
+        k, v, k_scale, v_scale = dequantize(k, k_scale, q.dtype), dequantize(v, v_scale, q.dtype), None, None
     if mask is not None:
         return masked_attention_reference(q, k, v, mask, scale=scale)
     if kind not in KINDS:
@@ -142,7 +157,7 @@ def attention(q, k, v, *, start, q_offset=0, kv_len=None, kind="causal", block_s
     if impl == "cudnn":
         return _cudnn(q, k, v, **kw)
     from pallas_kernels import flash  # noqa: PLC0415 (imported only when asked for)
-    return flash.attention(q, k, v, **kw, layer=layer)
+    return flash.attention(q, k, v, **kw, layer=layer, k_scale=k_scale, v_scale=v_scale)
 
 
 __all__ = ["attention", "ShardedAttention", "attention_reference", "visible_mask", "horizon", "resolve_impl",

@@ -74,9 +74,15 @@ WINDOW_MAX_T = 128  # queries above this use the prefill kernel
 STACKED_TRITON_MAX_T = 512
 
 
-def _attend(q, rows_p, k_ref, v_ref, bounds, *, start, kvl, block_k, kind, block_size, qk_scale, lead=()):
+def _attend(q, rows_p, k_ref, v_ref, bounds, *, start, kvl, block_k, kind, block_size, qk_scale, lead=(),
+            scale_refs=None):
     """Online softmax of q [R, D] over key tiles `bounds` of k_ref/v_ref [S, D] (or, with `lead`
     indices, [*, S, D]: a stacked cache's block, read at those leading indices).
+
+    scale_refs (ks_ref, vs_ref) [S] (or [*, S]), optional: k / v are int8 with one float32 scale per
+    key (an int8 KV cache); each tile is converted to q's dtype on chip (exact: |int8| <= 127), the
+    scores are scaled per key column and the probabilities by V's scale before the PV dot, so the
+    kernel reads one byte per element where a dequantized copy cost a read, a write and a read of two.
 
     rows_p [R]: absolute slot of each row's query. Returns (acc [R, D] f32,
     m [R] f32 running max in log2 units, l [R] f32 normaliser); acc is not yet
@@ -89,13 +95,21 @@ def _attend(q, rows_p, k_ref, v_ref, bounds, *, start, kvl, block_k, kind, block
         k0 = t * block_k
         k = k_ref[(*lead, pl.ds(k0, block_k), slice(None))]  # [bk, D]
         v = v_ref[(*lead, pl.ds(k0, block_k), slice(None))]  # [bk, D]
-        s = dot(q, k, ((1,), (1,))) * qk_scale  # [R, bk]
         vis = None
         if masked:
             cols = k0 + lax.broadcasted_iota(jnp.int32, (1, block_k), 1)  # [1, bk]
             end = key_end(rows_p, kind, block_size, kvl)[:, None]  # [R, 1]
             vis = (cols >= start) & (cols < end)  # [R, bk]
-        return online_softmax_step(carry, s, vis, lambda p: dot(p.astype(v.dtype), v, ((1,), (0,))))
+        if scale_refs is None:
+            s = dot(q, k, ((1,), (1,))) * qk_scale  # [R, bk]
+            return online_softmax_step(carry, s, vis, lambda p: dot(p.astype(v.dtype), v, ((1,), (0,))))
+        ks, vs = (lax.broadcast_in_dim(r[(*lead, pl.ds(k0, block_k))], (R, block_k), [1]) for r in scale_refs)
+        s = dot(q, k.astype(q.dtype), ((1,), (1,))) * (ks * qk_scale)  # [R, bk]
+
+        def pv(p):  # a hidden key's scale may be anything (a stale or unwritten slot): 0 * NaN
+            pw = p * vs if vis is None else jnp.where(vis, p * vs, 0.0)
+            return dot(pw.astype(q.dtype), v.astype(q.dtype), ((1,), (0,)))
+        return online_softmax_step(carry, s, vis, pv)
 
     carry = (jnp.zeros((R, D), jnp.float32), jnp.full((R,), NEG, jnp.float32),
              jnp.zeros((R,), jnp.float32))
@@ -106,10 +120,11 @@ def _attend(q, rows_p, k_ref, v_ref, bounds, *, start, kvl, block_k, kind, block
 
 # --------------------------------------------------------------------------- prefill kernel
 def _prefill_kernel(start_ref, qoff_ref, kvl_ref, *refs, T, S, num_q_tiles,
-                    block_q, block_k, kind, block_size, qk_scale, with_lse=False, stacked=False):
-    # refs: [layer_ref (stacked)], q_ref, k_ref, v_ref, [poisoned buffers aliased to the outputs
-    # (unused)], o_ref[, lse_ref]
+                    block_q, block_k, kind, block_size, qk_scale, with_lse=False, stacked=False, scaled=False):
+    # refs: [layer_ref (stacked)], q_ref, k_ref, v_ref, [ks_ref, vs_ref (scaled)], [poisoned buffers
+    # aliased to the outputs (unused)], o_ref[, lse_ref]
     lead, (q_ref, k_ref, v_ref, *refs) = _layer_lead(refs, stacked)
+    scale_refs, refs = (tuple(refs[:2]), refs[2:]) if scaled else (None, refs)
     o_ref, lse_ref = (refs[-2], refs[-1]) if with_lse else (refs[-1], None)
     i = num_q_tiles - 1 - pl.program_id(0)  # heaviest (last) query tiles launch first
     start, qoff, kvl = start_ref[()], qoff_ref[()], kvl_ref[()]
@@ -117,20 +132,21 @@ def _prefill_kernel(start_ref, qoff_ref, kvl_ref, *refs, T, S, num_q_tiles,
     bounds = query_rows_bounds(i * block_q, block_q, T=T, S=S, start=start, qoff=qoff, kvl=kvl, block_k=block_k,
                                kind=kind, block_size=block_size)
     acc, m, l = _attend(q_ref[...], rows_p, k_ref, v_ref, bounds, start=start, kvl=kvl,
-                        block_k=block_k, kind=kind, block_size=block_size, qk_scale=qk_scale, lead=lead)
+                        block_k=block_k, kind=kind, block_size=block_size, qk_scale=qk_scale, lead=lead,
+                        scale_refs=scale_refs)
     o_ref[...] = normalise(acc, l).astype(o_ref.dtype)
     if with_lse:
         lse_ref[...] = row_lse(m, l)
 
 
-def stacked_key_tile(q, k, tile_k: int, backend: str) -> int | None:
+def stacked_key_tile(q, k, tile_k: int, backend: str, scaled: bool = False) -> int | None:
     """The key tile with which a kernel reads layer `layer` of a stacked cache k [L, B, S, KV, D]
     where it lies, or None when it cannot: the cache must need no padding (head_dim a power of
-    two, q's dtype, S a multiple of the tile: `tile_k`, else the largest smaller tile dividing S,
-    down to the backend's minimum), else the layer is sliced out (a copy of it) and padded as
-    before."""
+    two, q's dtype (or int8 with scales: `scaled`), S a multiple of the tile: `tile_k`, else the
+    largest smaller tile dividing S, down to the backend's minimum), else the layer is sliced out
+    (a copy of it) and padded as before."""
     S, D = k.shape[2], k.shape[-1]
-    if padded_head_dim(D, backend) != D or k.dtype != q.dtype:
+    if padded_head_dim(D, backend) != D or k.dtype != (jnp.int8 if scaled else q.dtype):
         return None
     bk, floor = tile_size(tile_k, S, backend), (MIN_TILE if backend == "triton" else 1)
     while S % bk and bk > floor:
@@ -143,14 +159,59 @@ def _layer_of(k, v, layer):
     return (lax.dynamic_index_in_dim(x, jnp.asarray(layer, jnp.int32), 0, keepdims=False) for x in (k, v))
 
 
-def _stacked_keys(q, k, v, layer, tiles: Tiles, backend: str):
-    """(k, v, key tile or None): a stacked cache's k / v as they are and the tile that reads its layer
-    in place (`stacked_key_tile`), else that layer's slice (a copy) and None; k / v unchanged
-    without `layer`."""
-    bk = None if layer is None else stacked_key_tile(q, k, tiles.block_k, backend)
+def _stacked_keys(q, k, v, layer, tiles: Tiles, backend: str, scales=None):
+    """(k, v, scales, key tile or None): a stacked cache's k / v (and an int8 cache's scales) as
+    they are and the tile that reads its layer in place (`stacked_key_tile`), else that layer's
+    slice (a copy) and None; all unchanged without `layer`."""
+    bk = None if layer is None else stacked_key_tile(q, k, tiles.block_k, backend, scaled=scales is not None)
     if layer is not None and bk is None:
         k, v = _layer_of(k, v, layer)
-    return k, v, bk
+        scales = None if scales is None else tuple(_layer_of(*scales, layer))
+    return k, v, scales, bk
+
+
+def _scale_pair(k, k_scale, v_scale):
+    """An int8 cache's scales as the kernels take them: float32 [.., S, KV] (the cache's [.., S, KV, 1]
+    without its last axis, a bitcast), or None without them."""
+    if (k_scale is None) != (v_scale is None):
+        raise ValueError("k_scale and v_scale go together (an int8 KV cache's two scale arrays)")
+    if k_scale is None:
+        return None
+    if k.dtype != jnp.int8:
+        raise ValueError(f"scales come with an int8 cache; k is {k.dtype}")
+    want = k.shape[:-1]
+    out = []
+    for x in (k_scale, v_scale):
+        if x.shape == (*want, 1):
+            x = x.reshape(want)
+        if x.shape != want:
+            raise ValueError(f"int8 KV scales must be {(*want, 1)} for k {k.shape}; got {x.shape}")
+        out.append(x.astype(jnp.float32))
+    return tuple(out)
+
+
+def _scale_specs(scales, stacked: bool, Sp: int, index):
+    """The scales' BlockSpecs: every slot of the program's (row, KV head) (every layer if stacked),
+    `index(*grid ids) -> (b, kv head)`; empty without scales."""
+    if scales is None:
+        return []
+    if stacked:
+        spec = pl.BlockSpec((scales[0].shape[0], None, Sp, None), lambda *g: (0, index(*g)[0], 0, index(*g)[1]))
+    else:
+        spec = pl.BlockSpec((None, Sp, None), lambda *g: (index(*g)[0], 0, index(*g)[1]))
+    return [spec, spec]
+
+
+def _pad_unstacked(q, k, v, scales, backend: str, Sp: int, pad_q_to: int | None = None):
+    """Pad head_dim (all three) and S to the key tiles (k / v, and the scales); K / V in q's dtype
+    unless int8 with scales (then converted in the kernel)."""
+    if scales is None:
+        k, v = k.astype(q.dtype), v.astype(q.dtype)
+    q, k, v = pad_head_dim(q, k, v, backend)
+    if pad_q_to is not None:
+        q = pad_axis(q, 1, pad_q_to)
+    k, v = pad_axis(k, 1, Sp), pad_axis(v, 1, Sp)
+    return q, k, v, None if scales is None else tuple(pad_axis(x, 1, Sp) for x in scales)
 
 
 def _layer_operand(layer, stacked: bool):
@@ -169,7 +230,7 @@ def _layer_lead(refs, stacked: bool):
 
 def prefill_attention(q, k, v, *, start, q_offset=0, kv_len=None, kind="causal", block_size=1,
                       scale=None, tiles: Tiles = Tiles(), backend: str | None = None,
-                      poison: bool = False, return_lse: bool = False, layer=None):
+                      poison: bool = False, return_lse: bool = False, layer=None, k_scale=None, v_scale=None):
     """Flash attention forward: q [B, T, H, D], k/v [B, S, KV, D] -> [B, T, H, D].
 
     start [B]; q_offset, kv_len: ints or traced int32 scalars. T and S need not
@@ -179,10 +240,12 @@ def prefill_attention(q, k, v, *, start, q_offset=0, kv_len=None, kind="causal",
     log2-sum-exp2 [B, H, T] f32 the backward needs. `layer` (an int32 scalar,
     traced or not): k / v are a stacked cache [L, B, S, KV, D] and the keys are
     its layer `layer`, read in place when `stacked_key_tile` allows (a slice,
-    i.e. a copy of the layer, otherwise).
+    i.e. a copy of the layer, otherwise). k_scale / v_scale [B, S, KV, 1] (stacked: [L, ...]): k / v
+    are an int8 cache with one float32 scale per key and KV head, dequantized in the kernel.
     """
     backend = plain_backend(backend or default_backend())
-    k, v, stacked_bk = _stacked_keys(q, k, v, layer, tiles, backend)
+    scales = _scale_pair(k, k_scale, v_scale)
+    k, v, scales, stacked_bk = _stacked_keys(q, k, v, layer, tiles, backend, scales)
     stacked = stacked_bk is not None
     B, T, H, D = q.shape
     S, KV = k.shape[-3], k.shape[-2]
@@ -194,15 +257,14 @@ def prefill_attention(q, k, v, *, start, q_offset=0, kv_len=None, kind="causal",
     if stacked:  # no padding (`stacked_key_tile`): the cache goes in as it is
         q = pad_axis(q, 1, Tp)
     else:
-        q, k, v = pad_head_dim(q, k.astype(q.dtype), v.astype(q.dtype), backend)
-        q, k, v = pad_axis(q, 1, Tp), pad_axis(k, 1, Sp), pad_axis(v, 1, Sp)
+        q, k, v, scales = _pad_unstacked(q, k, v, scales, backend, Sp, pad_q_to=Tp)
     Dp = q.shape[-1]
     start, qoff, kvl = row_scalars(start, q_offset, kv_len, B, S)
     nq = Tp // bq
 
     kernel = functools.partial(_prefill_kernel, T=T, S=S, num_q_tiles=nq, block_q=bq, block_k=bk,
                                kind=kind, block_size=block_size, qk_scale=scale * LOG2E,
-                               with_lse=return_lse, stacked=stacked)
+                               with_lse=return_lse, stacked=stacked, scaled=scales is not None)
     row = pl.BlockSpec((None,), lambda i, b, h: (b,))
     q_spec = pl.BlockSpec((None, bq, None, Dp), lambda i, b, h: (b, nq - 1 - i, h, 0))
     if stacked:  # every layer of (row, KV head) in the block; the kernel reads its layer's tiles
@@ -215,8 +277,9 @@ def prefill_attention(q, k, v, *, start, q_offset=0, kv_len=None, kind="causal",
         out_shape.append(jax.ShapeDtypeStruct((B, H, Tp), jnp.float32))
         out_specs.append(pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, nq - 1 - i)))
     lyr, lyr_spec = _layer_operand(layer, stacked)
-    args, in_specs, aliases = _poisoned([start, qoff, kvl, *lyr, q, k, v],
-                                        [row, row, row, *lyr_spec, q_spec, kv_spec, kv_spec],
+    s_specs = _scale_specs(scales, stacked, Sp, lambda i, b, h: (b, lax.div(h, G)))
+    args, in_specs, aliases = _poisoned([start, qoff, kvl, *lyr, q, k, v, *(scales or ())],
+                                        [row, row, row, *lyr_spec, q_spec, kv_spec, kv_spec, *s_specs],
                                         out_shape, out_specs, poison)
     outs = pl.pallas_call(
         kernel,
@@ -247,9 +310,11 @@ def _poisoned(args, in_specs, out_shape, out_specs, poison: bool):
 
 # --------------------------------------------------------------------------- window kernel
 def _window_kernel(start_ref, qoff_ref, kvl_ref, *refs, T, G, S, num_splits,
-                   block_r, block_k, kind, block_size, qk_scale, stacked=False):
-    # refs: [layer_ref (stacked)], q_ref, k_ref, v_ref, [poisoned buffers], acc_ref, m_ref, l_ref
+                   block_r, block_k, kind, block_size, qk_scale, stacked=False, scaled=False):
+    # refs: [layer_ref (stacked)], q_ref, k_ref, v_ref, [ks_ref, vs_ref (scaled)], [poisoned buffers],
+    # acc_ref, m_ref, l_ref
     lead, (q_ref, k_ref, v_ref, *refs) = _layer_lead(refs, stacked)
+    scale_refs, refs = (tuple(refs[:2]), refs[2:]) if scaled else (None, refs)
     acc_ref, m_ref, l_ref = refs[-3:]
     ri, sj = pl.program_id(2), pl.program_id(3)
     start, qoff, kvl = start_ref[()], qoff_ref[()], kvl_ref[()]
@@ -267,7 +332,8 @@ def _window_kernel(start_ref, qoff_ref, kvl_ref, *refs, T, G, S, num_splits,
                           hi_slot=jnp.minimum(lo_slot + per_split * block_k, S), block_k=block_k,
                           kind=kind, block_size=block_size)
     acc, m, l = _attend(q_ref[...], rows_p, k_ref, v_ref, bounds, start=start, kvl=kvl,
-                        block_k=block_k, kind=kind, block_size=block_size, qk_scale=qk_scale, lead=lead)
+                        block_k=block_k, kind=kind, block_size=block_size, qk_scale=qk_scale, lead=lead,
+                        scale_refs=scale_refs)
     acc_ref[...] = acc
     m_ref[...] = m
     l_ref[...] = l
@@ -295,7 +361,7 @@ def _default_splits(programs: int, key_tiles: int) -> int:
 
 def window_attention(q, k, v, *, start, q_offset=0, kv_len=None, kind="causal", block_size=1,
                      scale=None, tiles: Tiles = Tiles(), backend: str | None = None,
-                     poison: bool = False, return_lse: bool = False, layer=None):
+                     poison: bool = False, return_lse: bool = False, layer=None, k_scale=None, v_scale=None):
     """Flash-decoding attention of a short window q [B, T, H, D] over k/v [B, S, KV, D].
 
     Rows of a program are (query, head-in-group) pairs, r = t * G + g, so each
@@ -304,12 +370,13 @@ def window_attention(q, k, v, *, start, q_offset=0, kv_len=None, kind="causal", 
     `tiles.num_splits` programs (so a short kv_len in a long cache still uses
     every program) and the partial (acc, max, sum) are merged here in XLA.
     K/V are copied only when S is not a multiple of the key tile.
-    `poison=True` pre-fills the partial buffers with NaN; `return_lse` and
+    `poison=True` pre-fills the partial buffers with NaN; `return_lse`,
     `layer` (k / v a stacked cache [L, B, S, KV, D], its layer read in place)
-    as in `prefill_attention`.
+    and `k_scale` / `v_scale` (an int8 cache) as in `prefill_attention`.
     """
     backend = plain_backend(backend or default_backend())
-    k, v, stacked_bk = _stacked_keys(q, k, v, layer, tiles, backend)
+    scales = _scale_pair(k, k_scale, v_scale)
+    k, v, scales, stacked_bk = _stacked_keys(q, k, v, layer, tiles, backend, scales)
     stacked = stacked_bk is not None
     B, T, H, D = q.shape
     S, KV = k.shape[-3], k.shape[-2]
@@ -325,8 +392,7 @@ def window_attention(q, k, v, *, start, q_offset=0, kv_len=None, kind="causal", 
     split_tiles = pl.cdiv(key_tiles, min(ns, key_tiles))
     ns = pl.cdiv(key_tiles, split_tiles)  # no empty trailing split
     if not stacked:  # (stacked: nothing to pad, `stacked_key_tile`)
-        q, k, v = pad_head_dim(q, k.astype(q.dtype), v.astype(q.dtype), backend)
-        k, v = pad_axis(k, 1, Sp), pad_axis(v, 1, Sp)
+        q, k, v, scales = _pad_unstacked(q, k, v, scales, backend, Sp)
     Dp = q.shape[-1]
     qp = q.reshape(B, T, KV, G, Dp).transpose(0, 2, 1, 3, 4).reshape(B, KV, R, Dp)
     qp = pad_axis(qp, 2, Rp)  # [B, KV, Rp, Dp]
@@ -334,7 +400,7 @@ def window_attention(q, k, v, *, start, q_offset=0, kv_len=None, kind="causal", 
 
     kernel = functools.partial(_window_kernel, T=T, G=G, S=S, num_splits=ns,
                                block_r=br, block_k=bk, kind=kind, block_size=block_size,
-                               qk_scale=scale * LOG2E, stacked=stacked)
+                               qk_scale=scale * LOG2E, stacked=stacked, scaled=scales is not None)
     row = pl.BlockSpec((None,), lambda b, h, r, s: (b,))
     q_spec = pl.BlockSpec((None, None, br, Dp), lambda b, h, r, s: (b, h, r, 0))
     if stacked:  # every layer of (row, KV head) in the block; the kernel reads its layer's tiles
@@ -348,8 +414,9 @@ def window_attention(q, k, v, *, start, q_offset=0, kv_len=None, kind="causal", 
                  jax.ShapeDtypeStruct((B, KV, ns, Rp), jnp.float32)]
     out_specs = [acc_spec, ml_spec, ml_spec]
     lyr, lyr_spec = _layer_operand(layer, stacked)
-    args, in_specs, aliases = _poisoned([start, qoff, kvl, *lyr, qp, k, v],
-                                        [row, row, row, *lyr_spec, q_spec, kv_spec, kv_spec],
+    s_specs = _scale_specs(scales, stacked, Sp, lambda b, h, r, s: (b, h))
+    args, in_specs, aliases = _poisoned([start, qoff, kvl, *lyr, qp, k, v, *(scales or ())],
+                                        [row, row, row, *lyr_spec, q_spec, kv_spec, kv_spec, *s_specs],
                                         out_shape, out_specs, poison)
     acc, m, l = pl.pallas_call(
         kernel,
@@ -402,9 +469,13 @@ class _Static:
     bwd: str
 
 
-def _forward(q, k, v, start, q_offset, kv_len, st: _Static, return_lse: bool = False, layer=None):
+def _forward(q, k, v, start, q_offset, kv_len, st: _Static, return_lse: bool = False, layer=None, scales=None):
     kw = dict(start=start, q_offset=q_offset, kv_len=kv_len, kind=st.kind,
               block_size=st.block_size, scale=st.scale, return_lse=return_lse)
+    if scales is not None:  # an int8 cache: the Triton kernels convert its tiles (the Mosaic one takes bf16)
+        fn = window_attention if st.variant == "window" else prefill_attention
+        return fn(q, k, v, **kw, tiles=st.tiles, backend=plain_backend(st.backend), layer=layer,
+                  k_scale=scales[0], v_scale=scales[1])
     if st.backend in ("mosaic", "mosaic_interpret") and st.variant == "prefill":
         # A stacked cache: the Mosaic (TMA) kernel takes one layer, a slice XLA copies on every call;
         # the Triton prefill reads the layer in place. The copy costs ~ S, the Mosaic kernel's lead
@@ -492,7 +563,7 @@ def choose_variant(T: int, S: int) -> str:
 
 def attention(q, k, v, *, start, q_offset=0, kv_len=None, kind="causal", block_size=1, scale=None,
               tiles: Tiles | None = None, backend: str | None = None, variant: str = "auto",
-              bwd: str = "pallas", layer=None):
+              bwd: str = "pallas", layer=None, k_scale=None, v_scale=None):
     """Pallas attention under the masking rule: q [B, T, H, D], k/v [B, S, KV, D] -> [B, T, H, D].
 
     variant "auto" picks the window (flash-decoding) kernel for T <= 128 over a
@@ -505,6 +576,12 @@ def attention(q, k, v, *, start, q_offset=0, kv_len=None, kind="causal", block_s
     keys are its layer `layer`. The Triton kernels read that layer where it lies (`stacked_key_tile`:
     head_dim a power of two, q's dtype, S a multiple of a key tile); the Mosaic prefill and other
     shapes take a slice of it, which XLA copies, as a caller's own slice would be.
+
+    k_scale / v_scale ([B, S, KV, 1] float32, stacked: [L, ...]): k / v are an int8 KV cache with
+    one scale per key and KV head (`jdllm.model.KVCache` with kv_cache_dtype "int8"). The Triton
+    kernels (window and prefill, on every backend) read the int8 tiles and scale on chip, so a
+    step reads half the bytes of a bfloat16 cache instead of a dequantized copy's three times as
+    many. A decoding path: not differentiable.
     """
     from jdllm import errors  # noqa: PLC0415 (keeps pallas_kernels importable alone)
 
@@ -536,6 +613,9 @@ def attention(q, k, v, *, start, q_offset=0, kv_len=None, kind="causal", block_s
     st = _Static(kind=kind, block_size=int(block_size), scale=scale, tiles=tiles, backend=backend,
                  variant=variant, bwd=bwd)
     scalars = (jnp.asarray(start, jnp.int32), jnp.asarray(q_offset, jnp.int32), jnp.asarray(kv_len, jnp.int32))
+    if k_scale is not None or v_scale is not None:
+        return _forward(q, k, v, *scalars, st, layer=None if layer is None else jnp.asarray(layer, jnp.int32),
+                        scales=(k_scale, v_scale))
     if layer is not None:
         return _attention_layer(q, k, v, jnp.asarray(layer, jnp.int32), *scalars, st)
     return _attention(q, k, v, *scalars, st)

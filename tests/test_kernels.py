@@ -429,6 +429,24 @@ def test_model_forward_on_the_mosaic_backend(monkeypatch):
 
 
 # ----------------------------------------------------------------------------- a stacked cache, in place
+def _pallas_operands(closed):
+    """The avals of every operand of every pallas_call in a jaxpr (and in the jaxprs inside it)."""
+    from jax.extend.core import jaxprs_in_params
+
+    found = []
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "pallas_call":
+                found.extend(v.aval for v in eqn.invars)
+            else:
+                for sub in jaxprs_in_params(eqn.params):
+                    walk(sub)
+
+    walk(closed.jaxpr)
+    return found
+
+
 def _pallas_operand_shapes(closed):
     """Shapes of every operand of every pallas_call in a jaxpr (and in the jaxprs inside it), and the
     output shapes of its dynamic_slice / slice / gather eqns."""
@@ -503,6 +521,52 @@ def test_a_stacked_cache_is_read_in_place_at_its_layer(variant, T, S, tiles, in_
         assert f'name = "jdllm_flash_{variant}"' in hlo
 
 
+@pytest.mark.parametrize("variant,T,S,tiles,stacked,dtype", slow_except([
+    ("window", 4, 64, flash.Tiles(block_r=8, block_k=16, num_splits=3), True, jnp.float32),
+    ("window", 1, 50, flash.Tiles(block_r=8, block_k=16), True, jnp.bfloat16),  # no tile divides 50: sliced
+    ("prefill", 24, 64, flash.Tiles(block_q=16, block_k=16), True, jnp.float32),
+    ("window", 3, 40, flash.Tiles(block_r=8, block_k=16, num_splits=2), False, jnp.float32),
+    ("prefill", 20, 50, flash.Tiles(block_q=8, block_k=16), False, jnp.bfloat16),
+], ("window", 4, 64, flash.Tiles(block_r=8, block_k=16, num_splits=3), True, jnp.float32)))
+def test_int8_cache_is_dequantized_in_the_kernel(variant, T, S, tiles, stacked, dtype):
+    """An int8 KV cache with its scales (`jdllm.model.quantize_kv`: one per key and KV head) through
+    the kernels equals the reference on the dequantized cache: in place at a stacked cache's layer
+    and on one layer, windows and prefill chunks, with every hidden slot's scale NaN (a stale or
+    unwritten slot: the kernel must not multiply a probability of 0 by it). The kernels take the
+    int8 arrays (no float copy of the cache); the XLA dispatch dequantizes and gives the reference."""
+    from jdllm.model import dequantize_kv, quantize_kv  # noqa: PLC0415
+
+    L, B, H, KV, D = 3, 2, 4, 2, 32
+    rng = np.random.default_rng(11)
+    q = jnp.asarray(rng.standard_normal((B, T, H, D)), dtype)
+    (k, ks), (v, vs) = (quantize_kv(jnp.asarray(rng.standard_normal((L, B, S, KV, D)), jnp.float32)) for _ in range(2))
+    start, kv_len = jnp.array([0, 5]), S - 2  # slots [kv_len, S) hidden from every query
+    hidden = np.arange(S) >= kv_len
+    ks, vs = (jnp.where(hidden[None, None, :, None, None], jnp.nan, x) for x in (ks, vs))
+    kw = dict(start=start, q_offset=kv_len - T, kv_len=kv_len, kind="block_causal", block_size=4)
+    with jax.default_matmul_precision(EXACT):
+        ref = attention_reference(q, dequantize_kv(k[1], jnp.nan_to_num(ks[1]), dtype),
+                                  dequantize_kv(v[1], jnp.nan_to_num(vs[1]), dtype), **kw)
+    run = dict(tiles=tiles, variant=variant, backend="interpret")
+    if stacked:
+        out = jax.jit(lambda *a: flash.attention(*a[:3], layer=jnp.int32(1), k_scale=a[3], v_scale=a[4], **kw, **run))(
+            q, k, v, ks, vs)
+    else:
+        out = jax.jit(lambda *a: flash.attention(*a[:3], k_scale=a[3], v_scale=a[4], **kw, **run))(
+            q, k[1], v[1], ks[1], vs[1])
+    assert _rel_err(out, ref) <= TOL[dtype]
+    finite = [jnp.nan_to_num(x) for x in (ks, vs)]  # (the XLA path multiplies every V by its scale)
+    xla = pallas_kernels.attention(q, k, v, layer=1, k_scale=finite[0], v_scale=finite[1], impl="xla", **kw)
+    assert _rel_err(xla, ref) <= TOL[dtype]
+    closed = jax.make_jaxpr(lambda q, k, v, ks, vs: flash.attention(q, k, v, layer=1, k_scale=ks, v_scale=vs, **kw,
+                                                                    **run))(q, k, v, ks, vs)
+    into, _ = _pallas_operand_shapes(closed)
+    in_place = flash.stacked_key_tile(q, k, tiles.block_k, "interpret", scaled=True) is not None
+    assert ((L, B, S, KV, D) in into) == in_place
+    kv_operands = [x for x in _pallas_operands(closed) if x.ndim >= 4 and x.shape[-3] >= S]  # k, v (not q's rows)
+    assert len(kv_operands) == 2 and all(x.dtype == jnp.int8 for x in kv_operands), kv_operands
+
+
 def test_stacked_prefill_chunks_on_hopper_pick_in_place_or_the_mosaic_kernel(monkeypatch):
     """On the Mosaic backend a prefill chunk over a stacked cache runs the Triton kernel in place up
     to STACKED_TRITON_MAX_T queries and the Mosaic kernel on the layer's slice beyond; both equal the
@@ -529,11 +593,15 @@ def test_stacked_prefill_chunks_on_hopper_pick_in_place_or_the_mosaic_kernel(mon
         assert ((L, B, S, KV, D) in into) == (not mosaic_runs)
 
 
-def test_model_forward_reads_its_stacked_cache_in_place():
+@pytest.mark.parametrize("kv", [None, "int8"])
+def test_model_forward_reads_its_stacked_cache_in_place(kv):
     """jdllm.model.forward with a KVCache on attn_impl="pallas": each layer's kernel takes the stacked
     cache itself, and the logits and the written cache equal the XLA path's (a prompt, then a
-    4-token window over a 32-slot cache)."""
-    cfg = _tiny_cfg("block_causal")
+    4-token window over a 32-slot cache). An int8 cache (kv_cache_dtype "int8"): the kernels take
+    the int8 cache and its scales, with no dequantized copy of a layer (the XLA path dequantizes
+    the layer it reads); the logits agree to float32 rounding (the kernel scales the scores, the XLA
+    path the keys) and the written int8 values to one step."""
+    cfg = _tiny_cfg("block_causal").replace(kv_cache_dtype=kv)
     params = init_params(cfg, jax.random.key(0))
     B, P, W, S = 2, 12, 4, 32
     start = jnp.array([0, 3], jnp.int32)
@@ -546,13 +614,19 @@ def test_model_forward_reads_its_stacked_cache_in_place():
                              cache=cache.commit(P), attn_impl=impl)
         return win, cache.k, cache.v
 
-    for got, want in zip(jax.jit(run, static_argnums=2)(params, tokens, "pallas"),
-                         jax.jit(run, static_argnums=2)(params, tokens, "xla")):
-        assert _rel_err(got, want) <= 1e-5
+    (win, k, v), (win_x, k_x, v_x) = (jax.jit(run, static_argnums=2)(params, tokens, impl) for impl in ("pallas", "xla"))
+    assert _rel_err(win, win_x) <= 1e-5
+    for got, want in ((k, k_x), (v, v_x)):
+        if kv is None:
+            assert _rel_err(got, want) <= 1e-5
+        else:
+            assert got.dtype == jnp.int8 and np.max(np.abs(np.asarray(got, np.int32) - np.asarray(want, np.int32))) <= 1
     into, cut = _pallas_operand_shapes(jax.make_jaxpr(run, static_argnums=2)(params, tokens, "pallas"))
     stacked = (cfg.num_layers, B, S, cfg.num_kv_heads, cfg.head_dim)
     assert into.count(stacked) == 2 * 2  # K and V, both forwards (the layer body, traced once)
     assert not any(sh[-4:] == stacked[1:] for sh in cut) and stacked[1:] not in into
+    if kv == "int8":  # and both scales, [L, B, S, KV] (the cache's [..., 1] as a bitcast)
+        assert into.count(stacked[:-1]) == 2 * 2
 
 
 # ----------------------------------------------------------------------------- Triton lowering

@@ -108,17 +108,23 @@ def test_merge_bound_from_the_environment(monkeypatch):
             common.weight_bound_tokens(ctx)
 
 
-def test_in_turn_equals_a_switch():
+@pytest.mark.parametrize("scaled", [False, True])
+def test_in_turn_equals_a_switch(scaled):
     """`common.in_turn` (the chain of two-way conditionals that keeps the cache in place on the
     kernels) gives what a switch gives, whichever branch runs: the taken forward's cache writes,
     the last slot included (the branches not taken write its original value back; the chain then
     restores what the taken one left there; one forward leaves it alone), its hidden states and its
-    forward count."""
+    forward count. `scaled`: an int8 cache, whose scales are restored alike."""
     model = bidir_model()
     prep = prepare(model, PROMPTS, CASES["multi_block_approx"][1], jdllm.Sampling(max_new_tokens=8))
     S = prep.state.slots
     k = jax.random.normal(jax.random.key(1), KVCache.empty(model.config, prep.state.batch, S).k.shape)
-    state = prep.state.replace(cache=KVCache(k=k, v=-k, length=jnp.zeros((prep.state.batch,), jnp.int32)))
+    scales = {}
+    if scaled:
+        k = jnp.round(k * 40).astype(jnp.int8)
+        ks = jax.random.uniform(jax.random.key(2), k.shape[:-1] + (1,))
+        scales = dict(k_scale=ks, v_scale=2 * ks)
+    state = prep.state.replace(cache=KVCache(k=k, v=-k, length=jnp.zeros((prep.state.batch,), jnp.int32), **scales))
     N, D = 3, 5
 
     def forward_of(j, width):  # writes the last `width` slots; a negative width: the first ones
@@ -126,8 +132,11 @@ def test_in_turn_equals_a_switch():
 
         def fwd(st):
             c = st.cache
-            k = c.k.at[:, :, cut].set(j + 1.0)
-            v = c.v.at[:, :, cut].set(-(j + 1.0))
+            k = c.k.at[:, :, cut].set(j + 1)
+            v = c.v.at[:, :, cut].set(-(j + 1))
+            if scaled:
+                c = dataclasses.replace(c, k_scale=c.k_scale.at[:, :, cut].set(j + 0.5),
+                                        v_scale=c.v_scale.at[:, :, cut].set(j + 0.25))
             st = st.replace(cache=dataclasses.replace(c, k=k, v=v), forwards=st.forwards + 1)
             return st, jnp.full((st.batch, N, D), float(j + 1), jnp.float32)
         return fwd

@@ -348,7 +348,7 @@ def switch_width(ctx: DecodeCtx, state: DecodeState, widths, need, forward_of, h
     branch = jnp.sum(need > jnp.asarray(keep[:-1], jnp.int32)).astype(jnp.int32)
     if not reads_cache_in_place(ctx):
         return jax.lax.switch(branch, [forward_of(w) for w in keep], state)
-    if len(keep) > 2 and hidden_of is not None and state.cache is not None and state.cache.k_scale is None:
+    if len(keep) > 2 and hidden_of is not None and state.cache is not None:
         state, hidden = in_turn(branch, [hidden_of(w) for w in keep], state)
         return state, head_logits(params, ctx.model, hidden, ctx.attn_impl)
     return jax.lax.switch(branch, [in_place(forward_of(w)) for w in keep], state)
@@ -370,22 +370,24 @@ def in_turn(branch, forwards, state: DecodeState):
     2.2 GiB on its worst step; Fast-dLLM prefix 768 MiB and 1.7 GiB."""
     cache = state.cache
     slot = cache.k.shape[2] - 1
-    at = (0, 0, slot) + (0,) * (cache.k.ndim - 3)  # layer 0, every row, the last slot
+    # the arrays the forwards write (an int8 cache's scales too), each [layers, B, S, ...]
+    names = ("k", "v") + (() if cache.k_scale is None else ("k_scale", "v_scale"))
 
-    def last(c):  # layer 0's last slot of every row: [1, B, 1, ...]
-        return jax.lax.slice_in_dim(jax.lax.slice_in_dim(c, 0, 1, axis=0), slot, slot + 1, axis=2)
+    def last(c):  # layer 0's last slot of every row of each array: [1, B, 1, ...]
+        return tuple(jax.lax.slice_in_dim(jax.lax.slice_in_dim(getattr(c, n), 0, 1, axis=0), slot, slot + 1, axis=2)
+                     for n in names)
 
     def put(c, kv):
-        return dataclasses.replace(c, k=jax.lax.dynamic_update_slice(c.k, kv[0], at),
-                                   v=jax.lax.dynamic_update_slice(c.v, kv[1], at))
+        return dataclasses.replace(c, **{n: jax.lax.dynamic_update_slice(getattr(c, n), x, (0, 0, slot) + (0,) * (x.ndim - 3))
+                                         for n, x in zip(names, kv)})
 
-    orig = (last(cache.k), last(cache.v))
+    orig = last(cache)
     hidden_shape = jax.eval_shape(lambda st: forwards[0](st)[1], state)
     hidden, after = None, None
     for j, fwd in enumerate(forwards):
         def taken(st, kv, fwd=fwd):
             st, h = fwd(st)
-            return st, h, (last(st.cache.k), last(st.cache.v))
+            return st, h, last(st.cache)
 
         def other(st, kv):
             return st.replace(cache=put(st.cache, kv)), jnp.zeros(hidden_shape.shape, hidden_shape.dtype), kv

@@ -1,0 +1,60 @@
+"""An int8 KV cache on the Pallas kernels (interpret mode here) decodes as the XLA path does.
+
+The kernels read the int8 cache and its scales where they lie and scale on chip
+(`pallas_kernels.flash.attention(k_scale=, v_scale=)`); the XLA path dequantizes the layer it reads.
+Both run the same model with kv_cache_dtype "int8" in float32, so tokens, step maps and forward
+counts must agree. The cases cover the cache paths that differ on the kernels: AR's one-query
+window, block_diffusion's block window, multi_block's approximate cache (kept slots dropped from
+the K/V and scale writes, widths in turn, `common.in_turn`, restoring the scales' last slot) and
+Fast-dLLM's prefix cache (one switch whose every branch writes).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import pytest
+
+import jdllm
+from jdllm.config import ModelConfig
+from jdllm.loading import Model
+from jdllm.model import init_params
+from tests.decode_fixtures import MASK, VOCAB, block_model, causal_model
+from tests.decode_fixtures import fast_compile  # noqa: F401 (fixture)
+from tests.quick import slow_except
+
+pytestmark = pytest.mark.usefixtures("fast_compile")
+
+PROMPTS = [[5, 17, 3, 44, 9, 12], [70, 2, 31], [8, 21, 55, 90, 13, 4, 27, 66, 1]]
+
+
+@functools.lru_cache(maxsize=None)
+def bidir_model() -> Model:
+    cfg = ModelConfig(model_type="llama", vocab_size=VOCAB, hidden_size=48, intermediate_size=96, num_layers=2,
+                      num_heads=4, num_kv_heads=2, head_dim=16, attention="bidirectional", mask_token_id=MASK,
+                      max_position_embeddings=256, eos_token_ids=())
+    return Model(cfg, init_params(cfg, jax.random.key(3), std=0.7), attn_impl="xla")
+
+
+CASES = {
+    "ar": (causal_model, lambda: jdllm.AR(), 10),
+    "block_diffusion": (block_model, lambda: jdllm.BlockDiffusion(block_length=4, denoising_steps=4), 12),
+    "multi_block_approx": (bidir_model, lambda: jdllm.MultiBlock(
+        block_size=4, entropy_threshold=0.3, block_add_threshold=0.25, decoded_token_threshold=0.75, max_blocks=3,
+        cache_mode="approx", cache_delay_iter=1, refresh_interval=3), 16),
+    "masked_diffusion_prefix": (bidir_model, lambda: jdllm.MaskedDiffusion(
+        block_length=8, confidence_threshold=0.5, cache_mode="prefix"), 16),
+}
+
+
+@pytest.mark.parametrize("case", slow_except(list(CASES), "multi_block_approx"))
+def test_int8_cache_on_the_kernels_decodes_as_the_xla_path(case):
+    make, decoding, max_new = CASES[case]
+    base = make()
+    cfg = base.config.replace(kv_cache_dtype="int8")
+    sampling = jdllm.Sampling(max_new_tokens=max_new, stop_token_ids=())
+    xla, kernels = (jdllm.generate(Model(cfg, base.params, attn_impl=impl), PROMPTS, decoding(), sampling)
+                    for impl in ("xla", "pallas"))
+    for x, k in zip(xla, kernels):
+        assert (k.token_ids, k.step_map, k.nfe) == (x.token_ids, x.step_map, x.nfe)
