@@ -453,7 +453,8 @@ def run_decode_case(case: Case, model, task, base_row: dict, timed=None) -> dict
         same &= [o.token_ids for o in outputs(prep, final)] == ref
     sec = statistics.median(times)
     forwards = int(jax.device_get(final.forwards))
-    kv = 0 if final.cache is None else int(final.cache.k.nbytes + final.cache.v.nbytes)
+    kv = 0 if final.cache is None else sum(int(x.nbytes) for x in (final.cache.k, final.cache.v, final.cache.k_scale,
+                                                                   final.cache.v_scale) if x is not None)
     peak, in_use = device_peak()
     per_row = float(np.mean([len(o.token_ids) for o in outs0]))
     nfe = float(np.mean([o.nfe for o in outs0]))
@@ -578,8 +579,10 @@ def profile_decode(run, forwards: int) -> dict:
 
 # --------------------------------------------------------------------------- long contexts (--long)
 def kv_cache_bytes(cfg, batch: int, slots: int, itemsize: int) -> int:
-    """Bytes of the K and V caches of every layer for `batch` rows of `slots` slots."""
-    return 2 * cfg.num_layers * batch * slots * cfg.num_kv_heads * cfg.head_dim * itemsize
+    """Bytes of the K and V caches of every layer for `batch` rows of `slots` slots (an int8 cache,
+    cfg.kv_cache_dtype "int8": one byte per element and a float32 scale per token and KV head)."""
+    per_head = cfg.head_dim + 4 if cfg.kv_cache_dtype == "int8" else cfg.head_dim * itemsize
+    return 2 * cfg.num_layers * batch * slots * cfg.num_kv_heads * per_head
 
 
 def prefill_activation_bytes(cfg, tokens: int, itemsize: int) -> int:
@@ -896,8 +899,8 @@ def child_main(task_path: str) -> int:
             write_json(out, state)
             mk = (case.attention, impl)
             if mk not in models:
-                models[mk] = Model(config=model_config(base, case.attention, task["block"]), params=params,
-                                   attn_impl=impl)
+                cfg = model_config(base, case.attention, task["block"]).replace(kv_cache_dtype=task.get("kv_cache"))
+                models[mk] = Model(config=cfg, params=params, attn_impl=impl)
             row = dict(shape=task["shape"], case=cid, name=case.name, label=case.label, paradigm=case.paradigm,
                        attention=case.attention, batch=case.batch, layout=task["layout"], impl=impl,
                        impl_resolved=resolve_impl(impl), flags=task["flags"], prompt=task["prompt"], gen=task["gen"],
@@ -906,7 +909,7 @@ def child_main(task_path: str) -> int:
                        copy_gbs=task.get("copy_gbs"), read_gbs=task.get("read_gbs"), floor_basis=floor_basis,
                        floor_ms=floor_ms, window=case.window, repeats=task["repeats"],
                        quantize=task.get("quantize"), quant_matmul=quant_matmul_mode(task.get("quantize")),
-                       merge_tokens=task.get("merge_tokens"))
+                       merge_tokens=task.get("merge_tokens"), kv_cache=task.get("kv_cache"))
             try:
                 if task["mode"] == "first_call":
                     row = first_call_row(case, models[mk], task, row)
@@ -1273,16 +1276,18 @@ def quant_matmul_mode(quantize) -> str | None:
 
 def weights_label(r: dict) -> str:
     qm = r.get("quant_matmul")
-    return (r.get("quantize") or "bf16") + ("" if qm in (None, "auto") else f" ({qm} dot)")
+    return ((r.get("quantize") or "bf16") + ("" if qm in (None, "auto") else f" ({qm} dot)")
+            + (f" + {r['kv_cache']} KV" if r.get("kv_cache") else ""))
 
 
 def row_key(r: dict) -> str:
-    """shape|case|batch|layout|impl|flags|prompt|gen[|merge N][|quantize]|device: a later session's row
+    """shape|case|batch|layout|impl|flags|prompt|gen[|merge N][|quantize][|kv-int8]|device: a later session's row
     replaces an earlier one of the same configuration on the same kind of device, never another device's."""
     key = "|".join(str(r.get(k, "")) for k in ("shape", "case", "batch", "layout", "impl", "flags", "prompt", "gen"))
     key += f"|merge{r['merge_tokens']}" if r.get("merge_tokens") is not None else ""
     key += f"|{r['quantize']}" if r.get("quantize") else ""
     key += f"|qmm-{r['quant_matmul']}" if r.get("quant_matmul") not in (None, "auto") else ""
+    key += f"|kv-{r['kv_cache']}" if r.get("kv_cache") else ""
     return key + f"|{r.get('device') or '?'}"
 
 
@@ -1338,7 +1343,7 @@ def load_db(path: str) -> dict:
         db["rows"] = {row_key(r): r for r in (rows if isinstance(rows, list) else rows.values())}
         return db
     return dict(about="benchmarks/gpu.py: end-to-end decode on a GPU; rows keyed by "
-                      "shape|case|batch|layout|impl|flags|prompt|gen[|merge N][|quantize]|device; see the script's docstring",
+                      "shape|case|batch|layout|impl|flags|prompt|gen[|merge N][|quantize][|kv-int8]|device; see the script's docstring",
                 sessions=[], rows={})
 
 
@@ -1370,7 +1375,7 @@ def parent_main(args) -> int:
     common = dict(shape=args.shape, prompt=args.prompt, gen=args.gen, block=block, repeats=args.repeats,
                   seed=args.seed, std=args.std, head_std=args.head_std, impls=args.impls, session=session,
                   deadline=deadline, t_start=t_start, steps_per_round=args.steps_per_round, quantize=args.quantize,
-                  profile=args.profile)
+                  profile=args.profile, kv_cache=args.kv_cache)
     cache_dirs: dict = {}
     state = dict(interrupted=False)
 
@@ -1833,6 +1838,9 @@ def parse(argv=None):
     ap.add_argument("--quantize", default=None, choices=("int8", "fp8"),
                     help="weight-only int8 / fp8 weights (jdllm.quant; issue 29): rows keyed apart from bf16's, "
                          "floor from the quantized bytes")
+    ap.add_argument("--kv-cache", default=None, choices=("int8",),
+                    help="an int8 KV cache (kv_cache_dtype; issue 29: the kernels read it as int8 and scale on "
+                         "chip): rows keyed apart, KV bytes and floors from its size")
     ap.add_argument("--xla-flags-variants", nargs="+", default=None, metavar="FLAGS",
                     help="XLA_FLAGS strings, each run in processes of its own ('' = none added); a word "
                          "NAME=VALUE sets that environment variable in the variant's processes instead (e.g. "

@@ -335,7 +335,7 @@ def child(task: dict) -> int:
         case = case_of(G, task["case"])
         P, Gn, block = task["prompt"], task["gen"], task["block"]
         base = G.base_config(task["shape"], 1 << (P + Gn + 8 * block).bit_length())
-        cfg = G.model_config(base, case.attention, block)
+        cfg = G.model_config(base, case.attention, block).replace(kv_cache_dtype=task.get("kv_cache"))
         params = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, jnp.bfloat16, sharding=sharding),
                               param_specs(cfg, default_layout()), is_leaf=is_param_spec)
         model = jdllm.Model(config=cfg, params=params, attn_impl="auto")
@@ -367,7 +367,13 @@ def child(task: dict) -> int:
 
 # --------------------------------------------------------------------------- the parent
 def row_key(r: dict) -> str:
-    return "|".join(str(r.get(k)) for k in ("target", "shape", "case", "prompt", "gen", "label"))
+    key = "|".join(str(r.get(k)) for k in ("target", "shape", "case", "prompt", "gen", "label"))
+    return key + (f"|kv-{r['kv_cache']}" if r.get("kv_cache") else "")
+
+
+def case_name(r: dict) -> str:
+    """The row's case, with its KV cache's dtype when not the activations' (`--kv-cache int8`)."""
+    return r["case"] + (f" ({r['kv_cache']} KV)" if r.get("kv_cache") else "")
 
 
 def load_db(path: str) -> dict:
@@ -389,7 +395,7 @@ def git_commit(where: str = ROOT) -> str:
 
 
 def line(r: dict) -> str:
-    head = f"{r['target']} {r['shape']} {r['case']:<17} P{r['prompt']}/G{r['gen']} [{r['label']}]"
+    head = f"{r['target']} {r['shape']} {case_name(r):<17} P{r['prompt']}/G{r['gen']} [{r['label']}]"
     if r.get("error"):
         return f"{head} | FAILED: {r['error'].splitlines()[-1][:200]}"
     s, m = r["step"], r["memory"]
@@ -403,7 +409,7 @@ def table(rows: list[dict]) -> str:
            "(worst step) | largest copies in the body | temp GiB | out GiB | compile s | jax | tree |",
            "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in sorted(rows, key=lambda r: (r["target"], r["shape"], r["prompt"], r["case"], r.get("date", ""))):
-        head = f"| {r['target']} | {r['shape']} | {r['case']} | {r['prompt']}/{r['gen']} | {r['label']} |"
+        head = f"| {r['target']} | {r['shape']} | {case_name(r)} | {r['prompt']}/{r['gen']} | {r['label']} |"
         if r.get("error"):
             out.append(f"{head} FAILED: {r['error'].splitlines()[-1][:100]} | | | | | | | |")
             continue
@@ -427,6 +433,8 @@ def parse(argv):
     ap.add_argument("--block", type=int, default=32)
     ap.add_argument("--long", action="store_true", help="prompt 32768, generation 1024 (gpu.py --long's cases)")
     ap.add_argument("--label", default="", help="a tag for the rows (kept apart from other labels)")
+    ap.add_argument("--kv-cache", default=None, choices=("int8",),
+                    help="an int8 KV cache (kv_cache_dtype; issue 29): rows keyed apart from the bf16 cache's")
     ap.add_argument("--out", default=DEFAULT_OUT)
     ap.add_argument("--dump", metavar="DIR", help="also write each case's compiled program (HLO text) into DIR")
     ap.add_argument("--markdown", action="store_true", help="print the table of --out and exit")
@@ -476,13 +484,14 @@ def main(argv=None) -> int:
 
     for case in cases:
         row = dict(target=args.target, shape=args.shape, case=case, prompt=args.prompt, gen=args.gen,
-                   block=args.block, label=args.label, commit=commit,
+                   block=args.block, label=args.label, commit=commit, kv_cache=args.kv_cache,
                    date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"))
         with tempfile.TemporaryDirectory() as tmp:
             task = dict(row=row, target=args.target, shape=args.shape, case=case, prompt=args.prompt, gen=args.gen,
-                        block=args.block, result=os.path.join(tmp, "row.json"),
+                        block=args.block, kv_cache=args.kv_cache, result=os.path.join(tmp, "row.json"),
                         dump=args.dump and os.path.abspath(os.path.join(args.dump, f"{args.target}_{case}_P{args.prompt}"
-                                                                                   f"_G{args.gen}.hlo.txt")))
+                                                                                   f"_G{args.gen}" + ("_kv" + args.kv_cache if args.kv_cache else "")
+                                                                                   + ".hlo.txt")))
             with open(os.path.join(tmp, "task.json"), "w") as f:
                 json.dump(task, f)
             subprocess.run([sys.executable, os.path.abspath(__file__), "--_child", os.path.join(tmp, "task.json")],

@@ -51,6 +51,20 @@ def test_rows_of_two_devices_and_of_int8_are_kept_apart(tmp_path):
     assert "Weights 8.00 GiB int8" in md
     assert "| AR greedy | 1 | int8 (xla dot) | per_layer |" in md
     assert "Targets, weights int8," in md and "Targets, weights bf16," in md and "Targets, weights int8 (xla dot)," in md
+    # an int8 KV cache (`--kv-cache int8`): its own row, labelled
+    gpu.merge_rows(db, [dict(_row(h100, 6.2, session="s3"), kv_cache="int8")])
+    assert len(db["rows"]) == 5 and "| AR greedy | 1 | bf16 + int8 KV | per_layer |" in gpu.render(db)
+
+
+def test_an_int8_kv_cache_counts_its_bytes_and_scales():
+    """`gpu.kv_cache_bytes`: two bytes per element for a bf16 cache; one and a float32 scale per token
+    and KV head for an int8 one (what the KV floors of its rows divide)."""
+    from jdllm.config import ModelConfig  # noqa: PLC0415
+
+    cfg = ModelConfig(model_type="llama", vocab_size=64, hidden_size=64, intermediate_size=64, num_layers=3,
+                      num_heads=4, num_kv_heads=2, head_dim=16)
+    assert gpu.kv_cache_bytes(cfg, 2, 10, 2) == 2 * 3 * 2 * 10 * 2 * 16 * 2
+    assert gpu.kv_cache_bytes(cfg.replace(kv_cache_dtype="int8"), 2, 10, 2) == 2 * 3 * 2 * 10 * 2 * (16 + 4)
 
 
 def test_device_profile_splits_a_traces_device_time_by_kernel_kind():

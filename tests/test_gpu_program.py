@@ -88,6 +88,8 @@ def test_rows_render_with_their_labels():
     assert "| mb_exact_b1 | 128/256 | before | FAILED: RuntimeError: boom" in md
     assert md.index("| after |") > md.index("| before |")  # a shape's rows in the order they were made
     assert gp.row_key(row) != gp.row_key(dict(row, label="after"))
+    int8 = dict(row, kv_cache="int8")  # `--kv-cache int8`: a row of its own, named
+    assert gp.row_key(int8) != gp.row_key(row) and "| ar_b1 (int8 KV) | 128/256 | before |" in gp.table([int8])
 
 
 def test_without_the_cuda_plugin_it_says_how_to_install_it(monkeypatch, capsys, tmp_path):
