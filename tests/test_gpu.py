@@ -32,6 +32,8 @@ What it checks, on the accelerator ("accel": the first GPU):
 - the serving engine: concurrent requests on its own thread, each equal to
   offline `generate` of its prompt alone on the accelerator;
 - DFA constraints (`backend="dfa"`) on the accelerator equal to the CPU;
+- int8 weights (the Pallas quantized matmul) and an int8 KV cache (read by the kernels as
+  int8, scaled on chip) on ar and block_diffusion, equal to the CPU's XLA paths;
 - bfloat16 end to end: runs and returns valid tokens.
 
 The end-to-end tests run at JAX's default matmul precision: a float32 model is exact on
@@ -273,6 +275,28 @@ def test_int8_weights_on_the_accelerator_equal_the_cpu(paradigm, platforms):
     want = on(cpu_device(), platforms, jdllm.generate, load_int8("cpu"), PROMPTS, decoding("cpu"), sampling)
     assert all(o.token_ids for o in want)
     _assert_same(got, want, f"int8 {paradigm}")
+
+
+@pytest.mark.usefixtures("exact_xla")
+@pytest.mark.parametrize("paradigm", list(QUANT_CASES))
+def test_int8_kv_cache_on_the_accelerator_equals_the_cpu(paradigm, platforms):
+    """float32 activations, an int8 KV cache (`kv_cache="int8"`): on a GPU the Pallas kernels read the
+    int8 cache and its scales in place and scale on chip, on the CPU XLA dequantizes each layer; the
+    same tokens and steps."""
+    name, decoding = PARADIGMS[QUANT_CASES[paradigm]]
+
+    def load(platform):
+        device = accel_device() if platform == "accel" else cpu_device()
+        with jax.default_device(device):
+            m = jdllm.load(os.path.join(MODELS, name), dtype="float32", kv_cache="int8",
+                           attn_impl="auto" if platform == "accel" else "xla")
+        return dataclasses.replace(m, params=jax.device_put(m.params, device))
+
+    sampling = jdllm.Sampling(temperature=0.0, max_new_tokens=MAX_NEW)
+    got = on(accel_device(), platforms, jdllm.generate, load("accel"), PROMPTS, decoding("accel"), sampling)
+    want = on(cpu_device(), platforms, jdllm.generate, load("cpu"), PROMPTS, decoding("cpu"), sampling)
+    assert all(o.token_ids for o in want)
+    _assert_same(got, want, f"int8 KV {paradigm}")
 
 
 # --------------------------------------------------------------------------- serving

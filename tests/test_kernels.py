@@ -1172,6 +1172,28 @@ def test_gpu_stacked_cache_read_in_place(variant, T, S, dtype):
 
 @pytest.mark.gpu
 @needs_gpu
+@pytest.mark.parametrize("variant,T,S,dtype", [("window", 1, 4032, jnp.bfloat16), ("window", 32, 448, jnp.bfloat16),
+                                               ("window", 4, 448, jnp.float32), ("prefill", 160, 416, jnp.bfloat16)])
+def test_gpu_int8_cache_dequantized_in_the_kernel(variant, T, S, dtype):
+    """An int8 stacked cache with its scales through the compiled Triton kernels (what an int8 KV
+    cache's decode steps run, the layer read in place) equals the reference on the dequantized
+    layer."""
+    from jdllm.model import dequantize_kv, quantize_kv  # noqa: PLC0415
+
+    L, B, H, KV, D = 4, 2, 8, 2, 128
+    rng = np.random.default_rng(6)
+    q = jnp.asarray(rng.standard_normal((B, T, H, D), np.float32), dtype)
+    (k, ks), (v, vs) = (quantize_kv(jnp.asarray(rng.standard_normal((L, B, S, KV, D)), jnp.float32)) for _ in range(2))
+    kw = dict(start=jnp.array([0, 9]), q_offset=S - T, kind="block_causal", block_size=32)
+    out = jax.jit(lambda *a: flash.attention(*a[:3], layer=a[5], k_scale=a[3], v_scale=a[4], **kw, backend="triton",
+                                             variant=variant))(q, k, v, ks, vs, jnp.int32(2))
+    with jax.default_matmul_precision(EXACT):
+        ref = attention_reference(q, dequantize_kv(k[2], ks[2], dtype), dequantize_kv(v[2], vs[2], dtype), **kw)
+    assert _rel_err(out, ref) <= TOL[dtype]
+
+
+@pytest.mark.gpu
+@needs_gpu
 def test_gpu_grad_and_auto_dispatch():
     q, k, v = _qkv(9, 2, 256, 256, 8, 2, 128, jnp.float32)
     kw = dict(start=jnp.array([0, 31]), kind="block_causal", block_size=32)
