@@ -53,7 +53,8 @@
 # long-context step is skipped; 450 runs it, the hard limit) with LONG_BUDGET_S (LONG_S - 150: gpu.py
 # starts no case after it) and LONG_ARGS (more gpu.py arguments, e.g. "--long-prompt 16384" or
 # "--long-cases ar_b1 mb_exact_b1 mb_approx_b1" or "--repeats 0": the first run's timings alone, or
-# "--long-cases bd_static_b1 mb_exact_b1 --merge-tokens 0": every window width compiled on its own).
+# "--long-cases bd_static_b1 mb_exact_b1 --merge-tokens 0": every window width compiled on its own, or
+# "--kv-cache int8": an int8 KV cache, read by the kernels as int8; its rows are keyed apart from bf16's).
 # CP_S, GPU_TESTS_S and GPU_BENCH_S at 0 skip their steps likewise (timeout 0 would mean no limit).
 set -uo pipefail
 out=${OUT:-benchmarks/out}
