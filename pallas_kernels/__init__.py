@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from pallas_kernels.reference import (KINDS, SMALL_WINDOW, attention_reference, horizon,
+from pallas_kernels.reference import (KINDS, SMALL_WINDOW, attention_reference, dequantize, horizon,
                                       masked_attention_reference, visible_mask, window_reference)
 
 IMPLS = ("auto", "xla", "pallas", "cudnn")
@@ -108,11 +108,6 @@ def _cudnn(q, k, v, *, start, q_offset, kv_len, kind, block_size, scale):
                                         implementation="cudnn")
 
 
-def dequantize(x, scale, dtype):
-    """An int8 KV cache's values x with their float32 scales [..., 1], in `dtype`."""
-    return (x.astype(jnp.float32) * scale).astype(dtype)
-
-
 def attention(q, k, v, *, start, q_offset=0, kv_len=None, kind="causal", block_size=1,
               scale=None, impl="auto", mask=None, layer=None, k_scale=None, v_scale=None):
     """q [B, T, H, D], k/v [B, S, KV, D], start [B] -> [B, T, H, D].
@@ -160,5 +155,5 @@ def attention(q, k, v, *, start, q_offset=0, kv_len=None, kind="causal", block_s
     return flash.attention(q, k, v, **kw, layer=layer, k_scale=k_scale, v_scale=v_scale)
 
 
-__all__ = ["attention", "ShardedAttention", "attention_reference", "visible_mask", "horizon", "resolve_impl",
+__all__ = ["attention", "ShardedAttention", "attention_reference", "dequantize", "visible_mask", "horizon", "resolve_impl",
            "KINDS", "IMPLS"]

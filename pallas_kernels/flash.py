@@ -64,7 +64,7 @@ from pallas_kernels.common import (BACKEND_ENV, BACKENDS, LOG2E, MIN_TILE, NEG, 
                                    cdiv, default_backend, dot, dot_precision, key_end, normalise,
                                    online_softmax_step, pad_axis, pad_head_dim, padded_head_dim, plain_backend, row_lse,
                                    query_rows_bounds, row_scalars, tile_bounds, tile_size, triton_params)
-from pallas_kernels.reference import KINDS, attention_reference
+from pallas_kernels.reference import KINDS, attention_reference, dequantize
 
 WINDOW_MAX_T = 128  # queries above this use the prefill kernel
 # a prefill chunk over a stacked cache (`attention(layer=)`) of at most this many queries runs the
@@ -472,10 +472,21 @@ class _Static:
 def _forward(q, k, v, start, q_offset, kv_len, st: _Static, return_lse: bool = False, layer=None, scales=None):
     kw = dict(start=start, q_offset=q_offset, kv_len=kv_len, kind=st.kind,
               block_size=st.block_size, scale=st.scale, return_lse=return_lse)
-    if scales is not None:  # an int8 cache: the Triton kernels convert its tiles (the Mosaic one takes bf16)
-        fn = window_attention if st.variant == "window" else prefill_attention
-        return fn(q, k, v, **kw, tiles=st.tiles, backend=plain_backend(st.backend), layer=layer,
-                  k_scale=scales[0], v_scale=scales[1])
+    if scales is not None:
+        # an int8 cache: the Triton kernels convert its tiles on chip. The Mosaic prefill takes bf16: a
+        # chunk longer than STACKED_TRITON_MAX_T (a long prompt's prefill, compute-bound) runs it on the
+        # layer dequantized (a copy ~ S, against the Triton kernel's slower ~ T x S), as a bf16 cache's
+        # long chunks run it on the layer's slice
+        long_mosaic = (st.backend in ("mosaic", "mosaic_interpret") and st.variant == "prefill"
+                       and q.shape[1] > STACKED_TRITON_MAX_T and mosaic.unsupported_reason(q, q) is None)
+        if not long_mosaic:
+            fn = window_attention if st.variant == "window" else prefill_attention
+            return fn(q, k, v, **kw, tiles=st.tiles, backend=plain_backend(st.backend), layer=layer,
+                      k_scale=scales[0], v_scale=scales[1])
+        if layer is not None:
+            k, v = _layer_of(k, v, layer)
+            scales, layer = tuple(_layer_of(*scales, layer)), None
+        k, v = (dequantize(x, sc.reshape(x.shape[:-1] + (1,)), q.dtype) for x, sc in zip((k, v), scales))
     if st.backend in ("mosaic", "mosaic_interpret") and st.variant == "prefill":
         # A stacked cache: the Mosaic (TMA) kernel takes one layer, a slice XLA copies on every call;
         # the Triton prefill reads the layer in place. The copy costs ~ S, the Mosaic kernel's lead

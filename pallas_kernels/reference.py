@@ -21,6 +21,11 @@ from pallas_kernels.common import dot_precision
 KINDS = ("causal", "block_causal", "bidirectional")
 
 
+def dequantize(x, scale, dtype):
+    """An int8 KV cache's values x with their float32 scales [..., 1], in `dtype`."""
+    return (x.astype(jnp.float32) * scale).astype(dtype)
+
+
 def horizon(p: jax.Array, kind: str, block_size: int, kv_len) -> jax.Array:
     """Exclusive key bound of query slot(s) `p`, before clipping to kv_len."""
     if kind == "causal":

@@ -593,6 +593,32 @@ def test_stacked_prefill_chunks_on_hopper_pick_in_place_or_the_mosaic_kernel(mon
         assert ((L, B, S, KV, D) in into) == (not mosaic_runs)
 
 
+def test_int8_cache_prefill_on_hopper_runs_long_chunks_on_the_mosaic_kernel(monkeypatch):
+    """An int8 cache on the Mosaic backend: a prefill chunk of up to STACKED_TRITON_MAX_T queries runs
+    the Triton kernel on the int8 layer in place (scaled on chip); a longer one (a long prompt,
+    compute-bound) the Mosaic kernel on the layer dequantized. Both equal the reference."""
+    from jdllm.model import dequantize_kv, quantize_kv  # noqa: PLC0415
+    from pallas_kernels import mosaic
+
+    calls = []
+    kernel = mosaic.prefill_attention
+    monkeypatch.setattr(mosaic, "prefill_attention", lambda *a, **kw: (calls.append(a[1].dtype), kernel(*a, **kw))[1])
+    L, B, T, S, H, KV, D = 2, 1, 72, 128, 2, 1, 64
+    rng = np.random.default_rng(4)
+    q = jnp.asarray(rng.standard_normal((B, T, H, D)), jnp.bfloat16)
+    (k, ks), (v, vs) = (quantize_kv(jnp.asarray(rng.standard_normal((L, B, S, KV, D)), jnp.float32)) for _ in range(2))
+    kw = dict(start=jnp.array([0]), q_offset=S - T, kind="causal", backend="mosaic_interpret", variant="prefill")
+    with jax.default_matmul_precision(EXACT):
+        ref = attention_reference(q, dequantize_kv(k[1], ks[1], q.dtype), dequantize_kv(v[1], vs[1], q.dtype),
+                                  start=kw["start"], q_offset=S - T, kind="causal")
+    for limit, mosaic_runs in ((flash.STACKED_TRITON_MAX_T, False), (64, True)):
+        monkeypatch.setattr(flash, "STACKED_TRITON_MAX_T", limit)
+        calls.clear()
+        out = jax.jit(lambda *a: flash.attention(*a[:3], layer=1, k_scale=a[3], v_scale=a[4], **kw))(q, k, v, ks, vs)
+        assert calls == ([jnp.bfloat16] if mosaic_runs else [])
+        assert _rel_err(out, ref) <= TOL[jnp.bfloat16]
+
+
 @pytest.mark.parametrize("kv", [None, "int8"])
 def test_model_forward_reads_its_stacked_cache_in_place(kv):
     """jdllm.model.forward with a KVCache on attn_impl="pallas": each layer's kernel takes the stacked
