@@ -160,17 +160,21 @@ PALLAS_JOIN_CASES = ("masked_prefix", "masked_one_block_prefix_dream", "multi_ap
 
 
 @slow
-@pytest.mark.parametrize("which", ["ar", "block_diffusion", *JOIN_CASES, *(f"pallas-{c}" for c in PALLAS_JOIN_CASES)])
+@pytest.mark.parametrize("which", ["ar", "block_diffusion", *JOIN_CASES, *(f"pallas-{c}" for c in PALLAS_JOIN_CASES),
+                                   "pallas-int8-multi_approx", "pallas-int8-masked_prefix"])
 def test_rows_at_different_positions_decode_as_alone(which):
     """AR rows start generating at their own prompt ends; block-diffusion rows move to their next
     block as soon as they fill the current one: in one batch each row is at its own position, and
     each still decodes exactly as it does alone. masked_diffusion and multi_block rows (every cache
     mode) each on its own layout, joining a running batch at different steps (as a serving pool
     admits them), with their own lengths, one of them sampled: each decodes exactly as it does alone
-    (tokens, step map, NFE, finish reason, block trajectory); some caches also on the Pallas kernels."""
+    (tokens, step map, NFE, finish reason, block trajectory); some caches also on the Pallas kernels,
+    two of them with an int8 KV cache (its scales joined, dropped and restored with the values)."""
     if which.startswith("pallas-"):
-        m, par, news = JOIN_CASES[which.removeprefix("pallas-")]()
-        m = jdllm.Model(m.config, m.params, attn_impl="pallas")
+        int8 = which.startswith("pallas-int8-")
+        m, par, news = JOIN_CASES[which.removeprefix("pallas-int8-" if int8 else "pallas-")]()
+        m = jdllm.Model(m.config.replace(kv_cache_dtype="int8" if int8 else m.config.kv_cache_dtype), m.params,
+                        attn_impl="pallas")
     elif which in JOIN_CASES:
         m, par, news = JOIN_CASES[which]()
     if which.startswith("pallas-") or which in JOIN_CASES:
