@@ -7,6 +7,8 @@ bfloat16, and write a quantized checkpoint that loads as it is.
 embedding and LM head) as it is read: one int8 / float8_e4m3fn value per weight and one
 float32 scale per output channel; activations stay in `dtype`. `jdllm convert SRC DST
 --quantize int8` stores the quantized weights, so loading DST never builds the bf16 ones.
+`kv_cache="int8"` stores the KV cache in int8 too (a float32 scale per token and KV head: about
+half a bf16 cache's bytes; on a GPU the attention kernels read it as int8 and scale on chip).
 Runs on the CPU in a few seconds.
 """
 
@@ -47,6 +49,15 @@ def main(argv=None) -> None:
         same = (logits.argmax(-1) == ref.argmax(-1)).mean()
         print(f"{scheme or 'bfloat16':9s} weights {megabytes(model.params):.2f} MiB  logits rel. error vs bfloat16 "
               f"{err:.4f}  argmax agrees at {100 * same:.0f}% of positions")
+    # an int8 KV cache beside the bfloat16 one, same weights and prompts
+    texts = {}
+    for kv in (None, "int8"):
+        model = jdllm.load(path, dtype="bfloat16", kv_cache=kv)
+        texts[kv] = [o.text for o in jdllm.generate(model, prompts, jdllm.AR(), jdllm.Sampling(max_new_tokens=12))]
+    right = sum(tasks.is_correct(t, ex) for t, ex in zip(texts["int8"], tasks.test_set(8, seed=1)))
+    same = sum(a == b for a, b in zip(texts["int8"], texts[None]))
+    print(f"int8 KV cache: {right}/{len(prompts)} answers right, {same}/{len(prompts)} identical to the bfloat16 "
+          f"cache's")
     # a quantized checkpoint: quantized slice by slice while converting, loaded as it is
     with tempfile.TemporaryDirectory() as tmp:
         from convert.io import convert_checkpoint  # noqa: PLC0415

@@ -472,3 +472,18 @@ def test_int8_kv_cache_layout_and_rounding():
     want = np.abs(x).max(-1, keepdims=True) / 127
     np.testing.assert_allclose(np.asarray(sc), want, rtol=1e-6)
     assert np.all(np.abs(np.asarray(dequantize_kv(q, sc, jnp.float32)) - x) <= want / 2 + 1e-7)
+
+
+def test_quantize_example_runs_and_reports_each_scheme(capsys):
+    """examples/quantize.py on the shipped tiny-ar: int8 / fp8 weights' logits error against bfloat16,
+    an int8 KV cache's answers beside the bfloat16 cache's, and a quantized checkpoint's answers; the
+    figures it prints are in range (int8 logits within 5% of bfloat16, most answers right)."""
+    from tests.scripts import load_script  # noqa: PLC0415
+
+    load_script("examples/quantize.py").main(["--models-dir", MODELS])
+    out = capsys.readouterr().out
+    err = float(re.search(r"^int8 +weights [\d.]+ MiB +logits rel\. error vs bfloat16 ([\d.]+)", out, re.M).group(1))
+    assert 0 < err < 0.05, out
+    right, n, same = map(int, re.search(r"int8 KV cache: (\d+)/(\d+) answers right, (\d+)/\d+ identical", out).groups())
+    assert n == 8 and right >= 6 and same >= 6, out
+    assert re.search(r"tiny-ar-int8 \(int8 checkpoint\): [678]/8 answers right", out), out
