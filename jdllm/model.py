@@ -535,7 +535,9 @@ def forward(params: Params, cfg: ModelConfig, tokens, positions, *, start, cache
                 k, v = (jnp.where(keep[:, :, None, None], dequantize_kv(window_of(c[i]), window_of(sc[i]), x.dtype), x)
                         for c, sc, x in ((ck, sk, k), (cv, sv, v)))
             if sk is not None:  # int8 cache: K / V written quantized, one scale per (token, KV head)
-                (k, ks), (v, vs) = quantize_kv(k), quantize_kv(v)
+                # K and V quantized as one array: one absmax reduction where two were two kernels a layer
+                kvq, kvs = quantize_kv(jnp.concatenate([k, v.astype(k.dtype)], axis=2))
+                (k, v), (ks, vs) = jnp.split(kvq, 2, axis=2), jnp.split(kvs, 2, axis=2)
             if write_cache:  # the window written in place; each bucket branch cuts layer i's first slots
                 kept = keep if drop_kept else None
                 ck, cv = write_rows(ck, k, q_offset, layer=i, keep=kept), write_rows(cv, v, q_offset, layer=i, keep=kept)
