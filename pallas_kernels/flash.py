@@ -173,19 +173,21 @@ def _stacked_keys(q, k, v, layer, tiles: Tiles, backend: str, scales=None):
 def _scale_pair(k, k_scale, v_scale):
     """An int8 cache's scales as the kernels take them: float32 [.., S, KV] (the cache's [.., S, KV, 1]
     without its last axis, a bitcast), or None without them."""
+    from jdllm import errors  # noqa: PLC0415 (keeps pallas_kernels importable alone)
+
     if (k_scale is None) != (v_scale is None):
-        raise ValueError("k_scale and v_scale go together (an int8 KV cache's two scale arrays)")
+        raise errors.InputError("k_scale and v_scale go together (an int8 KV cache's two scale arrays)")
     if k_scale is None:
         return None
     if k.dtype != jnp.int8:
-        raise ValueError(f"scales come with an int8 cache; k is {k.dtype}")
+        raise errors.InputError(f"k_scale / v_scale come with an int8 cache; k is {k.dtype}")
     want = k.shape[:-1]
     out = []
     for x in (k_scale, v_scale):
         if x.shape == (*want, 1):
             x = x.reshape(want)
         if x.shape != want:
-            raise ValueError(f"int8 KV scales must be {(*want, 1)} for k {k.shape}; got {x.shape}")
+            raise errors.InputError(f"int8 KV scales must be {(*want, 1)} for k {k.shape}; got {x.shape}")
         out.append(x.astype(jnp.float32))
     return tuple(out)
 

@@ -367,6 +367,13 @@ def test_bad_inputs_raise_named_errors():
         flash.attention(q, k, v, start=jnp.zeros((1,), jnp.int32), kind="sliding")
     with pytest.raises(ValueError, match="power of two"):
         flash.Tiles(block_q=48)
+    # an int8 cache's scales: both or neither, with an int8 cache, one per key and KV head
+    k8 = jnp.zeros(k.shape, jnp.int8)
+    sc = jnp.ones(k.shape[:-1] + (1,), jnp.float32)
+    for kk, ks, vs, word in ((k8, sc, None, "go together"), (k, sc, sc, "int8 cache"),
+                             (k8, sc[:, :2], sc, "int8 KV scales must be")):
+        with pytest.raises(errors.InputError, match=word):
+            flash.attention(q, kk, kk, start=jnp.zeros((1,), jnp.int32), k_scale=ks, v_scale=vs, backend="interpret")
 
 
 # ----------------------------------------------------------------------------- model level
