@@ -250,8 +250,10 @@ def main(argv=None) -> int:
             for r in rows:
                 db["rows"][row_key(r)] = r
             os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-            with open(args.out, "w") as f:
+            tmp = f"{args.out}.tmp"  # written whole, then renamed: an interrupted save leaves the old file
+            with open(tmp, "w") as f:
                 json.dump(db, f, indent=1)
+            os.replace(tmp, args.out)
 
         rows = run(args, save)
         print(f"\n# wrote {args.out}\n", flush=True)

@@ -74,6 +74,20 @@ class Tiles:
             raise ValueError(f"Tiles.num_splits={self.num_splits} must be >= 1 (or None)")
 
 
+def env_count(name: str, least: int) -> int | None:
+    """The whole number >= `least` that environment variable `name` holds, None when it is unset or
+    blank; anything else is a jdllm ConfigError naming the variable (a knob read when a program is
+    traced: `JDLLM_WINDOW_SPLITS`, `JDLLM_MERGE_TOKENS`)."""
+    env = os.environ.get(name, "").strip()
+    if not env:
+        return None
+    if not env.isdigit() or int(env) < least:
+        from jdllm import errors  # noqa: PLC0415 (keeps pallas_kernels importable alone)
+
+        raise errors.ConfigError(f"{name}={env!r} must be a whole number >= {least} (or unset)")
+    return int(env)
+
+
 def default_backend() -> str:
     """`$JDLLM_PALLAS_BACKEND` if set; else "mosaic" on Hopper, "triton" on other GPUs,
     "interpret" elsewhere."""

@@ -51,7 +51,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 
 import jax
 import jax.numpy as jnp
@@ -61,7 +60,7 @@ from jax.experimental import pallas as pl
 from pallas_kernels import mosaic, mosaic_backward
 from pallas_kernels.backward import attention_backward
 from pallas_kernels.common import (BACKEND_ENV, BACKENDS, LOG2E, MIN_TILE, NEG, Tiles,  # noqa: F401 (re-exported)
-                                   cdiv, default_backend, dot, dot_precision, key_end, normalise,
+                                   cdiv, default_backend, dot, dot_precision, env_count, key_end, normalise,
                                    online_softmax_step, pad_axis, pad_head_dim, padded_head_dim, plain_backend, row_lse,
                                    query_rows_bounds, row_scalars, tile_bounds, tile_size, triton_params)
 from pallas_kernels.reference import KINDS, attention_reference, dequantize
@@ -350,13 +349,9 @@ def _default_splits(programs: int, key_tiles: int) -> int:
     cache's window is one program per row tile and KV head, and its combine one division instead of
     two merge kernels (benchmarks/gpu.py times it as a variant: `--xla-flags-variants ""
     JDLLM_WINDOW_SPLITS=1`)."""
-    env = os.environ.get(SPLITS_ENV, "").strip()
-    if env:
-        from jdllm import errors  # noqa: PLC0415 (keeps pallas_kernels importable alone)
-
-        if not env.isdigit() or int(env) < 1:
-            raise errors.ConfigError(f"{SPLITS_ENV}={env!r} must be a whole number >= 1 (or unset)")
-        return min(key_tiles, int(env))
+    fixed = env_count(SPLITS_ENV, 1)
+    if fixed is not None:
+        return min(key_tiles, fixed)
     cores = getattr(jax.devices()[0], "core_count", None) or 132
     return max(1, min(key_tiles, pl.cdiv(2 * cores, programs)))
 

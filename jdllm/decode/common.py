@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 from typing import Any, NamedTuple
 
 import jax
@@ -31,6 +30,7 @@ from jdllm.model import KVCache, default_positions, forward, head_logits, predic
 from jdllm.sampling import RowSampling, Sample, apply_token_bitmask, exclude_token, row_keys, sample_rows, split_rows
 from jdllm.state import ABORT, INVALID, LENGTH, RUNNING, STOP, DecodeState, generated_mask, slot_index
 from pallas_kernels import resolve_impl
+from pallas_kernels.common import env_count
 
 
 # --------------------------------------------------------------------------- static context
@@ -131,8 +131,6 @@ def bucket(n: int, minimum: int = 1, steps_per_octave: int = 1) -> int:
 
 def require_diffusion_model(paradigm: str, cfg: ModelConfig, attention: tuple[str, ...], alternative: str) -> None:
     """Host-side check shared by the diffusion paradigms' `validate`: a mask token and an attention kind."""
-    from jdllm import errors  # noqa: PLC0415
-
     if cfg.mask_token_id is None:
         raise errors.DecodingConfigError(
             f"paradigm {paradigm!r} needs a model with a mask token (mask_token_id is None); "
@@ -308,11 +306,9 @@ def weight_bound_tokens(ctx: DecodeCtx) -> int:
     forward in matmuls against AR's 5.15."""
     if ctx.merge_tokens is not None:
         return int(ctx.merge_tokens)
-    env = os.environ.get(MERGE_TOKENS_ENV, "").strip()
-    if env:
-        if not env.isdigit():
-            raise errors.ConfigError(f"{MERGE_TOKENS_ENV}={env!r} must be a whole number >= 0 (or unset)")
-        return int(env)
+    fixed = env_count(MERGE_TOKENS_ENV, 0)
+    if fixed is not None:
+        return fixed
     return GPU_WEIGHT_BOUND_TOKENS if jax.default_backend() == "gpu" else 0
 
 
