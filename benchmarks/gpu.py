@@ -1650,9 +1650,9 @@ def render_long(rows: list[dict]) -> str:
            "the KV cache up to the average live length P + G/2) / the measured read bandwidth. Peak: the "
            "device's running peak; temp: the compiled programs' own temporaries (the larger of prefill and "
            "steps).\n",
-           "| case | B | layout | impl | P/G | canvas | tok/s | NFE | prefill s | decode ms/fwd | ms/token | "
+           "| case | B | weights | layout | impl | P/G | canvas | tok/s | NFE | prefill s | decode ms/fwd | ms/token | "
            "KV floor ms | x KV floor | first call s (compile) | peak GiB | KV GiB | temp GiB | same tokens | note |",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     gib = lambda b: f1(b and b / GIB, "{:.1f}")  # noqa: E731
     for r in rows:
         note = []
@@ -1668,8 +1668,8 @@ def render_long(rows: list[dict]) -> str:
             note.append(f"--merge-tokens {r['merge_tokens']}")
         first = f"{f1(r.get('first_call_s'))} ({f1(r.get('compile_s'))})" if r.get("first_call_s") else "-"
         out.append("| " + " | ".join([
-            f"{r.get('label', r['case'])}", str(r.get("batch")), str(r.get("layout")), str(r.get("impl")),
-            f"{r.get('prompt')}/{r.get('gen')}", str(r.get("canvas", "-")), f1(r.get("tok_s")), f1(r.get("nfe")),
+            f"{r.get('label', r['case'])}", str(r.get("batch")), weights_label(r), str(r.get("layout")),
+            str(r.get("impl")), f"{r.get('prompt')}/{r.get('gen')}", str(r.get("canvas", "-")), f1(r.get("tok_s")), f1(r.get("nfe")),
             f1(r.get("prefill_s"), "{:.2f}"), f1(r.get("ms_per_forward"), "{:.2f}"),
             f1(r.get("ms_per_token"), "{:.2f}"), f1(r.get("kv_floor_ms"), "{:.2f}"), f1(r.get("x_kv_floor"), "{:.2f}"),
             first, gib(r.get("peak_bytes")), gib(r.get("kv_bytes")), gib(r.get("program_temp_bytes")),

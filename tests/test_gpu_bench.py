@@ -65,6 +65,10 @@ def test_an_int8_kv_cache_counts_its_bytes_and_scales():
                       num_heads=4, num_kv_heads=2, head_dim=16)
     assert gpu.kv_cache_bytes(cfg, 2, 10, 2) == 2 * 3 * 2 * 10 * 2 * 16 * 2
     assert gpu.kv_cache_bytes(cfg.replace(kv_cache_dtype="int8"), 2, 10, 2) == 2 * 3 * 2 * 10 * 2 * (16 + 4)
+    # the long-context table names each row's weights and cache, so bf16 and int8-KV rows stand apart
+    long = dict(_row("NVIDIA H100 80GB HBM3", 9.48), kind="long", prompt=32768, gen=1024, canvas=33792)
+    md = gpu.render_long([long, dict(long, kv_cache="int8", ms_per_forward=6.1)])
+    assert "| AR greedy | 1 | bf16 | per_layer |" in md and "| AR greedy | 1 | bf16 + int8 KV | per_layer |" in md
 
 
 def test_device_profile_splits_a_traces_device_time_by_kernel_kind():
