@@ -154,39 +154,41 @@ def _joined(m, par, prompts, settings, waits=(0, 2, 3)):
     return [row_output(host, r, p, None, trace(r)) for r, p in enumerate(prompts)], host
 
 
+def assert_joined_decode_as_alone(m, par, news):
+    """`PROMPTS` joining one pool at different steps (`_joined`; one row sampled) decode as each alone."""
+    settings = [jdllm.Sampling(max_new_tokens=n, stop_token_ids=()) for n in news]
+    settings[1] = jdllm.Sampling(max_new_tokens=news[1], stop_token_ids=(), temperature=0.8, top_k=20, seed=7)
+    batch, host = _joined(m, par, PROMPTS, settings)
+    alone = [jdllm.generate(m, [p], par, s)[0] for p, s in zip(PROMPTS, settings)]
+    assert _fields(batch) == _fields(alone)
+    assert [o.trace for o in batch] == [o.trace for o in alone]
+    for b, a in zip(batch, alone):
+        np.testing.assert_allclose(b.logprobs, a.logprobs, atol=1e-4)
+    assert len(set(host["gen_start"].tolist())) == len(PROMPTS)  # each row on its own layout
+
+
 # on the Pallas kernels (interpret mode here): the caches whose writes drop the slots a row keeps
 # (`jdllm.model.write_rows(keep=)`) and whose window steps write back (prefix: one switch of writers)
 PALLAS_JOIN_CASES = ("masked_prefix", "masked_one_block_prefix_dream", "multi_approx")
 
 
 @slow
-@pytest.mark.parametrize("which", ["ar", "block_diffusion", *JOIN_CASES, *(f"pallas-{c}" for c in PALLAS_JOIN_CASES),
-                                   "pallas-int8-multi_approx", "pallas-int8-masked_prefix"])
+@pytest.mark.parametrize("which", ["ar", "block_diffusion", *JOIN_CASES, *(f"pallas-{c}" for c in PALLAS_JOIN_CASES)])
 def test_rows_at_different_positions_decode_as_alone(which):
     """AR rows start generating at their own prompt ends; block-diffusion rows move to their next
     block as soon as they fill the current one: in one batch each row is at its own position, and
     each still decodes exactly as it does alone. masked_diffusion and multi_block rows (every cache
     mode) each on its own layout, joining a running batch at different steps (as a serving pool
     admits them), with their own lengths, one of them sampled: each decodes exactly as it does alone
-    (tokens, step map, NFE, finish reason, block trajectory); some caches also on the Pallas kernels,
-    two of them with an int8 KV cache (its scales joined, dropped and restored with the values)."""
+    (tokens, step map, NFE, finish reason, block trajectory); some caches also on the Pallas kernels
+    (with an int8 KV cache: tests/test_kv_int8_kernels.py)."""
     if which.startswith("pallas-"):
-        int8 = which.startswith("pallas-int8-")
-        m, par, news = JOIN_CASES[which.removeprefix("pallas-int8-" if int8 else "pallas-")]()
-        m = jdllm.Model(m.config.replace(kv_cache_dtype="int8" if int8 else m.config.kv_cache_dtype), m.params,
-                        attn_impl="pallas")
+        m, par, news = JOIN_CASES[which.removeprefix("pallas-")]()
+        m = jdllm.Model(m.config, m.params, attn_impl="pallas")
     elif which in JOIN_CASES:
         m, par, news = JOIN_CASES[which]()
     if which.startswith("pallas-") or which in JOIN_CASES:
-        settings = [jdllm.Sampling(max_new_tokens=n, stop_token_ids=()) for n in news]
-        settings[1] = jdllm.Sampling(max_new_tokens=news[1], stop_token_ids=(), temperature=0.8, top_k=20, seed=7)
-        batch, host = _joined(m, par, PROMPTS, settings)
-        alone = [jdllm.generate(m, [p], par, s)[0] for p, s in zip(PROMPTS, settings)]
-        assert _fields(batch) == _fields(alone)
-        assert [o.trace for o in batch] == [o.trace for o in alone]
-        for b, a in zip(batch, alone):
-            np.testing.assert_allclose(b.logprobs, a.logprobs, atol=1e-4)
-        assert len(set(host["gen_start"].tolist())) == len(PROMPTS)  # each row on its own layout
+        assert_joined_decode_as_alone(m, par, news)
         return
     m, par = _paradigms()[["ar", "block_diffusion"].index(which)]
     settings = [jdllm.Sampling(max_new_tokens=n, stop_token_ids=()) for n in (9, 14, 5)]

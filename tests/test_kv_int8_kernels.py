@@ -6,7 +6,8 @@ Both run the same model with kv_cache_dtype "int8" in float32, so tokens, step m
 counts must agree. The cases cover the cache paths that differ on the kernels: AR's one-query
 window, block_diffusion's block window, multi_block's approximate cache (kept slots dropped from
 the K/V and scale writes, widths in turn, `common.in_turn`, restoring the scales' last slot) and
-Fast-dLLM's prefix cache (one switch whose every branch writes).
+Fast-dLLM's prefix cache (one switch whose every branch writes); and rows of those two caches
+joining a running serving pool on the kernels decode as each does alone.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from jdllm.loading import Model
 from jdllm.model import init_params
 from tests.decode_fixtures import MASK, VOCAB, block_model, causal_model
 from tests.decode_fixtures import fast_compile  # noqa: F401 (fixture)
-from tests.quick import slow_except
+from tests.quick import slow, slow_except
 
 pytestmark = pytest.mark.usefixtures("fast_compile")
 
@@ -58,3 +59,16 @@ def test_int8_cache_on_the_kernels_decodes_as_the_xla_path(case):
                     for impl in ("xla", "pallas"))
     for x, k in zip(xla, kernels):
         assert (k.token_ids, k.step_map, k.nfe) == (x.token_ids, x.step_map, x.nfe)
+
+
+@slow
+@pytest.mark.parametrize("case", ["multi_approx", "masked_prefix"])
+def test_int8_cache_rows_joining_a_pool_on_the_kernels_decode_as_alone(case):
+    """A serving pool (`jdllm.serve.runner.Runner`) on the kernels with an int8 cache: rows admitted at
+    different steps, each on its own layout, decode as alone (the scales joined, dropped and restored
+    with the values). Its own module: the jax caches are cleared between modules."""
+    from tests.test_engine_core import JOIN_CASES, assert_joined_decode_as_alone  # noqa: PLC0415
+
+    m, par, news = JOIN_CASES[case]()
+    assert_joined_decode_as_alone(Model(m.config.replace(kv_cache_dtype="int8"), m.params, attn_impl="pallas"), par,
+                                  news)
