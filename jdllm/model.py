@@ -528,12 +528,13 @@ def forward(params: Params, cfg: ModelConfig, tokens, positions, *, start, cache
             # on the kernels (they read the cache where it lies) the kept slots are dropped from the
             # write (`write_rows(keep=)`; an int8 cache's scales too) instead of read back and merged
             drop_kept = merge_cached and write_cache and in_place
-            if merge_cached and sk is None and not drop_kept:  # keep the cached K/V outside [below, from)
-                k, v = (jnp.where(keep[:, :, None, None], window_of(c[i]), x.astype(c.dtype))
-                        for c, x in ((ck, k), (cv, v)))
-            elif merge_cached and not drop_kept:  # int8: re-quantizing a kept row gives it back
-                k, v = (jnp.where(keep[:, :, None, None], dequantize_kv(window_of(c[i]), window_of(sc[i]), x.dtype), x)
-                        for c, sc, x in ((ck, sk, k), (cv, sv, v)))
+            if merge_cached and not drop_kept:  # keep the cached K/V outside [below, from)
+                if sk is None:
+                    k, v = (jnp.where(keep[:, :, None, None], window_of(c[i]), x.astype(c.dtype))
+                            for c, x in ((ck, k), (cv, v)))
+                else:  # int8: re-quantizing a kept row gives it back
+                    k, v = (jnp.where(keep[:, :, None, None], dequantize_kv(window_of(c[i]), window_of(sc[i]), x.dtype),
+                                      x) for c, sc, x in ((ck, sk, k), (cv, sv, v)))
             if sk is not None:  # int8 cache: K / V written quantized, one scale per (token, KV head)
                 # K and V quantized as one array: one absmax reduction where two were two kernels a layer
                 kvq, kvs = quantize_kv(jnp.concatenate([k, v.astype(k.dtype)], axis=2))

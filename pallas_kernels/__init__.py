@@ -126,16 +126,15 @@ def attention(q, k, v, *, start, q_offset=0, kv_len=None, kind="causal", block_s
     Pallas kernels read it as int8 and scale on chip (`flash.attention`); the other
     implementations (and a mesh's `ShardedAttention`) take it dequantized to q's dtype.
     """
-    scaled = k_scale is not None
     pallas = mask is None and not isinstance(impl, ShardedAttention) and resolve_impl(impl) == "pallas"
-    if layer is not None and not pallas:
-        k, v = (jax.lax.dynamic_index_in_dim(x, jnp.asarray(layer, jnp.int32), 0, keepdims=False) for x in (k, v))
-        if scaled:
-            k_scale, v_scale = (jax.lax.dynamic_index_in_dim(x, jnp.asarray(layer, jnp.int32), 0, keepdims=False)
-                                for x in (k_scale, v_scale))
-        layer = None
-    if scaled and not pallas:
-        k, v, k_scale, v_scale = dequantize(k, k_scale, q.dtype), dequantize(v, v_scale, q.dtype), None, None
+    if not pallas:  # the other paths take layer `layer`'s slice, an int8 cache dequantized to q's dtype
+        if layer is not None:
+            def at(x):
+                return None if x is None else jax.lax.dynamic_index_in_dim(x, jnp.asarray(layer, jnp.int32), 0,
+                                                                            keepdims=False)
+            k, v, k_scale, v_scale, layer = at(k), at(v), at(k_scale), at(v_scale), None
+        if k_scale is not None:
+            k, v, k_scale, v_scale = dequantize(k, k_scale, q.dtype), dequantize(v, v_scale, q.dtype), None, None
     if mask is not None:
         return masked_attention_reference(q, k, v, mask, scale=scale)
     if kind not in KINDS:

@@ -185,13 +185,14 @@ def test_kernels_match_the_reference_in_every_dtype(case, dtype, global_precisio
 
 # --------------------------------------------------------------------------- models
 @functools.lru_cache(maxsize=None)
-def load_on(name: str, platform: str, dtype: str = "float32"):
+def load_on(name: str, platform: str, dtype: str = "float32", **load_kw):
     """models/<name> with its params put on the accelerator (attn_impl "auto") or on the CPU
-    (attn_impl "xla": what "auto" picks on a CPU; here "auto" would see the GPU backend)."""
+    (attn_impl "xla": what "auto" picks on a CPU; here "auto" would see the GPU backend);
+    `load_kw` goes to `jdllm.load` (quantize=, kv_cache=)."""
     device = accel_device() if platform == "accel" else cpu_device()
     impl = "auto" if platform == "accel" else "xla"
     with jax.default_device(device):
-        model = jdllm.load(os.path.join(MODELS, name), dtype=dtype, attn_impl=impl)
+        model = jdllm.load(os.path.join(MODELS, name), dtype=dtype, attn_impl=impl, **load_kw)
     model = dataclasses.replace(model, params=jax.device_put(model.params, device))
     assert all(x.devices() == {device} for x in jax.tree.leaves(model.params))
     return model
@@ -255,15 +256,7 @@ def test_int8_weights_on_the_accelerator_equal_the_cpu(paradigm, platforms):
     from jdllm.model import default_positions, forward
 
     name, decoding = PARADIGMS[QUANT_CASES[paradigm]]
-
-    def load_int8(platform):
-        device = accel_device() if platform == "accel" else cpu_device()
-        with jax.default_device(device):
-            m = jdllm.load(os.path.join(MODELS, name), dtype="float32", quantize="int8",
-                           attn_impl="auto" if platform == "accel" else "xla")
-        return dataclasses.replace(m, params=jax.device_put(m.params, device))
-
-    accel = load_int8("accel")
+    accel = load_on(name, "accel", quantize="int8")
     if jax.default_backend() == "gpu":  # a real GPU (not JDLLM_TEST_ACCEL=cpu): the kernel is in the program
         ids = jnp.asarray([[3, 4, 5, 6]])
         jaxpr = jax.make_jaxpr(lambda p: forward(p, accel.config, ids, default_positions(jnp.zeros((1,), jnp.int32),
@@ -272,7 +265,8 @@ def test_int8_weights_on_the_accelerator_equal_the_cpu(paradigm, platforms):
         assert "jdllm_qmatmul" in str(jaxpr(accel.params))
     sampling = jdllm.Sampling(temperature=0.0, max_new_tokens=MAX_NEW)
     got = on(accel_device(), platforms, jdllm.generate, accel, PROMPTS, decoding("accel"), sampling)
-    want = on(cpu_device(), platforms, jdllm.generate, load_int8("cpu"), PROMPTS, decoding("cpu"), sampling)
+    want = on(cpu_device(), platforms, jdllm.generate, load_on(name, "cpu", quantize="int8"), PROMPTS, decoding("cpu"),
+              sampling)
     assert all(o.token_ids for o in want)
     _assert_same(got, want, f"int8 {paradigm}")
 
@@ -284,17 +278,11 @@ def test_int8_kv_cache_on_the_accelerator_equals_the_cpu(paradigm, platforms):
     int8 cache and its scales in place and scale on chip, on the CPU XLA dequantizes each layer; the
     same tokens and steps."""
     name, decoding = PARADIGMS[QUANT_CASES[paradigm]]
-
-    def load(platform):
-        device = accel_device() if platform == "accel" else cpu_device()
-        with jax.default_device(device):
-            m = jdllm.load(os.path.join(MODELS, name), dtype="float32", kv_cache="int8",
-                           attn_impl="auto" if platform == "accel" else "xla")
-        return dataclasses.replace(m, params=jax.device_put(m.params, device))
-
     sampling = jdllm.Sampling(temperature=0.0, max_new_tokens=MAX_NEW)
-    got = on(accel_device(), platforms, jdllm.generate, load("accel"), PROMPTS, decoding("accel"), sampling)
-    want = on(cpu_device(), platforms, jdllm.generate, load("cpu"), PROMPTS, decoding("cpu"), sampling)
+    got = on(accel_device(), platforms, jdllm.generate, load_on(name, "accel", kv_cache="int8"), PROMPTS,
+             decoding("accel"), sampling)
+    want = on(cpu_device(), platforms, jdllm.generate, load_on(name, "cpu", kv_cache="int8"), PROMPTS,
+              decoding("cpu"), sampling)
     assert all(o.token_ids for o in want)
     _assert_same(got, want, f"int8 KV {paradigm}")
 
