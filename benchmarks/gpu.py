@@ -182,6 +182,7 @@ PRIORITY = ("ar_b1", "bd_static_b1", "fastdllm_dual_b1", "mb_approx_b1")
 # whole 33k canvas with a prefill-sized forward whenever a block stabilises: add it with --long-cases
 LONG_CASES = ("ar_b1", "bd_static_b1", "mb_exact_b1")
 LONG_PROMPT, LONG_GEN = 32768, 1024
+LONG_PROFILE_STEPS = 64  # --long --profile: the decode steps after the prompt run under the profiler
 QUICK_CASES = PRIORITY + ("hf",)
 DEFAULT_COLD = PRIORITY
 
@@ -726,6 +727,19 @@ def run_long_case(case: Case, model, task, base_row: dict) -> dict:
     per = row["ms_per_token"] if case.window == "token" else row["ms_per_forward"]
     if kv_floor and per:
         row["x_kv_floor"] = per / kv_floor
+    if task.get("profile"):  # --profile: LONG_PROFILE_STEPS decode steps after the prompt, under the profiler
+        del final
+        gc.collect()
+        def after_prompt():  # (step_n donates its state: a fresh one per run)
+            return jax.block_until_ready(step_n(params, prefill(params, prep.state), one))
+
+        n = np.int32(LONG_PROFILE_STEPS)
+        st = after_prompt()
+        f0 = int(jax.device_get(st.forwards))
+        steps_f = int(jax.device_get(jax.block_until_ready(step_n(params, st, n)).forwards)) - f0
+        st = after_prompt()
+        row["profile"] = profile_decode(lambda: jax.block_until_ready(step_n(params, st, n)), steps_f)
+        del st
     return row  # the cache, the states and the executables go with this frame
 
 
@@ -1025,24 +1039,28 @@ def progress_line(r: dict, elapsed: float) -> str:
                 f"floor {f1(r.get('kv_floor_ms'), '{:.2f}')} ms = {f1(r.get('x_kv_floor'), '{:.2f}')}x | nfe "
                 f"{r['nfe']:.0f} | first {r['first_call_s']:.1f}s (compile {r['compile_s']:.1f}s) | peak "
                 f"{fmt_gib(r.get('peak_bytes'))}{'' if r.get('peak_exact') in (True, None) else ' (running)'} | "
-                f"KV {fmt_gib(r['kv_bytes'])} | same {r['same_tokens']}")
+                f"KV {fmt_gib(r['kv_bytes'])} | same {r['same_tokens']}{profile_text(r)}")
     if r["kind"] == "serve":
         return (f"{head} | engine {r['tok_s']:9.1f} tok/s p50 {r['latency_p50_ms']:.0f} ms p99 "
                 f"{r['latency_p99_ms']:.0f} ms | offline generate {r['offline_tok_s']:9.1f} tok/s | same tokens "
                 f"{r['same_requests']}/{r['requests']} requests{diverge(r)} | peak {fmt_gib(r.get('peak_bytes'))}")
     xf = f"{r['x_floor']:5.2f}x floor" if r.get("x_floor") else "- floor"
     acc = f" | accept {r['acceptance_rate']:.2f}" if "acceptance_rate" in r else ""
-    pf = r.get("profile") or {}
-    if pf.get("device_events"):
-        kinds = ", ".join(f"{k.split(' (')[0]} {v:.2f}" for k, v in pf["kinds_ms_per_forward"].items())
-        acc += (f" | device per fwd: busy {pf['per_forward_ms']['busy']:.2f} ms, waiting "
-                f"{pf['per_forward_ms']['gap']:.2f} ms, {pf['kernels_per_forward']:.0f} kernels ({kinds})")
-    elif pf:
-        acc += f" | profile: {pf.get('error') or 'no device events'}"
+    acc += profile_text(r)
     return (f"{head} | {r['tok_s']:9.1f} tok/s | nfe {r['nfe']:6.1f} | tpf {r['tpf']:5.2f} | "
             f"{r['ms_per_forward']:8.2f} ms/fwd | {xf} | first {r['first_call_s']:6.1f}s | peak "
             f"{fmt_gib(r.get('peak_bytes'))}{'' if r.get('peak_exact') in (True, None) else ' (running)'} | "
             f"same {r['same_tokens']}{acc}")
+
+
+def profile_text(r: dict) -> str:
+    """A row's `--profile` summary for its log line ('' without one)."""
+    pf = r.get("profile") or {}
+    if pf.get("device_events"):
+        kinds = ", ".join(f"{k.split(' (')[0]} {v:.2f}" for k, v in pf["kinds_ms_per_forward"].items())
+        return (f" | device per fwd: busy {pf['per_forward_ms']['busy']:.2f} ms, waiting "
+                f"{pf['per_forward_ms']['gap']:.2f} ms, {pf['kernels_per_forward']:.0f} kernels ({kinds})")
+    return f" | profile: {pf.get('error') or 'no device events'}" if pf else ""
 
 
 def fmt_gib(b) -> str:

@@ -10,8 +10,11 @@ and the markdown.
 from __future__ import annotations
 
 import json
+import os
 
 from scripts import load_script
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 gpu = load_script("benchmarks/gpu.py")
 
@@ -299,7 +302,48 @@ def test_attention_sweep_takes_a_subset_by_label_and_rejects_unknown_ones(capsys
     first = attention.WINDOW_SWEEP[0][0]
     with pytest.raises(SystemExit):
         attention.main(["--window-sweep", "--sweep-only", f"{first},bk99"])
-    assert "['bk99'] are not WINDOW_SWEEP labels" in capsys.readouterr().err
+    assert "['bk99'] are not WINDOW_SWEEP / INT8_SWEEP labels" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         attention.main(["--sweep-only", first])
     assert "add --window-sweep" in capsys.readouterr().err
+
+
+def test_attention_times_the_window_over_an_int8_cache_and_its_tiles(tmp_path, capsys):
+    """`attention.py --kv-cache int8`: the window kernel over the same K / V quantized, a row beside
+    bf16's, counting one byte per element and a float32 scale per key and KV head; with
+    --window-sweep, INT8_SWEEP's variants (`--sweep-only` picks among them too: "dot" is the one-row
+    window through the tensor-core dot, `Tiles(one_row=False)`)."""
+    attention = load_script("benchmarks/attention.py")
+    out = str(tmp_path / "attention.json")
+    S, KV, D = 64, 2, 32
+    assert attention.main(["--quick", "--iters", "1", "--seq", str(S), "--window", "1", "--heads", "2", "--kv-heads",
+                           str(KV), "--head-dim", str(D), "--impls", "pallas", "--window-only", "--window-sweep",
+                           "--sweep-only", "dot", "--kv-cache", "int8", "--out", out]) == 0
+    with open(out) as f:
+        rows = json.load(f)["window"]
+    assert [r["impl"] for r in rows] == ["pallas", "pallas int8", "pallas int8 dot", "pallas (defaults again)"]
+    by = {r["impl"]: r for r in rows}
+    int8_bytes, bf16_bytes = 2 * KV * S * D + 2 * KV * S * 4, 2 * KV * S * D * 2
+    assert abs(by["pallas int8"]["gbps"] * by["pallas int8"]["ms"] * 1e6 - int8_bytes) <= 1e-6 * int8_bytes
+    assert abs(by["pallas"]["gbps"] * by["pallas"]["ms"] * 1e6 - bf16_bytes) <= 1e-6 * bf16_bytes
+    capsys.readouterr()
+
+
+def test_a_long_context_row_takes_a_profile_of_its_decode_steps(tmp_path):
+    """`gpu.py --long --profile` (here the tiny shape on the CPU, an int8 KV cache): the long row is
+    timed and its tokens agree across runs, then LONG_PROFILE_STEPS decode steps after the prompt run
+    under the profiler (the CPU has no device events: the row says so, and its log line too)."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "gpu.json"
+    proc = subprocess.run([sys.executable, "benchmarks/gpu.py", "--long", "--shape", "tiny", "--long-prompt", "64",
+                           "--long-gen", "16", "--long-cases", "ar_b1", "--kv-cache", "int8", "--profile",
+                           "--xla-flags-variants", "", "--out", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600,
+                          env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = [r for r in json.loads(out.read_text())["rows"].values() if r.get("kind") == "long"]
+    assert len(rows) == 1 and rows[0]["kv_cache"] == "int8" and rows[0]["same_tokens"] and rows[0]["gen"] == 16
+    assert rows[0]["profile"] == dict(device_events=0)
+    assert "profile: no device events" in proc.stdout
