@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import os
 import sys
@@ -138,6 +139,23 @@ WINDOW_SWEEP = ([(f"bk{bk} st{st} w{nw}", dict(block_k=bk, num_stages=st, num_wa
                 + [(f"bk64 br{br}", dict(block_k=64, block_r=br)) for br in (16, 32, 64)])
 
 
+# --kv-cache int8: the window kernel over an int8 cache (its scales beside it), its Tiles variants
+# timed beside the defaults (one_row=False: a one-row window through the tensor-core dot, as before
+# `flash._attend_one_row`)
+INT8_SWEEP = ([(f"bk{bk} w{nw}", dict(block_k=bk, num_warps=nw)) for bk in (32, 64, 128) for nw in (4, 8)]
+              + [(f"bk64 splits{n}", dict(block_k=64, num_splits=n)) for n in (16, 32, 64)]
+              + [("dot", dict(one_row=False))])
+
+
+def _int8_fn(*, kind, block_size, q_offset, kv_len, tiles):
+    """The window kernel over an int8 cache: fn(q, k, v, k_scale, v_scale)."""
+    def fn(q, k, v, ks, vs):
+        start = jnp.zeros((q.shape[0],), jnp.int32)
+        return flash.attention(q, k, v, start=start, q_offset=q_offset, kv_len=kv_len, kind=kind,
+                               block_size=block_size, variant="window", tiles=tiles, k_scale=ks, v_scale=vs)
+    return jax.jit(fn)
+
+
 def _xla_fits(B, H, T, S, budget_bytes) -> bool:
     return 3 * B * H * T * S * 4 <= budget_bytes  # f32 scores, probabilities and a temporary
 
@@ -236,6 +254,12 @@ def run(args, save=None) -> dict:
             q, k, v = _inputs(B, T, S, H, KV, D, dtype, seed=1)
             nbytes = 2 * B * KV * S * D * dtype.itemsize  # K and V of every visible slot
             variants = [(i, tiles) for i in ("pallas", "xla") if i in impls]
+            if args.kv_cache == "int8":  # the same K / V quantized: one byte per element + a scale per key
+                from jdllm.model import quantize_kv  # noqa: PLC0415
+                (k8, ks), (v8, vs) = quantize_kv(k), quantize_kv(v)
+                variants += [(f"pallas int8 {name}".rstrip(), dataclasses.replace(tiles, **kw))
+                             for name, kw in [("", {})] + (INT8_SWEEP if args.window_sweep else [])
+                             if not name or not args.sweep_only or name in args.sweep_only]
             if args.window_sweep:  # the window kernel's tiles (issue 28: its long-context rate)
                 variants += [(f"pallas {name}", dataclasses.replace(tiles, **kw)) for name, kw in WINDOW_SWEEP
                              if not args.sweep_only or name in args.sweep_only]
@@ -243,13 +267,15 @@ def run(args, save=None) -> dict:
                     variants.append(("pallas (defaults again)", tiles))
             for impl, vtiles in variants:
                 row = dict(mask=f"block_causal(B={T})", T=T, S=S, impl=impl)
+                int8 = impl.startswith("pallas int8")
                 try:
-                    fn = _attn_fn(impl.split()[0], kind="block_causal", block_size=T, q_offset=S - T, kv_len=S,
-                                  tiles=vtiles)
+                    mk = _int8_fn if int8 else functools.partial(_attn_fn, impl.split()[0])
+                    fn = mk(kind="block_causal", block_size=T, q_offset=S - T, kv_len=S, tiles=vtiles)
                     # a window takes tens of microseconds: chained in one compiled loop, not one
                     # dispatch per call (the H200 run of 2026-11-26 timed dispatches: 0.12-0.32 ms)
-                    sec = loop_seconds(fn, q, k, v, iters=args.iters)
-                    gbps = nbytes / sec / 1e9
+                    sec = loop_seconds(fn, q, *((k8, v8, ks, vs) if int8 else (k, v)), iters=args.iters)
+                    # (int8: one byte per element and a float32 scale per key and KV head, K and V)
+                    gbps = (nbytes // dtype.itemsize + 2 * B * KV * S * 4 if int8 else nbytes) / sec / 1e9
                     row.update(ms=sec * 1e3, gbps=gbps, frac_of_copy=gbps / result["copy_gbps"])
                 except Exception as e:  # noqa: BLE001
                     row["skipped"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
@@ -273,13 +299,13 @@ def print_table(res: dict) -> None:
         base = by.get((r["mask"], r["S"], "cudnn"), {})
         rel = f"{base['ms'] / r['ms']:.2f}x" if "ms" in base else "-"
         print(f"{r['mask']:<20}{r['S']:>7}  {r['impl']:<22}{r['ms']:>10.3f}{r['tflops']:>10.3f}{rel:>10}")
-    print(f"\n{'window':<20}{'T':>4}{'S':>7}  {'impl':<22}{'ms':>10}{'GB/s':>10}{'of copy':>10}")
+    print(f"\n{'window':<20}{'T':>4}{'S':>7}  {'impl':<26}{'ms':>10}{'GB/s':>10}{'of copy':>10}")
     # (--window-sweep rows: "pallas <tiles>"; the fastest per T and S is what the defaults should be)
     for r in res["window"]:
         if "skipped" in r:
-            print(f"{r['mask']:<20}{r['T']:>4}{r['S']:>7}  {r['impl']:<22}  skipped: {r['skipped']}")
+            print(f"{r['mask']:<20}{r['T']:>4}{r['S']:>7}  {r['impl']:<26}  skipped: {r['skipped']}")
             continue
-        print(f"{r['mask']:<20}{r['T']:>4}{r['S']:>7}  {r['impl']:<22}{r['ms']:>10.3f}{r['gbps']:>10.2f}"
+        print(f"{r['mask']:<20}{r['T']:>4}{r['S']:>7}  {r['impl']:<26}{r['ms']:>10.3f}{r['gbps']:>10.2f}"
               f"{100 * r['frac_of_copy']:>9.1f}%")
 
 
@@ -365,6 +391,9 @@ def main(argv=None) -> int:
     ap.add_argument("--sweep-only", default=None, type=lambda v: [x.strip() for x in v.split(",") if x.strip()],
                     help="with --window-sweep: only these WINDOW_SWEEP labels, comma-separated (e.g. "
                          "'bk32 st3 w4,bk64 st2 w4,bk64 splits16')")
+    ap.add_argument("--kv-cache", choices=("int8",), default=None,
+                    help="also time the window kernel over the same K / V as an int8 cache (jdllm's kv_cache='int8': "
+                         "read as int8, scaled on chip); with --window-sweep, INT8_SWEEP's Tiles variants too")
     ap.add_argument("--window-only", action="store_true", help="time the windows alone (no prefill, no backward)")
     ap.add_argument("--iters", type=int, default=None)
     ap.add_argument("--backward", action="store_true",
@@ -374,9 +403,10 @@ def main(argv=None) -> int:
     ap.add_argument("--markdown", action="store_true", help="print the tables of --out and exit")
     ap.add_argument("--write-results-md", action="store_true", help="with --markdown: also into RESULTS.md")
     args = ap.parse_args(argv)
-    unknown = sorted(set(args.sweep_only or ()) - {name for name, _ in WINDOW_SWEEP})
+    unknown = sorted(set(args.sweep_only or ()) - {name for name, _ in WINDOW_SWEEP + INT8_SWEEP})
     if unknown:
-        ap.error(f"--sweep-only: {unknown} are not WINDOW_SWEEP labels ({', '.join(n for n, _ in WINDOW_SWEEP)})")
+        ap.error(f"--sweep-only: {unknown} are not WINDOW_SWEEP / INT8_SWEEP labels "
+                 f"({', '.join(n for n, _ in WINDOW_SWEEP + INT8_SWEEP)})")
     if args.sweep_only and not args.window_sweep:
         ap.error("--sweep-only selects among --window-sweep's variants: add --window-sweep")
     if args.markdown:

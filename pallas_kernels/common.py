@@ -43,6 +43,9 @@ class Tiles:
     runs the Mosaic GPU kernels of `mosaic_backward.py` (wgmma, TMA ring of
     `mosaic_stages`) instead of the Triton ones, warp-specialised with
     `mosaic_backward_warp_specialized` (its ping-pong is `mosaic_pingpong` too).
+    one_row: a window of one query row per program (T = 1, one query head per KV
+    head) over an int8 cache runs on the CUDA cores (`flash._attend_one_row`);
+    False: the tensor-core dot of every other window.
     The defaults are what an H200 timed fastest (benchmarks/attention.py,
     S=4096, 2026-11-26): the warp-specialised forward without the ping-pong
     (1.06-1.41x the one-warpgroup kernel) and the one-warpgroup Mosaic backward
@@ -64,6 +67,7 @@ class Tiles:
     mosaic_pingpong: bool = False
     mosaic_backward: bool = True
     mosaic_backward_warp_specialized: bool = False
+    one_row: bool = True
 
     def __post_init__(self):
         for name in ("block_q", "block_k", "block_r", "block_q_bwd", "block_k_bwd"):
@@ -151,6 +155,17 @@ def dot(a, b, contract):
     `dot_precision(a.dtype, b.dtype)`."""
     return lax.dot_general(a, b, (contract, ((), ())), preferred_element_type=jnp.float32,
                            precision=dot_precision(a.dtype, b.dtype))
+
+
+def int8_to_float32(x):
+    """int8 `x` as float32, exactly, by integer operations and one float add.
+
+    Triton's int8 -> float32 conversion is the GPU's int-to-float instruction, which issues at a
+    quarter of the float rate. Here the byte with its sign bit flipped (x + 128, 0..255) becomes
+    the low mantissa of the float32 2^23 (bits 0x4B000000, whose last mantissa unit is 1): that
+    float is 2^23 + 128 + x, and subtracting 2^23 + 128 leaves x."""
+    bits = lax.bitcast_convert_type(x, jnp.uint8).astype(jnp.uint32) ^ np.uint32(0x4B000080)
+    return lax.bitcast_convert_type(bits, jnp.float32) - np.float32(8388736.0)
 
 
 def cdiv(x, d: int):

@@ -60,12 +60,16 @@ from jax.experimental import pallas as pl
 from pallas_kernels import mosaic, mosaic_backward
 from pallas_kernels.backward import attention_backward
 from pallas_kernels.common import (BACKEND_ENV, BACKENDS, LOG2E, MIN_TILE, NEG, Tiles,  # noqa: F401 (re-exported)
-                                   cdiv, default_backend, dot, dot_precision, env_count, key_end, normalise,
-                                   online_softmax_step, pad_axis, pad_head_dim, padded_head_dim, plain_backend, row_lse,
-                                   query_rows_bounds, row_scalars, tile_bounds, tile_size, triton_params)
+                                   cdiv, default_backend, dot, dot_precision, env_count, int8_to_float32, key_end,
+                                   normalise, online_softmax_step, pad_axis, pad_head_dim, padded_head_dim,
+                                   plain_backend, query_rows_bounds, row_lse, row_scalars, tile_bounds, tile_size,
+                                   triton_params)
 from pallas_kernels.reference import KINDS, attention_reference, dequantize
 
 WINDOW_MAX_T = 128  # queries above this use the prefill kernel
+# warps of the one-row window (`_attend_one_row`) unless Tiles.num_warps says: on an H200 (T=1, S=33792,
+# 32 heads of 128) 4 warps took 0.183-0.203 ms per call where 8 took 0.220-0.251
+ONE_ROW_WARPS = 4
 # a prefill chunk over a stacked cache (`attention(layer=)`) of at most this many queries runs the
 # Triton prefill kernel on the cache in place rather than the Mosaic one on a copy of the layer: at
 # 1.3x the Mosaic kernel's rate the copy of 2 S x KV x D elements (read and written) costs more than
@@ -115,6 +119,57 @@ def _attend(q, rows_p, k_ref, v_ref, bounds, *, start, kvl, block_k, kind, block
     carry = lax.fori_loop(a, b, functools.partial(step, masked=True), carry)
     carry = lax.fori_loop(b, c, functools.partial(step, masked=False), carry)
     return lax.fori_loop(c, d, functools.partial(step, masked=True), carry)
+
+
+def _attend_one_row(q, rows_p, k_ref, v_ref, bounds, *, start, kvl, block_k, kind, block_size, qk_scale, lead,
+                    scale_refs):
+    """`_attend` for one query row over an int8 cache, on the CUDA cores: no tensor-core dot.
+
+    A dot takes V [bk, D] with the keys as its contraction axis, but the cache keeps each key's D
+    values together: for bfloat16 the GPU loads that transposed (ldmatrix.trans); for int8 the
+    compiled kernel reads it out of shared memory one byte per instruction (ld.shared.b8 in its
+    PTX). At a 32k context on an H200 (8B shape, 32 layers) the window kernels over an int8 cache
+    took 7.41 ms per token where bfloat16's took 4.95. With one row there is nothing for a tensor
+    core to share: the scores are q times each key tile summed over D, and the tile's p-weighted
+    values go into an accumulator of the tile's shape [bk, D], summed over the keys once at the
+    end, so K and V are read in rows as they lie (16-byte loads) and converted exactly
+    (`int8_to_float32`). One call at T=1, S=33792, 32 heads of 128, on the H200: 0.203 ms, where
+    the dot over int8 took 0.276 and bfloat16's kernel 0.192-0.208 (benchmarks/attention.py
+    --kv-cache int8): the int8 bytes are read at 1.4 TB/s, bfloat16's at 2.7-2.9."""
+    a, b, c, d = bounds
+    D = q.shape[-1]
+    qf = lax.broadcast_in_dim(q[0].astype(jnp.float32), (block_k, D), [1])  # [bk, D]
+    end = key_end(rows_p[0], kind, block_size, kvl)
+    ks_ref, vs_ref = scale_refs
+
+    def step(t, carry, masked: bool):
+        acc, m, l = carry  # [bk, D], scalar, scalar
+        k0 = t * block_k
+        k = k_ref[(*lead, pl.ds(k0, block_k), slice(None))]  # [bk, D] int8
+        v = v_ref[(*lead, pl.ds(k0, block_k), slice(None))]
+        ks, vs = ks_ref[(*lead, pl.ds(k0, block_k))], vs_ref[(*lead, pl.ds(k0, block_k))]  # [bk]
+        s = jnp.sum(int8_to_float32(k) * qf, axis=1) * (ks * qk_scale)  # [bk], log2 units
+        if masked:
+            cols = k0 + lax.broadcasted_iota(jnp.int32, (block_k,), 0)
+            vis = (cols >= start) & (cols < end)
+            s = jnp.where(vis, s, NEG)
+        m_new = jnp.maximum(m, jnp.max(s))
+        corr = jnp.exp2(m - m_new)
+        p = jnp.exp2(s - m_new)
+        if masked:  # a hidden key's scale may be anything (a stale or unwritten slot): 0 * NaN
+            p = jnp.where(vis, p, 0.0)
+            pw = jnp.where(vis, p * vs, 0.0)
+        else:
+            pw = p * vs
+        acc = acc * corr + lax.broadcast_in_dim(pw, (block_k, D), [0]) * int8_to_float32(v)
+        return acc, m_new, corr * l + jnp.sum(p)
+
+    carry = (jnp.zeros((block_k, D), jnp.float32), jnp.float32(NEG), jnp.float32(0.0))
+    carry = lax.fori_loop(a, b, functools.partial(step, masked=True), carry)
+    carry = lax.fori_loop(b, c, functools.partial(step, masked=False), carry)
+    acc, m, l = lax.fori_loop(c, d, functools.partial(step, masked=True), carry)
+    return (lax.broadcast_in_dim(jnp.sum(acc, axis=0), (1, D), [1]), lax.broadcast_in_dim(m, (1,), []),
+            lax.broadcast_in_dim(l, (1,), []))
 
 
 # --------------------------------------------------------------------------- prefill kernel
@@ -311,7 +366,7 @@ def _poisoned(args, in_specs, out_shape, out_specs, poison: bool):
 
 # --------------------------------------------------------------------------- window kernel
 def _window_kernel(start_ref, qoff_ref, kvl_ref, *refs, T, G, S, num_splits,
-                   block_r, block_k, kind, block_size, qk_scale, stacked=False, scaled=False):
+                   block_r, block_k, kind, block_size, qk_scale, stacked=False, scaled=False, one_row=False):
     # refs: [layer_ref (stacked)], q_ref, k_ref, v_ref, [ks_ref, vs_ref (scaled)], [poisoned buffers],
     # acc_ref, m_ref, l_ref
     lead, (q_ref, k_ref, v_ref, *refs) = _layer_lead(refs, stacked)
@@ -332,9 +387,10 @@ def _window_kernel(start_ref, qoff_ref, kvl_ref, *refs, T, G, S, num_splits,
     bounds = tile_bounds(start=start, kvl=kvl, p_first=p_first, p_last=p_last, lo_slot=lo_slot,
                           hi_slot=jnp.minimum(lo_slot + per_split * block_k, S), block_k=block_k,
                           kind=kind, block_size=block_size)
-    acc, m, l = _attend(q_ref[...], rows_p, k_ref, v_ref, bounds, start=start, kvl=kvl,
-                        block_k=block_k, kind=kind, block_size=block_size, qk_scale=qk_scale, lead=lead,
-                        scale_refs=scale_refs)
+    attend = _attend_one_row if one_row else _attend
+    acc, m, l = attend(q_ref[...], rows_p, k_ref, v_ref, bounds, start=start, kvl=kvl,
+                       block_k=block_k, kind=kind, block_size=block_size, qk_scale=qk_scale, lead=lead,
+                       scale_refs=scale_refs)
     acc_ref[...] = acc
     m_ref[...] = m
     l_ref[...] = l
@@ -381,7 +437,9 @@ def window_attention(q, k, v, *, start, q_offset=0, kv_len=None, kind="causal", 
     kv_len = S if kv_len is None else kv_len
     scale = D ** -0.5 if scale is None else scale
     R = T * G
-    br, bk = tile_size(tiles.block_r, R, backend), stacked_bk or tile_size(tiles.block_k, S, backend)
+    bk = stacked_bk or tile_size(tiles.block_k, S, backend)
+    one_row = R == 1 and scales is not None and tiles.one_row  # `_attend_one_row`
+    br = 1 if one_row else tile_size(tiles.block_r, R, backend)
     Rp, Sp = pl.cdiv(R, br) * br, pl.cdiv(S, bk) * bk
     nr = Rp // br
     key_tiles = Sp // bk
@@ -397,7 +455,8 @@ def window_attention(q, k, v, *, start, q_offset=0, kv_len=None, kind="causal", 
 
     kernel = functools.partial(_window_kernel, T=T, G=G, S=S, num_splits=ns,
                                block_r=br, block_k=bk, kind=kind, block_size=block_size,
-                               qk_scale=scale * LOG2E, stacked=stacked, scaled=scales is not None)
+                               qk_scale=scale * LOG2E, stacked=stacked, scaled=scales is not None,
+                               one_row=one_row)
     row = pl.BlockSpec((None,), lambda b, h, r, s: (b,))
     q_spec = pl.BlockSpec((None, None, br, Dp), lambda b, h, r, s: (b, h, r, 0))
     if stacked:  # every layer of (row, KV head) in the block; the kernel reads its layer's tiles
@@ -422,7 +481,8 @@ def window_attention(q, k, v, *, start, q_offset=0, kv_len=None, kind="causal", 
         out_specs=out_specs,
         out_shape=out_shape,
         input_output_aliases=aliases,
-        compiler_params=triton_params(backend, tiles, Dp),
+        compiler_params=triton_params(backend, tiles if tiles.num_warps or not one_row
+                                      else dataclasses.replace(tiles, num_warps=ONE_ROW_WARPS), Dp),
         interpret=backend == "interpret",
         name="jdllm_flash_window",
     )(*args)

@@ -528,22 +528,29 @@ def test_a_stacked_cache_is_read_in_place_at_its_layer(variant, T, S, tiles, in_
         assert f'name = "jdllm_flash_{variant}"' in hlo
 
 
-@pytest.mark.parametrize("variant,T,S,tiles,stacked,dtype", slow_except([
-    ("window", 4, 64, flash.Tiles(block_r=8, block_k=16, num_splits=3), True, jnp.float32),
-    ("window", 1, 50, flash.Tiles(block_r=8, block_k=16), True, jnp.bfloat16),  # no tile divides 50: sliced
-    ("prefill", 24, 64, flash.Tiles(block_q=16, block_k=16), True, jnp.float32),
-    ("window", 3, 40, flash.Tiles(block_r=8, block_k=16, num_splits=2), False, jnp.float32),
-    ("prefill", 20, 50, flash.Tiles(block_q=8, block_k=16), False, jnp.bfloat16),
-], ("window", 4, 64, flash.Tiles(block_r=8, block_k=16, num_splits=3), True, jnp.float32)))
-def test_int8_cache_is_dequantized_in_the_kernel(variant, T, S, tiles, stacked, dtype):
+@pytest.mark.parametrize("variant,T,S,tiles,stacked,dtype,H", slow_except([
+    ("window", 4, 64, flash.Tiles(block_r=8, block_k=16, num_splits=3), True, jnp.float32, 4),
+    ("window", 1, 50, flash.Tiles(block_r=8, block_k=16), True, jnp.bfloat16, 4),  # no tile divides 50: sliced
+    ("prefill", 24, 64, flash.Tiles(block_q=16, block_k=16), True, jnp.float32, 4),
+    ("window", 3, 40, flash.Tiles(block_r=8, block_k=16, num_splits=2), False, jnp.float32, 4),
+    ("prefill", 20, 50, flash.Tiles(block_q=8, block_k=16), False, jnp.bfloat16, 4),
+    # one query row (T = 1, one query head per KV head): `_attend_one_row`, no dot
+    ("window", 1, 64, flash.Tiles(block_k=16, num_splits=3), True, jnp.bfloat16, 2),
+    ("window", 1, 40, flash.Tiles(block_k=16), False, jnp.float32, 2),
+    ("window", 1, 64, flash.Tiles(block_k=16, one_row=False), True, jnp.bfloat16, 2),  # the dot, by choice
+], ("window", 4, 64, flash.Tiles(block_r=8, block_k=16, num_splits=3), True, jnp.float32, 4),
+   ("window", 1, 64, flash.Tiles(block_k=16, num_splits=3), True, jnp.bfloat16, 2)))
+def test_int8_cache_is_dequantized_in_the_kernel(variant, T, S, tiles, stacked, dtype, H):
     """An int8 KV cache with its scales (`jdllm.model.quantize_kv`: one per key and KV head) through
     the kernels equals the reference on the dequantized cache: in place at a stacked cache's layer
     and on one layer, windows and prefill chunks, with every hidden slot's scale NaN (a stale or
     unwritten slot: the kernel must not multiply a probability of 0 by it). The kernels take the
-    int8 arrays (no float copy of the cache); the XLA dispatch dequantizes and gives the reference."""
+    int8 arrays (no float copy of the cache); the XLA dispatch dequantizes and gives the reference.
+    A window of one row per program (T = 1, H = KV) has no dot (`_attend_one_row`, unless
+    `Tiles.one_row` is off); every other has."""
     from jdllm.model import dequantize_kv, quantize_kv  # noqa: PLC0415
 
-    L, B, H, KV, D = 3, 2, 4, 2, 32
+    L, B, KV, D = 3, 2, 2, 32
     rng = np.random.default_rng(11)
     q = jnp.asarray(rng.standard_normal((B, T, H, D)), dtype)
     (k, ks), (v, vs) = (quantize_kv(jnp.asarray(rng.standard_normal((L, B, S, KV, D)), jnp.float32)) for _ in range(2))
@@ -572,6 +579,18 @@ def test_int8_cache_is_dequantized_in_the_kernel(variant, T, S, tiles, stacked, 
     assert ((L, B, S, KV, D) in into) == in_place
     kv_operands = [x for x in _pallas_operands(closed) if x.ndim >= 4 and x.shape[-3] >= S]  # k, v (not q's rows)
     assert len(kv_operands) == 2 and all(x.dtype == jnp.int8 for x in kv_operands), kv_operands
+    assert _kernel_has_dot(closed) == (T * H // KV > 1 or variant == "prefill" or not tiles.one_row)
+
+
+def _kernel_has_dot(closed) -> bool:
+    """Whether a pallas_call's kernel body in this jaxpr (or in the jaxprs inside it) has a dot_general."""
+    from jax.extend.core import jaxprs_in_params
+
+    def walk(jaxpr, inside):
+        return any((inside and eqn.primitive.name == "dot_general")
+                   or any(walk(sub, inside or eqn.primitive.name == "pallas_call")
+                          for sub in jaxprs_in_params(eqn.params)) for eqn in jaxpr.eqns)
+    return walk(closed.jaxpr, False)
 
 
 def test_stacked_prefill_chunks_on_hopper_pick_in_place_or_the_mosaic_kernel(monkeypatch):
@@ -1205,15 +1224,16 @@ def test_gpu_stacked_cache_read_in_place(variant, T, S, dtype):
 
 @pytest.mark.gpu
 @needs_gpu
-@pytest.mark.parametrize("variant,T,S,dtype", [("window", 1, 4032, jnp.bfloat16), ("window", 32, 448, jnp.bfloat16),
-                                               ("window", 4, 448, jnp.float32), ("prefill", 160, 416, jnp.bfloat16)])
-def test_gpu_int8_cache_dequantized_in_the_kernel(variant, T, S, dtype):
+@pytest.mark.parametrize("variant,T,S,dtype,H", [
+    ("window", 1, 4032, jnp.bfloat16, 8), ("window", 32, 448, jnp.bfloat16, 8), ("window", 4, 448, jnp.float32, 8),
+    ("prefill", 160, 416, jnp.bfloat16, 8), ("window", 1, 4032, jnp.bfloat16, 2), ("window", 1, 448, jnp.float32, 2)])
+def test_gpu_int8_cache_dequantized_in_the_kernel(variant, T, S, dtype, H):
     """An int8 stacked cache with its scales through the compiled Triton kernels (what an int8 KV
     cache's decode steps run, the layer read in place) equals the reference on the dequantized
-    layer."""
+    layer; H = KV at T = 1 is the one-row window (`flash._attend_one_row`, no dot)."""
     from jdllm.model import dequantize_kv, quantize_kv  # noqa: PLC0415
 
-    L, B, H, KV, D = 4, 2, 8, 2, 128
+    L, B, KV, D = 4, 2, 2, 128
     rng = np.random.default_rng(6)
     q = jnp.asarray(rng.standard_normal((B, T, H, D), np.float32), dtype)
     (k, ks), (v, vs) = (quantize_kv(jnp.asarray(rng.standard_normal((L, B, S, KV, D)), jnp.float32)) for _ in range(2))

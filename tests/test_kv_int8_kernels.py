@@ -3,11 +3,12 @@
 The kernels read the int8 cache and its scales where they lie and scale on chip
 (`pallas_kernels.flash.attention(k_scale=, v_scale=)`); the XLA path dequantizes the layer it reads.
 Both run the same model with kv_cache_dtype "int8" in float32, so tokens, step maps and forward
-counts must agree. The cases cover the cache paths that differ on the kernels: AR's one-query
-window, block_diffusion's block window, multi_block's approximate cache (kept slots dropped from
-the K/V and scale writes, widths in turn, `common.in_turn`, restoring the scales' last slot) and
-Fast-dLLM's prefix cache (one switch whose every branch writes); and rows of those two caches
-joining a running serving pool on the kernels decode as each does alone.
+counts must agree. The cases cover the cache paths that differ on the kernels: AR's one-query window
+(with one query head per KV head: one row per program, no dot), block_diffusion's block window,
+multi_block's approximate cache (kept slots dropped from the K/V and scale writes, widths in turn,
+`common.in_turn`, restoring the scales' last slot) and Fast-dLLM's prefix cache (one switch whose
+every branch writes); and rows of those two caches joining a running serving pool on the kernels
+decode as each does alone.
 """
 
 from __future__ import annotations
@@ -38,8 +39,18 @@ def bidir_model() -> Model:
     return Model(cfg, init_params(cfg, jax.random.key(3), std=0.7), attn_impl="xla")
 
 
+@functools.lru_cache(maxsize=None)
+def mha_model() -> Model:
+    """A causal model with one query head per KV head: AR's window is one row per program, the
+    int8 kernel's `flash._attend_one_row` (no dot)."""
+    base = causal_model()
+    cfg = base.config.replace(num_kv_heads=base.config.num_heads)
+    return Model(cfg, init_params(cfg, jax.random.key(4), std=0.7), attn_impl="xla")
+
+
 CASES = {
     "ar": (causal_model, lambda: jdllm.AR(), 10),
+    "ar_one_row": (mha_model, lambda: jdllm.AR(), 10),
     "block_diffusion": (block_model, lambda: jdllm.BlockDiffusion(block_length=4, denoising_steps=4), 12),
     "multi_block_approx": (bidir_model, lambda: jdllm.MultiBlock(
         block_size=4, entropy_threshold=0.3, block_add_threshold=0.25, decoded_token_threshold=0.75, max_blocks=3,
@@ -49,7 +60,7 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("case", slow_except(list(CASES), "multi_block_approx"))
+@pytest.mark.parametrize("case", slow_except(list(CASES), "multi_block_approx", "ar_one_row"))
 def test_int8_cache_on_the_kernels_decodes_as_the_xla_path(case):
     make, decoding, max_new = CASES[case]
     base = make()
