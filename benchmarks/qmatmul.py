@@ -82,9 +82,19 @@ VARIANTS = [
     # H100 sweep of 2026-11-27 timed "no split" at n128, 32 programs for the o projection: 2.5x slower)
     ("no split n32", dict(splits=1, block_n=32)),
     ("no split n32 s4", dict(splits=1, block_n=32, num_stages=4)),
+    # the weight stored [N, K] (contraction last, `transpose=True`), as a tied LM head is: the dot's
+    # operand then has its contraction axis contiguous. Stored [K, N] (jdllm's QArray layout today)
+    # the compiled kernel reads the int8 tile out of shared memory one byte per instruction
+    # (ld.shared.b8, 128 in its PTX); stored [N, K] it loads pairs with ldmatrix (deviceless H100
+    # compile, 2026-11-27). Only for matrices stored [K, N] here.
+    ("[N, K] storage", dict(nk=True)),
+    ("[N, K] k64", dict(nk=True, block_k=64)),
+    ("[N, K] k256", dict(nk=True, block_k=256)),
+    ("[N, K] n64", dict(nk=True, block_n=64)),
+    ("[N, K] stages 4", dict(nk=True, num_stages=4)),
 ]
 QUICK_VARIANTS = ("default (dot, k128 n128, auto splits, w4 s3)", "n64", "k256", "stages 4", "reduce k128 n128",
-                  "reduce k256 n64")
+                  "reduce k256 n64", "[N, K] storage", "[N, K] k64")
 
 
 def parse(argv=None):
@@ -152,6 +162,9 @@ def run(args, save=None) -> list[dict]:
             ws.append(w)
             qs.append((qa.q, qa.scale.reshape(N)))
             del w
+        # the same quantized weights stored [N, K] (the "[N, K]" variants; a transposed copy each)
+        qts = [] if transpose or not any(kw.get("nk") for _, kw in variants) else \
+            [(jnp.transpose(q), s) for q, s in qs]  # (a new row-major array: q's elements in [N, K] order)
         contract = ((1,), (1,)) if transpose else ((1,), (0,))
         for M in args.rows:
             x = jax.random.normal(jax.random.fold_in(key, 1000 + M), (M, K), jnp.float32).astype(jnp.bfloat16)
@@ -180,15 +193,21 @@ def run(args, save=None) -> list[dict]:
                         scheme=args.scheme, read_gbs=read)
             cands = [("bf16, XLA's dot", None, bf16_fn, [x] + ws, 2 * K * N),
                      (f"{args.scheme}, XLA's dot", None, jax.jit(xla_int8), [x] + flat_q, q_bytes)]
+            flat_qt = [a for qs_ in qts for a in qs_]
             for label, kw in variants:
                 if qmatmul.plan(M, K, N, backend, **{k: v for k, v in kw.items()
                                                       if k in ("block_k", "block_n", "splits", "mode")}) is None:
                     continue
+                nk = kw.get("nk", False)
+                if nk and not qts:  # (a matrix stored [N, K] already: its plain variants are these)
+                    continue
+                kk = {k: v for k, v in kw.items() if k != "nk"}
 
-                def kern(x, *qs, kw=kw):
-                    return [qmatmul.qmatmul(x, q, s, transpose=transpose, **kw) for q, s in zip(qs[::2], qs[1::2])]
+                def kern(x, *qs, kk=kk, tr=transpose or nk):
+                    return [qmatmul.qmatmul(x, q, s, transpose=tr, **kk) for q, s in zip(qs[::2], qs[1::2])]
 
-                cands.append((f"{args.scheme}, qmatmul {label}", kw, jax.jit(kern), [x] + flat_q, q_bytes))
+                cands.append((f"{args.scheme}, qmatmul {label}", kw, jax.jit(kern), [x] + (flat_qt if nk else flat_q),
+                              q_bytes))
             for label, kw, fn, fargs, nbytes in cands:
                 row = dict(base, impl=label, variant=kw)
                 try:

@@ -347,3 +347,20 @@ def test_a_long_context_row_takes_a_profile_of_its_decode_steps(tmp_path):
     assert len(rows) == 1 and rows[0]["kv_cache"] == "int8" and rows[0]["same_tokens"] and rows[0]["gen"] == 16
     assert rows[0]["profile"] == dict(device_events=0)
     assert "profile: no device events" in proc.stdout
+
+
+def test_qmatmul_benchmark_times_weights_stored_either_way(tmp_path, capsys):
+    """`qmatmul.py`'s "[N, K]" variants run the kernel on the same quantized weights stored [N, K]
+    (contraction last, `transpose=True`), checked against the float32 product like every variant;
+    a matrix already stored [N, K] (a tied head) has no such row."""
+    qmm = load_script("benchmarks/qmatmul.py")
+    out = str(tmp_path / "qmatmul.json")
+    assert qmm.main(["--shape", "tiny", "--rows", "1", "--iters", "1", "--out", out, "--only",
+                     "default (dot, k128 n128, auto splits, w4 s3)", "[N, K] storage"]) == 0
+    with open(out) as f:
+        rows = list(json.load(f)["rows"].values())
+    by = {(r["matrix"], r["impl"]): r for r in rows}
+    assert by[("o", "int8, qmatmul [N, K] storage")]["ok"] and by[("o", "int8, qmatmul [N, K] storage")]["rel_err"] > 0
+    assert ("head (tied)", "int8, qmatmul [N, K] storage") not in by
+    assert by[("head (tied)", "int8, qmatmul default (dot, k128 n128, auto splits, w4 s3)")]["ok"]
+    capsys.readouterr()
