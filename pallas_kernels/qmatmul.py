@@ -28,8 +28,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels.common import (MIN_TILE, compiler_params, default_backend, dot, next_pow2, pad_axis,
-                                   plain_backend)
+from pallas_kernels.common import (MIN_TILE, compiler_params, default_backend, dot, int8_to_float32, next_pow2,
+                                   pad_axis, plain_backend)
 
 MAX_ROWS = 64  # rows (batch x tokens) up to which a matmul runs here
 BLOCK_N = 128
@@ -75,6 +75,12 @@ def fits(rows: int, K: int, N: int, backend: str | None = None) -> bool:
     return plan(rows, K, N, backend) is not None
 
 
+def _as_f32(w):
+    """A weight tile in float32: int8 by integer ops (`int8_to_float32`; Triton's int8 -> float32 is the
+    GPU's quarter-rate int-to-float instruction), fp8 by its conversion."""
+    return int8_to_float32(w) if w.dtype == jnp.int8 else w.astype(jnp.float32)
+
+
 def _kernel(x_ref, w_ref, o_ref, *, block_k, steps, transpose, mode):
     s = pl.program_id(1)
     k0 = s * (steps * block_k)
@@ -85,8 +91,8 @@ def _kernel(x_ref, w_ref, o_ref, *, block_k, steps, transpose, mode):
         if mode == "reduce":  # one row: multiply and sum on the CUDA cores, no tensor-core layout
             xf = x.astype(jnp.float32)  # [1, bk]
             if transpose:  # w [bn, bk]
-                return acc + jnp.sum(w_ref[:, k].astype(jnp.float32) * xf, axis=1)[None, :]
-            return acc + jnp.sum(w_ref[k, :].astype(jnp.float32) * xf.T, axis=0)[None, :]
+                return acc + jnp.sum(_as_f32(w_ref[:, k]) * xf, axis=1)[None, :]
+            return acc + jnp.sum(_as_f32(w_ref[k, :]) * xf.T, axis=0)[None, :]
         if transpose:  # w [bn, K]: contract its last axis
             w = w_ref[:, k].astype(x.dtype)
             return acc + dot(x, w, ((1,), (1,)))
