@@ -144,7 +144,9 @@ WINDOW_SWEEP = ([(f"bk{bk} st{st} w{nw}", dict(block_k=bk, num_stages=st, num_wa
 # `flash._attend_one_row`)
 INT8_SWEEP = ([(f"bk{bk} w{nw}", dict(block_k=bk, num_warps=nw)) for bk in (32, 64, 128) for nw in (4, 8)]
               + [(f"bk64 splits{n}", dict(block_k=64, num_splits=n)) for n in (16, 32, 64)]
-              + [("dot", dict(one_row=False))])
+              + [("dot", dict(one_row=False)), ("prefetch", dict(one_row_prefetch=True)),
+                 ("prefetch w8", dict(one_row_prefetch=True, num_warps=8)),
+                 ("prefetch bk32", dict(one_row_prefetch=True, block_k=32))])
 
 
 def _int8_fn(*, kind, block_size, q_offset, kv_len, tiles):

@@ -45,7 +45,8 @@ class Tiles:
     `mosaic_backward_warp_specialized` (its ping-pong is `mosaic_pingpong` too).
     one_row: a window of one query row per program (T = 1, one query head per KV
     head) over an int8 cache runs on the CUDA cores (`flash._attend_one_row`);
-    False: the tensor-core dot of every other window.
+    False: the tensor-core dot of every other window. one_row_prefetch: that
+    kernel loads the next key tile before folding the current one (untimed).
     The defaults are what an H200 timed fastest (benchmarks/attention.py,
     S=4096, 2026-11-26): the warp-specialised forward without the ping-pong
     (1.06-1.41x the one-warpgroup kernel) and the one-warpgroup Mosaic backward
@@ -68,6 +69,7 @@ class Tiles:
     mosaic_backward: bool = True
     mosaic_backward_warp_specialized: bool = False
     one_row: bool = True
+    one_row_prefetch: bool = False
 
     def __post_init__(self):
         for name in ("block_q", "block_k", "block_r", "block_q_bwd", "block_k_bwd"):

@@ -538,6 +538,8 @@ def test_a_stacked_cache_is_read_in_place_at_its_layer(variant, T, S, tiles, in_
     ("window", 1, 64, flash.Tiles(block_k=16, num_splits=3), True, jnp.bfloat16, 2),
     ("window", 1, 40, flash.Tiles(block_k=16), False, jnp.float32, 2),
     ("window", 1, 64, flash.Tiles(block_k=16, one_row=False), True, jnp.bfloat16, 2),  # the dot, by choice
+    ("window", 1, 96, flash.Tiles(block_k=16, one_row_prefetch=True), True, jnp.float32, 2),  # loads one tile ahead
+    ("window", 1, 64, flash.Tiles(block_k=16, num_splits=2, one_row_prefetch=True), False, jnp.bfloat16, 2),
 ], ("window", 4, 64, flash.Tiles(block_r=8, block_k=16, num_splits=3), True, jnp.float32, 4),
    ("window", 1, 64, flash.Tiles(block_k=16, num_splits=3), True, jnp.bfloat16, 2)))
 def test_int8_cache_is_dequantized_in_the_kernel(variant, T, S, tiles, stacked, dtype, H):
