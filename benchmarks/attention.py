@@ -391,8 +391,8 @@ def main(argv=None) -> int:
                     help="also time the window kernel with each Tiles variant of WINDOW_SWEEP (key tile, stages, "
                          "warps, splits, packed rows) at every window length and S")
     ap.add_argument("--sweep-only", default=None, type=lambda v: [x.strip() for x in v.split(",") if x.strip()],
-                    help="with --window-sweep: only these WINDOW_SWEEP labels, comma-separated (e.g. "
-                         "'bk32 st3 w4,bk64 st2 w4,bk64 splits16')")
+                    help="with --window-sweep: only these WINDOW_SWEEP (and, with --kv-cache int8, INT8_SWEEP) "
+                         "labels, comma-separated (e.g. 'bk32 st3 w4,bk64 st2 w4,bk64 splits16' or 'dot,prefetch')")
     ap.add_argument("--kv-cache", choices=("int8",), default=None,
                     help="also time the window kernel over the same K / V as an int8 cache (jdllm's kv_cache='int8': "
                          "read as int8, scaled on chip); with --window-sweep, INT8_SWEEP's Tiles variants too")
