@@ -82,6 +82,11 @@ VARIANTS = [
     # H100 sweep of 2026-11-27 timed "no split" at n128, 32 programs for the o projection: 2.5x slower)
     ("no split n32", dict(splits=1, block_n=32)),
     ("no split n32 s4", dict(splits=1, block_n=32, num_stages=4)),
+    # one row's products into an accumulator of the tile's shape, summed once (no cross-thread sum per
+    # step), int8 converted by integer ops: the one-row int8 attention window's reading
+    ("accumulate k32", dict(mode="accumulate", block_k=32)),
+    ("accumulate k64 n64", dict(mode="accumulate", block_k=64, block_n=64)),
+    ("accumulate k16 n256", dict(mode="accumulate", block_k=16, block_n=256)),
     # the weight stored [N, K] (contraction last, `transpose=True`), as a tied LM head is: the dot's
     # operand then has its contraction axis contiguous. Stored [K, N] (jdllm's QArray layout today)
     # the compiled kernel reads the int8 tile out of shared memory one byte per instruction
@@ -94,7 +99,7 @@ VARIANTS = [
     ("[N, K] stages 4", dict(nk=True, num_stages=4)),
 ]
 QUICK_VARIANTS = ("default (dot, k128 n128, auto splits, w4 s3)", "n64", "k256", "stages 4", "reduce k128 n128",
-                  "reduce k256 n64", "[N, K] storage", "[N, K] k64")
+                  "reduce k256 n64", "[N, K] storage", "[N, K] k64", "accumulate k32")
 
 
 def parse(argv=None):

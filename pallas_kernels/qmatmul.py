@@ -35,6 +35,7 @@ MAX_ROWS = 64  # rows (batch x tokens) up to which a matmul runs here
 BLOCK_N = 128
 BLOCK_K = 128
 TARGET_PROGRAMS = 264  # twice an H100's 132 multiprocessors
+MODES = ("dot", "reduce", "accumulate")
 
 
 def _tile(n: int, want: int, least: int) -> int | None:
@@ -53,15 +54,15 @@ def plan(rows: int, K: int, N: int, backend: str | None = None, *, block_k: int 
 
     block_k / block_n: the largest tiles wanted (powers of two; smaller ones that divide K / N are
     taken). splits: contraction splits (None: enough programs for TARGET_PROGRAMS; it must divide
-    K's tiles). mode "reduce" (one row only) leaves the row unpadded."""
+    K's tiles). modes "reduce" and "accumulate" (one row only) leave the row unpadded."""
     backend = plain_backend(backend or default_backend())
     least = MIN_TILE if backend == "triton" else 1
-    if rows < 1 or rows > MAX_ROWS or (mode == "reduce" and rows != 1):
+    if rows < 1 or rows > MAX_ROWS or (mode != "dot" and rows != 1):
         return None
     bk, bn = _tile(K, block_k, least), _tile(N, block_n, least)
     if bk is None or bn is None:
         return None
-    rp = 1 if mode == "reduce" else max(least, next_pow2(rows))
+    rp = 1 if mode != "dot" else max(least, next_pow2(rows))
     k_tiles, programs = K // bk, N // bn
     if splits is None:
         want = max(1, -(-TARGET_PROGRAMS // programs))
@@ -99,6 +100,18 @@ def _kernel(x_ref, w_ref, o_ref, *, block_k, steps, transpose, mode):
         w = w_ref[k, :].astype(x.dtype)
         return acc + dot(x, w, ((1,), (0,)))
 
+    if mode == "accumulate":  # one row, products summed into a tile-shaped accumulator, reduced once
+        def fold(j, acc):
+            k = pl.ds(pl.multiple_of(k0 + j * block_k, block_k), block_k)
+            xf = x_ref[:, k].astype(jnp.float32)  # [1, bk]
+            if transpose:  # w [bn, bk]
+                return acc + _as_f32(w_ref[:, k]) * xf
+            return acc + _as_f32(w_ref[k, :]) * xf.T  # w [bk, bn]
+
+        bn = o_ref.shape[-1]
+        acc = lax.fori_loop(0, steps, fold, jnp.zeros((bn, block_k) if transpose else (block_k, bn), jnp.float32))
+        o_ref[...] = jnp.sum(acc, axis=1)[None, :] if transpose else jnp.sum(acc, axis=0)[None, :]
+        return
     acc = jnp.zeros(o_ref.shape, jnp.float32)
     o_ref[...] = lax.fori_loop(0, steps, body, acc)
 
@@ -110,10 +123,12 @@ def qmatmul(x, q, scale, *, transpose: bool = False, out_dtype=None, backend: st
     (x's dtype by default). q is int8 or float8; its values convert to x's dtype exactly.
 
     The tiling knobs (block_k, block_n, splits, num_warps, num_stages, and mode "reduce": one row as
-    multiply-and-sum instead of a dot) are for `benchmarks/qmatmul.py`'s sweep; the defaults are what
+    multiply-and-sum instead of a dot, each step summed across the threads; "accumulate": one row's
+    products added into an accumulator of the tile's shape and summed once at the end, the reading
+    of `flash._attend_one_row`) are for `benchmarks/qmatmul.py`'s sweep; the defaults are what
     jdllm runs."""
-    if mode not in ("dot", "reduce"):
-        raise ValueError(f"qmatmul: mode {mode!r} is not 'dot' or 'reduce'")
+    if mode not in MODES:
+        raise ValueError(f"qmatmul: mode {mode!r} is not one of {MODES}")
     backend = plain_backend(backend or default_backend())
     M, K = x.shape
     N = q.shape[0] if transpose else q.shape[1]

@@ -1145,8 +1145,10 @@ def test_quantized_matmul_kernel_matches_xla(M, K, N, transpose, dtype, wdtype):
     if M == 64:  # this shape splits the contraction: the partial sums add up
         assert p[3] > 1
     # the sweep's knobs (benchmarks/qmatmul.py) compute the same product: other tiles and splits, and
-    # one row as multiply-and-sum
-    knobs = [dict(block_k=32, block_n=16, splits=1)] + ([dict(mode="reduce", splits=2)] if M == 1 else [])
+    # one row as multiply-and-sum (per step, or into a tile-shaped accumulator)
+    knobs = [dict(block_k=32, block_n=16, splits=1)] + ([dict(mode="reduce", splits=2), dict(mode="accumulate"),
+                                                         dict(mode="accumulate", block_k=16, splits=2)]
+                                                        if M == 1 else [])
     for kw in knobs:
         alt = qmatmul.qmatmul(x, q, scale, transpose=transpose, backend="interpret", **kw)
         assert _rel_err(alt, ref) <= (1e-6 if dtype == jnp.float32 else 4e-3), kw
