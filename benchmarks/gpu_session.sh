@@ -49,7 +49,10 @@
 # prefill, pallas-mosaic-ws the warp-specialised one with the ping-pong, pallas-triton-bwd the earlier
 # default (one-warpgroup forward, Triton backward), pallas-mosaic-ws-bwd both warp-specialised)
 # and ATTN_ARGS ("--backward"; "--window-only --window-sweep" with ATTN_WINDOW="1 32" times the window
-# kernel's Tiles variants alone, keeping the prefill rows of an earlier full run of the device); LONG_S (0: the
+# kernel's Tiles variants alone, keeping the prefill rows of an earlier full run of the device; the int8 KV
+# cache's window kernels, one-row and dot, at 32k on the 8B shape's heads: ATTN_SEQ=33792 ATTN_IMPLS=pallas
+# ATTN_ARGS="--window-only --window-sweep --kv-cache int8 --heads 32 --kv-heads 32 --sweep-only dot,prefetch"
+# (each variant compiles for ~15 s on an H200)); LONG_S (0: the
 # long-context step is skipped; 450 runs it, the hard limit) with LONG_BUDGET_S (LONG_S - 150: gpu.py
 # starts no case after it) and LONG_ARGS (more gpu.py arguments, e.g. "--long-prompt 16384" or
 # "--long-cases ar_b1 mb_exact_b1 mb_approx_b1" or "--repeats 0": the first run's timings alone, or
