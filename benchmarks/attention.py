@@ -146,7 +146,10 @@ INT8_SWEEP = ([(f"bk{bk} w{nw}", dict(block_k=bk, num_warps=nw)) for bk in (32, 
               + [(f"bk64 splits{n}", dict(block_k=64, num_splits=n)) for n in (16, 32, 64)]
               + [("dot", dict(one_row=False)), ("prefetch", dict(one_row_prefetch=True)),
                  ("prefetch w8", dict(one_row_prefetch=True, num_warps=8)),
-                 ("prefetch bk32", dict(one_row_prefetch=True, block_k=32))])
+                 ("prefetch bk32", dict(one_row_prefetch=True, block_k=32)),
+                 # grouped heads (--kv-heads < --heads): a one-row program per query head
+                 ("heads", dict(one_row_heads=True)), ("heads prefetch", dict(one_row_heads=True,
+                                                                                one_row_prefetch=True))])
 
 
 def _int8_fn(*, kind, block_size, q_offset, kv_len, tiles):

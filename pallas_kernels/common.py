@@ -47,6 +47,9 @@ class Tiles:
     head) over an int8 cache runs on the CUDA cores (`flash._attend_one_row`);
     False: the tensor-core dot of every other window. one_row_prefetch: that
     kernel loads the next key tile before folding the current one (untimed).
+    one_row_heads: a one-query window with grouped heads (G > 1) runs it too, a
+    program per query head, each reading its KV head's tiles (untimed: the
+    group's G programs read the same tiles, from L2 if they run together).
     The defaults are what an H200 timed fastest (benchmarks/attention.py,
     S=4096, 2026-11-26): the warp-specialised forward without the ping-pong
     (1.06-1.41x the one-warpgroup kernel) and the one-warpgroup Mosaic backward
@@ -70,6 +73,7 @@ class Tiles:
     mosaic_backward_warp_specialized: bool = False
     one_row: bool = True
     one_row_prefetch: bool = False
+    one_row_heads: bool = False
 
     def __post_init__(self):
         for name in ("block_q", "block_k", "block_r", "block_q_bwd", "block_k_bwd"):

@@ -438,45 +438,52 @@ def window_attention(q, k, v, *, start, q_offset=0, kv_len=None, kind="causal", 
     scale = D ** -0.5 if scale is None else scale
     R = T * G
     bk = stacked_bk or tile_size(tiles.block_k, S, backend)
-    one_row = R == 1 and scales is not None and tiles.one_row  # `_attend_one_row`
+    # `_attend_one_row`: one query row per program; with grouped heads (`Tiles.one_row_heads`) a
+    # program per query head, each reading its KV head's tiles (the group's G programs read them alike)
+    one_row = T == 1 and scales is not None and tiles.one_row and (G == 1 or tiles.one_row_heads)
+    per_head = one_row and G > 1
+    P, Gk = (H, 1) if per_head else (KV, G)  # programs' heads; query heads per program's KV head
     br = 1 if one_row else tile_size(tiles.block_r, R, backend)
-    Rp, Sp = pl.cdiv(R, br) * br, pl.cdiv(S, bk) * bk
+    Rp, Sp = (1 if per_head else pl.cdiv(R, br) * br), pl.cdiv(S, bk) * bk
     nr = Rp // br
     key_tiles = Sp // bk
-    ns = tiles.num_splits or _default_splits(B * KV * nr, key_tiles)
+    ns = tiles.num_splits or _default_splits(B * P * nr, key_tiles)
     split_tiles = pl.cdiv(key_tiles, min(ns, key_tiles))
     ns = pl.cdiv(key_tiles, split_tiles)  # no empty trailing split
     if not stacked:  # (stacked: nothing to pad, `stacked_key_tile`)
         q, k, v, scales = _pad_unstacked(q, k, v, scales, backend, Sp)
     Dp = q.shape[-1]
     qp = q.reshape(B, T, KV, G, Dp).transpose(0, 2, 1, 3, 4).reshape(B, KV, R, Dp)
-    qp = pad_axis(qp, 2, Rp)  # [B, KV, Rp, Dp]
+    qp = qp.reshape(B, H, 1, Dp) if per_head else pad_axis(qp, 2, Rp)  # [B, P, Rp, Dp]
     start, qoff, kvl = row_scalars(start, q_offset, kv_len, B, S)
 
-    kernel = functools.partial(_window_kernel, T=T, G=G, S=S, num_splits=ns,
+    def kv_head(h):
+        return lax.div(h, G) if per_head else h
+
+    kernel = functools.partial(_window_kernel, T=T, G=Gk, S=S, num_splits=ns,
                                block_r=br, block_k=bk, kind=kind, block_size=block_size,
                                qk_scale=scale * LOG2E, stacked=stacked, scaled=scales is not None,
                                one_row=one_row)
     row = pl.BlockSpec((None,), lambda b, h, r, s: (b,))
     q_spec = pl.BlockSpec((None, None, br, Dp), lambda b, h, r, s: (b, h, r, 0))
     if stacked:  # every layer of (row, KV head) in the block; the kernel reads its layer's tiles
-        kv_spec = pl.BlockSpec((k.shape[0], None, Sp, None, Dp), lambda b, h, r, s: (0, b, 0, h, 0))
+        kv_spec = pl.BlockSpec((k.shape[0], None, Sp, None, Dp), lambda b, h, r, s: (0, b, 0, kv_head(h), 0))
     else:
-        kv_spec = pl.BlockSpec((None, Sp, None, Dp), lambda b, h, r, s: (b, 0, h, 0))
+        kv_spec = pl.BlockSpec((None, Sp, None, Dp), lambda b, h, r, s: (b, 0, kv_head(h), 0))
     acc_spec = pl.BlockSpec((None, None, None, br, Dp), lambda b, h, r, s: (b, h, s, r, 0))
     ml_spec = pl.BlockSpec((None, None, None, br), lambda b, h, r, s: (b, h, s, r))
-    out_shape = [jax.ShapeDtypeStruct((B, KV, ns, Rp, Dp), jnp.float32),
-                 jax.ShapeDtypeStruct((B, KV, ns, Rp), jnp.float32),
-                 jax.ShapeDtypeStruct((B, KV, ns, Rp), jnp.float32)]
+    out_shape = [jax.ShapeDtypeStruct((B, P, ns, Rp, Dp), jnp.float32),
+                 jax.ShapeDtypeStruct((B, P, ns, Rp), jnp.float32),
+                 jax.ShapeDtypeStruct((B, P, ns, Rp), jnp.float32)]
     out_specs = [acc_spec, ml_spec, ml_spec]
     lyr, lyr_spec = _layer_operand(layer, stacked)
-    s_specs = _scale_specs(scales, stacked, Sp, lambda b, h, r, s: (b, h))
+    s_specs = _scale_specs(scales, stacked, Sp, lambda b, h, r, s: (b, kv_head(h)))
     args, in_specs, aliases = _poisoned([start, qoff, kvl, *lyr, qp, k, v, *(scales or ())],
                                         [row, row, row, *lyr_spec, q_spec, kv_spec, kv_spec, *s_specs],
                                         out_shape, out_specs, poison)
     acc, m, l = pl.pallas_call(
         kernel,
-        grid=(B, KV, nr, ns),
+        grid=(B, P, nr, ns),
         in_specs=in_specs,
         out_specs=out_specs,
         out_shape=out_shape,
@@ -486,6 +493,9 @@ def window_attention(q, k, v, *, start, q_offset=0, kv_len=None, kind="causal", 
         interpret=backend == "interpret",
         name="jdllm_flash_window",
     )(*args)
+    if per_head:  # [B, H, ns, 1, ...] -> the rows of the KV heads' groups, [B, KV, ns, G, ...]
+        acc = acc.reshape(B, KV, G, ns, Dp).transpose(0, 1, 3, 2, 4)
+        m, l = (x.reshape(B, KV, G, ns).transpose(0, 1, 3, 2) for x in (m, l))
     out, lse = combine_splits(acc, m, l)  # [B, KV, Rp, Dp] f32, [B, KV, Rp]
     out = out[:, :, :R, :D].reshape(B, KV, T, G, D).transpose(0, 2, 1, 3, 4)
     out = out.reshape(B, T, H, D).astype(q.dtype)

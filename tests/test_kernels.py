@@ -540,6 +540,9 @@ def test_a_stacked_cache_is_read_in_place_at_its_layer(variant, T, S, tiles, in_
     ("window", 1, 64, flash.Tiles(block_k=16, one_row=False), True, jnp.bfloat16, 2),  # the dot, by choice
     ("window", 1, 96, flash.Tiles(block_k=16, one_row_prefetch=True), True, jnp.float32, 2),  # loads one tile ahead
     ("window", 1, 64, flash.Tiles(block_k=16, num_splits=2, one_row_prefetch=True), False, jnp.bfloat16, 2),
+    # grouped heads (G = 2), a program per query head
+    ("window", 1, 64, flash.Tiles(block_k=16, num_splits=3, one_row_heads=True), True, jnp.bfloat16, 4),
+    ("window", 1, 40, flash.Tiles(block_k=16, one_row_heads=True, one_row_prefetch=True), False, jnp.float32, 4),
 ], ("window", 4, 64, flash.Tiles(block_r=8, block_k=16, num_splits=3), True, jnp.float32, 4),
    ("window", 1, 64, flash.Tiles(block_k=16, num_splits=3), True, jnp.bfloat16, 2)))
 def test_int8_cache_is_dequantized_in_the_kernel(variant, T, S, tiles, stacked, dtype, H):
@@ -548,8 +551,9 @@ def test_int8_cache_is_dequantized_in_the_kernel(variant, T, S, tiles, stacked, 
     and on one layer, windows and prefill chunks, with every hidden slot's scale NaN (a stale or
     unwritten slot: the kernel must not multiply a probability of 0 by it). The kernels take the
     int8 arrays (no float copy of the cache); the XLA dispatch dequantizes and gives the reference.
-    A window of one row per program (T = 1, H = KV) has no dot (`_attend_one_row`, unless
-    `Tiles.one_row` is off); every other has."""
+    A window of one row per program (T = 1, H = KV; or any H with `Tiles.one_row_heads`: a
+    program per query head) has no dot (`_attend_one_row`, unless `Tiles.one_row` is off); every
+    other has."""
     from jdllm.model import dequantize_kv, quantize_kv  # noqa: PLC0415
 
     L, B, KV, D = 3, 2, 2, 32
@@ -581,7 +585,25 @@ def test_int8_cache_is_dequantized_in_the_kernel(variant, T, S, tiles, stacked, 
     assert ((L, B, S, KV, D) in into) == in_place
     kv_operands = [x for x in _pallas_operands(closed) if x.ndim >= 4 and x.shape[-3] >= S]  # k, v (not q's rows)
     assert len(kv_operands) == 2 and all(x.dtype == jnp.int8 for x in kv_operands), kv_operands
-    assert _kernel_has_dot(closed) == (T * H // KV > 1 or variant == "prefill" or not tiles.one_row)
+    one_row = variant == "window" and T == 1 and tiles.one_row and (H == KV or tiles.one_row_heads)
+    assert _kernel_has_dot(closed) == (not one_row)
+
+
+def test_one_row_window_returns_the_dots_log_sum_exp():
+    """`return_lse` from the one-row int8 window (one program per query head, grouped heads) equals
+    the tensor-core dot's over the same cache: outputs and log-sum-exps per head and query."""
+    from jdllm.model import quantize_kv  # noqa: PLC0415
+
+    B, S, H, KV, D = 2, 48, 4, 2, 32
+    rng = np.random.default_rng(5)
+    q = jnp.asarray(rng.standard_normal((B, 1, H, D)), jnp.float32)
+    (k, ks), (v, vs) = (quantize_kv(jnp.asarray(rng.standard_normal((B, S, KV, D)), jnp.float32)) for _ in range(2))
+    kw = dict(start=jnp.array([0, 3]), q_offset=S - 5, kv_len=S - 4, kind="causal", k_scale=ks, v_scale=vs,
+              backend="interpret", return_lse=True)
+    got = flash.window_attention(q, k, v, tiles=flash.Tiles(block_k=16, one_row_heads=True), **kw)
+    want = flash.window_attention(q, k, v, tiles=flash.Tiles(block_k=16, block_r=8, one_row=False), **kw)
+    for g, w in zip(got, want):
+        assert g.shape == w.shape and _rel_err(g, w) <= 1e-5
 
 
 def _kernel_has_dot(closed) -> bool:
