@@ -122,7 +122,7 @@ def _attend(q, rows_p, k_ref, v_ref, bounds, *, start, kvl, block_k, kind, block
 
 
 def _attend_one_row(q, rows_p, k_ref, v_ref, bounds, *, start, kvl, block_k, kind, block_size, qk_scale, lead,
-                    scale_refs):
+                    scale_refs, prefetch=False):
     """`_attend` for one query row over an int8 cache, on the CUDA cores: no tensor-core dot.
 
     A dot takes V [bk, D] with the keys as its contraction axis, but the cache keeps each key's D
@@ -133,7 +133,8 @@ def _attend_one_row(q, rows_p, k_ref, v_ref, bounds, *, start, kvl, block_k, kin
     core to share: the scores are q times each key tile summed over D, and the tile's p-weighted
     values go into an accumulator of the tile's shape [bk, D], summed over the keys once at the
     end, so K and V are read in rows as they lie (16-byte loads) and converted exactly
-    (`int8_to_float32`). One call at T=1, S=33792, 32 heads of 128, on the H200: 0.203 ms, where
+    (`int8_to_float32`). `prefetch` (`Tiles.one_row_prefetch`) loads the next unmasked tile before
+    folding the current one. One call at T=1, S=33792, 32 heads of 128, on the H200: 0.203 ms, where
     the dot over int8 took 0.276 and bfloat16's kernel 0.192-0.208 (benchmarks/attention.py
     --kv-cache int8): the int8 bytes are read at 1.4 TB/s, bfloat16's at 2.7-2.9."""
     a, b, c, d = bounds
@@ -142,12 +143,15 @@ def _attend_one_row(q, rows_p, k_ref, v_ref, bounds, *, start, kvl, block_k, kin
     end = key_end(rows_p[0], kind, block_size, kvl)
     ks_ref, vs_ref = scale_refs
 
-    def step(t, carry, masked: bool):
+    def load(t):  # tile t's K, V [bk, D] int8 and their scales [bk]
+        k0 = t * block_k
+        return (k_ref[(*lead, pl.ds(k0, block_k), slice(None))], v_ref[(*lead, pl.ds(k0, block_k), slice(None))],
+                ks_ref[(*lead, pl.ds(k0, block_k))], vs_ref[(*lead, pl.ds(k0, block_k))])
+
+    def step(t, carry, masked: bool, tile=None):
         acc, m, l = carry  # [bk, D], scalar, scalar
         k0 = t * block_k
-        k = k_ref[(*lead, pl.ds(k0, block_k), slice(None))]  # [bk, D] int8
-        v = v_ref[(*lead, pl.ds(k0, block_k), slice(None))]
-        ks, vs = ks_ref[(*lead, pl.ds(k0, block_k))], vs_ref[(*lead, pl.ds(k0, block_k))]  # [bk]
+        k, v, ks, vs = load(t) if tile is None else tile
         s = jnp.sum(int8_to_float32(k) * qf, axis=1) * (ks * qk_scale)  # [bk], log2 units
         if masked:
             cols = k0 + lax.broadcasted_iota(jnp.int32, (block_k,), 0)
@@ -166,7 +170,17 @@ def _attend_one_row(q, rows_p, k_ref, v_ref, bounds, *, start, kvl, block_k, kin
 
     carry = (jnp.zeros((block_k, D), jnp.float32), jnp.float32(NEG), jnp.float32(0.0))
     carry = lax.fori_loop(a, b, functools.partial(step, masked=True), carry)
-    carry = lax.fori_loop(b, c, functools.partial(step, masked=False), carry)
+    if prefetch:  # the unmasked tiles' loads one tile ahead, carried (Triton pipelines no dot-less loop)
+        last = k_ref.shape[-2] // block_k - 1  # (a load past the cache would be out of bounds)
+
+        def ahead(t, carry):
+            acc, m, l, tile = carry
+            nxt = load(jnp.minimum(t + 1, jnp.minimum(c - 1, last)))
+            return (*step(t, (acc, m, l), False, tile), nxt)
+
+        carry = lax.fori_loop(b, c, ahead, (*carry, load(jnp.minimum(b, last))))[:3]
+    else:
+        carry = lax.fori_loop(b, c, functools.partial(step, masked=False), carry)
     acc, m, l = lax.fori_loop(c, d, functools.partial(step, masked=True), carry)
     return (lax.broadcast_in_dim(jnp.sum(acc, axis=0), (1, D), [1]), lax.broadcast_in_dim(m, (1,), []),
             lax.broadcast_in_dim(l, (1,), []))
@@ -366,7 +380,8 @@ def _poisoned(args, in_specs, out_shape, out_specs, poison: bool):
 
 # --------------------------------------------------------------------------- window kernel
 def _window_kernel(start_ref, qoff_ref, kvl_ref, *refs, T, G, S, num_splits,
-                   block_r, block_k, kind, block_size, qk_scale, stacked=False, scaled=False, one_row=False):
+                   block_r, block_k, kind, block_size, qk_scale, stacked=False, scaled=False, one_row=False,
+                   prefetch=False):
     # refs: [layer_ref (stacked)], q_ref, k_ref, v_ref, [ks_ref, vs_ref (scaled)], [poisoned buffers],
     # acc_ref, m_ref, l_ref
     lead, (q_ref, k_ref, v_ref, *refs) = _layer_lead(refs, stacked)
@@ -387,7 +402,7 @@ def _window_kernel(start_ref, qoff_ref, kvl_ref, *refs, T, G, S, num_splits,
     bounds = tile_bounds(start=start, kvl=kvl, p_first=p_first, p_last=p_last, lo_slot=lo_slot,
                           hi_slot=jnp.minimum(lo_slot + per_split * block_k, S), block_k=block_k,
                           kind=kind, block_size=block_size)
-    attend = _attend_one_row if one_row else _attend
+    attend = functools.partial(_attend_one_row, prefetch=prefetch) if one_row else _attend
     acc, m, l = attend(q_ref[...], rows_p, k_ref, v_ref, bounds, start=start, kvl=kvl,
                        block_k=block_k, kind=kind, block_size=block_size, qk_scale=qk_scale, lead=lead,
                        scale_refs=scale_refs)
@@ -463,7 +478,7 @@ def window_attention(q, k, v, *, start, q_offset=0, kv_len=None, kind="causal", 
     kernel = functools.partial(_window_kernel, T=T, G=Gk, S=S, num_splits=ns,
                                block_r=br, block_k=bk, kind=kind, block_size=block_size,
                                qk_scale=scale * LOG2E, stacked=stacked, scaled=scales is not None,
-                               one_row=one_row)
+                               one_row=one_row, prefetch=tiles.one_row_prefetch)
     row = pl.BlockSpec((None,), lambda b, h, r, s: (b,))
     q_spec = pl.BlockSpec((None, None, br, Dp), lambda b, h, r, s: (b, h, r, 0))
     if stacked:  # every layer of (row, KV head) in the block; the kernel reads its layer's tiles

@@ -587,6 +587,8 @@ def test_int8_cache_is_dequantized_in_the_kernel(variant, T, S, tiles, stacked, 
     assert len(kv_operands) == 2 and all(x.dtype == jnp.int8 for x in kv_operands), kv_operands
     one_row = variant == "window" and T == 1 and tiles.one_row and (H == KV or tiles.one_row_heads)
     assert _kernel_has_dot(closed) == (not one_row)
+    # one_row_prefetch: the unmasked loop carries the next tile's int8 K / V
+    assert _kernel_loop_carries_int8(closed) == (one_row and tiles.one_row_prefetch)
 
 
 def test_one_row_window_returns_the_dots_log_sum_exp():
@@ -604,6 +606,22 @@ def test_one_row_window_returns_the_dots_log_sum_exp():
     want = flash.window_attention(q, k, v, tiles=flash.Tiles(block_k=16, block_r=8, one_row=False), **kw)
     for g, w in zip(got, want):
         assert g.shape == w.shape and _rel_err(g, w) <= 1e-5
+
+
+def _kernel_loop_carries_int8(closed) -> bool:
+    """Whether a loop inside a pallas_call's kernel body carries an int8 array (not a ref to one)."""
+    from jax.core import ShapedArray
+    from jax.extend.core import jaxprs_in_params
+
+    def walk(jaxpr, inside):
+        for eqn in jaxpr.eqns:
+            if inside and eqn.primitive.name == "while" and any(
+                    type(v.aval) is ShapedArray and v.aval.dtype == jnp.int8 for v in eqn.outvars):
+                return True
+            if any(walk(sub, inside or eqn.primitive.name == "pallas_call") for sub in jaxprs_in_params(eqn.params)):
+                return True
+        return False
+    return walk(closed.jaxpr, False)
 
 
 def _kernel_has_dot(closed) -> bool:
