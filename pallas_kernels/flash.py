@@ -414,8 +414,15 @@ def _window_kernel(start_ref, qoff_ref, kvl_ref, *refs, T, G, S, num_splits,
 SPLITS_ENV = "JDLLM_WINDOW_SPLITS"
 
 
-def _default_splits(programs: int, key_tiles: int) -> int:
-    """Key splits so that programs * splits covers twice the device's cores. `JDLLM_WINDOW_SPLITS=N`
+# programs per core the one-row kernel's key splits aim at (`_default_splits`): it does little work per
+# key on the CUDA cores, so more programs hide more of its load latency. H100, T=1, S=33792, 32 heads,
+# int8 cache (2026-11-27): 0.195 ms per call with the 2 per core of the dot's kernels (9 splits), 0.159
+# / 0.163 / 0.149 ms with 16 / 32 / 64 splits; 8B AR at 32k: 10.31 ms per token, 9.58 with 32 splits
+ONE_ROW_PROGRAMS_PER_CORE = 8
+
+
+def _default_splits(programs: int, key_tiles: int, per_core: int = 2) -> int:
+    """Key splits so that programs * splits covers `per_core` times the device's cores. `JDLLM_WINDOW_SPLITS=N`
     (read when a program is traced) fixes N instead, at most one per key tile: with 1, a short
     cache's window is one program per row tile and KV head, and its combine one division instead of
     two merge kernels (benchmarks/gpu.py times it as a variant: `--xla-flags-variants ""
@@ -424,7 +431,7 @@ def _default_splits(programs: int, key_tiles: int) -> int:
     if fixed is not None:
         return min(key_tiles, fixed)
     cores = getattr(jax.devices()[0], "core_count", None) or 132
-    return max(1, min(key_tiles, pl.cdiv(2 * cores, programs)))
+    return max(1, min(key_tiles, pl.cdiv(per_core * cores, programs)))
 
 
 def window_attention(q, k, v, *, start, q_offset=0, kv_len=None, kind="causal", block_size=1,
@@ -462,7 +469,8 @@ def window_attention(q, k, v, *, start, q_offset=0, kv_len=None, kind="causal", 
     Rp, Sp = (1 if per_head else pl.cdiv(R, br) * br), pl.cdiv(S, bk) * bk
     nr = Rp // br
     key_tiles = Sp // bk
-    ns = tiles.num_splits or _default_splits(B * P * nr, key_tiles)
+    ns = tiles.num_splits or _default_splits(B * P * nr, key_tiles,
+                                             ONE_ROW_PROGRAMS_PER_CORE if one_row else 2)
     split_tiles = pl.cdiv(key_tiles, min(ns, key_tiles))
     ns = pl.cdiv(key_tiles, split_tiles)  # no empty trailing split
     if not stacked:  # (stacked: nothing to pad, `stacked_key_tile`)

@@ -217,6 +217,12 @@ def test_window_split_count_from_the_environment(monkeypatch):
     monkeypatch.delenv(flash.SPLITS_ENV, raising=False)
     auto = flash._default_splits(2, 6)
     assert auto == 6  # 2 programs, 6 key tiles: every tile its own split to fill the cores
+    # the one-row kernel aims at more programs per core than the dot's kernels (8B AR at 32k: 32
+    # heads, 528 key tiles), where the key tiles allow it
+    cores = getattr(jax.devices()[0], "core_count", None) or 132
+    wide = flash._default_splits(32, 528, flash.ONE_ROW_PROGRAMS_PER_CORE)
+    assert wide == min(528, -(-flash.ONE_ROW_PROGRAMS_PER_CORE * cores // 32)) > flash._default_splits(32, 528)
+    assert flash._default_splits(2, 6, flash.ONE_ROW_PROGRAMS_PER_CORE) == 6
     for value, want in (("1", 1), ("4", 4), ("64", 6)):
         monkeypatch.setenv(flash.SPLITS_ENV, value)
         assert flash._default_splits(2, 6) == want
