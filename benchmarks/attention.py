@@ -149,7 +149,11 @@ INT8_SWEEP = ([(f"bk{bk} w{nw}", dict(block_k=bk, num_warps=nw)) for bk in (32, 
                  ("prefetch bk32", dict(one_row_prefetch=True, block_k=32)),
                  # grouped heads (--kv-heads < --heads): a one-row program per query head
                  ("heads", dict(one_row_heads=True)), ("heads prefetch", dict(one_row_heads=True,
-                                                                                one_row_prefetch=True))])
+                                                                                one_row_prefetch=True)),
+                 # windows of several rows (T > 1, or grouped heads): V read as int32 words, unpacked on chip
+                 ("words", dict(int8_v_words=True)), ("words w4", dict(int8_v_words=True, num_warps=4)),
+                 ("words bk32", dict(int8_v_words=True, block_k=32)),
+                 ("bytes", dict(int8_v_words=False))])
 
 
 def _int8_fn(*, kind, block_size, q_offset, kv_len, tiles):

@@ -50,7 +50,12 @@ class Tiles:
     a one-query window with grouped heads (G > 1) runs it too, a program per query
     head, each reading its KV head's tiles. Both off: on an H100 (T=1, S=33792,
     2026-11-27) prefetch took 0.233 ms against 0.195 without, and per-head
-    programs 0.149 ms against the dot's 0.075 at 8 KV heads.
+    programs 0.149 ms against the dot's 0.075 at 8 KV heads. int8_v_words: a
+    window of several query rows per KV head over an int8 cache reads V as
+    32-bit words and unpacks their bytes in registers (`flash._attend`), where
+    the dot over int8 V reads V out of shared memory one byte per instruction
+    (head_dim a multiple of 64; None: `$JDLLM_INT8_V_WORDS`, 1 on, unset or 0
+    off, until a GPU times it).
     The defaults are what an H200 timed fastest (benchmarks/attention.py,
     S=4096, 2026-11-26): the warp-specialised forward without the ping-pong
     (1.06-1.41x the one-warpgroup kernel) and the one-warpgroup Mosaic backward
@@ -75,6 +80,7 @@ class Tiles:
     one_row: bool = True
     one_row_prefetch: bool = False
     one_row_heads: bool = False
+    int8_v_words: bool | None = None
 
     def __post_init__(self):
         for name in ("block_q", "block_k", "block_r", "block_q_bwd", "block_k_bwd"):
@@ -173,6 +179,32 @@ def int8_to_float32(x):
     float is 2^23 + 128 + x, and subtracting 2^23 + 128 leaves x."""
     bits = lax.bitcast_convert_type(x, jnp.uint8).astype(jnp.uint32) ^ np.uint32(0x4B000080)
     return lax.bitcast_convert_type(bits, jnp.float32) - np.float32(8388736.0)
+
+
+def int8_plane(words, j: int):
+    """Byte j (0 = least significant) of each int32 of `words`, as int8 (the shift's low byte: an
+    integer narrowing wraps, in XLA and in Triton alike)."""
+    if j:
+        words = lax.shift_right_logical(words, np.int32(8 * j))
+    return words.astype(jnp.int8)
+
+
+def int8_from_words(words):
+    """int32 words [..., n] -> the int8 values they hold, [..., 4 n] in order (`int8_words`'
+    inverse): the four byte planes interleaved by two-way stacks along the last axis (Triton's
+    `join`, the only stack its lowering takes), then a reshape. A V tile read as words travels
+    through shared memory 32 bits at a time; read as int8 it is fetched one byte per instruction
+    for a dot that contracts over its keys (`flash._attend`)."""
+    p = [int8_plane(words, j) for j in range(4)]
+    # [.., n, 2 (c), 2 (e)] holds byte 2 c + e of word i: flattened, column 4 i + 2 c + e
+    pairs = jnp.stack([jnp.stack([p[0], p[2]], axis=-1), jnp.stack([p[1], p[3]], axis=-1)], axis=-1)
+    return pairs.reshape(*words.shape[:-1], 4 * words.shape[-1])
+
+
+def int8_words(x):
+    """int8 x [..., D] (D a multiple of 4) as int32 [..., D // 4], each word holding 4 consecutive
+    values, byte j the value at 4 i + j (little-endian): a bitcast, no copy."""
+    return lax.bitcast_convert_type(x.reshape(*x.shape[:-1], x.shape[-1] // 4, 4), jnp.int32)
 
 
 def cdiv(x, d: int):

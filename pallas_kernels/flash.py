@@ -60,7 +60,8 @@ from jax.experimental import pallas as pl
 from pallas_kernels import mosaic, mosaic_backward
 from pallas_kernels.backward import attention_backward
 from pallas_kernels.common import (BACKEND_ENV, BACKENDS, LOG2E, MIN_TILE, NEG, Tiles,  # noqa: F401 (re-exported)
-                                   cdiv, default_backend, dot, dot_precision, env_count, int8_to_float32, key_end,
+                                   cdiv, default_backend, dot, dot_precision, env_count, int8_from_words,
+                                   int8_to_float32, int8_words, key_end,
                                    normalise, online_softmax_step, pad_axis, pad_head_dim, padded_head_dim,
                                    plain_backend, query_rows_bounds, row_lse, row_scalars, tile_bounds, tile_size,
                                    triton_params)
@@ -78,7 +79,7 @@ STACKED_TRITON_MAX_T = 512
 
 
 def _attend(q, rows_p, k_ref, v_ref, bounds, *, start, kvl, block_k, kind, block_size, qk_scale, lead=(),
-            scale_refs=None):
+            scale_refs=None, v_words=False):
     """Online softmax of q [R, D] over key tiles `bounds` of k_ref/v_ref [S, D] (or, with `lead`
     indices, [*, S, D]: a stacked cache's block, read at those leading indices).
 
@@ -86,6 +87,13 @@ def _attend(q, rows_p, k_ref, v_ref, bounds, *, start, kvl, block_k, kind, block
     key (an int8 KV cache); each tile is converted to q's dtype on chip (exact: |int8| <= 127), the
     scores are scaled per key column and the probabilities by V's scale before the PV dot, so the
     kernel reads one byte per element where a dequantized copy cost a read, a write and a read of two.
+
+    v_words (`Tiles.int8_v_words`; with scale_refs): v_ref holds int8 V as int32 words [S, D / 4]
+    (`common.int8_words`), unpacked in registers (`common.int8_from_words`) before the PV dot. The
+    dot contracts V over its keys, and from an int8 tile the compiled kernel reads V out of shared
+    memory one byte per instruction (96 `ld.shared.b8` in its PTX: the GPU's transposing loads take
+    16-bit elements; on an H200 at 32k the int8 cache's windows took 1.4x bf16's); from words, none
+    (its bfloat16 tile goes to the dot through `ldmatrix`).
 
     rows_p [R]: absolute slot of each row's query. Returns (acc [R, D] f32,
     m [R] f32 running max in log2 units, l [R] f32 normaliser); acc is not yet
@@ -111,7 +119,8 @@ def _attend(q, rows_p, k_ref, v_ref, bounds, *, start, kvl, block_k, kind, block
 
         def pv(p):  # a hidden key's scale may be anything (a stale or unwritten slot): 0 * NaN
             pw = p * vs if vis is None else jnp.where(vis, p * vs, 0.0)
-            return dot(pw.astype(q.dtype), v.astype(q.dtype), ((1,), (0,)))
+            vt = int8_from_words(v) if v_words else v  # words: [bk, D / 4] -> [bk, D]
+            return dot(pw.astype(q.dtype), vt.astype(q.dtype), ((1,), (0,)))
         return online_softmax_step(carry, s, vis, pv)
 
     carry = (jnp.zeros((R, D), jnp.float32), jnp.full((R,), NEG, jnp.float32),
@@ -381,7 +390,7 @@ def _poisoned(args, in_specs, out_shape, out_specs, poison: bool):
 # --------------------------------------------------------------------------- window kernel
 def _window_kernel(start_ref, qoff_ref, kvl_ref, *refs, T, G, S, num_splits,
                    block_r, block_k, kind, block_size, qk_scale, stacked=False, scaled=False, one_row=False,
-                   prefetch=False):
+                   prefetch=False, v_words=False):
     # refs: [layer_ref (stacked)], q_ref, k_ref, v_ref, [ks_ref, vs_ref (scaled)], [poisoned buffers],
     # acc_ref, m_ref, l_ref
     lead, (q_ref, k_ref, v_ref, *refs) = _layer_lead(refs, stacked)
@@ -402,7 +411,8 @@ def _window_kernel(start_ref, qoff_ref, kvl_ref, *refs, T, G, S, num_splits,
     bounds = tile_bounds(start=start, kvl=kvl, p_first=p_first, p_last=p_last, lo_slot=lo_slot,
                           hi_slot=jnp.minimum(lo_slot + per_split * block_k, S), block_k=block_k,
                           kind=kind, block_size=block_size)
-    attend = functools.partial(_attend_one_row, prefetch=prefetch) if one_row else _attend
+    attend = (functools.partial(_attend_one_row, prefetch=prefetch) if one_row
+              else functools.partial(_attend, v_words=v_words))
     acc, m, l = attend(q_ref[...], rows_p, k_ref, v_ref, bounds, start=start, kvl=kvl,
                        block_k=block_k, kind=kind, block_size=block_size, qk_scale=qk_scale, lead=lead,
                        scale_refs=scale_refs)
@@ -412,6 +422,10 @@ def _window_kernel(start_ref, qoff_ref, kvl_ref, *refs, T, G, S, num_splits,
 
 
 SPLITS_ENV = "JDLLM_WINDOW_SPLITS"
+# `Tiles.int8_v_words` where Tiles leave it None (read when a program is traced): 1 reads an int8 V as
+# words in the windows of several rows (`gpu.py --xla-flags-variants "" JDLLM_INT8_V_WORDS=1` times
+# both end to end)
+WORDS_ENV = "JDLLM_INT8_V_WORDS"
 
 
 # programs per core the one-row kernel's key splits aim at (`_default_splits`): it does little work per
@@ -476,6 +490,10 @@ def window_attention(q, k, v, *, start, q_offset=0, kv_len=None, kind="causal", 
     if not stacked:  # (stacked: nothing to pad, `stacked_key_tile`)
         q, k, v, scales = _pad_unstacked(q, k, v, scales, backend, Sp)
     Dp = q.shape[-1]
+    v_words = scales is not None and not one_row and Dp % 64 == 0 and (
+        tiles.int8_v_words if tiles.int8_v_words is not None else bool(env_count(WORDS_ENV, 0)))
+    if v_words:  # a bitcast: the same bytes, read 4 at a time
+        v = int8_words(v)
     qp = q.reshape(B, T, KV, G, Dp).transpose(0, 2, 1, 3, 4).reshape(B, KV, R, Dp)
     qp = qp.reshape(B, H, 1, Dp) if per_head else pad_axis(qp, 2, Rp)  # [B, P, Rp, Dp]
     start, qoff, kvl = row_scalars(start, q_offset, kv_len, B, S)
@@ -486,13 +504,16 @@ def window_attention(q, k, v, *, start, q_offset=0, kv_len=None, kind="causal", 
     kernel = functools.partial(_window_kernel, T=T, G=Gk, S=S, num_splits=ns,
                                block_r=br, block_k=bk, kind=kind, block_size=block_size,
                                qk_scale=scale * LOG2E, stacked=stacked, scaled=scales is not None,
-                               one_row=one_row, prefetch=tiles.one_row_prefetch)
+                               one_row=one_row, prefetch=tiles.one_row_prefetch, v_words=v_words)
     row = pl.BlockSpec((None,), lambda b, h, r, s: (b,))
     q_spec = pl.BlockSpec((None, None, br, Dp), lambda b, h, r, s: (b, h, r, 0))
+    Dv = Dp // 4 if v_words else Dp
     if stacked:  # every layer of (row, KV head) in the block; the kernel reads its layer's tiles
-        kv_spec = pl.BlockSpec((k.shape[0], None, Sp, None, Dp), lambda b, h, r, s: (0, b, 0, kv_head(h), 0))
+        kv_spec, v_spec = (pl.BlockSpec((k.shape[0], None, Sp, None, d), lambda b, h, r, s: (0, b, 0, kv_head(h), 0))
+                           for d in (Dp, Dv))
     else:
-        kv_spec = pl.BlockSpec((None, Sp, None, Dp), lambda b, h, r, s: (b, 0, kv_head(h), 0))
+        kv_spec, v_spec = (pl.BlockSpec((None, Sp, None, d), lambda b, h, r, s: (b, 0, kv_head(h), 0))
+                           for d in (Dp, Dv))
     acc_spec = pl.BlockSpec((None, None, None, br, Dp), lambda b, h, r, s: (b, h, s, r, 0))
     ml_spec = pl.BlockSpec((None, None, None, br), lambda b, h, r, s: (b, h, s, r))
     out_shape = [jax.ShapeDtypeStruct((B, P, ns, Rp, Dp), jnp.float32),
@@ -502,7 +523,7 @@ def window_attention(q, k, v, *, start, q_offset=0, kv_len=None, kind="causal", 
     lyr, lyr_spec = _layer_operand(layer, stacked)
     s_specs = _scale_specs(scales, stacked, Sp, lambda b, h, r, s: (b, kv_head(h)))
     args, in_specs, aliases = _poisoned([start, qoff, kvl, *lyr, qp, k, v, *(scales or ())],
-                                        [row, row, row, *lyr_spec, q_spec, kv_spec, kv_spec, *s_specs],
+                                        [row, row, row, *lyr_spec, q_spec, kv_spec, v_spec, *s_specs],
                                         out_shape, out_specs, poison)
     acc, m, l = pl.pallas_call(
         kernel,

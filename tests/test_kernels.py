@@ -21,6 +21,7 @@ are checked to lower to IEEE float32, not TF32, whatever the global precision.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -595,6 +596,74 @@ def test_int8_cache_is_dequantized_in_the_kernel(variant, T, S, tiles, stacked, 
     assert _kernel_has_dot(closed) == (not one_row)
     # one_row_prefetch: the unmasked loop carries the next tile's int8 K / V
     assert _kernel_loop_carries_int8(closed) == (one_row and tiles.one_row_prefetch)
+
+
+@pytest.mark.parametrize("T,S,H,stacked,dtype,tiles", slow_except([
+    (4, 64, 4, True, jnp.float32, flash.Tiles(block_r=8, block_k=16, num_splits=3, int8_v_words=True)),
+    (1, 50, 4, False, jnp.bfloat16, flash.Tiles(block_r=8, block_k=16, int8_v_words=True)),  # grouped heads, AR
+    (8, 96, 2, True, jnp.bfloat16, flash.Tiles(block_r=8, block_k=32, int8_v_words=True)),  # block_diffusion, MHA
+], (4, 64, 4, True, jnp.float32, flash.Tiles(block_r=8, block_k=16, num_splits=3, int8_v_words=True))))
+def test_int8_v_words_window_equals_the_reference(T, S, H, stacked, dtype, tiles):
+    """`Tiles.int8_v_words`: a window of several rows per KV head reads an int8 V as int32 words
+    (a bitcast: the kernel's V operand is [.., S, KV, D / 4] int32, K stays int8) and unpacks them
+    in the kernel; its output and log-sum-exp equal the reference's on the dequantized cache and
+    the plain int8 kernel's, hidden slots' scales NaN as in the test above."""
+    from jdllm.model import dequantize_kv, quantize_kv  # noqa: PLC0415
+
+    L, B, KV, D = 2, 2, 2, 64
+    rng = np.random.default_rng(17)
+    q = jnp.asarray(rng.standard_normal((B, T, H, D)), dtype)
+    (k, ks), (v, vs) = (quantize_kv(jnp.asarray(rng.standard_normal((L, B, S, KV, D)), jnp.float32)) for _ in range(2))
+    kv_len = S - 3
+    hidden = np.arange(S) >= kv_len
+    ks, vs = (jnp.where(hidden[None, None, :, None, None], jnp.nan, x) for x in (ks, vs))
+    kw = dict(start=jnp.array([0, 7]), q_offset=kv_len - T, kv_len=kv_len, kind="block_causal", block_size=4)
+    with jax.default_matmul_precision(EXACT):
+        ref = attention_reference(q, dequantize_kv(k[1], jnp.nan_to_num(ks[1]), dtype),
+                                  dequantize_kv(v[1], jnp.nan_to_num(vs[1]), dtype), **kw)
+
+    def run(tiles, *a):
+        if stacked:
+            return flash.window_attention(*a[:3], layer=jnp.int32(1), k_scale=a[3], v_scale=a[4], tiles=tiles,
+                                          backend="interpret", return_lse=True, **kw)
+        return flash.window_attention(a[0], a[1][1], a[2][1], k_scale=a[3][1], v_scale=a[4][1], tiles=tiles,
+                                      backend="interpret", return_lse=True, **kw)
+    out, lse = jax.jit(functools.partial(run, tiles))(q, k, v, ks, vs)
+    assert _rel_err(out, ref) <= TOL[dtype]
+    plain = jax.jit(functools.partial(run, dataclasses.replace(tiles, int8_v_words=False)))(q, k, v, ks, vs)
+    assert _rel_err(out, plain[0]) <= TOL[dtype] and _rel_err(lse, plain[1]) <= 1e-5
+    closed = jax.make_jaxpr(functools.partial(run, tiles))(q, k, v, ks, vs)
+    big = [x for x in _pallas_operands(closed) if x.ndim >= 4 and x.shape[-3] >= S]
+    assert sorted((x.dtype.name, x.shape[-1]) for x in big) == [("int32", D // 4), ("int8", D)], big
+
+
+def test_int8_v_words_from_the_environment(monkeypatch):
+    """Tiles(int8_v_words=None), the default, follows `JDLLM_INT8_V_WORDS` (read at trace time: the
+    end-to-end A/B of gpu.py's variants); an explicit Tiles value wins; a bad value is a jdllm error
+    naming the variable. The words' unpacking is `int8_words`' inverse."""
+    from jdllm import errors
+    from jdllm.model import quantize_kv  # noqa: PLC0415
+    from pallas_kernels import common
+
+    x = jnp.asarray(np.random.default_rng(0).integers(-128, 128, (3, 5, 64)), jnp.int8)
+    assert common.int8_words(x).dtype == jnp.int32 and common.int8_words(x).shape == (3, 5, 16)
+    np.testing.assert_array_equal(common.int8_from_words(common.int8_words(x)), x)
+    B, S, H, KV, D = 1, 32, 4, 2, 64
+    rng = np.random.default_rng(2)
+    q = jnp.asarray(rng.standard_normal((B, 2, H, D)), jnp.float32)
+    (k, ks), (v, vs) = (quantize_kv(jnp.asarray(rng.standard_normal((B, S, KV, D)), jnp.float32)) for _ in range(2))
+
+    def v_dtypes(tiles):
+        closed = jax.make_jaxpr(lambda *a: flash.window_attention(*a[:3], k_scale=a[3], v_scale=a[4], start=0,
+                                                                  tiles=tiles, backend="interpret"))(q, k, v, ks, vs)
+        return sorted(x.dtype.name for x in _pallas_operands(closed) if x.ndim >= 4 and x.shape[-3] >= S)
+    for env, tiles, words in (("", flash.Tiles(), False), ("1", flash.Tiles(), True), ("0", flash.Tiles(), False),
+                              ("1", flash.Tiles(int8_v_words=False), False), ("", flash.Tiles(int8_v_words=True), True)):
+        monkeypatch.setenv(flash.WORDS_ENV, env)
+        assert v_dtypes(tiles) == (["int32", "int8"] if words else ["int8", "int8"]), (env, tiles)
+    monkeypatch.setenv(flash.WORDS_ENV, "yes")
+    with pytest.raises(errors.ConfigError, match=flash.WORDS_ENV):
+        v_dtypes(flash.Tiles())
 
 
 def test_one_row_window_returns_the_dots_log_sum_exp():
@@ -1274,13 +1343,17 @@ def test_gpu_stacked_cache_read_in_place(variant, T, S, dtype):
 
 @pytest.mark.gpu
 @needs_gpu
-@pytest.mark.parametrize("variant,T,S,dtype,H", [
-    ("window", 1, 4032, jnp.bfloat16, 8), ("window", 32, 448, jnp.bfloat16, 8), ("window", 4, 448, jnp.float32, 8),
-    ("prefill", 160, 416, jnp.bfloat16, 8), ("window", 1, 4032, jnp.bfloat16, 2), ("window", 1, 448, jnp.float32, 2)])
-def test_gpu_int8_cache_dequantized_in_the_kernel(variant, T, S, dtype, H):
+@pytest.mark.parametrize("variant,T,S,dtype,H,words", [
+    ("window", 1, 4032, jnp.bfloat16, 8, False), ("window", 32, 448, jnp.bfloat16, 8, False),
+    ("window", 4, 448, jnp.float32, 8, False), ("prefill", 160, 416, jnp.bfloat16, 8, False),
+    ("window", 1, 4032, jnp.bfloat16, 2, False), ("window", 1, 448, jnp.float32, 2, False),
+    ("window", 32, 448, jnp.bfloat16, 2, True), ("window", 1, 4032, jnp.bfloat16, 8, True),
+    ("window", 4, 448, jnp.float32, 8, True)])
+def test_gpu_int8_cache_dequantized_in_the_kernel(variant, T, S, dtype, H, words):
     """An int8 stacked cache with its scales through the compiled Triton kernels (what an int8 KV
     cache's decode steps run, the layer read in place) equals the reference on the dequantized
-    layer; H = KV at T = 1 is the one-row window (`flash._attend_one_row`, no dot)."""
+    layer; H = KV at T = 1 is the one-row window (`flash._attend_one_row`, no dot); `words`: V read
+    as int32 words and unpacked in the kernel (`Tiles.int8_v_words`)."""
     from jdllm.model import dequantize_kv, quantize_kv  # noqa: PLC0415
 
     L, B, KV, D = 4, 2, 2, 128
@@ -1289,7 +1362,8 @@ def test_gpu_int8_cache_dequantized_in_the_kernel(variant, T, S, dtype, H):
     (k, ks), (v, vs) = (quantize_kv(jnp.asarray(rng.standard_normal((L, B, S, KV, D)), jnp.float32)) for _ in range(2))
     kw = dict(start=jnp.array([0, 9]), q_offset=S - T, kind="block_causal", block_size=32)
     out = jax.jit(lambda *a: flash.attention(*a[:3], layer=a[5], k_scale=a[3], v_scale=a[4], **kw, backend="triton",
-                                             variant=variant))(q, k, v, ks, vs, jnp.int32(2))
+                                             variant=variant, tiles=flash.Tiles(int8_v_words=words)))(
+        q, k, v, ks, vs, jnp.int32(2))
     with jax.default_matmul_precision(EXACT):
         ref = attention_reference(q, dequantize_kv(k[2], ks[2], dtype), dequantize_kv(v[2], vs[2], dtype), **kw)
     assert _rel_err(out, ref) <= TOL[dtype]

@@ -72,6 +72,34 @@ def test_int8_cache_on_the_kernels_decodes_as_the_xla_path(case):
         assert (k.token_ids, k.step_map, k.nfe) == (x.token_ids, x.step_map, x.nfe)
 
 
+@functools.lru_cache(maxsize=None)
+def wide_head_block_model() -> Model:
+    """block_model with head_dim 64: its windows of several rows can read V as words
+    (`Tiles.int8_v_words` needs head_dim a multiple of 64)."""
+    base = block_model()
+    cfg = base.config.replace(head_dim=64)
+    return Model(cfg, init_params(cfg, jax.random.key(5), std=0.7), attn_impl="xla")
+
+
+def test_int8_cache_with_v_read_as_words_decodes_as_the_xla_path(monkeypatch):
+    """`JDLLM_INT8_V_WORDS=1` (the end-to-end switch of `Tiles.int8_v_words`): block_diffusion's
+    block windows read the int8 V as int32 words, and decode token for token as the XLA path."""
+    from pallas_kernels import flash  # noqa: PLC0415
+
+    monkeypatch.setenv(flash.WORDS_ENV, "1")
+    read_as_words = []
+    monkeypatch.setattr(flash, "int8_words", lambda v, f=flash.int8_words: (read_as_words.append(v.shape), f(v))[1])
+    base = wide_head_block_model()
+    cfg = base.config.replace(kv_cache_dtype="int8")
+    sampling = jdllm.Sampling(max_new_tokens=8, stop_token_ids=())
+    decoding = jdllm.BlockDiffusion(block_length=4, denoising_steps=4)
+    xla, kernels = (jdllm.generate(Model(cfg, base.params, attn_impl=impl), PROMPTS, decoding, sampling)
+                    for impl in ("xla", "pallas"))
+    for x, k in zip(xla, kernels):
+        assert (k.token_ids, k.step_map, k.nfe) == (x.token_ids, x.step_map, x.nfe)
+    assert read_as_words  # the block windows took the words path
+
+
 @slow
 @pytest.mark.parametrize("case", ["multi_approx", "masked_prefix"])
 def test_int8_cache_rows_joining_a_pool_on_the_kernels_decode_as_alone(case):
