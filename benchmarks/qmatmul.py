@@ -97,9 +97,16 @@ VARIANTS = [
     ("[N, K] k256", dict(nk=True, block_k=256)),
     ("[N, K] n64", dict(nk=True, block_n=64)),
     ("[N, K] stages 4", dict(nk=True, num_stages=4)),
+    # the same [K, N] weight read as int32 words and unpacked in registers (`qmatmul(words=True)`): no
+    # byte loads from shared memory without a change of storage (deviceless H100 compile, 2026-11-27)
+    ("words", dict(words=True)),
+    ("words k64", dict(words=True, block_k=64)),
+    ("words n256", dict(words=True, block_n=256)),
+    ("words stages 4", dict(words=True, num_stages=4)),
+    ("bytes", dict(words=False)),
 ]
 QUICK_VARIANTS = ("default (dot, k128 n128, auto splits, w4 s3)", "n64", "k256", "stages 4", "reduce k128 n128",
-                  "reduce k256 n64", "[N, K] storage", "[N, K] k64", "accumulate k32")
+                  "reduce k256 n64", "[N, K] storage", "[N, K] k64", "accumulate k32", "words", "words k64")
 
 
 def parse(argv=None):
@@ -205,6 +212,8 @@ def run(args, save=None) -> list[dict]:
                     continue
                 nk = kw.get("nk", False)
                 if nk and not qts:  # (a matrix stored [N, K] already: its plain variants are these)
+                    continue
+                if kw.get("words") and transpose:  # (words read a [K, N] weight only)
                     continue
                 kk = {k: v for k, v in kw.items() if k != "nk"}
 

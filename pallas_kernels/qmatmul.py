@@ -28,14 +28,17 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels.common import (MIN_TILE, compiler_params, default_backend, dot, int8_to_float32, next_pow2,
-                                   pad_axis, plain_backend)
+from pallas_kernels.common import (MIN_TILE, compiler_params, default_backend, dot, env_count, int8_from_words,
+                                   int8_to_float32, int8_words, next_pow2, pad_axis, plain_backend)
 
 MAX_ROWS = 64  # rows (batch x tokens) up to which a matmul runs here
 BLOCK_N = 128
 BLOCK_K = 128
 TARGET_PROGRAMS = 264  # twice an H100's 132 multiprocessors
 MODES = ("dot", "reduce", "accumulate")
+# `qmatmul(words=None)` (what jdllm runs) reads this at trace time: 1 reads a [K, N] weight as int32 words
+# (`gpu.py --xla-flags-variants "" JDLLM_QMATMUL_WORDS=1` times both end to end); unset or 0: as bytes
+WORDS_ENV = "JDLLM_QMATMUL_WORDS"
 
 
 def _tile(n: int, want: int, least: int) -> int | None:
@@ -82,7 +85,7 @@ def _as_f32(w):
     return int8_to_float32(w) if w.dtype == jnp.int8 else w.astype(jnp.float32)
 
 
-def _kernel(x_ref, w_ref, o_ref, *, block_k, steps, transpose, mode):
+def _kernel(x_ref, w_ref, o_ref, *, block_k, steps, transpose, mode, words_of=None):
     s = pl.program_id(1)
     k0 = s * (steps * block_k)
 
@@ -97,8 +100,12 @@ def _kernel(x_ref, w_ref, o_ref, *, block_k, steps, transpose, mode):
         if transpose:  # w [bn, K]: contract its last axis
             w = w_ref[:, k].astype(x.dtype)
             return acc + dot(x, w, ((1,), (1,)))
-        w = w_ref[k, :].astype(x.dtype)
-        return acc + dot(x, w, ((1,), (0,)))
+        if words_of is not None:  # w_ref: [K, bn / 4] int32 words, unpacked to [bk, bn] of the weight's dtype
+            w = int8_from_words(w_ref[k, :])
+            w = w if words_of == jnp.int8 else lax.bitcast_convert_type(w, words_of)
+        else:
+            w = w_ref[k, :]
+        return acc + dot(x, w.astype(x.dtype), ((1,), (0,)))
 
     if mode == "accumulate":  # one row, products summed into a tile-shaped accumulator, reduced once
         def fold(j, acc):
@@ -118,9 +125,15 @@ def _kernel(x_ref, w_ref, o_ref, *, block_k, steps, transpose, mode):
 
 def qmatmul(x, q, scale, *, transpose: bool = False, out_dtype=None, backend: str | None = None,
             num_warps: int = 4, num_stages: int = 3, block_k: int = BLOCK_K, block_n: int = BLOCK_N,
-            splits: int | None = None, mode: str = "dot"):
+            splits: int | None = None, mode: str = "dot", words: bool | None = None):
     """(x [M, K] . q [K, N] (transpose: q [N, K]) in float32) * scale [N] -> [M, N] in `out_dtype`
     (x's dtype by default). q is int8 or float8; its values convert to x's dtype exactly.
+
+    words (mode "dot", q [K, N], N / block_n a multiple of 4 wide; None: `$JDLLM_QMATMUL_WORDS`,
+    off unless 1): the kernel reads q as int32 words [K, N / 4] (a bitcast) and unpacks their bytes
+    in registers (`common.int8_from_words`). From an int8 / fp8 [K, N] tile, the dot, which
+    contracts its rows, reads the weight out of shared memory one byte per instruction (128
+    `ld.shared.b8` in the PTX); from words, none. Untimed.
 
     The tiling knobs (block_k, block_n, splits, num_warps, num_stages, and mode "reduce": one row as
     multiply-and-sum instead of a dot, each step summed across the threads; "accumulate": one row's
@@ -141,10 +154,16 @@ def qmatmul(x, q, scale, *, transpose: bool = False, out_dtype=None, backend: st
     rp, bk, bn, splits = p
     steps = K // bk // splits
     xp = pad_axis(x, 0, rp)
+    if words is None:
+        words = bool(env_count(WORDS_ENV, 0))
+    words = words and mode == "dot" and not transpose and bn % 64 == 0
     w_spec = (pl.BlockSpec((bn, K), lambda n, s: (n, 0)) if transpose
-              else pl.BlockSpec((K, bn), lambda n, s: (0, n)))
+              else pl.BlockSpec((K, bn // 4 if words else bn), lambda n, s: (0, n)))
+    words_of = q.dtype if words else None
+    if words:  # the same bytes, 4 to an int32
+        q = int8_words(lax.bitcast_convert_type(q, jnp.int8))
     part = pl.pallas_call(
-        functools.partial(_kernel, block_k=bk, steps=steps, transpose=transpose, mode=mode),
+        functools.partial(_kernel, block_k=bk, steps=steps, transpose=transpose, mode=mode, words_of=words_of),
         grid=(N // bn, splits),
         in_specs=[pl.BlockSpec((rp, K), lambda n, s: (0, 0)), w_spec],
         out_specs=pl.BlockSpec((None, rp, bn), lambda n, s: (s, 0, n)),

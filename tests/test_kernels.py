@@ -664,6 +664,17 @@ def test_int8_v_words_from_the_environment(monkeypatch):
     monkeypatch.setenv(flash.WORDS_ENV, "yes")
     with pytest.raises(errors.ConfigError, match=flash.WORDS_ENV):
         v_dtypes(flash.Tiles())
+    # the Triton lowering (no GPU here): V loaded as i32, unpacked by joins, one PV dot in bfloat16
+    monkeypatch.delenv(flash.WORDS_ENV)
+    qb = q.astype(jnp.bfloat16)
+    dots = []
+    for words in (False, True):
+        fn = jax.jit(lambda *a: flash.window_attention(*a[:3], k_scale=a[3], v_scale=a[4], start=0, backend="triton",
+                                                       tiles=flash.Tiles(int8_v_words=words)))
+        [text] = _triton_irs(fn.trace(qb, k, v, ks, vs).lower(lowering_platforms=("cuda",)))
+        assert ("tt.join" in text) == words and (f"x{D // 4}x!tt.ptr<i32>>" in text) == words  # a [bk, D/4] tile
+        dots.append([ln.split(":")[-1] for ln in text.splitlines() if "tt.dot " in ln])
+    assert dots[0] == dots[1] and len(dots[0]) == 6, dots  # QK and PV in each of the three key loops, as bytes
 
 
 def test_one_row_window_returns_the_dots_log_sum_exp():
@@ -847,7 +858,13 @@ def _dot_precisions(closed):
 
 
 def _triton_dots(lowered):
-    """The `tt.dot` lines of every Triton kernel in a CUDA lowering (the kernels' Triton IR is
+    """The `tt.dot` lines of every Triton kernel in a CUDA lowering."""
+    irs = _triton_irs(lowered)
+    return len(irs), [ln.strip() for text in irs for ln in text.splitlines() if "tt.dot " in ln]
+
+
+def _triton_irs(lowered):
+    """The Triton IR of every Triton kernel in a CUDA lowering, as text (the kernels' Triton IR is
     MLIR bytecode in each custom call's backend config; parsed back with the Triton dialect)."""
     from jax._src.lib.mlir import ir
     from jax._src.lib.triton import dialect as tt
@@ -864,14 +881,14 @@ def _triton_dots(lowered):
                     walk(o.operation)
 
     walk(lowered.compiler_ir("stablehlo").operation)
-    lines = []
+    texts = []
     for call in calls:
         raw = ir.StringAttr(ir.DictAttr(call.attributes["mhlo.backend_config"])["ir"]).value_bytes
         ctx = ir.Context()
         tt.register_dialect(ctx)
         with ctx:
-            lines += [ln.strip() for ln in str(ir.Module.parse(raw)).splitlines() if "tt.dot " in ln]
-    return len(calls), lines
+            texts.append(str(ir.Module.parse(raw)))
+    return texts
 
 
 @pytest.mark.parametrize("global_precision", slow_except([None, "bfloat16", "tensorfloat32"], "bfloat16"))
@@ -1264,6 +1281,8 @@ def test_quantized_matmul_kernel_matches_xla(M, K, N, transpose, dtype, wdtype):
     knobs = [dict(block_k=32, block_n=16, splits=1)] + ([dict(mode="reduce", splits=2), dict(mode="accumulate"),
                                                          dict(mode="accumulate", block_k=16, splits=2)]
                                                         if M == 1 else [])
+    # the weight read as int32 words, unpacked in the kernel (a [K, N] weight, column tiles >= 64)
+    knobs += [dict(words=True), dict(words=True, block_n=64, block_k=32)] if not transpose and N % 64 == 0 else []
     for kw in knobs:
         alt = qmatmul.qmatmul(x, q, scale, transpose=transpose, backend="interpret", **kw)
         assert _rel_err(alt, ref) <= (1e-6 if dtype == jnp.float32 else 4e-3), kw
@@ -1293,6 +1312,33 @@ def test_quantized_matmul_kernel_plans_and_lowers_to_triton():
         # one row as multiply-and-sum: a Triton kernel with no dot
         fn = jax.jit(functools.partial(qmatmul.qmatmul, transpose=transpose, backend="triton", mode="reduce"))
         assert _triton_dots(fn.trace(x, q, scale).lower(lowering_platforms=("cuda",))) == (1, [])
+    # words: the weight loaded as i32 and unpacked by joins (Triton's two-way stack), then one bf16 dot
+    x, q, scale = _qmatmul_inputs(0, 1, 4096, 1024, False, jnp.bfloat16, jnp.int8)
+    for words in (False, True):
+        fn = jax.jit(functools.partial(qmatmul.qmatmul, backend="triton", words=words))
+        [text] = _triton_irs(fn.trace(x, q, scale).lower(lowering_platforms=("cuda",)))
+        assert ("tt.join" in text) == words and ("!tt.ptr<i32>" in text) == words
+        assert len([ln for ln in text.splitlines() if "tt.dot " in ln and "xbf16>" in ln]) == 1
+
+
+def test_quantized_matmul_words_from_the_environment(monkeypatch):
+    """qmatmul(words=None), what jdllm runs, follows `JDLLM_QMATMUL_WORDS`; the kernel then takes the
+    weight as int32 [K, N / 4] (a bitcast); an explicit `words` wins; a bad value is a jdllm error."""
+    from jdllm import errors
+    from pallas_kernels import qmatmul
+
+    x, q, scale = _qmatmul_inputs(1, 2, 256, 128, False, jnp.float32, jnp.int8)
+
+    def weight_operand(**kw):
+        closed = jax.make_jaxpr(lambda *a: qmatmul.qmatmul(*a, backend="interpret", **kw))(x, q, scale)
+        [w] = [o for o in _pallas_operands(closed) if o.shape[0] == 256]
+        return w.dtype.name, w.shape
+    for env, kw, words in (("", {}, False), ("1", {}, True), ("0", {}, False), ("1", dict(words=False), False)):
+        monkeypatch.setenv(qmatmul.WORDS_ENV, env)
+        assert weight_operand(**kw) == (("int32", (256, 32)) if words else ("int8", (256, 128))), (env, kw)
+    monkeypatch.setenv(qmatmul.WORDS_ENV, "on")
+    with pytest.raises(errors.ConfigError, match=qmatmul.WORDS_ENV):
+        weight_operand()
 
 
 # ----------------------------------------------------------------------------- GPU (compiled)
@@ -1456,12 +1502,15 @@ def test_kernel_modules_import_without_a_cycle():
 @needs_gpu
 @pytest.mark.parametrize("M,K,N,transpose,dtype,wdtype", QMATMUL[:4])
 def test_gpu_quantized_matmul_compiled(M, K, N, transpose, dtype, wdtype):
-    """The quantized matmul compiled by Triton on the GPU, against XLA's float32 product."""
+    """The quantized matmul compiled by Triton on the GPU, against XLA's float32 product; a [K, N]
+    weight also read as int32 words (`qmatmul(words=True)`)."""
     from pallas_kernels import qmatmul
 
     x, q, scale = _qmatmul_inputs(M + K, M, K, N, transpose, dtype, wdtype)
-    got = jax.jit(functools.partial(qmatmul.qmatmul, transpose=transpose, backend="triton"))(x, q, scale)
     w = q.astype(jnp.float32)
     with jax.default_matmul_precision(EXACT):
         ref = (x.astype(jnp.float32) @ (w.T if transpose else w)) * scale
-    assert _rel_err(got, ref) <= (1e-5 if dtype == jnp.float32 else 4e-3)
+    for words in (False, True) if not transpose else (False,):
+        got = jax.jit(functools.partial(qmatmul.qmatmul, transpose=transpose, backend="triton", words=words))(
+            x, q, scale)
+        assert _rel_err(got, ref) <= (1e-5 if dtype == jnp.float32 else 4e-3), words

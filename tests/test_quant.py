@@ -145,6 +145,13 @@ def test_load_quantized_logits_close_and_exact_against_dequantized():
         with pytest.raises(errors.QuantizationError, match="JDLLM_QUANT_MATMUL='triton'"):
             jdllm.logits(m, [[3, 4, 5]])
     np.testing.assert_allclose(got, np.asarray(jax.jit(lambda p: fwd(p))(m.params)), rtol=1e-5, atol=1e-5)
+    with pytest.MonkeyPatch.context() as mp:  # the weights read as int32 words (`qmatmul(words=)`): the same logits
+        from pallas_kernels import qmatmul  # noqa: PLC0415
+        mp.setenv(QUANT_MATMUL_ENV, "pallas")
+        mp.setenv(qmatmul.WORDS_ENV, "1")
+        assert "bitcast_convert_type" in str(jax.make_jaxpr(lambda p: fwd(p))(m.params))
+        words = np.asarray(jax.jit(lambda p: fwd(p))(m.params))
+    np.testing.assert_allclose(words, got, rtol=1e-6, atol=1e-6)
     keep = jdllm.load(path, dtype="float32", quantize=jdllm.Quantization("int8", embed=False, lm_head=False))
     assert not quant.is_quantized(keep.params["embed"]) and not quant.is_quantized(keep.params["lm_head"])
     assert quant.is_quantized(keep.params["layers"][0]["down"])
