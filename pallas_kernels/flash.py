@@ -197,7 +197,8 @@ def _attend_one_row(q, rows_p, k_ref, v_ref, bounds, *, start, kvl, block_k, kin
 
 # --------------------------------------------------------------------------- prefill kernel
 def _prefill_kernel(start_ref, qoff_ref, kvl_ref, *refs, T, S, num_q_tiles,
-                    block_q, block_k, kind, block_size, qk_scale, with_lse=False, stacked=False, scaled=False):
+                    block_q, block_k, kind, block_size, qk_scale, with_lse=False, stacked=False, scaled=False,
+                    v_words=False):
     # refs: [layer_ref (stacked)], q_ref, k_ref, v_ref, [ks_ref, vs_ref (scaled)], [poisoned buffers
     # aliased to the outputs (unused)], o_ref[, lse_ref]
     lead, (q_ref, k_ref, v_ref, *refs) = _layer_lead(refs, stacked)
@@ -210,7 +211,7 @@ def _prefill_kernel(start_ref, qoff_ref, kvl_ref, *refs, T, S, num_q_tiles,
                                kind=kind, block_size=block_size)
     acc, m, l = _attend(q_ref[...], rows_p, k_ref, v_ref, bounds, start=start, kvl=kvl,
                         block_k=block_k, kind=kind, block_size=block_size, qk_scale=qk_scale, lead=lead,
-                        scale_refs=scale_refs)
+                        scale_refs=scale_refs, v_words=v_words)
     o_ref[...] = normalise(acc, l).astype(o_ref.dtype)
     if with_lse:
         lse_ref[...] = row_lse(m, l)
@@ -301,6 +302,28 @@ def _layer_operand(layer, stacked: bool):
     return [jnp.reshape(jnp.asarray(layer, jnp.int32), (1,))], [pl.BlockSpec((None,), lambda *_: (0,))]
 
 
+def _v_as_words(v, scales, tiles: Tiles, Dp: int, one_row: bool = False):
+    """(v, whether the kernel reads it as int32 words): `Tiles.int8_v_words` (None: `$JDLLM_INT8_V_WORDS`)
+    for an int8 cache's dot over V (not the one-row window's), head_dim a multiple of 64; v then as
+    `int8_words` [.., D / 4] (a bitcast: the same bytes, read 4 at a time)."""
+    words = scales is not None and not one_row and Dp % 64 == 0 and (
+        tiles.int8_v_words if tiles.int8_v_words is not None else bool(env_count(WORDS_ENV, 0)))
+    return (int8_words(v) if words else v), words
+
+
+def _kv_specs(k, Sp: int, Dp: int, words: bool, index):
+    """BlockSpecs of K and V: every slot of the program's (row, KV head), every layer of a stacked
+    cache (k [L, B, S, KV, D]); `index(*grid ids) -> (b, kv head)`; V's last axis D / 4 as words."""
+    stacked = k.ndim == 5
+    specs = []
+    for d in (Dp, Dp // 4 if words else Dp):
+        if stacked:  # the kernel reads its layer's tiles
+            specs.append(pl.BlockSpec((k.shape[0], None, Sp, None, d), lambda *g: (0, index(*g)[0], 0, index(*g)[1], 0)))
+        else:
+            specs.append(pl.BlockSpec((None, Sp, None, d), lambda *g: (index(*g)[0], 0, index(*g)[1], 0)))
+    return specs
+
+
 def _layer_lead(refs, stacked: bool):
     """A kernel's (leading indices into its K / V blocks, the remaining refs): with a stacked cache
     the first ref is the layer index, and the K / V blocks hold every layer."""
@@ -341,15 +364,13 @@ def prefill_attention(q, k, v, *, start, q_offset=0, kv_len=None, kind="causal",
     start, qoff, kvl = row_scalars(start, q_offset, kv_len, B, S)
     nq = Tp // bq
 
+    v, v_words = _v_as_words(v, scales, tiles, Dp)
     kernel = functools.partial(_prefill_kernel, T=T, S=S, num_q_tiles=nq, block_q=bq, block_k=bk,
                                kind=kind, block_size=block_size, qk_scale=scale * LOG2E,
-                               with_lse=return_lse, stacked=stacked, scaled=scales is not None)
+                               with_lse=return_lse, stacked=stacked, scaled=scales is not None, v_words=v_words)
     row = pl.BlockSpec((None,), lambda i, b, h: (b,))
     q_spec = pl.BlockSpec((None, bq, None, Dp), lambda i, b, h: (b, nq - 1 - i, h, 0))
-    if stacked:  # every layer of (row, KV head) in the block; the kernel reads its layer's tiles
-        kv_spec = pl.BlockSpec((k.shape[0], None, Sp, None, Dp), lambda i, b, h: (0, b, 0, lax.div(h, G), 0))
-    else:
-        kv_spec = pl.BlockSpec((None, Sp, None, Dp), lambda i, b, h: (b, 0, lax.div(h, G), 0))
+    kv_spec, v_spec = _kv_specs(k, Sp, Dp, v_words, lambda i, b, h: (b, lax.div(h, G)))
     out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype)]
     out_specs = [q_spec]
     if return_lse:
@@ -358,7 +379,7 @@ def prefill_attention(q, k, v, *, start, q_offset=0, kv_len=None, kind="causal",
     lyr, lyr_spec = _layer_operand(layer, stacked)
     s_specs = _scale_specs(scales, stacked, Sp, lambda i, b, h: (b, lax.div(h, G)))
     args, in_specs, aliases = _poisoned([start, qoff, kvl, *lyr, q, k, v, *(scales or ())],
-                                        [row, row, row, *lyr_spec, q_spec, kv_spec, kv_spec, *s_specs],
+                                        [row, row, row, *lyr_spec, q_spec, kv_spec, v_spec, *s_specs],
                                         out_shape, out_specs, poison)
     outs = pl.pallas_call(
         kernel,
@@ -490,10 +511,7 @@ def window_attention(q, k, v, *, start, q_offset=0, kv_len=None, kind="causal", 
     if not stacked:  # (stacked: nothing to pad, `stacked_key_tile`)
         q, k, v, scales = _pad_unstacked(q, k, v, scales, backend, Sp)
     Dp = q.shape[-1]
-    v_words = scales is not None and not one_row and Dp % 64 == 0 and (
-        tiles.int8_v_words if tiles.int8_v_words is not None else bool(env_count(WORDS_ENV, 0)))
-    if v_words:  # a bitcast: the same bytes, read 4 at a time
-        v = int8_words(v)
+    v, v_words = _v_as_words(v, scales, tiles, Dp, one_row)
     qp = q.reshape(B, T, KV, G, Dp).transpose(0, 2, 1, 3, 4).reshape(B, KV, R, Dp)
     qp = qp.reshape(B, H, 1, Dp) if per_head else pad_axis(qp, 2, Rp)  # [B, P, Rp, Dp]
     start, qoff, kvl = row_scalars(start, q_offset, kv_len, B, S)
@@ -507,13 +525,7 @@ def window_attention(q, k, v, *, start, q_offset=0, kv_len=None, kind="causal", 
                                one_row=one_row, prefetch=tiles.one_row_prefetch, v_words=v_words)
     row = pl.BlockSpec((None,), lambda b, h, r, s: (b,))
     q_spec = pl.BlockSpec((None, None, br, Dp), lambda b, h, r, s: (b, h, r, 0))
-    Dv = Dp // 4 if v_words else Dp
-    if stacked:  # every layer of (row, KV head) in the block; the kernel reads its layer's tiles
-        kv_spec, v_spec = (pl.BlockSpec((k.shape[0], None, Sp, None, d), lambda b, h, r, s: (0, b, 0, kv_head(h), 0))
-                           for d in (Dp, Dv))
-    else:
-        kv_spec, v_spec = (pl.BlockSpec((None, Sp, None, d), lambda b, h, r, s: (b, 0, kv_head(h), 0))
-                           for d in (Dp, Dv))
+    kv_spec, v_spec = _kv_specs(k, Sp, Dp, v_words, lambda b, h, r, s: (b, kv_head(h)))
     acc_spec = pl.BlockSpec((None, None, None, br, Dp), lambda b, h, r, s: (b, h, s, r, 0))
     ml_spec = pl.BlockSpec((None, None, None, br), lambda b, h, r, s: (b, h, s, r))
     out_shape = [jax.ShapeDtypeStruct((B, P, ns, Rp, Dp), jnp.float32),

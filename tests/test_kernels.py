@@ -598,13 +598,16 @@ def test_int8_cache_is_dequantized_in_the_kernel(variant, T, S, tiles, stacked, 
     assert _kernel_loop_carries_int8(closed) == (one_row and tiles.one_row_prefetch)
 
 
-@pytest.mark.parametrize("T,S,H,stacked,dtype,tiles", slow_except([
-    (4, 64, 4, True, jnp.float32, flash.Tiles(block_r=8, block_k=16, num_splits=3, int8_v_words=True)),
-    (1, 50, 4, False, jnp.bfloat16, flash.Tiles(block_r=8, block_k=16, int8_v_words=True)),  # grouped heads, AR
-    (8, 96, 2, True, jnp.bfloat16, flash.Tiles(block_r=8, block_k=32, int8_v_words=True)),  # block_diffusion, MHA
-], (4, 64, 4, True, jnp.float32, flash.Tiles(block_r=8, block_k=16, num_splits=3, int8_v_words=True))))
-def test_int8_v_words_window_equals_the_reference(T, S, H, stacked, dtype, tiles):
-    """`Tiles.int8_v_words`: a window of several rows per KV head reads an int8 V as int32 words
+@pytest.mark.parametrize("variant,T,S,H,stacked,dtype,tiles", slow_except([
+    ("window", 4, 64, 4, True, jnp.float32, flash.Tiles(block_r=8, block_k=16, num_splits=3, int8_v_words=True)),
+    ("window", 1, 50, 4, False, jnp.bfloat16, flash.Tiles(block_r=8, block_k=16, int8_v_words=True)),  # GQA AR
+    ("window", 8, 96, 2, True, jnp.bfloat16, flash.Tiles(block_r=8, block_k=32, int8_v_words=True)),  # bd, MHA
+    ("prefill", 24, 64, 4, True, jnp.float32, flash.Tiles(block_q=16, block_k=16, int8_v_words=True)),
+    ("prefill", 20, 50, 2, False, jnp.bfloat16, flash.Tiles(block_q=8, block_k=16, int8_v_words=True)),
+], ("window", 4, 64, 4, True, jnp.float32, flash.Tiles(block_r=8, block_k=16, num_splits=3, int8_v_words=True)),
+   ("prefill", 24, 64, 4, True, jnp.float32, flash.Tiles(block_q=16, block_k=16, int8_v_words=True))))
+def test_int8_v_words_window_equals_the_reference(variant, T, S, H, stacked, dtype, tiles):
+    """`Tiles.int8_v_words`: a window of several rows per KV head (or a prefill chunk) reads an int8 V as int32 words
     (a bitcast: the kernel's V operand is [.., S, KV, D / 4] int32, K stays int8) and unpacks them
     in the kernel; its output and log-sum-exp equal the reference's on the dequantized cache and
     the plain int8 kernel's, hidden slots' scales NaN as in the test above."""
@@ -622,12 +625,14 @@ def test_int8_v_words_window_equals_the_reference(T, S, H, stacked, dtype, tiles
         ref = attention_reference(q, dequantize_kv(k[1], jnp.nan_to_num(ks[1]), dtype),
                                   dequantize_kv(v[1], jnp.nan_to_num(vs[1]), dtype), **kw)
 
+    fn = flash.window_attention if variant == "window" else flash.prefill_attention
+
     def run(tiles, *a):
         if stacked:
-            return flash.window_attention(*a[:3], layer=jnp.int32(1), k_scale=a[3], v_scale=a[4], tiles=tiles,
-                                          backend="interpret", return_lse=True, **kw)
-        return flash.window_attention(a[0], a[1][1], a[2][1], k_scale=a[3][1], v_scale=a[4][1], tiles=tiles,
-                                      backend="interpret", return_lse=True, **kw)
+            return fn(*a[:3], layer=jnp.int32(1), k_scale=a[3], v_scale=a[4], tiles=tiles,
+                      backend="interpret", return_lse=True, **kw)
+        return fn(a[0], a[1][1], a[2][1], k_scale=a[3][1], v_scale=a[4][1], tiles=tiles,
+                  backend="interpret", return_lse=True, **kw)
     out, lse = jax.jit(functools.partial(run, tiles))(q, k, v, ks, vs)
     assert _rel_err(out, ref) <= TOL[dtype]
     plain = jax.jit(functools.partial(run, dataclasses.replace(tiles, int8_v_words=False)))(q, k, v, ks, vs)
