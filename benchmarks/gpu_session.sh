@@ -52,7 +52,9 @@
 # kernel's Tiles variants alone, keeping the prefill rows of an earlier full run of the device; the int8 KV
 # cache's window kernels, one-row and dot, at 32k on the 8B shape's heads: ATTN_SEQ=33792 ATTN_IMPLS=pallas
 # ATTN_ARGS="--window-only --window-sweep --kv-cache int8 --heads 32 --kv-heads 32 --sweep-only dot,prefetch"
-# (each variant compiles for ~15 s on an H200)); LONG_S (0: the
+# (each variant compiles for ~15 s on an H200); V read as words in the windows of several rows:
+# ATTN_WINDOW="32 1" ATTN_ARGS="--window-only --window-sweep --kv-cache int8 --heads 32 --kv-heads 8
+# --sweep-only words,bytes,words w4"); LONG_S (0: the
 # long-context step is skipped; 450 runs it, the hard limit) with LONG_BUDGET_S (LONG_S - 150: gpu.py
 # starts no case after it) and LONG_ARGS (more gpu.py arguments, e.g. "--long-prompt 16384" or
 # "--long-cases ar_b1 mb_exact_b1 mb_approx_b1" or "--repeats 0": the first run's timings alone, or
