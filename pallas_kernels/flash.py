@@ -60,7 +60,7 @@ from jax.experimental import pallas as pl
 from pallas_kernels import mosaic, mosaic_backward
 from pallas_kernels.backward import attention_backward
 from pallas_kernels.common import (BACKEND_ENV, BACKENDS, LOG2E, MIN_TILE, NEG, Tiles,  # noqa: F401 (re-exported)
-                                   cdiv, default_backend, dot, dot_precision, env_count, int8_from_words,
+                                   cdiv, default_backend, dot, dot_precision, env_count, env_switch, int8_from_words,
                                    int8_to_float32, int8_words, key_end,
                                    normalise, online_softmax_step, pad_axis, pad_head_dim, padded_head_dim,
                                    plain_backend, query_rows_bounds, row_lse, row_scalars, tile_bounds, tile_size,
@@ -307,14 +307,14 @@ def _v_as_words(v, scales, tiles: Tiles, Dp: int, one_row: bool = False):
     for an int8 cache's dot over V (not the one-row window's), head_dim a multiple of 64; v then as
     `int8_words` [.., D / 4] (a bitcast: the same bytes, read 4 at a time)."""
     words = scales is not None and not one_row and Dp % 64 == 0 and (
-        tiles.int8_v_words if tiles.int8_v_words is not None else bool(env_count(WORDS_ENV, 0)))
+        tiles.int8_v_words if tiles.int8_v_words is not None else env_switch(WORDS_ENV))
     return (int8_words(v) if words else v), words
 
 
-def _kv_specs(k, Sp: int, Dp: int, words: bool, index):
-    """BlockSpecs of K and V: every slot of the program's (row, KV head), every layer of a stacked
-    cache (k [L, B, S, KV, D]); `index(*grid ids) -> (b, kv head)`; V's last axis D / 4 as words."""
-    stacked = k.ndim == 5
+def _kv_specs(k, stacked: bool, Sp: int, Dp: int, words: bool, index):
+    """BlockSpecs of K and V: every slot of the program's (row, KV head), every layer if stacked
+    (k [L, B, S, KV, D], read in place); `index(*grid ids) -> (b, kv head)`; V's last axis D / 4 as
+    words."""
     specs = []
     for d in (Dp, Dp // 4 if words else Dp):
         if stacked:  # the kernel reads its layer's tiles
@@ -370,7 +370,7 @@ def prefill_attention(q, k, v, *, start, q_offset=0, kv_len=None, kind="causal",
                                with_lse=return_lse, stacked=stacked, scaled=scales is not None, v_words=v_words)
     row = pl.BlockSpec((None,), lambda i, b, h: (b,))
     q_spec = pl.BlockSpec((None, bq, None, Dp), lambda i, b, h: (b, nq - 1 - i, h, 0))
-    kv_spec, v_spec = _kv_specs(k, Sp, Dp, v_words, lambda i, b, h: (b, lax.div(h, G)))
+    kv_spec, v_spec = _kv_specs(k, stacked, Sp, Dp, v_words, lambda i, b, h: (b, lax.div(h, G)))
     out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype)]
     out_specs = [q_spec]
     if return_lse:
@@ -525,7 +525,7 @@ def window_attention(q, k, v, *, start, q_offset=0, kv_len=None, kind="causal", 
                                one_row=one_row, prefetch=tiles.one_row_prefetch, v_words=v_words)
     row = pl.BlockSpec((None,), lambda b, h, r, s: (b,))
     q_spec = pl.BlockSpec((None, None, br, Dp), lambda b, h, r, s: (b, h, r, 0))
-    kv_spec, v_spec = _kv_specs(k, Sp, Dp, v_words, lambda b, h, r, s: (b, kv_head(h)))
+    kv_spec, v_spec = _kv_specs(k, stacked, Sp, Dp, v_words, lambda b, h, r, s: (b, kv_head(h)))
     acc_spec = pl.BlockSpec((None, None, None, br, Dp), lambda b, h, r, s: (b, h, s, r, 0))
     ml_spec = pl.BlockSpec((None, None, None, br), lambda b, h, r, s: (b, h, s, r))
     out_shape = [jax.ShapeDtypeStruct((B, P, ns, Rp, Dp), jnp.float32),

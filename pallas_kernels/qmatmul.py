@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels.common import (MIN_TILE, compiler_params, default_backend, dot, env_count, int8_from_words,
+from pallas_kernels.common import (MIN_TILE, compiler_params, default_backend, dot, env_switch, int8_from_words,
                                    int8_to_float32, int8_words, next_pow2, pad_axis, plain_backend)
 
 MAX_ROWS = 64  # rows (batch x tokens) up to which a matmul runs here
@@ -129,8 +129,8 @@ def qmatmul(x, q, scale, *, transpose: bool = False, out_dtype=None, backend: st
     """(x [M, K] . q [K, N] (transpose: q [N, K]) in float32) * scale [N] -> [M, N] in `out_dtype`
     (x's dtype by default). q is int8 or float8; its values convert to x's dtype exactly.
 
-    words (mode "dot", q [K, N], N / block_n a multiple of 4 wide; None: `$JDLLM_QMATMUL_WORDS`,
-    off unless 1): the kernel reads q as int32 words [K, N / 4] (a bitcast) and unpacks their bytes
+    words (mode "dot", q [K, N], column tiles of 64 or more; None: `$JDLLM_QMATMUL_WORDS`, 1 on,
+    unset or 0 off): the kernel reads q as int32 words [K, N / 4] (a bitcast) and unpacks their bytes
     in registers (`common.int8_from_words`). From an int8 / fp8 [K, N] tile, the dot, which
     contracts its rows, reads the weight out of shared memory one byte per instruction (128
     `ld.shared.b8` in the PTX); from words, none. Untimed.
@@ -154,9 +154,7 @@ def qmatmul(x, q, scale, *, transpose: bool = False, out_dtype=None, backend: st
     rp, bk, bn, splits = p
     steps = K // bk // splits
     xp = pad_axis(x, 0, rp)
-    if words is None:
-        words = bool(env_count(WORDS_ENV, 0))
-    words = words and mode == "dot" and not transpose and bn % 64 == 0
+    words = (env_switch(WORDS_ENV) if words is None else words) and mode == "dot" and not transpose and bn % 64 == 0
     w_spec = (pl.BlockSpec((bn, K), lambda n, s: (n, 0)) if transpose
               else pl.BlockSpec((K, bn // 4 if words else bn), lambda n, s: (0, n)))
     words_of = q.dtype if words else None

@@ -666,9 +666,10 @@ def test_int8_v_words_from_the_environment(monkeypatch):
                               ("1", flash.Tiles(int8_v_words=False), False), ("", flash.Tiles(int8_v_words=True), True)):
         monkeypatch.setenv(flash.WORDS_ENV, env)
         assert v_dtypes(tiles) == (["int32", "int8"] if words else ["int8", "int8"]), (env, tiles)
-    monkeypatch.setenv(flash.WORDS_ENV, "yes")
-    with pytest.raises(errors.ConfigError, match=flash.WORDS_ENV):
-        v_dtypes(flash.Tiles())
+    for bad in ("yes", "2"):  # a switch: 0 or 1
+        monkeypatch.setenv(flash.WORDS_ENV, bad)
+        with pytest.raises(errors.ConfigError, match=flash.WORDS_ENV):
+            v_dtypes(flash.Tiles())
     # the Triton lowering (no GPU here): V loaded as i32, unpacked by joins, one PV dot in bfloat16
     monkeypatch.delenv(flash.WORDS_ENV)
     qb = q.astype(jnp.bfloat16)
@@ -1341,9 +1342,10 @@ def test_quantized_matmul_words_from_the_environment(monkeypatch):
     for env, kw, words in (("", {}, False), ("1", {}, True), ("0", {}, False), ("1", dict(words=False), False)):
         monkeypatch.setenv(qmatmul.WORDS_ENV, env)
         assert weight_operand(**kw) == (("int32", (256, 32)) if words else ("int8", (256, 128))), (env, kw)
-    monkeypatch.setenv(qmatmul.WORDS_ENV, "on")
-    with pytest.raises(errors.ConfigError, match=qmatmul.WORDS_ENV):
-        weight_operand()
+    for bad in ("on", "2"):  # a switch: 0 or 1
+        monkeypatch.setenv(qmatmul.WORDS_ENV, bad)
+        with pytest.raises(errors.ConfigError, match=qmatmul.WORDS_ENV):
+            weight_operand()
 
 
 # ----------------------------------------------------------------------------- GPU (compiled)
