@@ -29,7 +29,7 @@ from jdllm import errors, quant
 from jdllm.config import ModelConfig
 from pallas_kernels import attention as attention_op
 from pallas_kernels import dequantize, resolve_impl
-from pallas_kernels.common import dot_precision
+from pallas_kernels.common import dot_precision, env_switch
 
 Params = dict[str, Any]
 
@@ -301,10 +301,51 @@ def quant_matmul_kernel(attn_impl) -> bool:
     return how == "pallas" or (jax.default_backend() == "gpu" and resolve_impl(attn_impl) == "pallas")
 
 
+def rms_scale(xf, eps):
+    """1 / rms of float32 rows xf [..., D] -> [..., 1]: the factor `rms_norm` scales each row by."""
+    return jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+
+
 def rms_norm(x, w, eps):
     xf = x.astype(jnp.float32)
-    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    xf = xf * rms_scale(xf, eps)
     return (w.astype(jnp.float32) * xf).astype(x.dtype)
+
+
+NORM_INTO_MATMUL_ENV = "JDLLM_NORM_INTO_MATMUL"
+
+
+def norm_into_matmul(h, attn_impl) -> bool:
+    """Whether `forward` folds each RMS norm into the matmul it feeds (`rms_fold`): the matmul takes
+    x·w and its output is scaled by the row's 1 / rms, the same product rounded in another place.
+
+    Why: XLA:GPU makes a single row's norm (AR at batch 1, rows = B·T = 1) a scalar reduction and a
+    separate normalizing kernel, where it fuses a multi-row norm into one Triton kernel. Folded, the
+    row's sum of squares comes out of the same kernel as x·w and the scale rides on the matmul's
+    consumers: per layer one kernel fewer per norm, the matmuls unchanged (8B AR step, deviceless
+    H100 compile: 578 -> 515 kernels; `benchmarks/RESULTS.md`). With more rows it saves nothing.
+
+    `$JDLLM_NORM_INTO_MATMUL`: unset = on for one row on a GPU when the attention runs the Pallas
+    kernels (attn_impl "auto" / "pallas"), activations not float16 (x·w could overflow where the
+    normed x does not); "1" = on for every forward (how the tests check it on the CPU); "0" = off;
+    anything else is a `jdllm.errors.ConfigError`."""
+    if os.environ.get(NORM_INTO_MATMUL_ENV, "").strip():
+        return env_switch(NORM_INTO_MATMUL_ENV)
+    return (h.shape[0] * h.shape[1] == 1 and h.dtype != jnp.float16 and isinstance(attn_impl, str)
+            and jax.default_backend() == "gpu" and resolve_impl(attn_impl) == "pallas")
+
+
+def rms_fold(x, w, eps):
+    """`rms_norm(x, w, eps)` in the two parts a matmul folds in: (x·w in x's dtype, the rows' 1 / rms
+    [..., 1] in float32). `rescale(mm(x·w, W), r)` is `mm(rms_norm(x, w), W)` up to rounding."""
+    xf = x.astype(jnp.float32)
+    return (xf * w.astype(jnp.float32)).astype(x.dtype), rms_scale(xf, eps)
+
+
+def rescale(y, r):
+    """A matmul's output y [B, T, ...] scaled by its rows' r [B, T, 1] (`rms_fold`), in y's dtype."""
+    r = r.reshape(r.shape[:2] + (1,) * (y.ndim - 2))
+    return (y.astype(jnp.float32) * r).astype(y.dtype)
 
 
 def rope_frequencies(cfg: ModelConfig) -> tuple[jax.Array, float]:
@@ -477,17 +518,23 @@ def forward(params: Params, cfg: ModelConfig, tokens, positions, *, start, cache
     in_place = attn_mask is None and isinstance(attn_impl, str) and resolve_impl(attn_impl) == "pallas"
     qk = quant_matmul_kernel(attn_impl)  # quantized weights: few-row matmuls through the Pallas kernel
 
+    fold = norm_into_matmul(h, attn_impl)
+
+    def normed(h, w):  # a norm's output, or its parts folded into the matmuls it feeds (`rms_fold`)
+        if not fold:
+            return rms_norm(h, w, cfg.rms_norm_eps), lambda y: y
+        x, r = rms_fold(h, w, cfg.rms_norm_eps)
+        return x, lambda y: rescale(y, r)
+
     def layer(carry, xs):
         h, ck, cv, sk, sv = carry  # sk / sv: an int8 cache's scales (None otherwise)
         lp, i = xs
-        x = rms_norm(h, lp["attn_norm"], cfg.rms_norm_eps)
+        x, out = normed(h, lp["attn_norm"])
         if "qkv" in lp:  # fused by `unstack_layers`: one matmul, then the heads split apart
-            qkv = mm("btd,dhk->bthk", x, lp["qkv"], qk)
+            qkv = out(mm("btd,dhk->bthk", x, lp["qkv"], qk))
             q, k, v = jnp.split(qkv, (cfg.num_heads, cfg.num_heads + cfg.num_kv_heads), axis=2)
         else:
-            q = mm("btd,dhk->bthk", x, lp["q"], qk)
-            k = mm("btd,dhk->bthk", x, lp["k"], qk)
-            v = mm("btd,dhk->bthk", x, lp["v"], qk)
+            q, k, v = (out(mm("btd,dhk->bthk", x, lp[n], qk)) for n in ("q", "k", "v"))
         if cfg.qkv_bias:
             q, k, v = q + lp["q_bias"], k + lp["k_bias"], v + lp["v_bias"]
         if "qkv" in lp and not cfg.qkv_bias and not merge_cached:
@@ -588,12 +635,11 @@ def forward(params: Params, cfg: ModelConfig, tokens, positions, *, start, cache
             else:
                 a = jax.lax.switch(bucket, [upto(n) for n in sizes], *operands)
         h = h + mm("bthk,hkd->btd", a, lp["o"], qk)
-        x = rms_norm(h, lp["mlp_norm"], cfg.rms_norm_eps)
+        x, out = normed(h, lp["mlp_norm"])
         if "gate_up" in lp:
-            g, u = jnp.split(mm("btd,df->btf", x, lp["gate_up"], qk), 2, axis=-1)
+            g, u = jnp.split(out(mm("btd,df->btf", x, lp["gate_up"], qk)), 2, axis=-1)
         else:
-            g = mm("btd,df->btf", x, lp["gate"], qk)
-            u = mm("btd,df->btf", x, lp["up"], qk)
+            g, u = (out(mm("btd,df->btf", x, lp[n], qk)) for n in ("gate", "up"))
         h = h + mm("btf,fd->btd", jax.nn.silu(g) * u, lp["down"], qk)
         return (h, ck, cv, sk, sv), None
 
@@ -612,9 +658,16 @@ def forward(params: Params, cfg: ModelConfig, tokens, positions, *, start, cache
     else:
         idx = jnp.arange(cfg.num_layers, dtype=jnp.int32)
         (h, ck, cv, sk, sv), _ = jax.lax.scan(layer, (h, ck, cv, sk, sv), (params["layers"], idx))
-    h = rms_norm(h, params["final_norm"], cfg.rms_norm_eps)
-    hs = h if logits_at is None else jnp.take_along_axis(h, jnp.asarray(logits_at, jnp.int32)[..., None], axis=1)
-    logits = lm_head(params, cfg, hs, kernel=qk) if head else hs
+    def at_logits(h):  # the rows the LM head reads
+        return h if logits_at is None else jnp.take_along_axis(h, jnp.asarray(logits_at, jnp.int32)[..., None], axis=1)
+
+    if fold and head and not return_hidden:  # the final norm folded into the LM head (its float32 logits scaled)
+        x, out = normed(at_logits(h), params["final_norm"])
+        logits = out(lm_head(params, cfg, x, kernel=qk))
+    else:
+        h = rms_norm(h, params["final_norm"], cfg.rms_norm_eps)
+        hs = at_logits(h)
+        logits = lm_head(params, cfg, hs, kernel=qk) if head else hs
     new_cache = None if cache is None else dataclasses.replace(cache, k=ck, v=cv, k_scale=sk, v_scale=sv)
     if return_hidden:
         return logits, new_cache, h

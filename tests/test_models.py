@@ -231,3 +231,84 @@ def test_rotary_tables_are_evaluated_once_per_forward(monkeypatch):
     monkeypatch.setattr(model_mod, "apply_rope", per_layer_rope)
     ref = np.asarray(jax.jit(runner())(model.params))
     np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("case", ["qwen2-gqa-untied", "qwen3-mha-tied"])
+def test_norms_folded_into_the_matmuls_match_transformers(case, tmp_path, monkeypatch):
+    """`JDLLM_NORM_INTO_MATMUL=1`: every RMS norm goes into the matmul it feeds (x·w in, the output
+    scaled by the row's 1 / rms; the GPU's default for one row) and the logits still match
+    transformers: q / k / v biases added after the scale (qwen2), q / k norms after it (qwen3), the
+    final norm folded into a tied LM head."""
+    from jdllm import model as model_mod  # noqa: PLC0415
+
+    family, kw = BASE_CASES[case]
+    hf_dir, model = fx.build_transformers_model(family, str(tmp_path / "hf"), seed=3, **kw)
+    tokens = _rand_tokens(4, (2, 12), model.config.vocab_size)
+    with torch.no_grad():
+        ref = model(input_ids=torch.as_tensor(tokens)).logits.float().numpy()
+    monkeypatch.setenv(model_mod.NORM_INTO_MATMUL_ENV, "1")
+    folded, normed = [], []
+    monkeypatch.setattr(model_mod, "rms_fold", lambda x, *a, f=model_mod.rms_fold: (folded.append(x.shape), f(x, *a))[1])
+    monkeypatch.setattr(model_mod, "rms_norm", lambda x, *a, f=model_mod.rms_norm: (normed.append(x.shape), f(x, *a))[1])
+    m = jdllm.load(hf_dir, dtype="float32")
+    got = np.asarray(jdllm.logits(m, tokens))
+    # both norms of the layer body (traced once for every layer) and the final one; no plain norm left
+    # (qwen3's q / k norms come after the scale and are not folded)
+    assert len(folded) >= 3 and all(s[-1] != m.config.hidden_size for s in normed)
+    assert _maxdiff(got, ref) <= TOL
+
+
+def test_norm_into_matmul_is_chosen_for_one_row_on_the_gpu(monkeypatch):
+    """Unset, the fold is on for a single row on a GPU whose attention runs the Pallas kernels, and off
+    for more rows (XLA fuses their norms already), float16, the XLA attention and the CPU; "0" / "1"
+    force it; any other value is a ConfigError naming the variable."""
+    import jax  # noqa: PLC0415
+    import jax.numpy as jnp  # noqa: PLC0415
+
+    from jdllm import errors  # noqa: PLC0415
+    from jdllm.model import NORM_INTO_MATMUL_ENV, norm_into_matmul  # noqa: PLC0415
+
+    one, two = jnp.zeros((1, 1, 8), jnp.bfloat16), jnp.zeros((1, 2, 8), jnp.bfloat16)
+    monkeypatch.delenv(NORM_INTO_MATMUL_ENV, raising=False)
+    assert not norm_into_matmul(one, "auto")  # the CPU
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert norm_into_matmul(one, "auto") and norm_into_matmul(one, "pallas")
+    assert not norm_into_matmul(two, "auto") and not norm_into_matmul(one, "xla")
+    assert not norm_into_matmul(one.astype(jnp.float16), "auto")
+    monkeypatch.setenv(NORM_INTO_MATMUL_ENV, "0")
+    assert not norm_into_matmul(one, "auto")
+    monkeypatch.setenv(NORM_INTO_MATMUL_ENV, "1")
+    assert norm_into_matmul(two, "xla")
+    monkeypatch.setenv(NORM_INTO_MATMUL_ENV, "yes")
+    with pytest.raises(errors.ConfigError, match=NORM_INTO_MATMUL_ENV):
+        norm_into_matmul(one, "auto")
+
+
+@pytest.mark.parametrize("quantize", [None, "int8"])
+def test_ar_decodes_the_same_tokens_with_the_norms_folded(quantize, monkeypatch):
+    """Greedy AR on the shipped tiny-ar, float32, with every norm folded into its matmul (prefill and
+    one-row steps) gives the plain forward's tokens, also with int8 weights on the Pallas kernels
+    (their few-row matmul takes x·w)."""
+    import os  # noqa: PLC0415
+
+    import jax  # noqa: PLC0415
+
+    from jdllm import model as model_mod  # noqa: PLC0415
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    impl = "xla" if quantize is None else "pallas"
+    m = jdllm.load(os.path.join(root, "models", "tiny-ar"), dtype="float32", attn_impl=impl, quantize=quantize)
+    prompts = [[5, 9, 13, 2], [7, 3]]
+    sampling = jdllm.Sampling(max_new_tokens=6, stop_token_ids=())
+    calls = {"rms_fold": 0, "rms_norm": 0}
+    for name in calls:
+        monkeypatch.setattr(model_mod, name, lambda *a, n=name, f=getattr(model_mod, name): (
+            calls.__setitem__(n, calls[n] + 1), f(*a))[1])
+    runs = {}
+    for switch in ("1", "0"):
+        monkeypatch.setenv(model_mod.NORM_INTO_MATMUL_ENV, switch)
+        jax.clear_caches()  # the switch is read when the program is traced
+        runs[switch] = jdllm.generate(m, prompts, jdllm.AR(), sampling)
+        assert calls["rms_fold" if switch == "1" else "rms_norm"] > 0
+    for a, b in zip(runs["1"], runs["0"]):
+        assert a.token_ids == b.token_ids
