@@ -1268,7 +1268,9 @@ def _qmatmul_inputs(seed, M, K, N, transpose, dtype, wdtype):
 @pytest.mark.parametrize("M,K,N,transpose,dtype,wdtype", QMATMUL)
 def test_quantized_matmul_kernel_matches_xla(M, K, N, transpose, dtype, wdtype):
     """`pallas_kernels.qmatmul` (interpret mode) against XLA's float32 product of the converted
-    weight, scaled per column: float32 to 1e-6, 16-bit activations to their output rounding."""
+    weight, scaled per column: float32 to 1e-5 (the kernel adds 2,048 products in another order than
+    XLA's dot, whose blocking follows the CPU: ~sqrt(K) x 6e-8; 2.1e-6 on an AMD EPYC), 16-bit
+    activations to their output rounding."""
     from pallas_kernels import qmatmul
 
     x, q, scale = _qmatmul_inputs(M * 7 + K, M, K, N, transpose, dtype, wdtype)
@@ -1279,7 +1281,7 @@ def test_quantized_matmul_kernel_matches_xla(M, K, N, transpose, dtype, wdtype):
     with jax.default_matmul_precision(EXACT):
         ref = (x.astype(jnp.float32) @ (w.T if transpose else w)) * scale
     assert got.shape == (M, N) and got.dtype == dtype
-    assert _rel_err(got, ref) <= (1e-6 if dtype == jnp.float32 else 4e-3)
+    assert _rel_err(got, ref) <= (1e-5 if dtype == jnp.float32 else 4e-3)
     if M == 64:  # this shape splits the contraction: the partial sums add up
         assert p[3] > 1
     # the sweep's knobs (benchmarks/qmatmul.py) compute the same product: other tiles and splits, and
@@ -1291,7 +1293,7 @@ def test_quantized_matmul_kernel_matches_xla(M, K, N, transpose, dtype, wdtype):
     knobs += [dict(words=True), dict(words=True, block_n=64, block_k=32)] if not transpose and N % 64 == 0 else []
     for kw in knobs:
         alt = qmatmul.qmatmul(x, q, scale, transpose=transpose, backend="interpret", **kw)
-        assert _rel_err(alt, ref) <= (1e-6 if dtype == jnp.float32 else 4e-3), kw
+        assert _rel_err(alt, ref) <= (1e-5 if dtype == jnp.float32 else 4e-3), kw
 
 
 def test_quantized_matmul_kernel_plans_and_lowers_to_triton():
@@ -1521,3 +1523,4 @@ def test_gpu_quantized_matmul_compiled(M, K, N, transpose, dtype, wdtype):
         got = jax.jit(functools.partial(qmatmul.qmatmul, transpose=transpose, backend="triton", words=words))(
             x, q, scale)
         assert _rel_err(got, ref) <= (1e-5 if dtype == jnp.float32 else 4e-3), words
+
