@@ -561,22 +561,35 @@ def window_attention(q, k, v, *, start, q_offset=0, kv_len=None, kind="causal", 
     return out, lse
 
 
+UNROLLED_SPLITS = 16  # `combine_splits` merges up to this many splits as one elementwise expression
+
+
 def combine_splits(acc, m, l):
     """Merge flash-decoding partials over axis 2: acc [..., n, R, D], m/l [..., n, R] (log2 units).
 
     Splits that saw nothing carry m = NEG, l = 0 and drop out; rows that saw
     nothing in any split come out as zeros. Returns (out [..., R, D], lse [..., R]).
-    One split (a short cache, or `Tiles(num_splits=1)`) is a division: one elementwise fusion where
-    the general merge is two XLA kernels (the max and weights, then the weighted sums).
+    One split (a short cache, or `Tiles(num_splits=1)`) is a division. Up to `UNROLLED_SPLITS` the
+    merge is written out over the static split axis (a running maximum, the weights, the weighted
+    sums, all elementwise), which XLA:GPU can make one kernel where reductions over the axis made
+    two (the max and the weights, then the weighted sums). More splits keep the reductions.
     """
-    if acc.shape[2] == 1:
+    n = acc.shape[2]
+    if n == 1:
         l1 = l[:, :, 0]
         return acc[:, :, 0] / jnp.where(l1 == 0.0, 1.0, l1)[..., None], row_lse(m[:, :, 0], l1)
-    m_all = jnp.max(m, axis=2)  # [B, KV, R]
-    w = jnp.exp2(m - m_all[:, :, None])  # [B, KV, n, R]
-    exact = dot_precision(jnp.float32)  # XLA dots too: on a GPU the default would be TF32
-    num = jnp.einsum("bkns,bknsd->bksd", w, acc, precision=exact)
-    den = jnp.einsum("bkns,bkns->bks", w, l, precision=exact)
+    if n <= UNROLLED_SPLITS:
+        ms, ls, accs = ([x[:, :, i] for i in range(n)] for x in (m, l, acc))
+        m_all = functools.reduce(jnp.maximum, ms)  # [B, KV, R]
+        ws = [jnp.exp2(mi - m_all) for mi in ms]
+        num = functools.reduce(jnp.add, [w[..., None] * a for w, a in zip(ws, accs)])
+        den = functools.reduce(jnp.add, [w * li for w, li in zip(ws, ls)])
+    else:
+        m_all = jnp.max(m, axis=2)  # [B, KV, R]
+        w = jnp.exp2(m - m_all[:, :, None])  # [B, KV, n, R]
+        exact = dot_precision(jnp.float32)  # XLA dots too: on a GPU the default would be TF32
+        num = jnp.einsum("bkns,bknsd->bksd", w, acc, precision=exact)
+        den = jnp.einsum("bkns,bkns->bks", w, l, precision=exact)
     return num / jnp.where(den == 0.0, 1.0, den)[..., None], row_lse(m_all, den)
 
 

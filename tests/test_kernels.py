@@ -1524,3 +1524,29 @@ def test_gpu_quantized_matmul_compiled(M, K, N, transpose, dtype, wdtype):
             x, q, scale)
         assert _rel_err(got, ref) <= (1e-5 if dtype == jnp.float32 else 4e-3), words
 
+
+@pytest.mark.parametrize("n", [1, 2, 6, flash.UNROLLED_SPLITS, flash.UNROLLED_SPLITS + 1, 33])
+def test_combine_splits_merges_partials_as_one_softmax(n):
+    """`combine_splits` (written out over the split axis up to UNROLLED_SPLITS, reductions past it)
+    against a float64 merge in numpy: each split's partial (acc, max, sum, log2 units) rescaled to the
+    rows' common max. Splits that saw nothing (m = NEG, l = 0) drop out; a row that saw nothing in any
+    split comes out as zeros."""
+    rng = np.random.default_rng(n)
+    B, KV, R, D = 2, 3, 4, 8
+    m = rng.normal(0.0, 4.0, (B, KV, n, R)).astype(np.float32)
+    l = rng.uniform(0.5, 3.0, (B, KV, n, R)).astype(np.float32)
+    acc = (rng.normal(size=(B, KV, n, R, D)) * l[..., None]).astype(np.float32)
+    if n > 1:
+        m[:, :, 1], l[:, :, 1], acc[:, :, 1] = common.NEG, 0.0, 0.0  # a split that saw nothing
+    m[0, 0, :, 0], l[0, 0, :, 0], acc[0, 0, :, 0] = common.NEG, 0.0, 0.0  # a row that saw nothing at all
+    out, lse = jax.jit(flash.combine_splits)(acc, m, l)
+
+    m64, l64, a64 = (x.astype(np.float64) for x in (m, l, acc))
+    top = m64.max(axis=2, keepdims=True)
+    w = np.exp2(m64 - top)
+    den = (w * l64).sum(axis=2)
+    want = (w[..., None] * a64).sum(axis=2) / np.where(den == 0.0, 1.0, den)[..., None]
+    np.testing.assert_allclose(np.asarray(out), want, rtol=1e-5, atol=1e-6)
+    assert not np.asarray(out)[0, 0, 0].any()
+    want_lse = np.where(den == 0.0, 0.0, top[:, :, 0] + np.log2(np.where(den == 0.0, 1.0, den)))
+    np.testing.assert_allclose(np.asarray(lse), want_lse, rtol=1e-5, atol=1e-5)
