@@ -323,7 +323,7 @@ def norm_into_matmul(h, attn_impl) -> bool:
     separate normalizing kernel, where it fuses a multi-row norm into one Triton kernel. Folded, the
     row's sum of squares comes out of the same kernel as x·w and the scale rides on the matmul's
     consumers: per layer one kernel fewer per norm, the matmuls unchanged (8B AR step, deviceless
-    H100 compile: 578 -> 515 kernels; `benchmarks/RESULTS.md`). With more rows it saves nothing.
+    H100 compile: 578 -> 514 kernels; `benchmarks/RESULTS.md`). With more rows it saves nothing.
 
     `$JDLLM_NORM_INTO_MATMUL`: unset = on for one row on a GPU when the attention runs the Pallas
     kernels (attn_impl "auto" / "pallas"), activations not float16 (x·w could overflow where the
