@@ -3,7 +3,7 @@
 # root on the lent machine (the device tool runs it there, $OUT set):
 #   CALL=1 bash benchmarks/next_lease.sh     # issue 27: the switches that cut kernels per step, A/B end to end
 #   CALL=2 bash benchmarks/next_lease.sh     # issue 29: int8 tiles read as words (window, qmatmul, end to end)
-#   CALL=3 bash benchmarks/next_lease.sh     # the GPU tier's new cases, then the cold first call's peak
+#   CALL=3 bash benchmarks/next_lease.sh     # the GPU tier's new cases, issue 28's windows, the cold first call's peak
 # Each step runs under `timeout` and logs to $OUT/logs/<step>.txt; gpu.json starts as a copy of
 # benchmarks/results/gpu.json, so the one that comes back holds the earlier rows too (copy it over, then
 # `python benchmarks/gpu.py --markdown --write-results-md`). Every switch timed here is untimed so far:
@@ -20,7 +20,7 @@ out=${OUT:-benchmarks/out}
 L=$out/logs
 mkdir -p "$L"
 T0=$(date +%s)
-[ -f benchmarks/results/gpu.json ] && cp benchmarks/results/gpu.json "$out/gpu.json"
+for f in gpu attention; do [ -f "benchmarks/results/$f.json" ] && cp "benchmarks/results/$f.json" "$out/$f.json"; done
 
 step() {  # step NAME SECONDS COMMAND...: the command under timeout, its log, one summary line
   local name=$1 limit=$2
@@ -59,6 +59,10 @@ case ${CALL:-1} in
 3)
   XLA_FLAGS=--xla_gpu_autotune_level=0 step tier 240 python3 -m pytest -q --tb=short -rfE -m gpu \
     -k "paradigm or gpu_int8_cache or quantized_matmul_compiled or norm" tests/
+  # issue 28's figure at its own shape (32 query heads, 8 KV heads, D 128, bf16): T = 32 and 128 windows at
+  # S = 4k and 32k against the copy rate (the H100 figures so far are T = 1 or other head counts)
+  step attn28 100 python3 benchmarks/attention.py --window-only --seq 4096 32768 --window 32 128 --heads 32 --kv-heads 8 \
+    --impls pallas --iters 5 --out "$out/attention.json"
   # the cold process's peak (issue 27: 18.0 GiB against 17.1; XLA's GEMM autotuner at compile time)
   step peak 200 python3 benchmarks/gpu.py --quick --no-hf --only ar_b1 --case-per-process --budget 150 --out "$out/gpu.json" \
     --xla-flags-variants "" "--xla_gpu_autotune_level=2" "--xla_gpu_redzone_scratch_max_megabytes=512"
