@@ -376,7 +376,8 @@ def write_results_md(text: str, path: str = RESULTS_MD) -> None:
         f.write(md)
 
 
-def main(argv=None) -> int:
+def parse(argv=None):
+    """The command line, checked (sweep labels known, --sweep-only with --window-sweep)."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true",
                     help="tiny sizes (S = 64, 128): proves the script runs; on the CPU the "
@@ -418,6 +419,11 @@ def main(argv=None) -> int:
                  f"({', '.join(n for n, _ in WINDOW_SWEEP + INT8_SWEEP)})")
     if args.sweep_only and not args.window_sweep:
         ap.error("--sweep-only selects among --window-sweep's variants: add --window-sweep")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse(argv)
     if args.markdown:
         with open(args.out) as f:
             text = markdown(json.load(f))

@@ -119,7 +119,11 @@ def parse(argv=None):
     ap.add_argument("--scheme", choices=("int8", "fp8"), default="int8")
     ap.add_argument("--out", default=OUT)
     ap.add_argument("--markdown", action="store_true", help="only print the tables of --out")
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    unknown = sorted(set(args.only or ()) - {v for v, _ in VARIANTS})
+    if unknown:  # (a misspelt label used to drop its variant without a word)
+        ap.error(f"--only: {unknown} are not VARIANTS labels ({', '.join(v for v, _ in VARIANTS)})")
+    return args
 
 
 def time_calls(fn, args, iters: int) -> float:

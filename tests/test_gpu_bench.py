@@ -364,3 +364,25 @@ def test_qmatmul_benchmark_times_weights_stored_either_way(tmp_path, capsys):
     assert ("head (tied)", "int8, qmatmul [N, K] storage") not in by
     assert by[("head (tied)", "int8, qmatmul default (dot, k128 n128, auto splits, w4 s3)")]["ok"]
     capsys.readouterr()
+
+
+def test_next_lease_commands_parse():
+    """Every benchmark command of `benchmarks/next_lease.sh` (run on a lent GPU, where a typo costs a
+    device call) passes its script's own argument checks here: gpu.py's cases and options,
+    attention.py's sweep labels, qmatmul.py's variant labels."""
+    import re  # noqa: PLC0415
+    import shlex  # noqa: PLC0415
+
+    with open(os.path.join(ROOT, "benchmarks", "next_lease.sh")) as f:
+        text = f.read().replace("\\\n", " ")
+    parsers = {"gpu": load_script("benchmarks/gpu.py").parse, "attention": load_script("benchmarks/attention.py").parse,
+               "qmatmul": load_script("benchmarks/qmatmul.py").parse}
+    seen = []
+    for line in text.splitlines():
+        m = re.search(r"python3 benchmarks/(\w+)\.py (.*)", line)
+        if not m:
+            continue
+        argv = shlex.split(m.group(2).replace("$out", "/tmp/out").replace('"$v"', '"JDLLM_INT8_V_WORDS=1"'))
+        parsers[m.group(1)](argv)  # argparse's errors exit: SystemExit fails the test
+        seen.append(m.group(1))
+    assert sorted(set(seen)) == ["attention", "gpu", "qmatmul"] and len(seen) >= 9
