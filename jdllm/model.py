@@ -658,6 +658,7 @@ def forward(params: Params, cfg: ModelConfig, tokens, positions, *, start, cache
     else:
         idx = jnp.arange(cfg.num_layers, dtype=jnp.int32)
         (h, ck, cv, sk, sv), _ = jax.lax.scan(layer, (h, ck, cv, sk, sv), (params["layers"], idx))
+
     def at_logits(h):  # the rows the LM head reads
         return h if logits_at is None else jnp.take_along_axis(h, jnp.asarray(logits_at, jnp.int32)[..., None], axis=1)
 
