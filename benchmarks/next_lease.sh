@@ -10,7 +10,9 @@
 #   JDLLM_NORM_INTO_MATMUL   (on by default for one row since fb6f1e9: 8B AR step 578 -> 514 kernels deviceless;
 #                             "=0" is the old program, so the pair below is the before / after)
 #   --xla_gpu_experimental_force_split_k=1 (o and down GEMMs in one kernel each; with the fold 514 -> 465)
-#   JDLLM_WINDOW_SPLITS=1    (the window's merge becomes one division; with both above 433)
+#   JDLLM_WINDOW_SPLITS=1    (one program per KV head writes the window's attention, no merge kernel: 8B AR
+#                             482 -> 450 kernels per step, block_diffusion 522 -> 458 deviceless; with
+#                             force_split_k too, fewer again)
 #   JDLLM_MERGE_TOKENS=128   (multi_block approx's suffixes 128 / 192 wide instead of 256)
 #   JDLLM_INT8_V_WORDS=1, JDLLM_QMATMUL_WORDS=1 (int8 tiles read as 32-bit words: no byte loads in the PTX)
 # A variant that wins becomes the default; one that loses is written down in RESULTS.md and left off.
@@ -35,9 +37,9 @@ case ${CALL:-1} in
 1)
   { date -u; git rev-parse HEAD 2>/dev/null; nvidia-smi; python3 -c "import jax, jaxlib; print(jax.__version__, jaxlib.__version__, jax.devices())"; } > "$L/device.txt" 2>&1
   # ~35 s of weights and probe, then ~25-30 s per case and variant (8 children)
-  step kernels 330 python3 benchmarks/gpu.py --quick --no-hf --cold-cases --only ar_b1 bd_static_b1 --budget 270 \
+  step kernels 380 python3 benchmarks/gpu.py --quick --no-hf --cold-cases --only ar_b1 bd_static_b1 --budget 320 \
     --out "$out/gpu.json" --xla-flags-variants "" "JDLLM_NORM_INTO_MATMUL=0" "--xla_gpu_experimental_force_split_k=1" \
-    "JDLLM_WINDOW_SPLITS=1 --xla_gpu_experimental_force_split_k=1"
+    "JDLLM_WINDOW_SPLITS=1" "JDLLM_WINDOW_SPLITS=1 --xla_gpu_experimental_force_split_k=1"
   step merge128 160 python3 benchmarks/gpu.py --quick --no-hf --cold-cases --only mb_approx_b1 --budget 110 \
     --out "$out/gpu.json" --xla-flags-variants "" "JDLLM_MERGE_TOKENS=128"
   ;;
@@ -58,7 +60,7 @@ case ${CALL:-1} in
   ;;
 3)
   XLA_FLAGS=--xla_gpu_autotune_level=0 step tier 240 python3 -m pytest -q --tb=short -rfE -m gpu \
-    -k "paradigm or gpu_int8_cache or quantized_matmul_compiled or norm" tests/
+    -k "paradigm or gpu_int8_cache or quantized_matmul_compiled or norm or one_split" tests/
   # issue 28's figure at its own shape (32 query heads, 8 KV heads, D 128, bf16): T = 32 and 128 windows at
   # S = 4k and 32k against the copy rate (the H100 figures so far are T = 1 or other head counts)
   step attn28 100 python3 benchmarks/attention.py --window-only --seq 4096 32768 --window 32 128 --heads 32 --kv-heads 8 \

@@ -309,6 +309,20 @@ def normalise(acc, l):
     return acc / lax.broadcast_in_dim(jnp.where(l == 0.0, 1.0, l), acc.shape, [0])
 
 
+def store_rows(ref, value, first_row, rows: int):
+    """ref[...] = value [br, ...] for a block whose rows start at `first_row` of an array of `rows`
+    rows: the rows past its end are masked out of the store (Triton writes a block's every row,
+    inside the array or not). A block inside the array is a plain store."""
+    br = value.shape[0]
+    if rows % br == 0:
+        ref[...] = value
+        return
+    from jax.experimental.pallas import triton as plgpu  # noqa: PLC0415 (its store takes a mask; interpret too)
+
+    inside = first_row + lax.broadcasted_iota(jnp.int32, value.shape, 0) < rows
+    plgpu.store(ref, value, mask=inside)
+
+
 def row_lse(m, l):
     """log2-sum-exp2 of a row's scores (0 for rows that see nothing; the backward masks them)."""
     return jnp.where(l == 0.0, 0.0, m + jnp.log2(jnp.where(l == 0.0, 1.0, l)))

@@ -63,8 +63,8 @@ from pallas_kernels.common import (BACKEND_ENV, BACKENDS, LOG2E, MIN_TILE, NEG, 
                                    cdiv, default_backend, dot, dot_precision, env_count, env_switch, int8_from_words,
                                    int8_to_float32, int8_words, key_end,
                                    normalise, online_softmax_step, pad_axis, pad_head_dim, padded_head_dim,
-                                   plain_backend, query_rows_bounds, row_lse, row_scalars, tile_bounds, tile_size,
-                                   triton_params)
+                                   plain_backend, query_rows_bounds, row_lse, row_scalars, store_rows, tile_bounds,
+                                   tile_size, triton_params)
 from pallas_kernels.reference import KINDS, attention_reference, dequantize
 
 WINDOW_MAX_T = 128  # queries above this use the prefill kernel
@@ -411,12 +411,13 @@ def _poisoned(args, in_specs, out_shape, out_specs, poison: bool):
 # --------------------------------------------------------------------------- window kernel
 def _window_kernel(start_ref, qoff_ref, kvl_ref, *refs, T, G, S, num_splits,
                    block_r, block_k, kind, block_size, qk_scale, stacked=False, scaled=False, one_row=False,
-                   prefetch=False, v_words=False):
+                   prefetch=False, v_words=False, final=None, out_rows=None):
     # refs: [layer_ref (stacked)], q_ref, k_ref, v_ref, [ks_ref, vs_ref (scaled)], [poisoned buffers],
-    # acc_ref, m_ref, l_ref
+    # then the outputs: acc_ref, m_ref, l_ref (the split's partials); or, with `final` ("out" or
+    # "out_lse": one split), o_ref (the rows normalised, in its own dtype) [and lse_ref], of
+    # `out_rows` rows (the rows past them in the last row tile are not stored)
     lead, (q_ref, k_ref, v_ref, *refs) = _layer_lead(refs, stacked)
     scale_refs, refs = (tuple(refs[:2]), refs[2:]) if scaled else (None, refs)
-    acc_ref, m_ref, l_ref = refs[-3:]
     ri, sj = pl.program_id(2), pl.program_id(3)
     start, qoff, kvl = start_ref[()], qoff_ref[()], kvl_ref[()]
     r0 = ri * block_r
@@ -437,6 +438,13 @@ def _window_kernel(start_ref, qoff_ref, kvl_ref, *refs, T, G, S, num_splits,
     acc, m, l = attend(q_ref[...], rows_p, k_ref, v_ref, bounds, start=start, kvl=kvl,
                        block_k=block_k, kind=kind, block_size=block_size, qk_scale=qk_scale, lead=lead,
                        scale_refs=scale_refs)
+    if final is not None:
+        o_ref = refs[-2] if final == "out_lse" else refs[-1]
+        store_rows(o_ref, normalise(acc, l).astype(o_ref.dtype), r0, out_rows)
+        if final == "out_lse":
+            store_rows(refs[-1], row_lse(m, l), r0, out_rows)
+        return
+    acc_ref, m_ref, l_ref = refs[-3:]
     acc_ref[...] = acc
     m_ref[...] = m
     l_ref[...] = l
@@ -459,8 +467,8 @@ ONE_ROW_PROGRAMS_PER_CORE = 8
 def _default_splits(programs: int, key_tiles: int, per_core: int = 2) -> int:
     """Key splits so that programs * splits covers `per_core` times the device's cores. `JDLLM_WINDOW_SPLITS=N`
     (read when a program is traced) fixes N instead, at most one per key tile: with 1, a short
-    cache's window is one program per row tile and KV head, and its combine one division instead of
-    two merge kernels (benchmarks/gpu.py times it as a variant: `--xla-flags-variants ""
+    cache's window is one program per row tile and KV head that writes the attention itself, and no
+    merge kernel follows it (benchmarks/gpu.py times it as a variant: `--xla-flags-variants ""
     JDLLM_WINDOW_SPLITS=1`)."""
     fixed = env_count(SPLITS_ENV, 1)
     if fixed is not None:
@@ -478,7 +486,9 @@ def window_attention(q, k, v, *, start, q_offset=0, kv_len=None, kind="causal", 
     key tile is read once per KV head. The key tiles a row tile can see,
     [start, min(horizon, kv_len)), are divided evenly at run time over
     `tiles.num_splits` programs (so a short kv_len in a long cache still uses
-    every program) and the partial (acc, max, sum) are merged here in XLA.
+    every program) and the partial (acc, max, sum) are merged here in XLA
+    (`combine_splits`). With one split there is nothing to merge: the kernel
+    divides by the softmax sum and writes the attention in q's dtype itself.
     K/V are copied only when S is not a multiple of the key tile.
     `poison=True` pre-fills the partial buffers with NaN; `return_lse`,
     `layer` (k / v a stacked cache [L, B, S, KV, D], its layer read in place)
@@ -519,25 +529,50 @@ def window_attention(q, k, v, *, start, q_offset=0, kv_len=None, kind="causal", 
     def kv_head(h):
         return lax.div(h, G) if per_head else h
 
+    # one split: the kernel divides by the softmax sum itself and writes the attention in q's dtype,
+    # laid out so that no merge or transpose follows it: [B, P, rows, Dp] for one query (the rows
+    # are a KV head's query heads: [B, 1, H, D] as it stands), else [B, rows, P, Dp] (for one query
+    # head per KV head, [B, T, H, D]; grouped heads take a transpose)
+    final = None if ns > 1 else "out_lse" if return_lse else "out"
+    out_rows, head_major = (1 if per_head else R), T == 1
     kernel = functools.partial(_window_kernel, T=T, G=Gk, S=S, num_splits=ns,
                                block_r=br, block_k=bk, kind=kind, block_size=block_size,
                                qk_scale=scale * LOG2E, stacked=stacked, scaled=scales is not None,
-                               one_row=one_row, prefetch=tiles.one_row_prefetch, v_words=v_words)
+                               one_row=one_row, prefetch=tiles.one_row_prefetch, v_words=v_words, final=final,
+                               out_rows=out_rows)
     row = pl.BlockSpec((None,), lambda b, h, r, s: (b,))
     q_spec = pl.BlockSpec((None, None, br, Dp), lambda b, h, r, s: (b, h, r, 0))
     kv_spec, v_spec = _kv_specs(k, stacked, Sp, Dp, v_words, lambda b, h, r, s: (b, kv_head(h)))
-    acc_spec = pl.BlockSpec((None, None, None, br, Dp), lambda b, h, r, s: (b, h, s, r, 0))
-    ml_spec = pl.BlockSpec((None, None, None, br), lambda b, h, r, s: (b, h, s, r))
-    out_shape = [jax.ShapeDtypeStruct((B, P, ns, Rp, Dp), jnp.float32),
-                 jax.ShapeDtypeStruct((B, P, ns, Rp), jnp.float32),
-                 jax.ShapeDtypeStruct((B, P, ns, Rp), jnp.float32)]
+    # partials split-major, then rows, then heads: [B, ns, Rp, P, Dp] (each program's block a strided
+    # one), so the merge's output is [B, Rp, P, Dp], which for one query head per KV head is the
+    # attention's [B, T, H, D] as it stands: no transpose after the merge
+    acc_spec = pl.BlockSpec((None, None, br, None, Dp), lambda b, h, r, s: (b, s, r, h, 0))
+    ml_spec = pl.BlockSpec((None, None, br, None), lambda b, h, r, s: (b, s, r, h))
+    out_shape = [jax.ShapeDtypeStruct((B, ns, Rp, P, Dp), jnp.float32),
+                 jax.ShapeDtypeStruct((B, ns, Rp, P), jnp.float32),
+                 jax.ShapeDtypeStruct((B, ns, Rp, P), jnp.float32)]
     out_specs = [acc_spec, ml_spec, ml_spec]
+    if final is not None:
+        # R rows, not Rp: a row tile past R (AR's one query padded to the dot's 16 rows) is masked in
+        # the store, where a padded output took a slicing kernel after this one
+        if head_major:
+            out_shape = [jax.ShapeDtypeStruct((B, P, out_rows, Dp), q.dtype),
+                         jax.ShapeDtypeStruct((B, P, out_rows), jnp.float32)]
+            out_specs = [pl.BlockSpec((None, None, br, Dp), lambda b, h, r, s: (b, h, r, 0)),
+                         pl.BlockSpec((None, None, br), lambda b, h, r, s: (b, h, r))]
+        else:
+            out_shape = [jax.ShapeDtypeStruct((B, out_rows, P, Dp), q.dtype),
+                         jax.ShapeDtypeStruct((B, out_rows, P), jnp.float32)]
+            out_specs = [pl.BlockSpec((None, br, None, Dp), lambda b, h, r, s: (b, r, h, 0)),
+                         pl.BlockSpec((None, br, None), lambda b, h, r, s: (b, r, h))]
+        n_out = 2 if final == "out_lse" else 1
+        out_shape, out_specs = out_shape[:n_out], out_specs[:n_out]
     lyr, lyr_spec = _layer_operand(layer, stacked)
     s_specs = _scale_specs(scales, stacked, Sp, lambda b, h, r, s: (b, kv_head(h)))
     args, in_specs, aliases = _poisoned([start, qoff, kvl, *lyr, qp, k, v, *(scales or ())],
                                         [row, row, row, *lyr_spec, q_spec, kv_spec, v_spec, *s_specs],
                                         out_shape, out_specs, poison)
-    acc, m, l = pl.pallas_call(
+    outs = pl.pallas_call(
         kernel,
         grid=(B, P, nr, ns),
         in_specs=in_specs,
@@ -549,47 +584,61 @@ def window_attention(q, k, v, *, start, q_offset=0, kv_len=None, kind="causal", 
         interpret=backend == "interpret",
         name="jdllm_flash_window",
     )(*args)
-    if per_head:  # [B, H, ns, 1, ...] -> the rows of the KV heads' groups, [B, KV, ns, G, ...]
-        acc = acc.reshape(B, KV, G, ns, Dp).transpose(0, 1, 3, 2, 4)
-        m, l = (x.reshape(B, KV, G, ns).transpose(0, 1, 3, 2) for x in (m, l))
-    out, lse = combine_splits(acc, m, l)  # [B, KV, Rp, Dp] f32, [B, KV, Rp]
-    out = out[:, :, :R, :D].reshape(B, KV, T, G, D).transpose(0, 2, 1, 3, 4)
-    out = out.reshape(B, T, H, D).astype(q.dtype)
-    if not return_lse:
+    if final is not None:  # the attention in q's dtype [, lse]
+        out, lse = outs[0], (outs[1] if return_lse else None)
+        if head_major:  # [B, P, rows, Dp] [, [B, P, rows]]: one query's heads in order
+            out = out[..., :D].reshape(B, 1, H, D)
+            return out if lse is None else (out, lse.reshape(B, H, 1))
+        return _window_output(out, lse, B, T, G, KV, D, R, q.dtype)
+    acc, m, l = outs
+    if per_head:  # [B, ns, 1, H, ...] -> the rows of the KV heads' groups, [B, ns, G, KV, ...]
+        acc = acc.reshape(B, ns, KV, G, Dp).transpose(0, 1, 3, 2, 4)
+        m, l = (x.reshape(B, ns, KV, G).transpose(0, 1, 3, 2) for x in (m, l))
+    out, lse = combine_splits(acc, m, l)  # [B, Rp, KV, Dp] f32, [B, Rp, KV]
+    return _window_output(out, lse if return_lse else None, B, T, G, KV, D, R, q.dtype)
+
+
+def _window_output(out, lse, B, T, G, KV, D, R, dtype):
+    """The window's merged rows [B, Rp, KV, Dp] (rows r = t * G + g) as the attention [B, T, H, D]
+    in `dtype`, and with lse [B, Rp, KV], (attention, lse [B, H, T])."""
+    H = KV * G
+    out = out[:, :R, :, :D].reshape(B, T, G, KV, D)
+    out = (out if G == 1 else out.transpose(0, 1, 3, 2, 4)).reshape(B, T, H, D).astype(dtype)
+    if lse is None:
         return out
-    lse = lse[:, :, :R].reshape(B, KV, T, G).transpose(0, 1, 3, 2).reshape(B, H, T)
-    return out, lse
+    return out, lse[:, :R].reshape(B, T, G, KV).transpose(0, 3, 2, 1).reshape(B, H, T)
 
 
 UNROLLED_SPLITS = 16  # `combine_splits` merges up to this many splits as one elementwise expression
 
 
 def combine_splits(acc, m, l):
-    """Merge flash-decoding partials over axis 2: acc [..., n, R, D], m/l [..., n, R] (log2 units).
+    """Merge flash-decoding partials over axis 1: acc [B, n, ..., D], m/l [B, n, ...] (log2 units;
+    the window kernel's are [B, n, rows, heads, D] and [B, n, rows, heads]).
 
     Splits that saw nothing carry m = NEG, l = 0 and drop out; rows that saw
-    nothing in any split come out as zeros. Returns (out [..., R, D], lse [..., R]).
+    nothing in any split come out as zeros. Returns (out [B, ..., D], lse [B, ...]).
     One split (a short cache, or `Tiles(num_splits=1)`) is a division. Up to `UNROLLED_SPLITS` the
     merge is written out over the static split axis (a running maximum, the weights, the weighted
     sums, all elementwise), which XLA:GPU can make one kernel where reductions over the axis made
     two (the max and the weights, then the weighted sums). More splits keep the reductions.
     """
-    n = acc.shape[2]
+    n = acc.shape[1]
     if n == 1:
-        l1 = l[:, :, 0]
-        return acc[:, :, 0] / jnp.where(l1 == 0.0, 1.0, l1)[..., None], row_lse(m[:, :, 0], l1)
+        l1 = l[:, 0]
+        return acc[:, 0] / jnp.where(l1 == 0.0, 1.0, l1)[..., None], row_lse(m[:, 0], l1)
     if n <= UNROLLED_SPLITS:
-        ms, ls, accs = ([x[:, :, i] for i in range(n)] for x in (m, l, acc))
-        m_all = functools.reduce(jnp.maximum, ms)  # [B, KV, R]
+        ms, ls, accs = ([x[:, i] for i in range(n)] for x in (m, l, acc))
+        m_all = functools.reduce(jnp.maximum, ms)  # [B, ...]
         ws = [jnp.exp2(mi - m_all) for mi in ms]
         num = functools.reduce(jnp.add, [w[..., None] * a for w, a in zip(ws, accs)])
         den = functools.reduce(jnp.add, [w * li for w, li in zip(ws, ls)])
     else:
-        m_all = jnp.max(m, axis=2)  # [B, KV, R]
-        w = jnp.exp2(m - m_all[:, :, None])  # [B, KV, n, R]
+        m_all = jnp.max(m, axis=1)  # [B, ...]
+        w = jnp.exp2(m - m_all[:, None])  # [B, n, ...]
         exact = dot_precision(jnp.float32)  # XLA dots too: on a GPU the default would be TF32
-        num = jnp.einsum("bkns,bknsd->bksd", w, acc, precision=exact)
-        den = jnp.einsum("bkns,bkns->bks", w, l, precision=exact)
+        num = jnp.einsum("bn...,bn...d->b...d", w, acc, precision=exact)
+        den = jnp.einsum("bn...,bn...->b...", w, l, precision=exact)
     return num / jnp.where(den == 0.0, 1.0, den)[..., None], row_lse(m_all, den)
 
 

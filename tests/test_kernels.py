@@ -198,6 +198,9 @@ WINDOW = [
     ("bidirectional", 1, 2, 16, 90, 74, 90, 4, 1, 64, [3, 50], (16, 32, 2), jnp.bfloat16),
     # one split (the merge is a division), a row whose keys start past kv_len (it sees nothing)
     ("causal", 1, 2, 1, 96, 80, 81, 4, 2, 64, [0, 90], (8, 16, 1), jnp.float32),
+    # one split over 6 rows (T 3 x 2 heads per KV head) in a row tile of 8: the kernel writes the
+    # attention itself, its last two rows past the output's end
+    ("block_causal", 2, 2, 3, 40, 30, 33, 4, 2, 64, [0, 31], (8, 16, 1), jnp.bfloat16),
 ]
 
 
@@ -685,7 +688,8 @@ def test_int8_v_words_from_the_environment(monkeypatch):
 
 def test_one_row_window_returns_the_dots_log_sum_exp():
     """`return_lse` from the one-row int8 window (one program per query head, grouped heads) equals
-    the tensor-core dot's over the same cache: outputs and log-sum-exps per head and query."""
+    the tensor-core dot's over the same cache: outputs and log-sum-exps per head and query, with the
+    key splits merged after the kernel and with one split (the kernel writes the attention itself)."""
     from jdllm.model import quantize_kv  # noqa: PLC0415
 
     B, S, H, KV, D = 2, 48, 4, 2, 32
@@ -694,10 +698,13 @@ def test_one_row_window_returns_the_dots_log_sum_exp():
     (k, ks), (v, vs) = (quantize_kv(jnp.asarray(rng.standard_normal((B, S, KV, D)), jnp.float32)) for _ in range(2))
     kw = dict(start=jnp.array([0, 3]), q_offset=S - 5, kv_len=S - 4, kind="causal", k_scale=ks, v_scale=vs,
               backend="interpret", return_lse=True)
-    got = flash.window_attention(q, k, v, tiles=flash.Tiles(block_k=16, one_row_heads=True), **kw)
-    want = flash.window_attention(q, k, v, tiles=flash.Tiles(block_k=16, block_r=8, one_row=False), **kw)
-    for g, w in zip(got, want):
-        assert g.shape == w.shape and _rel_err(g, w) <= 1e-5
+    for splits in (None, 1):
+        got = flash.window_attention(q, k, v, tiles=flash.Tiles(block_k=16, one_row_heads=True, num_splits=splits),
+                                     **kw)
+        want = flash.window_attention(q, k, v, tiles=flash.Tiles(block_k=16, block_r=8, one_row=False,
+                                                                 num_splits=3 if splits == 1 else 1), **kw)
+        for g, w in zip(got, want):
+            assert g.shape == w.shape and _rel_err(g, w) <= 1e-5, splits
 
 
 def _kernel_loop_carries_int8(closed) -> bool:
@@ -1375,6 +1382,29 @@ def test_gpu_window_compiled(kind, bs, T, dtype):
 
 @pytest.mark.gpu
 @needs_gpu
+@pytest.mark.parametrize("T,H,KV,dtype", [(1, 8, 8, jnp.bfloat16), (1, 8, 8, jnp.float32), (1, 28, 4, jnp.bfloat16),
+                                          (12, 28, 4, jnp.float32), (32, 8, 8, jnp.bfloat16)])
+def test_gpu_window_one_split_compiled(T, H, KV, dtype):
+    """One key split, compiled: the kernel normalises the rows and writes the attention itself, the
+    rows past the output's end masked out of the store (T = 1: one row, or a KV head's 7 query heads,
+    in the dot's 16; 12 x 7 rows in tiles of 16 or more), equal to the reference, and its
+    log-sum-exp to the merged splits'."""
+    _check(flash.window_attention, kind="block_causal", block_size=4, B=2, T=T, S=448, H=H, KV=KV, D=128,
+           start=[5, 0], q_offset=400, kv_len=400 + T, dtype=dtype, tiles=flash.Tiles(num_splits=1),
+           backend="triton")
+    rng = np.random.default_rng(T)
+    q = jnp.asarray(rng.standard_normal((2, T, H, 128), np.float32), dtype)
+    k, v = (jnp.asarray(rng.standard_normal((2, 448, KV, 128), np.float32), dtype) for _ in range(2))
+    kw = dict(start=jnp.array([5, 0]), q_offset=400, kv_len=400 + T, kind="block_causal", block_size=4,
+              backend="triton", return_lse=True)
+    one = jax.jit(lambda *a: flash.window_attention(*a, tiles=flash.Tiles(num_splits=1), **kw))(q, k, v)
+    split = jax.jit(lambda *a: flash.window_attention(*a, tiles=flash.Tiles(num_splits=4), **kw))(q, k, v)
+    for a, b in zip(one, split):
+        assert a.shape == b.shape and _rel_err(a, b) <= TOL[dtype]
+
+
+@pytest.mark.gpu
+@needs_gpu
 @pytest.mark.parametrize("variant,T,S,dtype", [("window", 1, 4032, jnp.bfloat16), ("window", 32, 448, jnp.float32),
                                                ("prefill", 160, 416, jnp.float32)])
 def test_gpu_stacked_cache_read_in_place(variant, T, S, dtype):
@@ -1532,21 +1562,21 @@ def test_combine_splits_merges_partials_as_one_softmax(n):
     rows' common max. Splits that saw nothing (m = NEG, l = 0) drop out; a row that saw nothing in any
     split comes out as zeros."""
     rng = np.random.default_rng(n)
-    B, KV, R, D = 2, 3, 4, 8
-    m = rng.normal(0.0, 4.0, (B, KV, n, R)).astype(np.float32)
-    l = rng.uniform(0.5, 3.0, (B, KV, n, R)).astype(np.float32)
-    acc = (rng.normal(size=(B, KV, n, R, D)) * l[..., None]).astype(np.float32)
+    B, R, KV, D = 2, 4, 3, 8  # the window kernel's layout: [B, n, rows, heads, D]
+    m = rng.normal(0.0, 4.0, (B, n, R, KV)).astype(np.float32)
+    l = rng.uniform(0.5, 3.0, (B, n, R, KV)).astype(np.float32)
+    acc = (rng.normal(size=(B, n, R, KV, D)) * l[..., None]).astype(np.float32)
     if n > 1:
-        m[:, :, 1], l[:, :, 1], acc[:, :, 1] = common.NEG, 0.0, 0.0  # a split that saw nothing
-    m[0, 0, :, 0], l[0, 0, :, 0], acc[0, 0, :, 0] = common.NEG, 0.0, 0.0  # a row that saw nothing at all
+        m[:, 1], l[:, 1], acc[:, 1] = common.NEG, 0.0, 0.0  # a split that saw nothing
+    m[0, :, 0, 0], l[0, :, 0, 0], acc[0, :, 0, 0] = common.NEG, 0.0, 0.0  # a row that saw nothing at all
     out, lse = jax.jit(flash.combine_splits)(acc, m, l)
 
     m64, l64, a64 = (x.astype(np.float64) for x in (m, l, acc))
-    top = m64.max(axis=2, keepdims=True)
+    top = m64.max(axis=1, keepdims=True)
     w = np.exp2(m64 - top)
-    den = (w * l64).sum(axis=2)
-    want = (w[..., None] * a64).sum(axis=2) / np.where(den == 0.0, 1.0, den)[..., None]
+    den = (w * l64).sum(axis=1)
+    want = (w[..., None] * a64).sum(axis=1) / np.where(den == 0.0, 1.0, den)[..., None]
     np.testing.assert_allclose(np.asarray(out), want, rtol=1e-5, atol=1e-6)
     assert not np.asarray(out)[0, 0, 0].any()
-    want_lse = np.where(den == 0.0, 0.0, top[:, :, 0] + np.log2(np.where(den == 0.0, 1.0, den)))
+    want_lse = np.where(den == 0.0, 0.0, top[:, 0] + np.log2(np.where(den == 0.0, 1.0, den)))
     np.testing.assert_allclose(np.asarray(lse), want_lse, rtol=1e-5, atol=1e-5)
