@@ -329,8 +329,9 @@ def norm_into_matmul(h, attn_impl) -> bool:
     kernels (attn_impl "auto" / "pallas"), activations not float16 (x·w could overflow where the
     normed x does not); "1" = on for every forward (how the tests check it on the CPU); "0" = off;
     anything else is a `jdllm.errors.ConfigError`."""
-    if os.environ.get(NORM_INTO_MATMUL_ENV, "").strip():
-        return env_switch(NORM_INTO_MATMUL_ENV)
+    forced = env_switch(NORM_INTO_MATMUL_ENV, unset=None)
+    if forced is not None:
+        return forced
     return (h.shape[0] * h.shape[1] == 1 and h.dtype != jnp.float16 and isinstance(attn_impl, str)
             and jax.default_backend() == "gpu" and resolve_impl(attn_impl) == "pallas")
 

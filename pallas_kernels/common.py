@@ -105,16 +105,17 @@ def env_count(name: str, least: int) -> int | None:
     return int(env)
 
 
-def env_switch(name: str) -> bool:
+def env_switch(name: str, unset=False):
     """Environment variable `name` as an on / off switch read when a program is traced: "1" on,
-    "0" or unset (or blank) off; anything else is a jdllm ConfigError naming the variable
-    (`JDLLM_INT8_V_WORDS`, `JDLLM_QMATMUL_WORDS`)."""
+    "0" off, `unset` when it is unset or blank (None: the caller decides); anything else is a jdllm
+    ConfigError naming the variable (`JDLLM_INT8_V_WORDS`, `JDLLM_QMATMUL_WORDS`,
+    `JDLLM_NORM_INTO_MATMUL`)."""
     value = env_count(name, 0)
     if value not in (None, 0, 1):
         from jdllm import errors  # noqa: PLC0415 (keeps pallas_kernels importable alone)
 
         raise errors.ConfigError(f"{name}={os.environ[name].strip()!r} must be 0 or 1 (or unset)")
-    return bool(value)
+    return unset if value is None else bool(value)
 
 
 def default_backend() -> str:
