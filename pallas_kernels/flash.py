@@ -411,11 +411,11 @@ def _poisoned(args, in_specs, out_shape, out_specs, poison: bool):
 # --------------------------------------------------------------------------- window kernel
 def _window_kernel(start_ref, qoff_ref, kvl_ref, *refs, T, G, S, num_splits,
                    block_r, block_k, kind, block_size, qk_scale, stacked=False, scaled=False, one_row=False,
-                   prefetch=False, v_words=False, final=None, out_rows=None):
+                   prefetch=False, v_words=False, final=False, with_lse=False, out_rows=None):
     # refs: [layer_ref (stacked)], q_ref, k_ref, v_ref, [ks_ref, vs_ref (scaled)], [poisoned buffers],
-    # then the outputs: acc_ref, m_ref, l_ref (the split's partials); or, with `final` ("out" or
-    # "out_lse": one split), o_ref (the rows normalised, in its own dtype) [and lse_ref], of
-    # `out_rows` rows (the rows past them in the last row tile are not stored)
+    # then the outputs: acc_ref, m_ref, l_ref (the split's partials); or, with `final` (one split),
+    # o_ref (the rows normalised, in its own dtype) [and lse_ref, `with_lse`], as the prefill kernel's,
+    # of `out_rows` rows (the rows past them in the last row tile are not stored)
     lead, (q_ref, k_ref, v_ref, *refs) = _layer_lead(refs, stacked)
     scale_refs, refs = (tuple(refs[:2]), refs[2:]) if scaled else (None, refs)
     ri, sj = pl.program_id(2), pl.program_id(3)
@@ -438,11 +438,11 @@ def _window_kernel(start_ref, qoff_ref, kvl_ref, *refs, T, G, S, num_splits,
     acc, m, l = attend(q_ref[...], rows_p, k_ref, v_ref, bounds, start=start, kvl=kvl,
                        block_k=block_k, kind=kind, block_size=block_size, qk_scale=qk_scale, lead=lead,
                        scale_refs=scale_refs)
-    if final is not None:
-        o_ref = refs[-2] if final == "out_lse" else refs[-1]
+    if final:
+        o_ref, lse_ref = (refs[-2], refs[-1]) if with_lse else (refs[-1], None)
         store_rows(o_ref, normalise(acc, l).astype(o_ref.dtype), r0, out_rows)
-        if final == "out_lse":
-            store_rows(refs[-1], row_lse(m, l), r0, out_rows)
+        if with_lse:
+            store_rows(lse_ref, row_lse(m, l), r0, out_rows)
         return
     acc_ref, m_ref, l_ref = refs[-3:]
     acc_ref[...] = acc
@@ -533,13 +533,12 @@ def window_attention(q, k, v, *, start, q_offset=0, kv_len=None, kind="causal", 
     # laid out so that no merge or transpose follows it: [B, P, rows, Dp] for one query (the rows
     # are a KV head's query heads: [B, 1, H, D] as it stands), else [B, rows, P, Dp] (for one query
     # head per KV head, [B, T, H, D]; grouped heads take a transpose)
-    final = None if ns > 1 else "out_lse" if return_lse else "out"
-    out_rows, head_major = (1 if per_head else R), T == 1
+    final, out_rows, head_major = ns == 1, (1 if per_head else R), T == 1
     kernel = functools.partial(_window_kernel, T=T, G=Gk, S=S, num_splits=ns,
                                block_r=br, block_k=bk, kind=kind, block_size=block_size,
                                qk_scale=scale * LOG2E, stacked=stacked, scaled=scales is not None,
                                one_row=one_row, prefetch=tiles.one_row_prefetch, v_words=v_words, final=final,
-                               out_rows=out_rows)
+                               with_lse=return_lse, out_rows=out_rows)
     row = pl.BlockSpec((None,), lambda b, h, r, s: (b,))
     q_spec = pl.BlockSpec((None, None, br, Dp), lambda b, h, r, s: (b, h, r, 0))
     kv_spec, v_spec = _kv_specs(k, stacked, Sp, Dp, v_words, lambda b, h, r, s: (b, kv_head(h)))
@@ -552,7 +551,7 @@ def window_attention(q, k, v, *, start, q_offset=0, kv_len=None, kind="causal", 
                  jax.ShapeDtypeStruct((B, ns, Rp, P), jnp.float32),
                  jax.ShapeDtypeStruct((B, ns, Rp, P), jnp.float32)]
     out_specs = [acc_spec, ml_spec, ml_spec]
-    if final is not None:
+    if final:
         # R rows, not Rp: a row tile past R (AR's one query padded to the dot's 16 rows) is masked in
         # the store, where a padded output took a slicing kernel after this one
         if head_major:
@@ -565,7 +564,7 @@ def window_attention(q, k, v, *, start, q_offset=0, kv_len=None, kind="causal", 
                          jax.ShapeDtypeStruct((B, out_rows, P), jnp.float32)]
             out_specs = [pl.BlockSpec((None, br, None, Dp), lambda b, h, r, s: (b, r, h, 0)),
                          pl.BlockSpec((None, br, None), lambda b, h, r, s: (b, r, h))]
-        n_out = 2 if final == "out_lse" else 1
+        n_out = 2 if return_lse else 1
         out_shape, out_specs = out_shape[:n_out], out_specs[:n_out]
     lyr, lyr_spec = _layer_operand(layer, stacked)
     s_specs = _scale_specs(scales, stacked, Sp, lambda b, h, r, s: (b, kv_head(h)))
@@ -584,7 +583,7 @@ def window_attention(q, k, v, *, start, q_offset=0, kv_len=None, kind="causal", 
         interpret=backend == "interpret",
         name="jdllm_flash_window",
     )(*args)
-    if final is not None:  # the attention in q's dtype [, lse]
+    if final:  # the attention in q's dtype [, lse]
         out, lse = outs[0], (outs[1] if return_lse else None)
         if head_major:  # [B, P, rows, Dp] [, [B, P, rows]]: one query's heads in order
             out = out[..., :D].reshape(B, 1, H, D)
@@ -618,15 +617,12 @@ def combine_splits(acc, m, l):
 
     Splits that saw nothing carry m = NEG, l = 0 and drop out; rows that saw
     nothing in any split come out as zeros. Returns (out [B, ..., D], lse [B, ...]).
-    One split (a short cache, or `Tiles(num_splits=1)`) is a division. Up to `UNROLLED_SPLITS` the
+    (`window_attention` with one split merges nothing: its kernel divides.) Up to `UNROLLED_SPLITS` the
     merge is written out over the static split axis (a running maximum, the weights, the weighted
     sums, all elementwise), which XLA:GPU can make one kernel where reductions over the axis made
     two (the max and the weights, then the weighted sums). More splits keep the reductions.
     """
     n = acc.shape[1]
-    if n == 1:
-        l1 = l[:, 0]
-        return acc[:, 0] / jnp.where(l1 == 0.0, 1.0, l1)[..., None], row_lse(m[:, 0], l1)
     if n <= UNROLLED_SPLITS:
         ms, ls, accs = ([x[:, i] for i in range(n)] for x in (m, l, acc))
         m_all = functools.reduce(jnp.maximum, ms)  # [B, ...]
