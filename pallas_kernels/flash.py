@@ -248,6 +248,16 @@ def _stacked_keys(q, k, v, layer, tiles: Tiles, backend: str, scales=None):
     return k, v, scales, bk
 
 
+def _operands(q, k, v, layer, tiles: Tiles, backend, k_scale, v_scale, kv_len, scale):
+    """What `prefill_attention` and `window_attention` start from: (the plain backend, k, v, the
+    int8 scales or None, the stacked cache's key tile or None (`_stacked_keys`), kv_len (S when
+    None), the softmax scale (D ** -0.5 when None))."""
+    backend = plain_backend(backend or default_backend())
+    k, v, scales, stacked_bk = _stacked_keys(q, k, v, layer, tiles, backend, _scale_pair(k, k_scale, v_scale))
+    kv_len = k.shape[-3] if kv_len is None else kv_len
+    return backend, k, v, scales, stacked_bk, kv_len, q.shape[-1] ** -0.5 if scale is None else scale
+
+
 def _scale_pair(k, k_scale, v_scale):
     """An int8 cache's scales as the kernels take them: float32 [.., S, KV] (the cache's [.., S, KV, 1]
     without its last axis, a bitcast), or None without them."""
@@ -345,15 +355,12 @@ def prefill_attention(q, k, v, *, start, q_offset=0, kv_len=None, kind="causal",
     i.e. a copy of the layer, otherwise). k_scale / v_scale [B, S, KV, 1] (stacked: [L, ...]): k / v
     are an int8 cache with one float32 scale per key and KV head, dequantized in the kernel.
     """
-    backend = plain_backend(backend or default_backend())
-    scales = _scale_pair(k, k_scale, v_scale)
-    k, v, scales, stacked_bk = _stacked_keys(q, k, v, layer, tiles, backend, scales)
+    backend, k, v, scales, stacked_bk, kv_len, scale = _operands(q, k, v, layer, tiles, backend, k_scale, v_scale,
+                                                                 kv_len, scale)
     stacked = stacked_bk is not None
     B, T, H, D = q.shape
     S, KV = k.shape[-3], k.shape[-2]
     G = H // KV
-    kv_len = S if kv_len is None else kv_len
-    scale = D ** -0.5 if scale is None else scale
     bq, bk = tile_size(tiles.block_q, T, backend), stacked_bk or tile_size(tiles.block_k, S, backend)
     Tp, Sp = pl.cdiv(T, bq) * bq, pl.cdiv(S, bk) * bk
     if stacked:  # no padding (`stacked_key_tile`): the cache goes in as it is
@@ -494,15 +501,12 @@ def window_attention(q, k, v, *, start, q_offset=0, kv_len=None, kind="causal", 
     `layer` (k / v a stacked cache [L, B, S, KV, D], its layer read in place)
     and `k_scale` / `v_scale` (an int8 cache) as in `prefill_attention`.
     """
-    backend = plain_backend(backend or default_backend())
-    scales = _scale_pair(k, k_scale, v_scale)
-    k, v, scales, stacked_bk = _stacked_keys(q, k, v, layer, tiles, backend, scales)
+    backend, k, v, scales, stacked_bk, kv_len, scale = _operands(q, k, v, layer, tiles, backend, k_scale, v_scale,
+                                                                 kv_len, scale)
     stacked = stacked_bk is not None
     B, T, H, D = q.shape
     S, KV = k.shape[-3], k.shape[-2]
     G = H // KV
-    kv_len = S if kv_len is None else kv_len
-    scale = D ** -0.5 if scale is None else scale
     R = T * G
     bk = stacked_bk or tile_size(tiles.block_k, S, backend)
     # `_attend_one_row`: one query row per program; with grouped heads (`Tiles.one_row_heads`) a
