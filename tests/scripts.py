@@ -19,3 +19,16 @@ def load_script(relpath: str):
     sys.modules.setdefault(name, mod)
     spec.loader.exec_module(mod)
     return mod
+
+
+def subprocess_env(devices: int | None = None, **extra: str) -> dict:
+    """The environment for a test's child process on the CPU: this one's (the root conftest's XLA_FLAGS
+    included, so the child compiles as the tests do), JAX_PLATFORMS=cpu, the checkout first on
+    PYTHONPATH; `devices` fake CPU devices (--xla_force_host_platform_device_count added to
+    XLA_FLAGS); then `extra`."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    if devices is not None:
+        env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={devices}").strip()
+    env.update(extra)
+    return env

@@ -19,14 +19,13 @@ import pytest
 import jdllm
 from jdllm import errors, sharding
 from tests.quick import slow, slow_except
+from tests.scripts import subprocess_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _env(devices: int) -> dict:
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
-    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
-    return env
+    return subprocess_env(devices)
 
 
 def _json_lines(text: str) -> list[dict]:

@@ -21,18 +21,14 @@ from jax.sharding import AxisType, Mesh
 import jdllm
 from jdllm import errors, sharding
 from tests.quick import slow
+from tests.scripts import subprocess_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-FAST_XLA = "--xla_backend_optimization_level=0"  # tiny models: compile time dominates
 
 
 def _start(args: list[str], devices: int | None) -> subprocess.Popen:
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=FAST_XLA)
-    if devices is not None:
-        env["XLA_FLAGS"] += f" --xla_force_host_platform_device_count={devices}"
-    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
-    return subprocess.Popen([sys.executable, *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, cwd=ROOT)
+    return subprocess.Popen([sys.executable, *args], env=subprocess_env(devices), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, cwd=ROOT)
 
 
 OWN_LOOP = [os.path.join(ROOT, "examples", "rl_own_loop.py"), "--steps", "3", "--inner", "3", "--json"]
