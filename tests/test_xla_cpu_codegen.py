@@ -4,7 +4,8 @@ Here every paradigm decodes on the shipped models under XLA's own defaults (a ch
 XLA_FLAGS is empty: what `pip install jdllm` runs) and under the tests' flags (this process), and
 the two must agree token for token: the step maps, forward counts and finish reasons too, the
 log-probs to 1e-4. A flag that changed what jdllm computes would fail here, not hide in every
-other test's reference.
+other test's reference. The conftest's own rule (a flag of yours wins, an unknown one is left out)
+is checked too.
 
     python tests/test_xla_cpu_codegen.py     # the cases' outputs as JSON, under this process's XLA_FLAGS
 """
@@ -25,7 +26,7 @@ if __name__ == "__main__":
 import jdllm  # noqa: E402
 from jdllm import tasks  # noqa: E402
 from tests.quick import slow  # noqa: E402
-from tests.scripts import subprocess_env  # noqa: E402
+from tests.scripts import load_script, subprocess_env  # noqa: E402
 
 MODELS = os.path.join(ROOT, "models")
 
@@ -79,6 +80,17 @@ def decode_all() -> dict:
         got[name] = [dict(token_ids=o.token_ids, step_map=o.step_map, nfe=o.nfe, finish=o.finish_reason,
                           logprobs=[float(x) for x in o.logprobs]) for o in outs]
     return got
+
+
+def test_the_tests_flags_are_added_once_and_only_where_xla_knows_them():
+    root = load_script("conftest.py")
+    level, emitters = root.FAST_XLA_FLAGS
+    assert root.fast_xla_flags("", knows=lambda f: True) == f"{level} {emitters}"
+    assert root.fast_xla_flags("", knows=lambda f: False) == level  # an unknown flag would abort XLA
+    assert root.fast_xla_flags("--xla_backend_optimization_level=2 --xla_cpu_use_fusion_emitters=true",
+                               knows=lambda f: True) == \
+        "--xla_backend_optimization_level=2 --xla_cpu_use_fusion_emitters=true"  # yours win
+    assert not root._xla_knows("--xla_no_such_flag_in_any_jaxlib=1")
 
 
 @slow
