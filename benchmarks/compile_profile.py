@@ -556,7 +556,6 @@ def child_generate(task: dict) -> int:
     cache = configure_cache(task)
     info = device_info()
     import jdllm  # noqa: PLC0415
-    from jdllm.decode import loop  # noqa: PLC0415
 
     ev = Events()
     base = G.base_config(task["shape"])

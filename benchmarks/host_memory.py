@@ -118,7 +118,7 @@ def main() -> None:
                              tok_s=statistics.median(r["tok_s"] for r in rs),
                              faults=statistics.median(r["faults"] for r in rs), runs=rs,
                              same_tokens=len({r["tokens"] for v in runs.values() for r in v}) == 1))
-    print(f"\n| paradigm | heap | wall s | CPU s | tok/s | page faults | same tokens |\n|---|---|---:|---:|---:|---:|---|")
+    print("\n| paradigm | heap | wall s | CPU s | tok/s | page faults | same tokens |\n|---|---|---:|---:|---:|---:|---|")
     for r in rows:
         print(f"| {r['paradigm']} | {r['heap']} | {r['wall_s']:.2f} | {r['cpu_s']:.2f} | {r['tok_s']:.1f} | "
               f"{r['faults']:,.0f} | {'yes' if r['same_tokens'] else 'no'} |")

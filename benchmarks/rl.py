@@ -21,7 +21,6 @@ import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
@@ -29,8 +28,7 @@ import jdllm  # noqa: E402
 from jdllm import rl, tasks  # noqa: E402
 from jdllm.api import outputs, prepare  # noqa: E402
 from jdllm.decode import loop  # noqa: E402
-from jdllm.loading import Model  # noqa: E402
-from jdllm.model import default_positions, forward, init_params  # noqa: E402
+from jdllm.model import default_positions, forward  # noqa: E402
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 

@@ -25,7 +25,7 @@ import jax
 from jax.experimental import multihost_utils
 import numpy as np
 
-from jdllm import compile_cache, compile_progress, errors, inputs
+from jdllm import compile_cache, errors, inputs
 from jdllm.decode import common, loop
 from jdllm.decode.protocol import Paradigm
 from jdllm.loading import Model, check_token_ids

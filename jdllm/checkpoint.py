@@ -573,8 +573,6 @@ def load_model(path: str, dtype="bfloat16", attn_impl: str = "auto", shardings=N
                check_finite: bool = False, mesh=None, rules=None, quantize=None, kv_cache=None):
     """A `jdllm.loading.Model` from a Hugging Face directory or a jdllm checkpoint directory
     (with `mesh`: params placed on it under `rules`, each device reading only its slices)."""
-    import jax  # noqa: PLC0415 (jax and the model stay unimported until a model is read)
-    import jax.numpy as jnp  # noqa: PLC0415 (startup: `jdllm convert --help` and config reads stay free of JAX)
     from jdllm.device_memory import check_params_fit  # noqa: PLC0415 (startup: `jdllm convert --help` and config reads stay free of JAX)
     from jdllm.loading import Model  # noqa: PLC0415 (startup: `jdllm convert --help` and config reads stay free of JAX)
     from jdllm.model import default_layout, flat_param_specs, to_layout  # noqa: PLC0415 (startup: `jdllm convert --help` and config reads stay free of JAX)

@@ -26,7 +26,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jdllm  # noqa: E402
 from jdllm import sharding  # noqa: E402
 from jdllm.config import ModelConfig  # noqa: E402
-from jdllm.decode import loop  # noqa: E402
 from jdllm.loading import Model  # noqa: E402
 from jdllm.model import default_positions, forward, init_params  # noqa: E402
 from compiles import traces  # noqa: E402

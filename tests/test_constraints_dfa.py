@@ -281,7 +281,6 @@ def _check_outputs(model, outs, rows, max_new):
 def test_sampled_outputs_always_match(path, decoding, fast_compile):
     """Temperature 1, many seeds, several regexes per batch (random unmasking orders): every output
     matches; a second batch with other regexes in the same table buckets does not retrace."""
-    from jdllm.decode import loop
 
     model = jdllm.load(path, dtype="float32")
     max_new = 8

@@ -11,7 +11,6 @@ import pytest
 import jdllm
 from jdllm import errors
 from jdllm.config import ModelConfig
-from jdllm.decode import loop
 from jdllm.decode.masked_diffusion import (dream_ratios, exponential_from_bits, exponential_noise, gumbel_argmax,
                                            transfer_schedule)
 from jdllm.loading import Model

@@ -131,7 +131,7 @@ def test_bitmask_drives_a_decode_step():
     _, p = plan(st)
     slots = np.asarray(p.slots)[:2, 0]  # each row's next slot (rows at different positions)
     assert slots.tolist() == [4, 3]
-    V, W = m.config.vocab_size, -(-m.config.vocab_size // 32)
+    W = -(-m.config.vocab_size // 32)
     allow = [7, 40, 77]
     words = np.zeros((W,), np.uint32)
     for t in allow:

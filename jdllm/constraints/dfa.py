@@ -22,7 +22,7 @@ import dataclasses
 
 import numpy as np
 
-from jdllm import api
+from jdllm import api, compile_progress
 from jdllm.constraints.dfa_compile import TokenDFA, compile_pattern, regex_of, token_strings
 from jdllm.constraints.dfa_device import DFATables, stack
 from jdllm.decode import loop
@@ -99,7 +99,7 @@ def generate_constrained(model, prompts, decoding, sampling, constraints, *, app
     prep = api.prepare(model, prompts, decoding, sampling, apply_chat_template=apply_chat_template)
     tab = tables(model, constraints, prep.state, budgets)
     state = prep.state.replace(constraint=tab)
-    with api.compile_progress.watch(loop.compiled(), prep.paradigm.name, state, (prep.paradigm, prep.ctx)):
+    with compile_progress.watch(loop.compiled(), prep.paradigm.name, state, (prep.paradigm, prep.ctx)):
         final = loop.compiled()(api.params_for(model, prep.paradigm), state, paradigm=prep.paradigm, ctx=prep.ctx)
     outs = api.outputs(prep, final)
     res = []
