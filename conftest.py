@@ -11,9 +11,10 @@ older elemental IR emitters in place of its MLIR fusion emitters (XLA_FLAGS gets
 --xla_backend_optimization_level=0 and --xla_cpu_use_fusion_emitters=false, each
 unless your XLA_FLAGS names that flag; the second only where this jaxlib knows it,
 probed once, as XLA aborts on an unknown flag; the `gpu` tier is left alone). The
-tests' models are tiny, so compiling is most of their time, and both cut it with the
-same HLO: they cover jdllm's programs, the tests' own jitted references, eager ops and
-the subprocesses the tests start (which inherit the variable).
+tests' models are tiny, so compiling is most of their time, and both cut it for the
+same programs (XLA fuses them a little differently for the older emitters): they cover
+jdllm's programs, the tests' own jitted references, eager ops and the subprocesses the
+tests start (which inherit the variable).
 - the level: CPU seconds on 2 shared cores, same passes: tests/test_kv_cache.py 48
   (XLA's default level) -> 30; test_kernels.py 112 -> 86, test_models.py 33 -> 26,
   test_nnx.py 58 -> 48, test_quality.py 28 -> 22.
@@ -23,7 +24,7 @@ the subprocesses the tests start (which inherit the variable).
   56 -> 36 s wall (77 -> 40 s CPU, two runs each, interleaved). A decode program on the
   tests' models compiles 1.5-2x faster (AR 1.45 -> 0.9 s, multi_block approx 2.7 -> 1.3 s).
   The MLIR emitters spend that time whatever the LLVM level; at XLA's default level the
-  two compile alike (benchmarks/RESULTS.md, "The test suite's time on 2 cores").
+  two compile alike (benchmarks/RESULTS.md, "XLA:CPU's fusion emitters off").
 tests/test_xla_cpu_codegen.py decodes every paradigm under XLA's default CPU flags
 (what users run) and under these, and checks that the tokens agree.
 """

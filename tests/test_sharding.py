@@ -24,10 +24,6 @@ from tests.scripts import subprocess_env
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _env(devices: int) -> dict:
-    return subprocess_env(devices)
-
-
 def _json_lines(text: str) -> list[dict]:
     return [json.loads(line) for line in text.splitlines() if line.startswith("{")]
 
@@ -37,7 +33,7 @@ def equality_run():
     """tests/sharding_cases.py started once, in the background, when the module's first test starts:
     it compiles on one core while the other tests of this module use the other (CI has two)."""
     proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "tests", "sharding_cases.py"), "quick"],
-                            env=_env(8), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            env=subprocess_env(8), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     yield proc
     proc.kill()
     proc.communicate()
@@ -73,7 +69,7 @@ def test_two_processes_give_the_same_tokens_as_one(source, tmp_path):
     args = [sys.executable, os.path.join(ROOT, "examples", "multihost.py"), "--model", model_dir,
             "--coordinator", f"localhost:{port}", "--num-processes", "2", "--mesh", "data=2,model=2",
             "--max-new-tokens", "8", "--ignore-eos", "--json"]
-    procs = [subprocess.Popen(args + ["--process-id", str(i)], env=_env(2), stdout=subprocess.PIPE,
+    procs = [subprocess.Popen(args + ["--process-id", str(i)], env=subprocess_env(2), stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for i in range(2)]
     try:
         outs = [p.communicate(timeout=300) for p in procs]
@@ -116,7 +112,7 @@ def test_mesh_and_rules_errors():
 def test_cli_mesh_option_refuses_a_bad_mesh(command):
     res = subprocess.run([sys.executable, "-m", "jdllm.cli", command[0], os.path.join(ROOT, "models", "tiny-ar"),
                           "--mesh", "data=2,model=4", *command[1:]], capture_output=True, text=True,
-                         cwd=ROOT, env=_env(1), timeout=300)
+                         cwd=ROOT, env=subprocess_env(1), timeout=300)
     assert res.returncode == 2, res.stderr
     assert "Traceback" not in res.stderr and "needs 8 devices but 1" in res.stderr, res.stderr
 
