@@ -168,8 +168,57 @@ def load_tokenizer(path: str):
         return _load_tokenizer(transformers, path, verbosity)
 
 
+# The model types of jdllm's diffusion families: transformers registers no tokenizer for them
+# (tests/test_tokenizer_loading.py checks its table), so AutoTokenizer's per-model-type corrections never
+# apply and it loads the class their tokenizer_config.json names. Loading that class directly
+# skips AutoTokenizer's config.json read, which imports torch wherever torch is installed (1.7 s).
+_UNREGISTERED_MODEL_TYPES = frozenset({"sdar", "llada", "Dream", "Fast_dLLM_Qwen"})
+
+
+def _read_json_dict(file: str) -> dict:
+    try:
+        with open(file) as f:
+            d = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    return d if isinstance(d, dict) else {}
+
+
+def declared_tokenizer_class(transformers, path: str):
+    """The tokenizers-backed class `path`'s tokenizer_config.json names, where AutoTokenizer would
+    load exactly that class; None where AutoTokenizer has to decide.
+
+    It decides for a model type transformers knows (its corrections of hub configs are per model
+    type), for custom code (`auto_map`), for no named class, and for a LlamaTokenizer (which it may
+    swap for the generic class by what tokenizer.json holds). The model type comes from config.json,
+    or hf_config.json in a jdllm checkpoint. The `...Fast` class is preferred, as AutoTokenizer's
+    `use_fast=True` does in transformers 4 (in 5 the two names are one class).
+    """
+    tok_cfg = _read_json_dict(os.path.join(path, "tokenizer_config.json"))
+    name = tok_cfg.get("tokenizer_class")
+    if not isinstance(name, str) or not name.isidentifier() or "auto_map" in tok_cfg \
+            or name.removesuffix("Fast") == "LlamaTokenizer":
+        return None
+    model_cfg = (_read_json_dict(os.path.join(path, CONFIG_FILE))
+                 or _read_json_dict(os.path.join(path, HF_CONFIG_COPY)))
+    auto_map = model_cfg.get("auto_map")
+    if model_cfg.get("model_type") not in _UNREGISTERED_MODEL_TYPES \
+            or (isinstance(auto_map, dict) and "AutoTokenizer" in auto_map):
+        return None
+    cls = None if name.endswith("Fast") else getattr(transformers, name + "Fast", None)
+    cls = cls or getattr(transformers, name, None)
+    fast = transformers.PreTrainedTokenizerFast
+    return cls if isinstance(cls, type) and issubclass(cls, fast) else None
+
+
 def _load_tokenizer(transformers, path: str, verbosity: int):
     try:
+        cls = declared_tokenizer_class(transformers, path)
+        if cls is not None:
+            try:
+                return cls.from_pretrained(path, local_files_only=True)
+            except Exception:  # noqa: BLE001 (AutoTokenizer below says what is wrong, or copes)
+                pass
         try:
             # trust_remote_code=False: never run (or prompt for) a model's custom code.
             return transformers.AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=False)
