@@ -139,7 +139,13 @@ def test_autotokenizer_decides_elsewhere(tmp_path, case):
         os.remove(os.path.join(d, "config.json"))
     assert checkpoint.declared_tokenizer_class(transformers, d) is None
     if case in ("registered_model_type", "unknown_class", "no_class"):
-        _same(checkpoint.load_tokenizer(d), _auto(d))  # the AutoTokenizer path still loads it
+        # the AutoTokenizer path still loads it: AutoTokenizer's choice, or where AutoTokenizer
+        # fails (transformers 4 knows no "sdar" config), load_tokenizer's generic fallback
+        try:
+            ref = _auto(d)
+        except (ValueError, KeyError, OSError):
+            ref = transformers.PreTrainedTokenizerFast.from_pretrained(d, local_files_only=True)
+        _same(checkpoint.load_tokenizer(d), ref)
 
 
 def test_direct_path_does_not_import_torch():
