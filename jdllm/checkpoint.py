@@ -176,6 +176,7 @@ _UNREGISTERED_MODEL_TYPES = frozenset({"sdar", "llada", "Dream", "Fast_dLLM_Qwen
 
 
 def _read_json_dict(file: str) -> dict:
+    """The JSON object in `file`; {} where it is missing, unreadable or not an object."""
     try:
         with open(file) as f:
             d = json.load(f)
@@ -604,11 +605,7 @@ def _load_hf_params(path: str, cfg: ModelConfig, dtype, placement, check_finite:
 def check_not_prequantized(path: str, quantize) -> None:
     """A Hugging Face directory already quantized (config.json's `quantization_config`: GPTQ, AWQ,
     fp8, ...) is not read by jdllm, and quantizing it again would compound the error."""
-    try:
-        with open(os.path.join(path, CONFIG_FILE)) as f:
-            qcfg = json.load(f).get("quantization_config")
-    except (OSError, ValueError, AttributeError):
-        return
+    qcfg = _read_json_dict(os.path.join(path, CONFIG_FILE)).get("quantization_config")
     if qcfg:
         method = qcfg.get("quant_method", "?") if isinstance(qcfg, dict) else qcfg
         raise errors.QuantizationError(
