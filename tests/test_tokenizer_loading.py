@@ -75,18 +75,22 @@ def test_shipped_models_load_what_autotokenizer_loads(name):
     _same(checkpoint.load_tokenizer(path), _auto(path))
 
 
-def _hf_dir(tmp_path, model_type, tokenizer_class, chat_template=True, **extra):
+def _hf_dir(tmp_path, model_type, tokenizer_class, config_extra=None, **tokenizer_extra):
+    """A fixture tokenizer with a chat template, `tokenizer_class` named (None: no name) and a
+    config.json of `model_type` plus `config_extra` (model_type None: no config.json)."""
     d = str(tmp_path / f"{model_type}-{tokenizer_class}")
     fx.build_tokenizer(d, 128)
-    with open(os.path.join(d, "config.json"), "w") as f:
-        json.dump({"model_type": model_type, "vocab_size": 128}, f)
+    if model_type is not None:
+        with open(os.path.join(d, "config.json"), "w") as f:
+            json.dump({"model_type": model_type, "vocab_size": 128, **(config_extra or {})}, f)
     with open(os.path.join(d, "tokenizer_config.json")) as f:
         tok_cfg = json.load(f)
-    tok_cfg["tokenizer_class"] = tokenizer_class
-    if chat_template:
-        tok_cfg["chat_template"] = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{% endfor %}"
-                                    "{% if add_generation_prompt %}<|assistant|>{% endif %}")
-    tok_cfg.update(extra)
+    tok_cfg.pop("tokenizer_class", None)
+    if tokenizer_class is not None:
+        tok_cfg["tokenizer_class"] = tokenizer_class
+    tok_cfg["chat_template"] = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{% endfor %}"
+                                "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+    tok_cfg.update(tokenizer_extra)
     with open(os.path.join(d, "tokenizer_config.json"), "w") as f:
         json.dump(tok_cfg, f)
     return d
@@ -113,30 +117,21 @@ def test_jdllm_checkpoint_dir_reads_hf_config_copy(tmp_path):
     _same(checkpoint.load_tokenizer(dst), _auto(src))
 
 
-@pytest.mark.parametrize("case", ["registered_model_type", "auto_map", "config_auto_map", "llama",
-                                  "unknown_class", "no_class", "no_config"])
+# how each case differs from an sdar directory naming Qwen2Tokenizer (which the direct path loads)
+ELSEWHERE = {
+    "registered_model_type": dict(model_type="qwen3"),
+    "auto_map": dict(auto_map={"AutoTokenizer": ["tokenization_x.XTokenizer", None]}),
+    "config_auto_map": dict(config_extra={"auto_map": {"AutoTokenizer": "x.Y"}}),
+    "llama": dict(tokenizer_class="LlamaTokenizerFast"),
+    "unknown_class": dict(tokenizer_class="NoSuchTokenizer"),
+    "no_class": dict(tokenizer_class=None),
+    "no_config": dict(model_type=None),
+}
+
+
+@pytest.mark.parametrize("case", list(ELSEWHERE))
 def test_autotokenizer_decides_elsewhere(tmp_path, case):
-    model_type, cls, extra = "sdar", "Qwen2Tokenizer", {}
-    if case == "registered_model_type":
-        model_type = "qwen3"
-    elif case == "auto_map":
-        extra = {"auto_map": {"AutoTokenizer": ["tokenization_x.XTokenizer", None]}}
-    elif case == "llama":
-        cls = "LlamaTokenizerFast"
-    elif case == "unknown_class":
-        cls = "NoSuchTokenizer"
-    d = _hf_dir(tmp_path, model_type, cls, **extra)
-    if case == "config_auto_map":
-        with open(os.path.join(d, "config.json"), "w") as f:
-            json.dump({"model_type": "sdar", "auto_map": {"AutoTokenizer": "x.Y"}}, f)
-    elif case == "no_class":
-        with open(os.path.join(d, "tokenizer_config.json")) as f:
-            tok_cfg = json.load(f)
-        del tok_cfg["tokenizer_class"]
-        with open(os.path.join(d, "tokenizer_config.json"), "w") as f:
-            json.dump(tok_cfg, f)
-    elif case == "no_config":
-        os.remove(os.path.join(d, "config.json"))
+    d = _hf_dir(tmp_path, **{"model_type": "sdar", "tokenizer_class": "Qwen2Tokenizer", **ELSEWHERE[case]})
     assert checkpoint.declared_tokenizer_class(transformers, d) is None
     if case in ("registered_model_type", "unknown_class", "no_class"):
         # the AutoTokenizer path still loads it: AutoTokenizer's choice, or where AutoTokenizer
@@ -149,7 +144,7 @@ def test_autotokenizer_decides_elsewhere(tmp_path, case):
 
 
 def test_direct_path_does_not_import_torch():
-    """The point of the direct path: `jdllm generate` on a diffusion model starts 1.5 s sooner."""
+    """The point of the direct path: `jdllm generate` on a diffusion model starts 1.8 s sooner."""
     pytest.importorskip("torch")
     code = ("import sys; from jdllm.checkpoint import load_tokenizer; "
             f"t = load_tokenizer({os.path.join(MODELS, 'tiny-sdar')!r}); "

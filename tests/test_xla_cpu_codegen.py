@@ -29,6 +29,7 @@ from tests.quick import slow  # noqa: E402
 from tests.scripts import load_script, subprocess_env  # noqa: E402
 
 MODELS = os.path.join(ROOT, "models")
+RANDOM = "random:"  # a shipped model's config and tokenizer, random weights (init std 0.02: flat distributions)
 
 
 def cases():
@@ -53,9 +54,6 @@ def cases():
                                                                  cache_mode="dual"), [greedy] * 3),
         "multi_block_approx": ("tiny-llada", jdllm.MultiBlock(block_size=4, cache_mode="approx"), [greedy] * 3),
     }
-
-
-RANDOM = "random:"  # a shipped model's config and tokenizer, random weights (init std 0.02: flat distributions)
 
 
 def load(directory: str) -> jdllm.Model:

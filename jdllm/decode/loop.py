@@ -175,8 +175,9 @@ def compiler_options(**options):
     On the CPU, xla_cpu_use_fusion_emitters=False beside that level shortens the compile again
     (jaxlib 0.10.2: multi_block's program 2.3 -> 1.5 s on the tests' 2-layer model, AR's first call
     on a 4-layer hidden-128 model 2.6 -> 1.5 s, the same tokens; benchmarks/RESULTS.md, "XLA:CPU's
-    fusion emitters off"); at XLA's default level it changes little. Unlike XLA_FLAGS they apply per compile, to jdllm's own programs only (`generate`, the
-    constrained paths, a serving engine built inside the block), and nest (inner values win).
+    fusion emitters off"); at XLA's default level it changes little. Unlike XLA_FLAGS they apply
+    per compile, to jdllm's own programs only (`generate`, the constrained paths, a serving engine
+    built inside the block), and nest (inner values win).
     On a GPU, e.g. xla_gpu_autotune_level=0 skips GEMM autotuning (a shorter first call)."""
     token = _OPTIONS.set(tuple(sorted({**dict(_OPTIONS.get()), **options}.items())))
     try:
