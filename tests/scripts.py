@@ -27,7 +27,7 @@ def subprocess_env(devices: int | None = None, **extra: str) -> dict:
     PYTHONPATH; `devices` fake CPU devices (--xla_force_host_platform_device_count added to
     XLA_FLAGS); then `extra`."""
     env = dict(os.environ, JAX_PLATFORMS="cpu")
-    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, env.get("PYTHONPATH")) if p)
     if devices is not None:
         env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={devices}").strip()
     env.update(extra)

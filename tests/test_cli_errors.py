@@ -17,10 +17,11 @@ import time
 import pytest
 
 from tests.quick import slow, slow_except
+from tests.scripts import subprocess_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY_AR, TINY_SDAR, TINY_LLADA = (os.path.join(ROOT, "models", n) for n in ("tiny-ar", "tiny-sdar", "tiny-llada"))
-ENV = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": ROOT}
+ENV = subprocess_env()
 
 
 def jdllm(*args, env=None, timeout=300):

@@ -22,6 +22,7 @@ import pytest
 
 from jdllm import compile_cache, errors
 from tests.quick import slow
+from tests.scripts import subprocess_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY_AR = os.path.join(ROOT, "models", "tiny-ar")
@@ -49,8 +50,7 @@ class Child:
     XDG_CACHE_HOME point into `tmp`, so nothing reaches the user's cache."""
 
     def __init__(self, tmp, model_dir, **env):
-        full = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": ROOT, "HOME": str(tmp / "home"),
-                "XDG_CACHE_HOME": str(tmp / "xdg")}
+        full = subprocess_env(HOME=str(tmp / "home"), XDG_CACHE_HOME=str(tmp / "xdg"))
         for k in ("JDLLM_CACHE_DIR", "JAX_COMPILATION_CACHE_DIR"):
             full.pop(k, None)
         full.update({k: str(v) for k, v in env.items() if v is not None})
@@ -207,7 +207,7 @@ def test_unwritable_dir_one_warning_and_the_right_outputs(runs, reference):
 def test_cli_names_a_file_cache_dir_and_exits_2(tmp_path):
     f = tmp_path / "cache-file"
     f.write_text("x")
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": ROOT, "JDLLM_CACHE_DIR": str(f)}
+    env = subprocess_env(JDLLM_CACHE_DIR=str(f))
     res = subprocess.run([sys.executable, "-m", "jdllm.cli", "generate", TINY_AR, "--prompt-ids", "5,6"],
                          capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
     assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr

@@ -14,6 +14,7 @@ import jdllm
 from jdllm import compile_progress
 from jdllm.config import ModelConfig
 from tests.quick import slow
+from tests.scripts import subprocess_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY_SDAR = os.path.join(ROOT, "models", "tiny-sdar")
@@ -22,7 +23,7 @@ TINY_SDAR = os.path.join(ROOT, "models", "tiny-sdar")
 def cli_generate(env):
     return subprocess.run([sys.executable, "-m", "jdllm.cli", "generate", TINY_SDAR, "--prompt-ids", "5,6,7",
                            "--max-new-tokens", "8"], capture_output=True, text=True, cwd=ROOT, timeout=300,
-                          env={**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": ROOT, **env})
+                          env=subprocess_env(**env))
 
 
 @slow

@@ -28,6 +28,7 @@ from jdllm.cli import main as jdllm_main
 from jdllm.config import ModelConfig
 from jdllm.model import init_params, layer_layout, stack_layers
 from tests.quick import slow
+from tests.scripts import subprocess_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -340,7 +341,7 @@ def test_jdllm_cli_convert(tmp_path, capsys):
 def test_python_m_convert(tmp_path):
     hf_dir, _ = fx.build_transformers_model("llama", str(tmp_path / "hf"), seed=1)
     out = str(tmp_path / "out")
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
+    env = subprocess_env()
     ok = subprocess.run([sys.executable, "-m", "convert", hf_dir, out, "--dtype", "float32"],
                         capture_output=True, text=True, env=env, cwd=str(tmp_path), timeout=300)
     assert ok.returncode == 0, ok.stderr
@@ -533,7 +534,7 @@ def test_killed_conversion_leaves_nothing(signum, tmp_path):
     hf_dir, _ = fx.build_transformers_model("qwen2", str(tmp_path / "hf"), seed=1)
     before = _digest(hf_dir)
     out = str(tmp_path / "out")
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
+    env = subprocess_env()
     proc = subprocess.Popen([sys.executable, "-c", _SLOW_CONVERT, hf_dir, out, "--dtype", "float32", "--quantize",
                              "int8", "--quiet"], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

@@ -19,6 +19,7 @@ import subprocess
 import sys
 
 from jdllm.inputs import to_device
+from tests.scripts import subprocess_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CHILD = r"""
@@ -53,7 +54,7 @@ print(json.dumps(names))
 
 
 def test_a_first_load_and_generate_compile_no_program_per_host_array():
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": ROOT, "JDLLM_CACHE_DIR": "off"}
+    env = subprocess_env(JDLLM_CACHE_DIR="off")
     out = subprocess.run([sys.executable, "-c", CHILD, os.path.join(ROOT, "models")], env=env, cwd=ROOT,
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
