@@ -17,6 +17,7 @@
 #   JDLLM_INT8_V_WORDS=1, JDLLM_QMATMUL_WORDS=1 (int8 tiles read as 32-bit words: no byte loads in the PTX)
 # A variant that wins becomes the default; one that loses is written down in RESULTS.md and left off.
 set -u
+case ${CALL:-1} in 1|2|3) ;; *) echo "CALL must be 1, 2 or 3" >&2; exit 2 ;; esac
 export PYTHONPATH=$PWD JAX_PLATFORMS=cuda PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 out=${OUT:-benchmarks/out}
 L=$out/logs
@@ -33,9 +34,12 @@ step() {  # step NAME SECONDS COMMAND...: the command under timeout, its log, on
   grep -E "ms/fwd|ms/token \||window|^\| |skipped|Error|passed|failed|^rc" "$L/$name.txt" | cut -c1-220 | tail -30
 }
 
+# every call records its machine (a lease may run only CALL=2 or 3): device, driver / CUDA, jax / jaxlib
+{ echo "CALL=${CALL:-1}"; date -u; git rev-parse HEAD 2>/dev/null; nvidia-smi
+  python3 -c "import jax, jaxlib; print(jax.__version__, jaxlib.__version__, jax.devices())"; } > "$L/device.txt" 2>&1
+
 case ${CALL:-1} in
 1)
-  { date -u; git rev-parse HEAD 2>/dev/null; nvidia-smi; python3 -c "import jax, jaxlib; print(jax.__version__, jaxlib.__version__, jax.devices())"; } > "$L/device.txt" 2>&1
   # ~35 s of weights and probe, then ~25-30 s per case and variant (8 children)
   step kernels 380 python3 benchmarks/gpu.py --quick --no-hf --cold-cases --only ar_b1 bd_static_b1 --budget 320 \
     --out "$out/gpu.json" --xla-flags-variants "" "JDLLM_NORM_INTO_MATMUL=0" "--xla_gpu_experimental_force_split_k=1" \
@@ -68,10 +72,6 @@ case ${CALL:-1} in
   # the cold process's peak (issue 27: 18.0 GiB against 17.1; XLA's GEMM autotuner at compile time)
   step peak 200 python3 benchmarks/gpu.py --quick --no-hf --only ar_b1 --case-per-process --budget 150 --out "$out/gpu.json" \
     --xla-flags-variants "" "--xla_gpu_autotune_level=2" "--xla_gpu_redzone_scratch_max_megabytes=512"
-  ;;
-*)
-  echo "CALL must be 1, 2 or 3" >&2
-  exit 2
   ;;
 esac
 echo "# call ${CALL:-1} took $(( $(date +%s) - T0 ))s"

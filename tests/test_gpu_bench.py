@@ -386,3 +386,18 @@ def test_next_lease_commands_parse():
         parsers[m.group(1)](argv)  # argparse's errors exit: SystemExit fails the test
         seen.append(m.group(1))
     assert sorted(set(seen)) == ["attention", "gpu", "qmatmul"] and len(seen) >= 9
+
+
+def test_next_lease_refuses_an_unknown_call_before_it_writes(tmp_path):
+    """`CALL=4` exits 2 before it records the machine or makes its log folder (on a lent GPU that
+    record costs seconds of device time); every real call starts by writing `logs/device.txt`."""
+    import subprocess  # noqa: PLC0415
+
+    script = os.path.join(ROOT, "benchmarks", "next_lease.sh")
+    bad = subprocess.run(["bash", script], env={**os.environ, "CALL": "4", "OUT": str(tmp_path / "out")},
+                         capture_output=True, text=True, cwd=ROOT)
+    assert bad.returncode == 2 and "CALL must be 1, 2 or 3" in bad.stderr
+    assert not (tmp_path / "out").exists()
+    with open(script) as f:
+        text = f.read()
+    assert text.index('> "$L/device.txt"') < text.index("case ${CALL:-1} in\n1)")
