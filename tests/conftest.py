@@ -22,6 +22,8 @@ import os
 import shutil
 import tempfile
 
+import pytest
+
 _KEEP = os.environ.get("JDLLM_TEST_CACHE_DIR")
 _CACHE = _KEEP or tempfile.mkdtemp(prefix="jdllm-test-xla-cache-")
 os.environ["JDLLM_CACHE_DIR"] = _CACHE
@@ -30,3 +32,14 @@ os.environ["JDLLM_CACHE_DIR"] = _CACHE
 def pytest_sessionfinish(session, exitstatus):
     if not _KEEP:
         shutil.rmtree(_CACHE, ignore_errors=True)
+
+
+@pytest.fixture
+def fast_compile():
+    """jdllm's compiles in this test with FAST_COMPILE (`jdllm.compiler_options`): a test or module
+    asks for it by name (`pytest.mark.usefixtures("fast_compile")`), nothing to import."""
+    import jdllm  # noqa: PLC0415 (jdllm after JDLLM_CACHE_DIR is set above)
+    from tests.decode_fixtures import FAST_COMPILE  # noqa: PLC0415
+
+    with jdllm.compiler_options(**dict(FAST_COMPILE)):
+        yield

@@ -11,7 +11,6 @@ import functools
 
 import jax
 import numpy as np
-import pytest
 
 from jdllm.config import ModelConfig
 from jdllm.loading import Model
@@ -20,16 +19,7 @@ from jdllm.model import init_params
 VOCAB = 96
 # the tests compile many small decode loops on a shared 2-core CPU: LLVM opt level 0
 # halves XLA compile time (same HLO, same float semantics), and the runs are tiny
-FAST_COMPILE = (("xla_backend_optimization_level", 0),)
-
-
-@pytest.fixture
-def fast_compile():
-    """jdllm's compiles in this test with FAST_COMPILE (`jdllm.compiler_options`)."""
-    import jdllm  # noqa: PLC0415
-
-    with jdllm.compiler_options(**dict(FAST_COMPILE)):
-        yield
+FAST_COMPILE = (("xla_backend_optimization_level", 0),)  # the `fast_compile` fixture (tests/conftest.py)
 
 MASK = VOCAB - 1
 

@@ -22,7 +22,7 @@ from jdllm import constraints
 from jdllm.constraints import dfa, dfa_compile, dfa_device
 from jdllm.errors import ConstraintError
 from compiles import traces
-from decode_fixtures import FAST_COMPILE, fast_compile  # noqa: F401  (fixture)
+from decode_fixtures import FAST_COMPILE
 from reference_decoders import _distribution, full_logits
 from tests.quick import slow
 

@@ -22,7 +22,7 @@ from jdllm.errors import ConstraintError
 from jdllm.loading import Model
 from jdllm.model import init_params
 from tests.compiles import traces
-from tests.decode_fixtures import FAST_COMPILE, fast_compile  # noqa: F401
+from tests.decode_fixtures import FAST_COMPILE
 from tests.quick import slow, slow_except
 
 lark = pytest.importorskip("lark")  # in the [test] extra: never skipped in CI

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import jdllm
-from tests.decode_fixtures import assert_matches_reference, causal_model, fast_compile  # noqa: F401 (fast_compile: fixture)
+from tests.decode_fixtures import assert_matches_reference, causal_model
 from tests.quick import slow
 from tests.reference_decoders import ar_reference
 

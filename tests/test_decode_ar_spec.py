@@ -20,7 +20,7 @@ from jdllm.loading import Model
 from jdllm.model import init_params
 from jdllm.sampling import filter_logits
 from tests.compiles import traces
-from tests.decode_fixtures import FAST_COMPILE, block_model, causal_model, fast_compile  # noqa: F401
+from tests.decode_fixtures import FAST_COMPILE, block_model, causal_model
 from tests.quick import slow, slow_except
 from tests.reference_decoders import full_logits
 

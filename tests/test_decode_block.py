@@ -10,7 +10,7 @@ import pytest
 
 import jdllm
 from jdllm.decode.block_diffusion import STRATEGIES
-from tests.decode_fixtures import MASK, assert_matches_reference, block_model, fast_compile  # noqa: F401 (fast_compile: fixture)
+from tests.decode_fixtures import MASK, assert_matches_reference, block_model
 from tests.quick import slow, slow_except
 from tests.reference_decoders import block_diffusion_reference
 

@@ -17,7 +17,7 @@ from jdllm.loading import Model
 from jdllm.model import init_params
 from jdllm.sampling import row_keys
 from tests.compiles import traces
-from tests.decode_fixtures import assert_matches_reference, fast_compile  # noqa: F401 (fixture)
+from tests.decode_fixtures import assert_matches_reference
 from tests.quick import slow
 from tests.reference_masked_diffusion import llada_gumbel_argmax, masked_diffusion_reference, num_transfer_tokens
 

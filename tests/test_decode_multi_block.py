@@ -18,7 +18,6 @@ from jdllm.loading import Model
 from jdllm.model import init_params
 from tests.compiles import traces
 from tests.decode_fixtures import MASK, VOCAB, assert_matches_reference, block_model
-from tests.decode_fixtures import fast_compile  # noqa: F401 (fixture)
 from tests.quick import slow, slow_except
 from tests.reference_multi_block import STATE_CODE, multi_block_reference, states_during
 

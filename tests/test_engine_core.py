@@ -18,7 +18,7 @@ from jdllm.model import KVCache, default_positions, forward
 from pallas_kernels import attention_reference, visible_mask
 from pallas_kernels.flash import attention as flash_attention
 from tests.compiles import traces
-from tests.decode_fixtures import FAST_COMPILE, block_model, causal_model, fast_compile  # noqa: F401
+from tests.decode_fixtures import FAST_COMPILE, block_model, causal_model
 from tests.quick import slow, slow_except
 from tests.test_decode_masked import bidir_model
 

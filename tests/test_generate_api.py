@@ -12,7 +12,7 @@ from jdllm import cli, errors
 from jdllm.api import outputs, prepare
 from jdllm.decode.loop import run as decode
 from tests.compiles import traces
-from tests.decode_fixtures import block_model, causal_model, fast_compile  # noqa: F401 (fixture)
+from tests.decode_fixtures import block_model, causal_model
 from tests.quick import slow
 
 pytestmark = pytest.mark.usefixtures("fast_compile")

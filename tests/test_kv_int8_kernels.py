@@ -23,7 +23,6 @@ from jdllm.config import ModelConfig
 from jdllm.loading import Model
 from jdllm.model import init_params
 from tests.decode_fixtures import MASK, VOCAB, block_model, causal_model
-from tests.decode_fixtures import fast_compile  # noqa: F401 (fixture)
 from tests.quick import slow, slow_except
 
 pytestmark = pytest.mark.usefixtures("fast_compile")

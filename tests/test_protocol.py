@@ -17,7 +17,7 @@ from jdllm import constraints, rl
 from jdllm.decode import protocol
 from jdllm.decode.protocol import Paradigm
 from jdllm.serve.engine import Engine
-from tests.decode_fixtures import FAST_COMPILE, causal_model, fast_compile  # noqa: F401
+from tests.decode_fixtures import FAST_COMPILE, causal_model
 
 _AR = jdllm.AR()
 

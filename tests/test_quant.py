@@ -20,7 +20,6 @@ import pytest
 import jdllm
 from jdllm import errors, quant
 from jdllm.model import QUANT_MATMUL_ENV, default_positions, forward, mm, quant_matmul_kernel
-from tests.decode_fixtures import fast_compile  # noqa: F401 (fixture)
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 MODELS = os.path.join(ROOT, "models")

@@ -12,7 +12,7 @@ from jdllm import errors
 from jdllm.decode import loop
 from jdllm.sampling import (apply_token_bitmask, argmax, row_keys, sample, sample_rows, split_rows,
                             unpack_bitmask)
-from tests.decode_fixtures import FAST_COMPILE, fast_compile  # noqa: F401 (fast_compile: fixture)
+from tests.decode_fixtures import FAST_COMPILE
 from tests.quick import slow
 
 pytestmark = pytest.mark.usefixtures("fast_compile")

@@ -14,7 +14,7 @@ import jdllm
 from jdllm import errors
 from jdllm.serve import engine as E
 from tests.compiles import traces
-from tests.decode_fixtures import FAST_COMPILE, block_model, causal_model, fast_compile  # noqa: F401
+from tests.decode_fixtures import FAST_COMPILE, block_model, causal_model
 from tests.quick import slow, slow_except
 
 pytestmark = pytest.mark.usefixtures("fast_compile")

@@ -19,7 +19,7 @@ import pytest
 import jdllm
 from jdllm.serve.engine import Engine
 from jdllm.serve.server import create_app
-from tests.decode_fixtures import FAST_COMPILE, fast_compile  # noqa: F401
+from tests.decode_fixtures import FAST_COMPILE
 from tests.quick import slow
 
 uvicorn = pytest.importorskip("uvicorn")
