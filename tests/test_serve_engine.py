@@ -269,6 +269,17 @@ def test_the_choices_of_one_request_are_queued_all_or_none():
     assert not seen, dict(seen)
     eng.run_until_idle()
     assert all(r.status == "done" for r in reqs) and eng.aborted == 0
+    # one prompt per setting (an API request's batch of prompts): each request keeps its own, and a
+    # batch with one bad prompt queues none of them
+    batch = eng.submit_many([[1, 2], [3, 4, 5]], s[:2])
+    assert [r.prompt_ids for r in batch] == [[1, 2], [3, 4, 5]]
+    with pytest.raises(errors.SequenceTooLongError, match="9 tokens"):
+        eng.submit_many([[1, 2], list(range(1, 10))], s[:2])
+    with pytest.raises(errors.ArgumentTypeError, match="2 prompts for 3 samplings"):
+        eng.submit_many([[1, 2], [3]], s[:3])
+    assert eng.stats()["tracked"] == 2
+    eng.run_until_idle()
+    assert all(r.status == "done" for r in batch)
 
 
 @slow

@@ -459,6 +459,51 @@ def test_n_is_checked_against_what_the_server_can_hold(server):
         engine.max_queue = 64
 
 
+@slow
+@pytest.mark.usefixtures("fast_compile")
+def test_a_batch_of_prompts_equals_one_request_per_prompt(server):
+    """`prompt` as a list (texts and token-id lists; the `openai` client's batch, what lm-eval-harness
+    sends): choice p * n + j is prompt p's j-th, equal to generate() on that prompt alone with seed +
+    j, streamed or not; usage counts each prompt once; one bad prompt is a 400 naming its index and
+    queues nothing; n x prompts beyond what the server holds is a 400 naming n."""
+    url, engine, model = server
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)
+    ids = model.tokenizer.encode("rev:abc=", add_special_tokens=False)
+    prompts, hot = ["sort:3 1 2=", "hello", list(ids)], dict(temperature=0.9, top_k=0, stop_token_ids=(),
+                                                                  max_new_tokens=8)
+    want = [[jdllm.generate(model, [p], sampling=jdllm.Sampling(seed=5 + j, **hot))[0] for j in range(2)]
+            for p in prompts]
+    kw = dict(model=NAME, prompt=prompts, n=2, max_tokens=8, temperature=0.9, seed=5,
+              extra_body={"jdllm": {"stop_token_ids": []}})
+    res = client.completions.create(**kw)
+    assert [c.index for c in res.choices] == list(range(6))
+    for c in res.choices:
+        w = want[c.index // 2][c.index % 2]
+        assert (c.text, c.model_extra["jdllm"]["token_ids"], c.finish_reason) == (w.text, w.token_ids, "length")
+    assert len({tuple(c.model_extra["jdllm"]["token_ids"]) for c in res.choices[2:4]}) > 1  # "hello": sampled apart
+    lengths = [len(model.tokenizer.encode(p, add_special_tokens=False)) if isinstance(p, str) else len(p)
+               for p in prompts]
+    assert (res.usage.prompt_tokens, res.usage.completion_tokens) == (sum(lengths), 6 * 8)
+    streamed = {}
+    for ch in client.completions.create(**kw, stream=True):
+        for c in ch.choices:
+            streamed[c.index] = streamed.get(c.index, "") + c.text
+    assert streamed == {i: want[i // 2][i % 2].text for i in range(6)}
+
+    post = lambda prompt, **kw: httpx.post(f"{url}/v1/completions", timeout=60,  # noqa: E731
+                                           json={"model": NAME, "prompt": prompt, "max_tokens": 4, **kw})
+    before = httpx.get(f"{url}/health").json()
+    assert _err(post([]), 400, "non-empty list")["param"] == "prompt"
+    assert _err(post(["a", ""]), 400, "prompt[1]: the prompt is empty")["param"] == "prompt[1]"
+    assert _err(post([[5], [[6]]]), 400, "prompt[1]: prompt must be")["param"] == "prompt[1]"
+    assert _err(post(["a", [10**6]]), 400, "prompt[1]: token id 1000000")["param"] == "prompt[1]"
+    assert _err(post(["a", "1" * 45], max_tokens=24), 400, "prompt[1]: ")["param"] == "prompt[1]"
+    e = _err(post(["a"] * 5, n=16), 400, "n=16 choices for each of 5 prompts")
+    assert e["param"] == "n" and "max_batch=4" in e["message"]
+    h = httpx.get(f"{url}/health").json()
+    assert (h["waiting"], h["tracked"], h["aborted"]) == (0, 0, before["aborted"])
+
+
 def test_stop_string_cuts_text_tokens_logprobs_and_offsets_together():
     """After a stop string, a choice's text, token ids, log-probs, token strings and text offsets agree:
     tokens wholly inside the stop string are dropped, a token that straddles its start is kept with its

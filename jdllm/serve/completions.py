@@ -1,8 +1,9 @@
 """/v1/completions and /v1/chat/completions: one request's choices through the engine, answered
 whole or streamed as server-sent events.
 
-A request with `n` choices submits `n` engine requests together, all or none (choice i samples
-with `seed + i`); their events come back on the engine's thread and are handed to the event loop
+A request with `n` choices of each of its prompts (a completion's `prompt` may be a batch)
+submits `n` engine requests per prompt together, all or none (choice p * n + j is prompt p's j-th
+and samples with `seed + j`); their events come back on the engine's thread and are handed to the event loop
 through a queue. `Choice` turns a choice's events into text (detokenized incrementally, cut
 before a `stop` string, whose row is then aborted and freed at the next round), keeping its
 tokens, log-probs and step map in step with the text; `Completion` runs the request and shapes
@@ -127,26 +128,40 @@ class Completion:
 
     def __init__(self, srv: Server, request, body: dict, sampling: Sampling, step_map: bool, chat: bool):
         self.srv, self.request, self.chat = srv, request, chat
-        self.ids: list[int] = []  # the prompt's, set by `respond`
+        self.prompts: list[list[int]] = []  # the prompts' ids (a completion's batch; a chat's one), set by `start`
         self.sampling, self.step_map = sampling, step_map
         self.stream, self.include_usage = stream_settings(body)
         self.loop = asyncio.get_running_loop()
         self.queue: asyncio.Queue = asyncio.Queue()
-        n = number(body, "n", 1, int, 1, MAX_N)
-        srv.check_n(n)
-        stops, self.want_lp, self.constraint = stop_strings(body), wants_logprobs(body, chat), srv.constraint(body)
-        self.choices = [Choice(i, srv, stops) for i in range(n)]
+        self.n = number(body, "n", 1, int, 1, MAX_N)
+        srv.check_n(self.n)
+        self.stops, self.want_lp, self.constraint = stop_strings(body), wants_logprobs(body, chat), srv.constraint(body)
+        self.choices: list[Choice] = []  # n per prompt, prompt-major (OpenAI's index), made by `start`
+        self.settings: list[Sampling] = []
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         self.created = 0
 
+    def start(self, prompts: list[list[int]], samplings: list[Sampling]) -> None:
+        """The choices of `prompts` (each with its own `Sampling`): choice p * n + j is prompt p's j-th,
+        sampling with seed + j, so a batch's choices equal those of one request per prompt (greedy
+        choices of one prompt are all the same)."""
+        self.srv.check_n(self.n, len(prompts))
+        self.prompts = prompts
+        self.choices = [Choice(p * self.n + j, self.srv, self.stops) for p in range(len(prompts)) for j in range(self.n)]
+        self.settings = [s if j == 0 else dataclasses.replace(s, seed=(s.seed + j) % 2**32)
+                         for s in samplings for j in range(self.n)]
+
     async def submit(self) -> None:
-        """One engine request per choice (choice i samples with seed + i: greedy choices are all the
-        same), submitted together on a worker thread (compiling a constraint takes host time): all
-        are queued, or none (nothing to abort)."""
-        settings = [self.sampling if c.index == 0 else dataclasses.replace(
-            self.sampling, seed=(self.sampling.seed + c.index) % 2**32) for c in self.choices]
-        reqs = await asyncio.to_thread(self.srv.submit, self.ids, settings, self.step_map,
-                                       [self._listener(c.index) for c in self.choices], self.constraint)
+        """One engine request per choice (`start`), submitted together on a worker thread (compiling a
+        constraint takes host time): all are queued, or none (nothing to abort)."""
+        ids = [self.prompts[c.index // self.n] for c in self.choices]
+        try:
+            reqs = await asyncio.to_thread(self.srv.submit, ids, self.settings, self.step_map,
+                                           [self._listener(c.index) for c in self.choices], self.constraint)
+        except ApiError as e:  # in a batch, name the prompt at fault
+            named = self.srv.refused_prompt(self.prompts, self.settings[::self.n]) \
+                if e.status == 400 and e.param == "prompt" and len(self.prompts) > 1 else None
+            raise named or e from None
         for c, r in zip(self.choices, reqs):
             c.request = r
         self.created = int(time.time())
@@ -200,8 +215,8 @@ class Completion:
                 "created": self.created, "model": self.srv.model_name, "choices": out, "usage": self.usage()}
 
     def usage(self) -> dict:
-        """The prompt's tokens (once) and every choice's generated tokens."""
-        n, k = len(self.ids), sum(len(c.ids) for c in self.choices)
+        """Each prompt's tokens (once, whatever n) and every choice's generated tokens."""
+        n, k = sum(len(p) for p in self.prompts), sum(len(c.ids) for c in self.choices)
         return {"prompt_tokens": n, "completion_tokens": k, "total_tokens": n + k}
 
     def _choice_body(self, c: Choice) -> dict:
@@ -279,12 +294,12 @@ class Completion:
         return "data: " + json.dumps(chunk) + "\n\n"
 
 
-async def respond(run: Completion, body: dict, ids: list[int], names):
-    """Run one parsed request on its prompt: the whole response (a dict), 499 when the client went
-    away, or a stream."""
+async def respond(run: Completion, body: dict, prompts: list[list[int]], names):
+    """Run one parsed request on its prompts (each its own default max_tokens, `Server.fit`): the
+    whole response (a dict), 499 when the client went away, or a stream."""
     from fastapi.responses import JSONResponse, StreamingResponse  # noqa: PLC0415 (the serve extra)
 
-    run.ids, run.sampling = ids, run.srv.fit(body, run.sampling, ids, names)
+    run.start(prompts, [run.srv.fit(body, run.sampling, ids, names) for ids in prompts])
     await run.submit()
     if not run.stream:
         out = await run.collect()
@@ -299,8 +314,8 @@ async def completions(srv: Server, request):
     if "prompt" not in body:
         raise ApiError(400, "prompt is required", "prompt")
     run = Completion(srv, request, body, sampling, step_map, chat=False)
-    ids = await asyncio.to_thread(srv.prompt_ids, body["prompt"])
-    return await respond(run, body, ids, ("max_tokens",))
+    prompts = await asyncio.to_thread(srv.prompt_batch, body["prompt"])
+    return await respond(run, body, prompts, ("max_tokens",))
 
 
 async def chat_completions(srv: Server, request):
@@ -312,7 +327,7 @@ async def chat_completions(srv: Server, request):
     srv.check_messages(body.get("messages"))
     run = Completion(srv, request, body, sampling, step_map, chat=True)
     ids = await asyncio.to_thread(srv.chat_ids, body["messages"])
-    return await respond(run, body, ids, names)
+    return await respond(run, body, [ids], names)
 
 
 __all__ = ["Choice", "Completion", "completions", "chat_completions", "respond"]

@@ -202,11 +202,17 @@ class Engine:
 
     def submit_many(self, prompt_ids, samplings: list, *, return_step_map: bool = False,
                     on_events: list | None = None, constraint=None) -> list[Request]:
-        """Queue one prompt under several settings together (the `n` choices of one API request), all
-        or none: `errors.InputError` when there are more than `capacity`, `errors.QueueFullError`
-        when they would leave more than `max_queue` requests waiting for a row (nothing is queued
-        then, so nothing has to be aborted). Otherwise as `submit`, one request per setting."""
+        """Queue one prompt under several settings together (the `n` choices of one API request), or
+        a list of prompts, one per setting (an API request's batch of prompts), all or none:
+        `errors.InputError` when there are more than `capacity`, `errors.QueueFullError` when they
+        would leave more than `max_queue` requests waiting for a row (nothing is queued then, so
+        nothing has to be aborted). Otherwise as `submit`, one request per setting."""
         samplings = [Sampling() if s is None else s for s in samplings]
+        per_setting = isinstance(prompt_ids, (list, tuple)) and len(prompt_ids) > 0 and all(
+            isinstance(p, (list, tuple, np.ndarray)) for p in prompt_ids)
+        if per_setting and len(prompt_ids) != len(samplings):
+            raise errors.ArgumentTypeError(f"{len(prompt_ids)} prompts for {len(samplings)} samplings")
+        prompts = list(prompt_ids) if per_setting else [prompt_ids] * len(samplings)
         on_events = [None] * len(samplings) if on_events is None else list(on_events)
         if len(on_events) != len(samplings):
             raise errors.ArgumentTypeError(f"{len(on_events)} on_events for {len(samplings)} samplings")
@@ -214,7 +220,7 @@ class Engine:
             raise errors.InputError(
                 f"{len(samplings)} requests at once: this engine holds at most max_batch + max_queue = "
                 f"{self.max_batch} + {self.max_queue} = {self.capacity}")
-        checked = [self.check(prompt_ids, s) for s in samplings]
+        checked = [self.check(p, s) for p, s in zip(prompts, samplings)]
         dfas: dict = {}
         for (_, stops), s in zip(checked, samplings):
             if stops not in dfas:

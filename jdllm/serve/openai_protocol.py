@@ -267,9 +267,7 @@ class Server:
     def prompt_ids(self, prompt) -> list[int]:
         """A completion's `prompt` (one text or one list of token ids) as token ids; a text longer than
         `max_prompt_chars` or a list longer than max_prompt_tokens is refused before any work. Can
-        take a while (tokenizing): call it off the event loop."""
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-            prompt = prompt[0]
+        take a while (tokenizing): call it off the event loop. A batch: `prompt_batch`."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ApiError(400, "this model has no tokenizer; send the prompt as a list of token ids", "prompt")
@@ -286,8 +284,26 @@ class Server:
                                 f"{self.engine.max_prompt_tokens}; shorten it", "prompt")
         if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             return list(prompt)
-        raise ApiError(400, "prompt must be one string or one list of token ids (batches: send one request "
-                            "per prompt)", "prompt")
+        raise ApiError(400, "prompt must be a string, a list of token ids, or a list of either (a batch)", "prompt")
+
+    def prompt_batch(self, prompt) -> list[list[int]]:
+        """A completion's `prompt` as OpenAI takes it, one prompt or a batch: a text, a list of token
+        ids, or a non-empty list of texts / token-id lists (`prompt_ids` each; an error in one names
+        its index, e.g. `prompt[2]`). Call it off the event loop."""
+        one = isinstance(prompt, str) or (isinstance(prompt, list) and bool(prompt) and all(
+            isinstance(t, int) and not isinstance(t, bool) for t in prompt))
+        if one:
+            return [self.prompt_ids(prompt)]
+        if not isinstance(prompt, list) or not prompt or not all(isinstance(p, (str, list)) for p in prompt):
+            raise ApiError(400, "prompt must be a string, a list of token ids, or a non-empty list of either (a "
+                                "batch)", "prompt")
+        out = []
+        for i, p in enumerate(prompt):
+            try:
+                out.append(self.prompt_ids(p))
+            except ApiError as e:
+                raise ApiError(e.status, f"prompt[{i}]: {e.message}", f"prompt[{i}]", e.type, e.code) from None
+        return out
 
     def check_messages(self, messages) -> None:
         """A chat's `messages`: a non-empty list of {role, content[, name]} objects, roles among
@@ -337,15 +353,18 @@ class Server:
             return dataclasses.replace(sampling, max_new_tokens=room)
         return sampling
 
-    def check_n(self, n: int) -> None:
-        """n choices are n engine requests: more than the engine ever holds is a 400 naming n."""
-        if n > self.engine.capacity:
-            raise ApiError(400, f"n={n} choices are more than this server ever holds at once (max_batch="
+    def check_n(self, n: int, prompts: int = 1) -> None:
+        """n choices of each prompt are n x prompts engine requests: more than the engine ever holds is
+        a 400 naming n."""
+        if n * prompts > self.engine.capacity:
+            what = f"n={n} choices" if prompts == 1 else f"n={n} choices for each of {prompts} prompts"
+            raise ApiError(400, f"{what} are more than this server ever holds at once (max_batch="
                                 f"{self.engine.max_batch} rows + max_queue={self.engine.max_queue} waiting)", "n")
 
-    def submit(self, ids: list[int], samplings: list[Sampling], step_map: bool, on_events, constraint=None):
-        """`Engine.submit_many` (all choices or none), its errors as `ApiError`s (429 queue full, 503
-        shutting down, else 400). Can take a while (compiling a constraint): call it off the event loop."""
+    def submit(self, ids, samplings: list[Sampling], step_map: bool, on_events, constraint=None):
+        """`Engine.submit_many` (one prompt's ids, or one prompt per setting; all choices or none), its
+        errors as `ApiError`s (429 queue full, 503 shutting down, else 400). Can take a while
+        (compiling a constraint): call it off the event loop."""
         try:
             return self.engine.submit_many(ids, samplings, return_step_map=step_map, on_events=on_events,
                                            constraint=constraint)
@@ -357,6 +376,16 @@ class Server:
             raise ApiError(400, str(e), "response_format") from None
         except errors.JdllmError as e:
             raise ApiError(400, str(e), "prompt") from None
+
+    def refused_prompt(self, prompts: list[list[int]], samplings: list[Sampling]) -> ApiError | None:
+        """For a batch the engine refused: a 400 naming the first prompt `Engine.check` refuses under
+        its setting (`prompt[i]: ...`), or None when each passes alone."""
+        for i, (p, s) in enumerate(zip(prompts, samplings)):
+            try:
+                self.engine.check(p, s)
+            except errors.JdllmError as e:
+                return ApiError(400, f"prompt[{i}]: {e}", f"prompt[{i}]")
+        return None
 
     def text_of(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer is not None else ""
