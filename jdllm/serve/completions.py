@@ -147,7 +147,8 @@ class Completion:
         choices of one prompt are all the same)."""
         self.srv.check_n(self.n, len(prompts))
         self.prompts = prompts
-        self.choices = [Choice(p * self.n + j, self.srv, self.stops) for p in range(len(prompts)) for j in range(self.n)]
+        self.choices = [Choice(p * self.n + j, self.srv, self.stops)
+                        for p in range(len(prompts)) for j in range(self.n)]
         self.settings = [s if j == 0 else dataclasses.replace(s, seed=(s.seed + j) % 2**32)
                          for s in samplings for j in range(self.n)]
 
