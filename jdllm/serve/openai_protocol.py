@@ -282,21 +282,18 @@ class Server:
         if isinstance(prompt, list) and len(prompt) > self.engine.max_prompt_tokens:
             raise ApiError(400, f"the prompt has {len(prompt)} tokens, more than this server's max_prompt_tokens="
                                 f"{self.engine.max_prompt_tokens}; shorten it", "prompt")
-        if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        if _token_list(prompt):
             return list(prompt)
-        raise ApiError(400, "prompt must be a string, a list of token ids, or a list of either (a batch)", "prompt")
+        raise ApiError(400, PROMPT_FORMS, "prompt")
 
     def prompt_batch(self, prompt) -> list[list[int]]:
         """A completion's `prompt` as OpenAI takes it, one prompt or a batch: a text, a list of token
         ids, or a non-empty list of texts / token-id lists (`prompt_ids` each; an error in one names
         its index, e.g. `prompt[2]`). Call it off the event loop."""
-        one = isinstance(prompt, str) or (isinstance(prompt, list) and bool(prompt) and all(
-            isinstance(t, int) and not isinstance(t, bool) for t in prompt))
-        if one:
+        if isinstance(prompt, str) or _token_list(prompt):
             return [self.prompt_ids(prompt)]
         if not isinstance(prompt, list) or not prompt or not all(isinstance(p, (str, list)) for p in prompt):
-            raise ApiError(400, "prompt must be a string, a list of token ids, or a non-empty list of either (a "
-                                "batch)", "prompt")
+            raise ApiError(400, PROMPT_FORMS, "prompt")
         out = []
         for i, p in enumerate(prompt):
             try:
@@ -389,6 +386,15 @@ class Server:
 
     def text_of(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer is not None else ""
+
+
+PROMPT_FORMS = "prompt must be a string, a list of token ids, or a non-empty list of either (a batch)"
+
+
+def _token_list(prompt) -> bool:
+    """Whether `prompt` is one prompt as token ids: a non-empty list of ints (not booleans)."""
+    return isinstance(prompt, list) and bool(prompt) and all(
+        isinstance(t, int) and not isinstance(t, bool) for t in prompt)
 
 
 def _longest_token(tokenizer) -> int:
