@@ -19,6 +19,8 @@ _EXPORTS = {
     "Model": "jdllm.loading",
     "load": "jdllm.checkpoint",
     "logits": "jdllm.loading",
+    "score": "jdllm.scoring",  # each token's log-prob given its prefix (causal models), top alternatives
+    "Scores": "jdllm.scoring",
     "ModelConfig": "jdllm.config",
     # generation
     "generate": "jdllm.generation",

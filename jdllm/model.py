@@ -852,6 +852,18 @@ def predicts_next(cfg: ModelConfig) -> int:
     return int(cfg.logit_shift or cfg.attention == "causal")
 
 
+def teacher_forced_hidden(params, cfg, tokens, start, attn_impl: str = "xla"):
+    """[B, S, D]: the hidden state that predicts each slot of `tokens` [B, S] (slot p from p - 1; rows
+    start at `start` [B]) in one causal forward; `lm_head` of it gives the teacher-forced logits."""
+    B, S = tokens.shape
+    pos = default_positions(start, 0, S)
+    at = jnp.zeros((B, 1), jnp.int32)
+    _, _, h = forward(params, cfg, tokens, pos, start=start, attn_impl=attn_impl, return_hidden=True,
+                      logits_at=at)
+    src = jnp.clip(jnp.arange(S) - 1, 0, S - 1)
+    return h[:, src]  # slot p is predicted at p - 1
+
+
 def aligned_logits(logits, cfg: ModelConfig, prev_last=None):
     """Logits that predict the token *at* each position, [B, T, V].
 

@@ -55,7 +55,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jdllm import errors
-from jdllm.model import default_positions, forward, lm_head, predicts_next, shape_mismatch
+from jdllm.model import default_positions, forward, lm_head, predicts_next, shape_mismatch, teacher_forced_hidden
 from jdllm.rl.rollouts import Rollout, RolloutSpec
 from jdllm.sampling import exclude_token, filter_logits, per_row
 from jdllm.sharding import auto_axes
@@ -253,18 +253,6 @@ def trajectory_logprobs(params, ro: Rollout, *, spec: RolloutSpec, shrink: int =
     if over is not None:
         lp = jnp.where(over, jnp.nan, lp)
     return jnp.where(ro.step_map > 0, lp, 0.0)
-
-
-def teacher_forced_hidden(params, cfg, tokens, start, attn_impl: str = "xla"):
-    """[B, S, D]: the hidden state that predicts each slot of `tokens` [B, S] (slot p from p - 1; rows
-    start at `start` [B]) in one causal forward; `lm_head` of it gives the teacher-forced logits."""
-    B, S = tokens.shape
-    pos = default_positions(start, 0, S)
-    at = jnp.zeros((B, 1), jnp.int32)
-    _, _, h = forward(params, cfg, tokens, pos, start=start, attn_impl=attn_impl, return_hidden=True,
-                      logits_at=at)
-    src = jnp.clip(jnp.arange(S) - 1, 0, S - 1)
-    return h[:, src]  # slot p is predicted at p - 1
 
 
 def _steps(ro: Rollout, shrink: int):

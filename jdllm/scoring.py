@@ -1,0 +1,126 @@
+"""`score()`: each token's log-prob given the tokens before it, with the most likely alternatives,
+from one teacher-forced forward of a causal (autoregressive) model.
+
+This is what scoring a text needs: lm-evaluation-harness' loglikelihood tasks (multiple choice,
+perplexity), OpenAI's `echo` with `logprobs` (the server's prompt log-probs), top alternatives of
+a completion. Only the small results leave the device: per position the token's log-prob and the
+`top_logprobs` most likely ids and log-probs, the log-softmax taken over chunks of positions so
+the float32 [positions, vocab] logits never exist whole. Rows are right-padded to power-of-two
+lengths and batch sizes (a causal row's padding after it changes nothing before it), so calls with
+new lengths reuse a handful of compiled programs.
+
+The log-probs are the model's own distribution (temperature 1, nothing filtered). A diffusion
+model (block-causal or bidirectional attention) has no left-to-right likelihood: `score` refuses
+it with an `InputError`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jdllm import errors, inputs
+from jdllm.model import head_logits, teacher_forced_hidden
+from jdllm.sharding import auto_axes
+
+HEAD_CHUNK = 128  # positions per log-softmax over the vocabulary (float32 [B, HEAD_CHUNK, V] at a time)
+MIN_LENGTH = 16  # the shortest padded length
+
+
+@dataclasses.dataclass(frozen=True)
+class Scores:
+    """One row's scores. Position 0 has no context: its entries are NaN (ids -1)."""
+
+    token_ids: np.ndarray  # [T] int32
+    logprobs: np.ndarray  # [T] float32: log p(token t | tokens < t)
+    top_ids: np.ndarray  # [T, k] int32: the k most likely tokens at t, most likely first
+    top_logprobs: np.ndarray  # [T, k] float32: their log-probs
+
+    @property
+    def total(self) -> float:
+        """The sum of the log-probs of tokens 1 .. T-1 (the row's log-likelihood given its first token)."""
+        return float(np.sum(self.logprobs[1:], dtype=np.float64))
+
+    def is_greedy(self, begin: int = 1) -> bool:
+        """Whether every token from `begin` on is the most likely one there (ties count as greedy)."""
+        if self.top_ids.shape[1] == 0:
+            raise errors.InputError("is_greedy needs top_logprobs >= 1 in score()")
+        return bool(np.all(self.logprobs[max(begin, 1):] >= self.top_logprobs[max(begin, 1):, 0]))
+
+
+def _bucket(n: int, cap: int | None = None) -> int:
+    b = 1 << max(int(n) - 1, 0).bit_length()
+    return b if cap is None else max(n, min(b, cap))
+
+
+def score(model, token_ids, *, top_logprobs: int = 0) -> list[Scores]:
+    """Score each row of `token_ids` (a list of token-id lists, or an int array [B, T]) under the
+    causal `model`: per token its log-prob given the tokens before it and the `top_logprobs` most
+    likely tokens there (0: none). Rows may differ in length. Returns one `Scores` per row."""
+    cfg = model.config
+    if cfg.attention != "causal":
+        raise errors.InputError(
+            f"score() needs a causal (autoregressive) model; this one's attention is {cfg.attention!r}, a "
+            "diffusion model that has no left-to-right likelihood of a token given its prefix")
+    if isinstance(top_logprobs, bool) or not isinstance(top_logprobs, (int, np.integer)) or \
+            not 0 <= top_logprobs <= cfg.vocab_size:
+        raise errors.InputError(f"top_logprobs={top_logprobs!r} must be an integer in [0, {cfg.vocab_size}]")
+    rows = inputs.id_rows(token_ids)
+    if not rows or any(len(r) == 0 for r in rows):
+        raise errors.InputError("score() needs at least one non-empty row of token ids")
+    longest = max(len(r) for r in rows)
+    if longest > cfg.max_position_embeddings:
+        raise errors.SequenceTooLongError(
+            f"sequence length {longest} exceeds max_position_embeddings={cfg.max_position_embeddings}; "
+            "truncate the input")
+    for r in rows:
+        inputs.check_id_range(r, cfg.vocab_size)
+    S = _bucket(max(longest, MIN_LENGTH), cfg.max_position_embeddings)
+    tokens = np.zeros((_bucket(len(rows)), S), np.int32)
+    for b, r in enumerate(rows):
+        tokens[b, :len(r)] = r
+    lp, top_lp, top_ids = jax.device_get(_score_jit(model.params, jnp.asarray(tokens), cfg=cfg,
+                                                    attn_impl=model.forward_impl, top=int(top_logprobs),
+                                                    placement=model.placement))
+    out = []
+    for b, r in enumerate(rows):
+        n = len(r)
+        row_lp, row_top, row_ids = lp[b, :n].copy(), top_lp[b, :n].copy(), top_ids[b, :n].copy()
+        row_lp[0], row_top[0], row_ids[0] = np.nan, np.nan, -1
+        out.append(Scores(token_ids=np.asarray(r, np.int32), logprobs=row_lp, top_ids=row_ids, top_logprobs=row_top))
+    return out
+
+
+@jax.jit(static_argnames=("cfg", "attn_impl", "top", "placement"))
+@auto_axes
+def _score_jit(params, tokens, *, cfg, attn_impl, top, placement=None):
+    """([B, S] log-probs, [B, S, top] top log-probs, [B, S, top] top ids) of right-padded rows."""
+    B, S = tokens.shape
+    h = teacher_forced_hidden(params, cfg, tokens, jnp.zeros((B,), jnp.int32), attn_impl)  # slot p from p - 1
+    c = min(S, HEAD_CHUNK)
+    pad = -S % c
+    h = jnp.pad(h, ((0, 0), (0, pad), (0, 0)))
+    t = jnp.pad(tokens, ((0, 0), (0, pad)))
+    n = (S + pad) // c
+    hc = h.reshape(B, n, c, h.shape[-1]).swapaxes(0, 1)
+    tc = t.reshape(B, n, c).swapaxes(0, 1)
+
+    def chunk(args):
+        hh, tt = args
+        logp = jax.nn.log_softmax(head_logits(params, cfg, hh, attn_impl), axis=-1)
+        lp = jnp.take_along_axis(logp, tt[..., None], axis=-1)[..., 0]
+        vals, ids = jax.lax.top_k(logp, top) if top else (logp[..., :0], jnp.zeros(logp.shape[:-1] + (0,), jnp.int32))
+        return lp, vals, ids.astype(jnp.int32)
+
+    lp, vals, ids = jax.lax.map(chunk, (hc, tc))
+
+    def back(x):  # [n, B, c, ...] -> [B, S, ...]
+        return x.swapaxes(0, 1).reshape(B, n * c, *x.shape[3:])[:, :S]
+
+    return back(lp), back(vals), back(ids)
+
+
+__all__ = ["score", "Scores"]
