@@ -240,8 +240,8 @@ def test_stop_strings_n_choices_and_logprobs_equal_offline(server):
             streamed[c.index] = streamed.get(c.index, "") + c.text
     for i in (0, 1):
         assert streamed[i] == jdllm.generate(model, ["hello"], sampling=jdllm.Sampling(seed=11 + i, **hot))[0].text
-    bad = {"model": NAME, "prompt": "a", "logprobs": 2}
-    _err(httpx.post(f"{url}/v1/completions", json=bad, timeout=60), 400, "logprobs=2")
+    bad = {"model": NAME, "prompt": "a", "logprobs": 21}
+    _err(httpx.post(f"{url}/v1/completions", json=bad, timeout=60), 400, "logprobs=21")
     _err(httpx.post(f"{url}/v1/completions", json={"model": NAME, "prompt": "a", "n": 99}, timeout=60), 400, "n=99")
     _err(httpx.post(f"{url}/v1/completions", json={"model": NAME, "prompt": "a", "stop": [""]}, timeout=60), 400,
          "stop=")
@@ -395,7 +395,7 @@ def test_strict_fields_booleans_and_roles(server):
         assert _err(cmpl({"stream": v}), 400, f"stream={v!r} must be true or false")["param"] == "stream"
         assert _err(chat({"stream": v}), 400, "must be true or false")["param"] == "stream"
     for field, v in (("foo", 1), ("suffix", "x"), ("presence_penalty", 0.5), ("frequency_penalty", -1),
-                     ("echo", True), ("logit_bias", {"5": 1})):
+                     ("logit_bias", {"5": 1})):
         e = _err(cmpl({field: v}), 400, field)
         assert e["param"] == field, e
     e = _err(cmpl({"foo": 1, "bar": 2}), 400, "unknown field(s) ['bar', 'foo']")
@@ -513,7 +513,8 @@ def test_stop_string_cuts_text_tokens_logprobs_and_offsets_together():
     from jdllm.serve.request import Event
 
     vocab = ["1 ", "2 3", " 4", "x", "a", "b", "c"]
-    srv = types.SimpleNamespace(text_of=lambda ids: "".join(vocab[i] for i in ids))
+    text_of = lambda ids: "".join(vocab[i] for i in ids)  # noqa: E731
+    srv = types.SimpleNamespace(text_of=text_of, token_text=lambda t: text_of([t]))
 
     def tokens(ids):
         return Event("tokens", token_ids=ids, step_map=[1] * len(ids), logprobs=[-0.5] * len(ids), nfe=1)
@@ -592,3 +593,127 @@ def test_one_temperature_rule_for_the_cli_and_the_server(capsys):
         Server(engine, NAME).sampling({"model": NAME, "temperature": 2.5}, 8)
     assert e.value.param == "temperature" and e.value.message in cli
     assert Server(engine, NAME).sampling({"model": NAME, "temperature": 2.0}, 8)[0].temperature == 2.0
+
+
+# --------------------------------------------------------------------------- echo and prompt log-probs
+def _log_softmax(x):
+    x = np.asarray(x, np.float64)
+    m = x.max(-1, keepdims=True)
+    return x - m - np.log(np.exp(x - m).sum(-1, keepdims=True))
+
+
+@slow
+@pytest.mark.usefixtures("fast_compile")
+def test_echo_scores_prompts_as_lm_evaluation_harness_reads_them(server):
+    """lm-evaluation-harness' loglikelihood request (token-id prompts = context + continuation,
+    max_tokens 1, logprobs 1, echo, temperature 0) through the `openai` client: each choice's prompt
+    log-probs equal the log-softmax of `jdllm.logits` (a separate forward), its top alternative is
+    the argmax there, and the harness' own reading (the sum over [ctxlen:-1], greedy when each
+    token's log-prob is the top one) gives the reference's figures. Then max_tokens=0, logprobs=k
+    on generated tokens (= the recorded ones, greedy), a streamed echo, chat top_logprobs, and
+    the refusals."""
+    url, _, model = server
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)
+    tok = model.tokenizer
+    enc = lambda s: tok.encode(s, add_special_tokens=False)  # noqa: E731
+    pairs = [("sort:3 1 2=", "1 2 3"), ("sort:3 1 2=", "3 2 1"), ("add:1+2=", "3")]
+    prompts = [enc(a) + enc(b) for a, b in pairs]
+    ctxlens = [len(enc(a)) for a, _ in pairs]
+    res = client.completions.create(model=NAME, prompt=prompts, max_tokens=1, logprobs=1, echo=True,
+                                    temperature=0, seed=1234)
+    assert [c.index for c in res.choices] == [0, 1, 2]
+    greedy = []
+    for c, p, ctxlen in zip(res.choices, prompts, ctxlens):
+        lp = c.logprobs
+        first = jdllm.generate(model, [p], sampling=jdllm.Sampling(max_new_tokens=1, stop_token_ids=()))[0]
+        assert c.text == tok.decode(p, skip_special_tokens=True) + first.text
+        assert c.model_extra["jdllm"]["token_ids"] == first.token_ids
+        assert len(lp.token_logprobs) == len(lp.tokens) == len(lp.top_logprobs) == len(p) + 1
+        assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+        ref = _log_softmax(np.asarray(jdllm.logits(model, [p]))[0])  # ref[t - 1] predicts token t
+        want = [ref[t - 1, p[t]] for t in range(1, len(p))]
+        np.testing.assert_allclose(lp.token_logprobs[1:len(p)], want, atol=1e-4)
+        for t in range(1, len(p)):  # the top alternative: the argmax and its log-prob (+ the token itself)
+            best = int(np.argmax(ref[t - 1]))
+            assert tok.decode([best]) in lp.top_logprobs[t]
+            assert abs(max(lp.top_logprobs[t].values()) - ref[t - 1, best]) < 1e-4
+            assert len(lp.top_logprobs[t]) == (1 if best == p[t] else 2)
+        assert lp.text_offset == [len(tok.decode(p[:i])) for i in range(len(p))] + [len(tok.decode(p))]
+        # lm-evaluation-harness' reading of the choice
+        total = sum(lp.token_logprobs[ctxlen:-1])
+        is_greedy = all(x == max(top.values()) for x, top in zip(lp.token_logprobs[ctxlen:-1], lp.top_logprobs[ctxlen:-1]))
+        assert abs(total - sum(want[ctxlen - 1:])) < 1e-3
+        assert is_greedy == all(int(np.argmax(ref[t - 1])) == p[t] for t in range(ctxlen, len(p)))
+        greedy.append(is_greedy)
+    assert len(set(greedy)) == 2, greedy  # the cases tell greedy and not greedy apart
+
+    # max_tokens=0: the prompt alone, scored, nothing generated (n copies of it)
+    r = httpx.post(f"{url}/v1/completions", timeout=60, json={"model": NAME, "prompt": prompts[0], "max_tokens": 0,
+                                                              "echo": True, "logprobs": 0, "n": 2}).json()
+    assert [c["finish_reason"] for c in r["choices"]] == ["length", "length"] and r["usage"]["completion_tokens"] == 0
+    for c in r["choices"]:
+        assert c["text"] == tok.decode(prompts[0]) and c["jdllm"]["token_ids"] == []
+        assert c["logprobs"]["top_logprobs"] is None and len(c["logprobs"]["token_logprobs"]) == len(prompts[0])
+        np.testing.assert_allclose(c["logprobs"]["token_logprobs"][1:], res.choices[0].logprobs.token_logprobs[1:-1],
+                                   atol=1e-5)
+
+    # logprobs=k on generated tokens, greedy: the recorded log-probs, each the top of its k + 1 alternatives
+    kw = dict(model=NAME, prompt="sort:5 2 8=", max_tokens=8, extra_body={"jdllm": {"stop_token_ids": []}})
+    rec = client.completions.create(**kw, logprobs=0).choices[0]
+    top = client.completions.create(**kw, logprobs=3).choices[0]
+    assert top.text == rec.text and top.logprobs.tokens == rec.logprobs.tokens
+    assert top.logprobs.text_offset == rec.logprobs.text_offset
+    np.testing.assert_allclose(top.logprobs.token_logprobs, rec.logprobs.token_logprobs, atol=1e-4)
+    for x, alts in zip(top.logprobs.token_logprobs, top.logprobs.top_logprobs):
+        assert len(alts) in (3, 4) and x == max(alts.values())
+
+    # a streamed echo: the prompt (and its log-probs) first, then the generated text, offsets running on
+    body = {"model": NAME, "prompt": "sort:5 2 8=", "max_tokens": 8, "echo": True, "logprobs": 0, "stream": True,
+            "jdllm": {"stop_token_ids": []}}
+    chunks = []
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as s:
+        for line in s.iter_lines():
+            if line.startswith("data: {"):
+                chunks.append(json.loads(line[6:])["choices"][0])
+    whole = httpx.post(f"{url}/v1/completions", timeout=60, json=dict(body, stream=False)).json()["choices"][0]
+    assert chunks[0]["text"] == "sort:5 2 8=" and chunks[0]["jdllm"]["token_ids"] == []
+    assert "".join(c["text"] for c in chunks) == whole["text"] == "sort:5 2 8=" + rec.text
+    for key in ("tokens", "token_logprobs", "text_offset"):
+        assert sum((c["logprobs"][key] for c in chunks), []) == whole["logprobs"][key], key
+
+    # chat: top_logprobs alternatives of each generated token
+    msgs = [{"role": "user", "content": "hello"}]
+    ch = client.chat.completions.create(model=NAME, messages=msgs, max_tokens=6, logprobs=True, top_logprobs=2)
+    for t in ch.choices[0].logprobs.content:
+        assert len(t.top_logprobs) == 2 and t.top_logprobs[0].logprob >= t.top_logprobs[1].logprob
+        assert abs(t.logprob - t.top_logprobs[0].logprob) < 1e-6  # greedy: the chosen token is the likeliest
+
+    post = lambda path, b: httpx.post(f"{url}{path}", json={"model": NAME, **b}, timeout=60)  # noqa: E731
+    assert _err(post("/v1/completions", {"prompt": "a", "max_tokens": 0}), 400, "echo: true")["param"] == "max_tokens"
+    assert _err(post("/v1/completions", {"prompt": "a", "logprobs": 2, "stream": True}), 400,
+                "stream: false")["param"] == "logprobs"
+    assert _err(post("/v1/completions", {"prompt": "a", "echo": "yes"}), 400, "true or false")["param"] == "echo"
+    assert _err(post("/v1/chat/completions", {"messages": msgs, "top_logprobs": 2}), 400,
+                "logprobs: true")["param"] == "top_logprobs"
+    assert _err(post("/v1/chat/completions", {"messages": msgs, "logprobs": True, "top_logprobs": 21}), 400,
+                "top_logprobs=21")["param"] == "top_logprobs"
+    h = httpx.get(f"{url}/health").json()
+    assert (h["rows_busy"], h["waiting"], h["tracked"]) == (0, 0, 0)
+
+
+def test_scoring_a_diffusion_model_is_refused_naming_the_field():
+    """A block-causal or bidirectional model has no left-to-right likelihood: echo with logprobs and
+    top alternatives are 400s naming the field; echo alone and logprobs=0 stay accepted."""
+    from jdllm.serve.openai_protocol import ApiError, logprob_settings
+
+    for attention in ("block_causal", "bidirectional"):
+        for body, param in (({"echo": True, "logprobs": 0}, "echo"), ({"logprobs": 1}, "logprobs")):
+            with pytest.raises(ApiError, match="causal") as e:
+                logprob_settings(body, chat=False, attention=attention)
+            assert e.value.param == param and attention in e.value.message
+        with pytest.raises(ApiError, match="causal") as e:
+            logprob_settings({"logprobs": True, "top_logprobs": 1}, chat=True, attention=attention)
+        assert e.value.param == "top_logprobs"
+        assert logprob_settings({"echo": True}, chat=False, attention=attention).scores is False
+        assert logprob_settings({"logprobs": 0}, chat=False, attention=attention).on
+    assert logprob_settings({"echo": True, "logprobs": 2}, chat=False).scores

@@ -14,13 +14,14 @@ compiles a constraint) run on worker threads, never on the event loop.
 import asyncio
 import dataclasses
 import json
+import math
 import time
 import uuid
 
 from jdllm.sampling import Sampling
 from jdllm.serve.engine import Event
-from jdllm.serve.openai_protocol import (MAX_N, ApiError, Server, number, read_body, stop_strings,
-                                         stream_settings, wants_logprobs)
+from jdllm.serve.openai_protocol import (MAX_N, ApiError, Server, logprob_settings, number, read_body,
+                                         stop_strings, stream_settings)
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
@@ -103,22 +104,79 @@ class Choice:
                 return k
         return self.sent_ids
 
-    def logprob_block(self, sl: slice, chat: bool):
+    def logprob_block(self, sl: slice, chat: bool, base: int = 0, scored=None, at: int = 0):
         """The OpenAI `logprobs` object of the tokens `sl` (chat: `content`; completions: `tokens`,
-        `token_logprobs` and `text_offset`, each token's offset in the choice's text). After a stop
-        string, the last token's string is cut where the text ends."""
-        toks = [self.srv.text_of([t]) for t in self.ids[sl]]
-        lps = [float(x) for x in self.logprobs[sl]]
-        offsets, at = [], len(self.srv.text_of(self.ids[:sl.start])) if sl.start else 0
+        `token_logprobs`, `top_logprobs` and `text_offset`, each token's offset in the response's text,
+        whose choice text begins at `base`: after the prompt's with echo). The log-probs are the
+        recorded ones, or with `scored` (a `jdllm.Scores` of the prompt and this choice, whose tokens
+        begin at `at`) the scored ones with their alternatives. After a stop string, the last
+        token's string is cut where the text ends."""
+        ids = self.ids[sl]
+        toks = [self.srv.token_text(t) for t in ids]
+        if scored is None:
+            lps, alts = [float(x) for x in self.logprobs[sl]], None
+        else:
+            rows = range(at + sl.start, at + sl.start + len(ids))
+            lps, alts = [scored.logprobs[i] for i in rows], [(scored.top_ids[i], scored.top_logprobs[i]) for i in rows]
+        offsets, pos = [], base + (len(self.srv.text_of(self.ids[:sl.start])) if sl.start else 0)
         for t in toks:
-            offsets.append(at)
-            at += len(t)
+            offsets.append(pos)
+            pos += len(t)
         if self.cut and toks and sl.stop >= len(self.ids):  # the last token may straddle the stop string
-            toks[-1] = toks[-1][:max(0, len(self.text) - offsets[-1])]
-        if chat:
-            return {"content": [{"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
-                                for t, lp in zip(toks, lps)]}
-        return {"tokens": toks, "token_logprobs": lps, "top_logprobs": None, "text_offset": offsets}
+            toks[-1] = toks[-1][:max(0, base + len(self.text) - offsets[-1])]
+        return token_block(self.srv, toks, ids, lps, alts, offsets, chat)
+
+
+def _finite(x) -> float | None:
+    """A log-prob for JSON: None where it is not a finite number (the prompt's first token)."""
+    x = float(x)
+    return x if math.isfinite(x) else None
+
+
+def _alternatives(srv, ids, lps, chosen: int, chosen_lp, chat: bool):
+    """One token's top alternatives (most likely first, the impossible left out), each named by its
+    own string (special tokens too: `Server.token_text(special=True)`): chat a list of {token,
+    logprob, bytes}; completions a {token string: log-prob} dict, OpenAI's, which also holds the
+    chosen token (up to k + 1 entries)."""
+    pairs = [(int(t), float(lp)) for t, lp in zip(ids, lps) if math.isfinite(float(lp))]
+    name = lambda t: srv.token_text(t, special=True)  # noqa: E731
+    if chat:
+        return [{"token": name(t), "logprob": lp, "bytes": list(name(t).encode())} for t, lp in pairs]
+    out: dict[str, float] = {}
+    for t, lp in pairs:
+        out.setdefault(name(t), lp)
+    if chosen not in {t for t, _ in pairs} and chosen_lp is not None:
+        out.setdefault(name(chosen), chosen_lp)
+    return out
+
+
+def token_block(srv, toks, ids, lps, alts, offsets, chat: bool) -> dict:
+    """The `logprobs` object of tokens `ids` (their strings `toks`, log-probs `lps`, alternatives
+    `alts`: one (ids, log-probs) per token or None for none, text offsets `offsets`)."""
+    lps = [_finite(x) for x in lps]
+    tops = [None if a is None else _alternatives(srv, *a, t, lp, chat) for t, lp, a in
+            zip(ids, lps, alts)] if alts is not None else None
+    if chat:
+        return {"content": [{"token": t, "logprob": lp, "bytes": list(t.encode()),
+                             "top_logprobs": [] if tops is None else tops[i]}
+                            for i, (t, lp) in enumerate(zip(toks, lps))]}
+    return {"tokens": toks, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def prompt_block(srv, ids: list[int], scores, top: int) -> dict:
+    """The completions `logprobs` object of an echoed prompt from its `jdllm.Scores`: the first
+    token's log-prob and alternatives are null (it has no context), offsets from 0."""
+    toks = [srv.token_text(t) for t in ids]
+    offsets = [sum(len(t) for t in toks[:i]) for i in range(len(toks))]
+    alts = [None] + [(scores.top_ids[i], scores.top_logprobs[i]) for i in range(1, len(ids))] if top else None
+    return token_block(srv, toks, ids, scores.logprobs[:len(ids)], alts, offsets, chat=False)
+
+
+def join_blocks(a: dict, b: dict) -> dict:
+    """Two completions `logprobs` objects one after the other (the echoed prompt's, the choice's)."""
+    top = None if a["top_logprobs"] is None else a["top_logprobs"] + b["top_logprobs"]
+    return {"tokens": a["tokens"] + b["tokens"], "token_logprobs": a["token_logprobs"] + b["token_logprobs"],
+            "top_logprobs": top, "text_offset": a["text_offset"] + b["text_offset"]}
 
 
 class Completion:
@@ -135,7 +193,12 @@ class Completion:
         self.queue: asyncio.Queue = asyncio.Queue()
         self.n = number(body, "n", 1, int, 1, MAX_N)
         srv.check_n(self.n)
-        self.stops, self.want_lp, self.constraint = stop_strings(body), wants_logprobs(body, chat), srv.constraint(body)
+        self.stops, self.constraint = stop_strings(body), srv.constraint(body)
+        self.lp = logprob_settings(body, chat, srv.engine.cfg.attention, self.stream)
+        self.zero = False  # max_tokens=0 with echo: the prompts scored, nothing generated (`completions`)
+        self.echo_texts: list[str] = []  # each prompt's text, with echo
+        self.prompt_scores = None  # echo with logprobs=0: each prompt's `jdllm.Scores`
+        self.choice_scores = None  # logprobs=k: each choice's prompt and tokens scored, once all are done
         self.choices: list[Choice] = []  # n per prompt, prompt-major (OpenAI's index), made by `start`
         self.settings: list[Sampling] = []
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
@@ -151,6 +214,28 @@ class Completion:
                         for p in range(len(prompts)) for j in range(self.n)]
         self.settings = [s if j == 0 else dataclasses.replace(s, seed=(s.seed + j) % 2**32)
                          for s in samplings for j in range(self.n)]
+        self.echo_texts = [self.srv.text_of(p) for p in prompts] if self.lp.echo else [""] * len(prompts)
+
+    def prompt_of(self, c: Choice) -> list[int]:
+        return self.prompts[c.index // self.n]
+
+    async def score_prompts(self) -> None:
+        """Echo with logprobs=0: each prompt's log-probs, scored before its choices run (a stream
+        sends them first)."""
+        if self.lp.scores_prompt and not self.lp.top:
+            self.prompt_scores = await asyncio.to_thread(self.srv.score, self.prompts, 0)
+
+    async def score_choices(self) -> None:
+        """logprobs=k: every choice (its prompt and its tokens) scored with k alternatives, once all are done."""
+        if self.lp.top:
+            rows = [self.prompt_of(c) + c.ids for c in self.choices]
+            self.choice_scores = await asyncio.to_thread(self.srv.score, rows, self.lp.top)
+
+    def nothing_to_generate(self) -> None:
+        """max_tokens=0 (echo): every choice is its prompt alone, done without an engine request."""
+        for c in self.choices:
+            c.finish, c.nfe = "length", 0
+        self.created = int(time.time())
 
     async def submit(self) -> None:
         """One engine request per choice (`start`), submitted together on a worker thread (compiling a
@@ -211,6 +296,7 @@ class Completion:
         except (asyncio.CancelledError, ApiError):
             self.abort_rest()
             raise
+        await self.score_choices()
         out = [self._choice_body(c) for c in self.choices]
         return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
                 "created": self.created, "model": self.srv.model_name, "choices": out, "usage": self.usage()}
@@ -220,16 +306,32 @@ class Completion:
         n, k = sum(len(p) for p in self.prompts), sum(len(c.ids) for c in self.choices)
         return {"prompt_tokens": n, "completion_tokens": k, "total_tokens": n + k}
 
+    def _echo(self, c: Choice) -> str:
+        return self.echo_texts[c.index // self.n]
+
+    def _logprobs(self, c: Choice) -> dict:
+        """A whole choice's `logprobs` object: with echo its prompt's, then its tokens'."""
+        i = c.index // self.n
+        scored = None if self.choice_scores is None else self.choice_scores[c.index]  # choice i is choices[i]
+        own = c.logprob_block(slice(0, len(c.ids)), self.chat, len(self._echo(c)), scored, len(self.prompts[i]))
+        if not self.lp.echo:
+            return own
+        return join_blocks(self._prompt_block(c, scored), own)
+
+    def _prompt_block(self, c: Choice, scored=None) -> dict:
+        i = c.index // self.n
+        return prompt_block(self.srv, self.prompts[i], self.prompt_scores[i] if scored is None else scored, self.lp.top)
+
     def _choice_body(self, c: Choice) -> dict:
         d = {"index": c.index, "finish_reason": c.finish,
-             "logprobs": c.logprob_block(slice(0, len(c.ids)), self.chat) if self.want_lp else None,
+             "logprobs": self._logprobs(c) if self.lp.on else None,
              "jdllm": {"token_ids": c.ids, "step_map": c.step_map, "nfe": c.nfe}}
         if self.constraint is not None:
             d["jdllm"]["constraint_ok"] = c.constraint_ok
         if self.chat:
             d["message"] = {"role": "assistant", "content": c.text}
         else:
-            d["text"] = c.text
+            d["text"] = self._echo(c) + c.text
         return d
 
     # ----------------------------------------------------------------- streamed
@@ -241,6 +343,11 @@ class Completion:
             if self.chat:
                 for c in self.choices:
                     yield self._sse(self._chunk(c, None, None, {}, first=True))
+            if self.lp.echo:  # the prompt first (a prompt alone, max_tokens=0: its choice ends here)
+                for c in self.choices:
+                    extra = {"token_ids": [], "step_map": [], **({"nfe": c.nfe} if c.done else {})}
+                    yield self._sse(self._chunk(c, self._echo(c), c.finish, extra,
+                                                self._prompt_block(c) if self.lp.on else None))
             failed = False
             while not all(c.done for c in self.choices):
                 try:
@@ -262,7 +369,7 @@ class Completion:
         if ev.kind == "steps":
             return self._chunk(c, None, None, {"revealed": [
                 {"position": p, "step": st, "token_id": t} for p, st, t in zip(ev.positions, ev.steps, ev.token_ids)]})
-        lp = c.logprob_block(new, self.chat) if self.want_lp else None
+        lp = c.logprob_block(new, self.chat, len(self._echo(c))) if self.lp.on else None
         extra = {"token_ids": c.ids[new], "step_map": c.step_map[new]}
         if c.done:
             extra["nfe"] = c.nfe
@@ -301,7 +408,11 @@ async def respond(run: Completion, body: dict, prompts: list[list[int]], names):
     from fastapi.responses import JSONResponse, StreamingResponse  # noqa: PLC0415 (the serve extra)
 
     run.start(prompts, [run.srv.fit(body, run.sampling, ids, names) for ids in prompts])
-    await run.submit()
+    await run.score_prompts()
+    if run.zero:
+        run.nothing_to_generate()
+    else:
+        await run.submit()
     if not run.stream:
         out = await run.collect()
         return JSONResponse({}, status_code=499) if out is None else out
@@ -311,10 +422,17 @@ async def respond(run: Completion, body: dict, prompts: list[list[int]], names):
 async def completions(srv: Server, request):
     """POST /v1/completions: every field checked, then the prompt tokenized off the event loop."""
     body = await read_body(request, srv.max_body_bytes)
-    sampling, step_map = srv.sampling(body, min(16, srv.engine.max_new_tokens))
+    zero = body.get("max_tokens") == 0 and not isinstance(body.get("max_tokens"), bool)
+    if zero and body.get("echo") is not True:
+        raise ApiError(400, "max_tokens=0 generates nothing; it is accepted only with echo: true (the prompt "
+                            "alone, with logprobs its log-probs)", "max_tokens")
+    sampling, step_map = srv.sampling(dict(body, max_tokens=None) if zero else body, min(16, srv.engine.max_new_tokens))
     if "prompt" not in body:
         raise ApiError(400, "prompt is required", "prompt")
     run = Completion(srv, request, body, sampling, step_map, chat=False)
+    if zero and run.constraint is not None:
+        raise ApiError(400, "max_tokens=0 generates nothing to constrain", "max_tokens")
+    run.zero = zero
     prompts = await asyncio.to_thread(srv.prompt_batch, body["prompt"])
     return await respond(run, body, prompts, ("max_tokens",))
 
@@ -331,4 +449,5 @@ async def chat_completions(srv: Server, request):
     return await respond(run, body, [ids], names)
 
 
-__all__ = ["Choice", "Completion", "completions", "chat_completions", "respond"]
+__all__ = ["Choice", "Completion", "completions", "chat_completions", "respond", "token_block", "prompt_block",
+           "join_blocks"]

@@ -23,20 +23,22 @@ from jdllm.serve.engine import Engine
 JDLLM_OPTIONS = ("top_k", "stop_token_ids", "return_step_map", "regex", "choice")  # the `jdllm` object's keys
 MAX_N = 16  # choices per request
 MAX_STOPS = 4  # stop strings per request (OpenAI's limit)
+MAX_TOP_LOGPROBS = 20  # alternatives per token (OpenAI chat's top_logprobs limit; vLLM's default max_logprobs)
 DEFAULT_MAX_BODY_BYTES = 4 << 20  # a request body's size (413 beyond)
 MAX_JSON_DEPTH = 64  # nesting of a request body (the top-level object is depth 1)
 PROMPT_CHARS_PER_TOKEN = 2  # a text prompt may have max_prompt_tokens x (longest token's characters) x this
+SCORE_ROWS = 8  # rows per scoring forward (`Server.score`)
 THREAD_PARSE_BYTES = 64 << 10  # bodies from this size on are parsed on a worker thread
 
 # The fields each endpoint reads; the OpenAI options it does not implement, accepted only at the value
 # that asks for nothing; and the ones it accepts and ignores (they do not change the output).
 COMMON_FIELDS = ("model", "max_tokens", "temperature", "top_p", "top_k", "n", "seed", "stop", "stream",
                  "stream_options", "logprobs", "response_format", "jdllm")
-COMPLETION_FIELDS = COMMON_FIELDS + ("prompt", "best_of")
+COMPLETION_FIELDS = COMMON_FIELDS + ("prompt", "best_of", "echo")
 CHAT_FIELDS = COMMON_FIELDS + ("messages", "max_completion_tokens", "top_logprobs")
-NO_OP_VALUES = {"presence_penalty": 0, "frequency_penalty": 0, "logit_bias": {}, "echo": False, "suffix": "",
-                "tools": []}  # no-op values (or null); echo and suffix: completions only, tools: chat only
-NO_OP_FIELDS = {False: ("presence_penalty", "frequency_penalty", "logit_bias", "echo", "suffix"),
+NO_OP_VALUES = {"presence_penalty": 0, "frequency_penalty": 0, "logit_bias": {}, "suffix": "",
+                "tools": []}  # no-op values (or null); suffix: completions only, tools: chat only
+NO_OP_FIELDS = {False: ("presence_penalty", "frequency_penalty", "logit_bias", "suffix"),
                 True: ("presence_penalty", "frequency_penalty", "logit_bias", "tools")}
 IGNORED_FIELDS = ("user",)  # OpenAI: an end-user id for abuse monitoring
 CHAT_ROLES = ("system", "user", "assistant")
@@ -142,23 +144,56 @@ def stop_strings(body: dict) -> tuple[str, ...]:
     return tuple(stops)
 
 
-def wants_logprobs(body: dict, chat: bool) -> bool:
-    """Whether choices carry the sampled tokens' log-probs (jdllm records only the sampled token's,
-    under the distribution it was drawn from: temperature / top-k / top-p applied)."""
+@dataclasses.dataclass(frozen=True)
+class LogprobSettings:
+    """What log-probs a request's choices carry.
+
+    on: the tokens' log-probs (completions `logprobs` given, chat `logprobs: true`); top: the most
+    likely alternatives per token (completions `logprobs=k`, chat `top_logprobs=k`); echo
+    (completions): each choice's text begins with its prompt, and with `on` so do its log-probs.
+    Without `top` a generated token's log-prob is the one recorded when it was drawn (under that
+    distribution: temperature / top-k / top-p applied). Prompt tokens and, with `top`, every token
+    are scored by one teacher-forced forward (`jdllm.score`: the model's own distribution), which
+    only a causal model has."""
+
+    on: bool = False
+    top: int = 0
+    echo: bool = False
+
+    @property
+    def scores_prompt(self) -> bool:
+        return self.echo and self.on
+
+    @property
+    def scores(self) -> bool:
+        return self.top > 0 or self.scores_prompt
+
+
+def logprob_settings(body: dict, chat: bool, attention: str = "causal", stream: bool = False) -> LogprobSettings:
+    """The request's `LogprobSettings`; a 400 naming the field for a bad value, for scoring on a
+    diffusion model (`attention` not "causal"), and for top alternatives while streaming (they are
+    scored once a choice is complete)."""
     if chat:
         on = boolean(body, "logprobs")
-        top = body.get("top_logprobs")
-        if top is not None and (isinstance(top, bool) or top != 0):
-            raise ApiError(400, f"top_logprobs={top!r}: only the sampled token's log-prob is recorded; "
-                                "use top_logprobs=0 (or leave it out)", "top_logprobs")
-        return on
-    n = body.get("logprobs")
-    if n is None:
-        return False
-    if isinstance(n, bool) or not isinstance(n, int) or n != 0:
-        raise ApiError(400, f"logprobs={n!r}: only the sampled token's log-prob is recorded; use logprobs=0 "
-                            "(top alternatives are not returned)", "logprobs")
-    return True
+        top, name = number(body, "top_logprobs", 0, int, 0, MAX_TOP_LOGPROBS), "top_logprobs"
+        if top and not on:
+            raise ApiError(400, f"top_logprobs={top} needs logprobs: true", "top_logprobs")
+        lp = LogprobSettings(on, top)
+    else:
+        name = "logprobs"
+        lp = LogprobSettings(body.get("logprobs") is not None,
+                             number(body, "logprobs", 0, int, 0, MAX_TOP_LOGPROBS), boolean(body, "echo"))
+    if lp.scores and attention != "causal":
+        what, use = ((f"{name}={lp.top} (top alternatives)", f"{name}=0 (the sampled tokens' log-probs)") if lp.top else
+                     ("echo: true with logprobs (the prompt's log-probs)",
+                      "echo without logprobs, or logprobs=0 without echo (the sampled tokens' log-probs)"))
+        raise ApiError(400, f"{what} needs each token's log-prob given the tokens before it, which only a causal "
+                            f"(autoregressive) model defines; this server's model has {attention} attention (a "
+                            f"diffusion model); use {use}", name if lp.top else "echo")
+    if lp.top and stream:
+        raise ApiError(400, f"{name}={lp.top}: top alternatives are scored once a choice is complete; use stream: "
+                            f"false (or {name}=0)", name)
+    return lp
 
 
 class Server:
@@ -172,6 +207,7 @@ class Server:
         self.created = int(time.time())
         self.longest_token = _longest_token(self.tokenizer)
         self.max_prompt_chars = engine.max_prompt_tokens * self.longest_token * PROMPT_CHARS_PER_TOKEN
+        self._token_texts: dict[tuple[int, bool], str] = {}
 
     def _too_many_chars(self, n: int, param: str):
         return ApiError(400, f"the prompt has {n} characters, more than max_prompt_tokens="
@@ -387,6 +423,30 @@ class Server:
     def text_of(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer is not None else ""
 
+    def token_text(self, t: int, special: bool = False) -> str:
+        """One token's text, remembered (log-prob blocks name every token and its alternatives):
+        `text_of([t])` (a special token is ""), or with `special` its own string (e.g. "<eos>": how
+        alternatives are named, so they stay apart)."""
+        s = self._token_texts.get((t, special))
+        if s is None:
+            tok = self.tokenizer
+            s = (tok.decode([t], skip_special_tokens=False) if special else self.text_of([t])) if tok is not None else ""
+            self._token_texts[(t, special)] = s
+        return s
+
+    def score(self, rows: list[list[int]], top: int):
+        """`jdllm.score` of token-id rows under the served model (top alternatives each), SCORE_ROWS
+        rows a call (bounded memory, a few compiled programs). Call it off the event loop."""
+        from jdllm import scoring  # noqa: PLC0415
+
+        out = []
+        try:
+            for i in range(0, len(rows), SCORE_ROWS):
+                out += scoring.score(self.engine.model, rows[i:i + SCORE_ROWS], top_logprobs=top)
+        except errors.JdllmError as e:
+            raise ApiError(400, str(e), "prompt") from None
+        return out
+
 
 PROMPT_FORMS = "prompt must be a string, a list of token ids, or a non-empty list of either (a batch)"
 
@@ -461,6 +521,6 @@ async def read_body(request, max_bytes: int = DEFAULT_MAX_BODY_BYTES) -> dict:
 
 
 __all__ = ["ApiError", "Server", "read_body", "parse_json", "too_deep", "number", "boolean", "check_fields",
-           "stream_settings", "stop_strings", "wants_logprobs", "accepted_fields", "MAX_N", "MAX_STOPS",
+           "stream_settings", "stop_strings", "logprob_settings", "LogprobSettings", "MAX_TOP_LOGPROBS", "accepted_fields", "MAX_N", "MAX_STOPS",
            "JDLLM_OPTIONS", "DEFAULT_MAX_BODY_BYTES", "MAX_JSON_DEPTH", "PROMPT_CHARS_PER_TOKEN", "IGNORED_FIELDS",
            "NO_OP_VALUES", "CHAT_ROLES"]

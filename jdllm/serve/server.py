@@ -10,9 +10,13 @@ newlines), `max_tokens` (chat also `max_completion_tokens`), `temperature`, `top
 `stream`, `stop` (up to 4 strings: a choice ends before the first one in its final text, its row
 is freed at the next round; while streaming, a tail that may begin a stop string is held back),
 `n` (up to 16 choices, each its own engine row and stream, choice i sampling with `seed + i`),
-`logprobs` (completions: `logprobs=0`; chat: `logprobs=true`, `top_logprobs=0`: the sampled
-tokens' log-probs, under the distribution each was drawn from, temperature / top-k / top-p
-applied; top alternatives are not recorded, so asking for them is a 400).
+`logprobs` (completions: `logprobs=0`; chat: `logprobs=true`: the sampled tokens' log-probs,
+under the distribution each was drawn from, temperature / top-k / top-p applied; completions
+`logprobs=k`, chat `top_logprobs=k`, k <= 20: each token's k likeliest alternatives too),
+`echo` (completions: each choice begins with its prompt, with `logprobs` its log-probs; then
+`max_tokens=0` scores the prompt alone). Prompt log-probs and alternatives are scored by
+`jdllm.score` (one teacher-forced forward, the model's own distribution; causal models only,
+a 400 on a diffusion model; alternatives not while streaming).
 jdllm's own options go in a `jdllm` object (the `openai` client's
 `extra_body={"jdllm": {...}}`): `top_k`, `stop_token_ids`, `return_step_map` (stream a per-step
 event with the positions each step revealed and their step_map, for animating the denoising),
