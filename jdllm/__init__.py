@@ -21,6 +21,7 @@ _EXPORTS = {
     "logits": "jdllm.loading",
     "score": "jdllm.scoring",  # each token's log-prob given its prefix (causal models), top alternatives
     "Scores": "jdllm.scoring",
+    "loglikelihood": "jdllm.likelihood",  # log p(continuation | context): exact (causal) or LLaDA's MC ELBO
     "ModelConfig": "jdllm.config",
     # generation
     "generate": "jdllm.generation",

@@ -1,0 +1,177 @@
+"""`loglikelihood()`: log p(continuation | context) for evaluation, on every model kind that has one.
+
+* Causal models: exact, from `jdllm.score` (one teacher-forced forward per batch of rows): the sum
+  of the continuation tokens' log-probs; greedy when each is the likeliest token there.
+* Bidirectional masked-diffusion models (LLaDA, Dream): LLaDA's Monte Carlo estimate of the
+  ELBO (its `get_log_likelihood` / `eval_llada.py`): `mc_samples` noisy copies of the sequence in
+  batches of `mc_batch`; in each batch a random count k in [1, L] (L continuation tokens) and
+  the counts k, k + L/b, k + 2L/b, ... (rounded, wrapped into [1, L]) spread over its b rows, each
+  row masking that many continuation tokens chosen uniformly; the estimate is minus the mean
+  over batches of sum(cross-entropy at masked tokens / (count / L)) / b. The context is never
+  masked. With a one-token continuation it is exact (every row masks it, ratio 1). Logits are the
+  family's own alignment (Dream's shifted ones predict a slot from the slot before it). `greedy`
+  asks whether greedy decoding gives the continuation: LLaDA's `suffix_greedy_prediction`
+  (unmask the single most confident token per forward, L forwards), run as `MaskedDiffusion`
+  with gen_length = steps = block_length = L; off by default, as LLaDA recommends (it costs L
+  forwards per request), and then every answer is `False`.
+* Block-causal models (SDAR, Fast-dLLM v2): no estimator here; an `InputError` says so.
+
+Rows are left-padded to power-of-two lengths (padding is masked out, so a bidirectional row sees
+only itself) and continuation lengths to power-of-two buckets, so requests of new lengths reuse a
+few compiled programs. Each request's noise comes from `fold_in(key(seed), i)`, i its index.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jdllm import errors, inputs
+from jdllm.model import default_positions, forward
+from jdllm.sharding import auto_axes
+
+SCORE_ROWS = 8  # causal rows per scoring forward
+
+
+def _bucket(n: int, cap: int) -> int:
+    b = 1 << max(int(n) - 1, 0).bit_length()
+    return max(n, min(b, cap))
+
+
+def _check_pairs(model, pairs) -> list[tuple[np.ndarray, np.ndarray]]:
+    cfg = model.config
+    if not isinstance(pairs, (list, tuple)) or not pairs:
+        raise errors.InputError("loglikelihood() needs a non-empty list of (context ids, continuation ids) pairs")
+    out = []
+    for i, pair in enumerate(pairs):
+        if not isinstance(pair, (list, tuple)) or len(pair) != 2:
+            raise errors.InputError(f"request {i}: expected a (context ids, continuation ids) pair, got {pair!r}")
+        ctx, cont = (np.asarray(x, np.int64).reshape(-1) if len(x) else np.zeros((0,), np.int64) for x in pair)
+        if ctx.size == 0:
+            raise errors.InputError(f"request {i}: the context is empty; the first token has nothing to be "
+                                    "conditioned on (lm-evaluation-harness passes the EOS token there)")
+        if cont.size == 0:
+            raise errors.InputError(f"request {i}: the continuation is empty")
+        if ctx.size + cont.size > cfg.max_position_embeddings:
+            raise errors.SequenceTooLongError(
+                f"request {i}: context + continuation = {ctx.size + cont.size} tokens exceeds "
+                f"max_position_embeddings={cfg.max_position_embeddings}; truncate the context")
+        inputs.check_id_range(ctx, cfg.vocab_size)
+        inputs.check_id_range(cont, cfg.vocab_size)
+        out.append((ctx.astype(np.int32), cont.astype(np.int32)))
+    return out
+
+
+def loglikelihood(model, pairs, *, mc_samples: int = 128, mc_batch: int = 32, seed: int = 0,
+                  greedy: bool = False) -> list[tuple[float, bool]]:
+    """(log-likelihood, is_greedy) of each (context ids, continuation ids) pair under `model`: exact
+    for causal models, LLaDA's Monte Carlo ELBO estimate (`mc_samples` noisy copies in batches of
+    `mc_batch`; `seed`) for bidirectional masked-diffusion ones (see the module docstring)."""
+    cfg = model.config
+    rows = _check_pairs(model, pairs)
+    if cfg.attention == "causal":
+        return _causal(model, rows)
+    if cfg.attention != "bidirectional" or cfg.mask_token_id is None:
+        raise errors.InputError(
+            f"loglikelihood() has no estimator for a model with {cfg.attention} attention"
+            + ("" if cfg.mask_token_id is not None else " and no mask token")
+            + ": it is exact for causal models and LLaDA's Monte Carlo ELBO for bidirectional masked-diffusion "
+              "ones (LLaDA, Dream)")
+    for name, v in (("mc_samples", mc_samples), ("mc_batch", mc_batch)):
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
+            raise errors.InputError(f"{name}={v!r} must be an integer >= 1")
+    if mc_samples % mc_batch:
+        raise errors.InputError(f"mc_samples={mc_samples} must be a multiple of mc_batch={mc_batch} (LLaDA's rule)")
+    key = jax.random.key(seed)
+    out = []
+    for i, (ctx, cont) in enumerate(rows):
+        ll = _masked_elbo(model, ctx, cont, jax.random.fold_in(key, i), mc_samples // mc_batch, mc_batch)
+        out.append((ll, _greedy_unmasking(model, ctx, cont) if greedy else False))
+    return out
+
+
+def _causal(model, rows) -> list[tuple[float, bool]]:
+    from jdllm.scoring import score  # noqa: PLC0415
+
+    out = []
+    for i in range(0, len(rows), SCORE_ROWS):
+        part = rows[i:i + SCORE_ROWS]
+        for (ctx, _), s in zip(part, score(model, [np.concatenate(r) for r in part], top_logprobs=1)):
+            P = len(ctx)
+            out.append((float(np.sum(s.logprobs[P:], dtype=np.float64)), s.is_greedy(begin=P)))
+    return out
+
+
+# --------------------------------------------------------------------------- masked diffusion
+def mask_counts(key, L, b: int):
+    """[b] int32: LLaDA's stratified mask counts for a batch of b rows over L continuation tokens
+    (k uniform in [1, L], then k + i L / b rounded half to even and wrapped into [1, L])."""
+    k = jax.random.randint(key, (), 1, L + 1)
+    x = jnp.round(k.astype(jnp.float32) + jnp.arange(b, dtype=jnp.float32) * (L / b)).astype(jnp.int32)
+    return (x - 1) % L + 1
+
+
+def noisy_rows(key, tokens, L, b: int, mask_id: int):
+    """(noisy [b, S], masked [b, S] bool, counts [b]): one MC batch of LLaDA's forward process over
+    a left-padded row `tokens` [S] whose last L slots are the continuation: row i masks counts[i]
+    continuation slots chosen uniformly (a random permutation's first counts[i])."""
+    S = tokens.shape[0]
+    kc, kp = jax.random.split(key)
+    counts = mask_counts(kc, L, b)
+    target = jnp.arange(S) >= S - L
+    noise = jnp.where(target, jax.random.uniform(kp, (b, S)), jnp.inf)
+    rank = jnp.argsort(jnp.argsort(noise, axis=-1), axis=-1)  # a target slot's place in a random order
+    masked = target & (rank < counts[:, None])
+    return jnp.where(masked, mask_id, tokens[None]), masked, counts
+
+
+@jax.jit(static_argnames=("cfg", "attn_impl", "groups", "b", "width", "placement"))
+@auto_axes
+def _elbo_jit(params, tokens, start, L, key, *, cfg, attn_impl, groups, b, width, placement=None):
+    """minus LLaDA's loss averaged over `groups` MC batches of b rows; the head runs only at the
+    `width` slots that predict the last `width` slots (L <= width of them are the continuation)."""
+    S = tokens.shape[0]
+    shift = int(cfg.logit_shift)
+    at = jnp.broadcast_to(jnp.arange(S - width, S, dtype=jnp.int32) - shift, (b, width))
+    pos = default_positions(jnp.broadcast_to(start, (b,)), 0, S)
+
+    def batch(k):
+        noisy, masked, counts = noisy_rows(k, tokens, L, b, cfg.mask_token_id)
+        logits, _ = forward(params, cfg, noisy, pos, start=jnp.broadcast_to(start, (b,)), attn_impl=attn_impl,
+                            logits_at=at)
+        logp = jax.nn.log_softmax(logits, axis=-1)
+        lp = jnp.take_along_axis(logp, jnp.broadcast_to(tokens[S - width:], (b, width))[..., None], axis=-1)[..., 0]
+        ratio = counts.astype(jnp.float32) / L
+        loss = jnp.where(masked[:, S - width:], -lp, 0.0) / ratio[:, None]
+        return jnp.sum(loss) / b
+
+    losses = jax.lax.map(batch, jax.random.split(key, groups))
+    return -jnp.mean(losses)
+
+
+def _masked_elbo(model, ctx, cont, key, groups: int, b: int) -> float:
+    cfg = model.config
+    n, L = len(ctx) + len(cont), len(cont)
+    S = _bucket(n, cfg.max_position_embeddings)
+    tokens = np.zeros((S,), np.int32)
+    tokens[S - n:] = np.concatenate([ctx, cont])
+    width = _bucket(L, S - int(cfg.logit_shift))  # the context's first token is never predicted: L <= S - 1
+    return float(_elbo_jit(model.params, jnp.asarray(tokens), jnp.int32(S - n), jnp.int32(L), key, cfg=cfg,
+                           attn_impl=model.forward_impl, groups=groups, b=b, width=width,
+                           placement=model.placement))
+
+
+def _greedy_unmasking(model, ctx, cont) -> bool:
+    """Whether greedy one-token-per-forward unmasking (LLaDA's suffix_greedy_prediction) gives `cont`."""
+    from jdllm.decode.masked_diffusion import MaskedDiffusion  # noqa: PLC0415
+    from jdllm.generation import generate  # noqa: PLC0415
+    from jdllm.sampling import Sampling  # noqa: PLC0415
+
+    L = len(cont)
+    out = generate(model, [ctx.tolist()], MaskedDiffusion(gen_length=L, steps=L, block_length=L),
+                   Sampling(max_new_tokens=L, stop_token_ids=()), apply_chat_template=False)[0]
+    return list(out.token_ids) == cont.tolist()
+
+
+__all__ = ["loglikelihood", "mask_counts", "noisy_rows"]

@@ -1,0 +1,164 @@
+"""`jdllm.loglikelihood`: exact sums for causal models against transformers' log-softmax; LLaDA's Monte
+Carlo ELBO for masked-diffusion models against a plain loop over the same noisy rows scored by the
+transformers reference (LLaDA and Dream alignments), its mask counts against LLaDA's formula, the
+one-token case exact, and the greedy check against a plain loop of LLaDA's suffix_greedy_prediction."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+import torch
+
+import hf_fixtures as fx
+import jdllm
+from jdllm import errors
+from jdllm.likelihood import mask_counts, noisy_rows
+
+
+def _log_softmax(x):
+    x = np.asarray(x, np.float64)
+    m = x.max(-1, keepdims=True)
+    return x - m - np.log(np.exp(x - m).sum(-1, keepdims=True))
+
+
+def test_causal_sums_match_transformers(tmp_path):
+    d, ref = fx.build_transformers_model("qwen2", str(tmp_path / "hf"), seed=4, kv_heads=2)
+    m = jdllm.load(d, dtype="float32")
+    rng = np.random.default_rng(0)
+    pairs = [(rng.integers(0, 128, n).tolist(), rng.integers(0, 128, k).tolist()) for n, k in ((5, 3), (1, 7), (12, 1))]
+    ctx0 = pairs[0][0]  # and a continuation that is the reference's greedy one
+    with torch.no_grad():
+        seq = list(ctx0)
+        for _ in range(4):
+            seq.append(int(ref(input_ids=torch.as_tensor([seq])).logits[0, -1].argmax()))
+    pairs.append((ctx0, seq[len(ctx0):]))
+    got = jdllm.loglikelihood(m, pairs)
+    for (ctx, cont), (ll, greedy) in zip(pairs, got):
+        row = ctx + cont
+        with torch.no_grad():
+            lp = _log_softmax(ref(input_ids=torch.as_tensor([row])).logits[0].numpy())
+        want = sum(lp[t - 1, row[t]] for t in range(len(ctx), len(row)))
+        assert abs(ll - want) < 1e-3 * max(1.0, abs(want))
+        assert greedy == all(int(np.argmax(lp[t - 1])) == row[t] for t in range(len(ctx), len(row)))
+    assert [g for _, g in got] == [False, False, False, True]
+
+
+def test_mask_counts_follow_llada_and_rows_mask_that_many():
+    for L, b in ((1, 4), (5, 16), (7, 3), (32, 32), (3, 8)):
+        for s in range(6):
+            c = np.asarray(mask_counts(jax.random.key(s), L, b))
+            k = int(c[0])  # the batch's random start: x_0 = k
+            want = ((np.round(k + np.arange(b) * (L / b)).astype(int) - 1) % L) + 1  # eval_llada's _forward_process
+            assert np.array_equal(c, want), (L, b, c, want)
+            assert c.min() >= 1 and c.max() <= L
+    S, L, b, mask = 16, 5, 8, 99
+    tokens = np.arange(S, dtype=np.int32)
+    seen = np.zeros(S)
+    for s in range(40):
+        noisy, masked, counts = (np.asarray(x) for x in noisy_rows(jax.random.key(s), tokens, L, b, mask))
+        assert np.array_equal(masked.sum(1), counts)
+        assert not masked[:, :S - L].any()  # the context (and padding) is never masked
+        assert np.array_equal(noisy, np.where(masked, mask, tokens[None]))
+        seen += masked.sum(0)
+    share = seen[S - L:] / seen[S - L:].sum()  # every continuation slot equally likely
+    assert np.all(np.abs(share - 1 / L) < 0.05), share
+
+
+@pytest.fixture(scope="module", params=["llada", "Dream"])
+def diffusion(request, tmp_path_factory):
+    d, ref = fx.build_family_dir(request.param, str(tmp_path_factory.mktemp(request.param)), seed=5, kv_heads=2)
+    return jdllm.load(d, dtype="float32"), ref
+
+
+def _reference_elbo(m, ref, ctx, cont, seed, index, groups, b):
+    """LLaDA's get_log_likelihood as a plain loop over the same noisy rows, unpadded, scored by the
+    transformers model under a bidirectional mask."""
+    cfg = m.config
+    row = np.asarray(ctx + cont, np.int32)
+    n, L = len(row), len(cont)
+    S = 1 << (n - 1).bit_length()
+    padded = np.zeros(S, np.int32)
+    padded[S - n:] = row
+    shift = int(cfg.logit_shift)
+    losses = []
+    for k in jax.random.split(jax.random.fold_in(jax.random.key(seed), index), groups):
+        noisy, masked, counts = (np.asarray(x)[:, S - n:] if x.ndim == 2 else np.asarray(x)
+                                 for x in noisy_rows(k, padded, L, b, cfg.mask_token_id))
+        logits = fx.reference_logits(ref, noisy, kind="bidirectional")
+        total = 0.0
+        for i in range(b):
+            lp = _log_softmax(logits[i])
+            for s in np.flatnonzero(masked[i]):
+                total += -lp[s - shift, row[s]] / (counts[i] / L)
+        losses.append(total / b)
+    return -float(np.mean(losses))
+
+
+def test_masked_diffusion_elbo_equals_llada_loop(diffusion):
+    m, ref = diffusion
+    rng = np.random.default_rng(2)
+    pairs = [(rng.integers(0, 120, 6).tolist(), rng.integers(0, 120, 4).tolist()),
+             (rng.integers(0, 120, 3).tolist(), rng.integers(0, 120, 9).tolist())]
+    got = jdllm.loglikelihood(m, pairs, mc_samples=24, mc_batch=8, seed=7)
+    for i, ((ctx, cont), (ll, greedy)) in enumerate(zip(pairs, got)):
+        want = _reference_elbo(m, ref, ctx, cont, 7, i, 3, 8)
+        assert abs(ll - want) < 1e-4 * max(1.0, abs(want)), (ll, want)
+        assert greedy is False  # not asked for
+    again = jdllm.loglikelihood(m, pairs, mc_samples=24, mc_batch=8, seed=7)
+    assert again == got
+    assert jdllm.loglikelihood(m, pairs, mc_samples=24, mc_batch=8, seed=8) != got  # the seed draws the noise
+
+
+def test_one_token_continuation_is_exact(diffusion):
+    """L = 1: every row masks the token with ratio 1, so the estimate is log p(token | context, [MASK])."""
+    m, ref = diffusion
+    ctx, cont = [5, 17, 33, 2], [41]
+    (ll, _), = jdllm.loglikelihood(m, [(ctx, cont)], mc_samples=8, mc_batch=4)
+    logits = fx.reference_logits(ref, np.asarray([ctx + [m.config.mask_token_id]]), kind="bidirectional")[0]
+    want = _log_softmax(logits[len(ctx) - int(m.config.logit_shift)])[cont[0]]
+    assert abs(ll - want) < 1e-4
+
+
+def _suffix_greedy(m, ctx, L) -> list[int]:
+    """LLaDA's suffix_greedy_prediction as a plain loop: each forward fills the single most confident
+    masked position with its argmax."""
+    mask = m.config.mask_token_id
+    seq = list(ctx) + [mask] * L
+    for _ in range(L):
+        lp = np.asarray(jax.nn.log_softmax(jdllm.logits(m, [seq])[0], axis=-1))
+        open_ = [s for s in range(len(ctx), len(seq)) if seq[s] == mask]
+        best = max(open_, key=lambda s: (lp[s].max(), -s))
+        seq[best] = int(np.argmax(lp[best]))
+    return seq[len(ctx):]
+
+
+def test_greedy_check_is_llada_suffix_greedy_prediction():
+    m = jdllm.load("models/tiny-llada", dtype="float32")
+    enc = lambda s: m.tokenizer.encode(s, add_special_tokens=False)  # noqa: E731
+    ctx = enc("sort:3 1 2=")
+    pred = _suffix_greedy(m, ctx, 5)
+    wrong = [(t + 1) % 40 + 3 for t in pred]
+    got = jdllm.loglikelihood(m, [(ctx, pred), (ctx, wrong)], mc_samples=8, mc_batch=8, greedy=True)
+    assert [g for _, g in got] == [True, False]
+    assert got[0][0] > got[1][0]
+
+
+def test_bad_requests_are_refused():
+    ar = jdllm.load("models/tiny-ar", dtype="float32")
+    llada = jdllm.load("models/tiny-llada", dtype="float32")
+    sdar = jdllm.load("models/tiny-sdar", dtype="float32")
+    with pytest.raises(errors.InputError, match="block_causal"):
+        jdllm.loglikelihood(sdar, [([1, 2], [3])])
+    with pytest.raises(errors.InputError, match="context is empty"):
+        jdllm.loglikelihood(ar, [([], [3])])
+    with pytest.raises(errors.InputError, match="continuation is empty"):
+        jdllm.loglikelihood(ar, [([1], [])])
+    with pytest.raises(errors.InputError, match="pairs"):
+        jdllm.loglikelihood(ar, [])
+    with pytest.raises(errors.SequenceTooLongError):
+        jdllm.loglikelihood(ar, [([1] * 60, [2] * 10)])
+    with pytest.raises(errors.InputError, match="multiple of mc_batch"):
+        jdllm.loglikelihood(llada, [([1], [2])], mc_samples=10, mc_batch=4)
+    with pytest.raises(errors.InputError, match="mc_batch"):
+        jdllm.loglikelihood(llada, [([1], [2])], mc_batch=0)
