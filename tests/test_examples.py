@@ -53,6 +53,11 @@ def _speculative(out):  # its own asserts check the greedy rows against AR; 6 pr
     _count(out, "same as AR: True", "same as AR: False", 6)
 
 
+def _evaluate(out):  # four harness runs, each on a trained model: the right answers
+    got = re.findall(r"^(\S+)\s+(sort_\w+)\s+(acc|exact_match) ([0-9.]+)", out, re.M)
+    assert len(got) == 4 and all(float(v) >= 0.75 for *_, v in got), out
+
+
 def _score(out):  # six candidates checked against logits(); the right answer and only it greedy
     _count(out, "same as logits(): True", "same as logits(): False", 6)
     assert "'sort:3 1 2=' -> '1 2 3'" in out and "'rev:abc=' -> 'cba'" in out and out.count("greedy True") == 2, out
@@ -69,7 +74,7 @@ def _serve_spec_constrained(out):
 
 CHECKS = {"constrained": _constrained, "constrained_diffusion": _constrained_diffusion, "host_loop": _host_loop,
           "masked_diffusion": _masked_diffusion, "multi_block": _multi_block, "speculative": _speculative,
-          "score": _score, "serve": _serve, "serve_spec_constrained": _serve_spec_constrained}
+          "score": _score, "evaluate": _evaluate, "serve": _serve, "serve_spec_constrained": _serve_spec_constrained}
 
 
 @pytest.mark.parametrize("name", slow_except(sorted(CHECKS), "host_loop"))
