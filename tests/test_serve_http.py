@@ -498,6 +498,9 @@ def test_a_batch_of_prompts_equals_one_request_per_prompt(server):
     assert _err(post([[5], [[6]]]), 400, "prompt[1]: prompt must be")["param"] == "prompt[1]"
     assert _err(post(["a", [10**6]]), 400, "prompt[1]: token id 1000000")["param"] == "prompt[1]"
     assert _err(post(["a", "1" * 45], max_tokens=24), 400, "prompt[1]: ")["param"] == "prompt[1]"
+    for n in (2, 3):  # the engine refuses the prompt's choices 2..5 (or 3..5): the prompt is still prompt[1]
+        e = _err(post(["a", "1" * 45, "b"], max_tokens=24, n=n), 400, "max_position_embeddings")
+        assert e["param"] == "prompt[1]" and e["message"].startswith("prompt[1]: "), e
     e = _err(post(["a"] * 5, n=16), 400, "n=16 choices for each of 5 prompts")
     assert e["param"] == "n" and "max_batch=4" in e["message"]
     h = httpx.get(f"{url}/health").json()

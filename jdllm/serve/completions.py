@@ -244,10 +244,12 @@ class Completion:
         try:
             reqs = await asyncio.to_thread(self.srv.submit, ids, self.settings, self.step_map,
                                            [self._listener(c.index) for c in self.choices], self.constraint)
-        except ApiError as e:  # in a batch, name the prompt at fault
-            named = self.srv.refused_prompt(self.prompts, self.settings[::self.n]) \
-                if e.status == 400 and e.param == "prompt" and len(self.prompts) > 1 else None
-            raise named or e from None
+        except ApiError as e:  # in a batch, name the prompt at fault (request i is choice i: prompt i // n)
+            i = getattr(e, "request_index", None)
+            if i is None or e.param != "prompt" or len(self.prompts) == 1:
+                raise
+            p = i // self.n
+            raise ApiError(e.status, f"prompt[{p}]: {e.message}", f"prompt[{p}]", e.type, e.code) from None
         for c, r in zip(self.choices, reqs):
             c.request = r
         self.created = int(time.time())

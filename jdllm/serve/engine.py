@@ -206,7 +206,8 @@ class Engine:
         a list of prompts, one per setting (an API request's batch of prompts), all or none:
         `errors.InputError` when there are more than `capacity`, `errors.QueueFullError` when they
         would leave more than `max_queue` requests waiting for a row (nothing is queued then, so
-        nothing has to be aborted). Otherwise as `submit`, one request per setting."""
+        nothing has to be aborted). Otherwise as `submit`, one request per setting. An error that one
+        request's check raises carries its place in the group as `request_index`."""
         samplings = [Sampling() if s is None else s for s in samplings]
         per_setting = isinstance(prompt_ids, (list, tuple)) and len(prompt_ids) > 0 and all(
             isinstance(p, (list, tuple, np.ndarray)) for p in prompt_ids)
@@ -220,7 +221,13 @@ class Engine:
             raise errors.InputError(
                 f"{len(samplings)} requests at once: this engine holds at most max_batch + max_queue = "
                 f"{self.max_batch} + {self.max_queue} = {self.capacity}")
-        checked = [self.check(p, s) for p, s in zip(prompts, samplings)]
+        checked = []
+        for i, (p, s) in enumerate(zip(prompts, samplings)):
+            try:
+                checked.append(self.check(p, s))
+            except errors.JdllmError as e:
+                e.request_index = i  # which request of the group is at fault (the server names its prompt)
+                raise
         dfas: dict = {}
         for (_, stops), s in zip(checked, samplings):
             if stops not in dfas:

@@ -408,17 +408,9 @@ class Server:
         except errors.ConstraintError as e:
             raise ApiError(400, str(e), "response_format") from None
         except errors.JdllmError as e:
-            raise ApiError(400, str(e), "prompt") from None
-
-    def refused_prompt(self, prompts: list[list[int]], samplings: list[Sampling]) -> ApiError | None:
-        """For a batch the engine refused: a 400 naming the first prompt `Engine.check` refuses under
-        its setting (`prompt[i]: ...`), or None when each passes alone."""
-        for i, (p, s) in enumerate(zip(prompts, samplings)):
-            try:
-                self.engine.check(p, s)
-            except errors.JdllmError as e:
-                return ApiError(400, f"prompt[{i}]: {e}", f"prompt[{i}]")
-        return None
+            err = ApiError(400, str(e), "prompt")
+            err.request_index = getattr(e, "request_index", None)  # `Engine.submit_many`: the request at fault
+            raise err from None
 
     def text_of(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer is not None else ""
