@@ -16,8 +16,8 @@
   forwards per request), and then every answer is `False`.
 * Block-causal models (SDAR, Fast-dLLM v2): no estimator here; an `InputError` says so.
 
-Rows are left-padded to power-of-two lengths (padding is masked out, so a bidirectional row sees
-only itself) and continuation lengths to power-of-two buckets, so requests of new lengths reuse a
+Rows are left-padded to quarter-octave lengths (`jdllm.scoring.length_bucket`; padding is masked
+out, so a bidirectional row sees only itself) and continuation lengths likewise, so requests of new lengths reuse a
 few compiled programs. Each request's noise comes from `fold_in(key(seed), i)`, i its index.
 """
 
@@ -29,14 +29,10 @@ import numpy as np
 
 from jdllm import errors, inputs
 from jdllm.model import default_positions, forward
+from jdllm.scoring import length_bucket, score
 from jdllm.sharding import auto_axes
 
 SCORE_ROWS = 8  # causal rows per scoring forward
-
-
-def _bucket(n: int, cap: int) -> int:
-    b = 1 << max(int(n) - 1, 0).bit_length()
-    return max(n, min(b, cap))
 
 
 def _check_pairs(model, pairs) -> list[tuple[np.ndarray, np.ndarray]]:
@@ -92,14 +88,14 @@ def loglikelihood(model, pairs, *, mc_samples: int = 128, mc_batch: int = 32, se
 
 
 def _causal(model, rows) -> list[tuple[float, bool]]:
-    from jdllm.scoring import score  # noqa: PLC0415
-
-    out = []
-    for i in range(0, len(rows), SCORE_ROWS):
-        part = rows[i:i + SCORE_ROWS]
-        for (ctx, _), s in zip(part, score(model, [np.concatenate(r) for r in part], top_logprobs=1)):
-            P = len(ctx)
-            out.append((float(np.sum(s.logprobs[P:], dtype=np.float64)), s.is_greedy(begin=P)))
+    """Scored SCORE_ROWS at a time, longest first (rows of like length share a forward's padding)."""
+    order = sorted(range(len(rows)), key=lambda i: -(len(rows[i][0]) + len(rows[i][1])))
+    out: list = [None] * len(rows)
+    for i in range(0, len(order), SCORE_ROWS):
+        part = order[i:i + SCORE_ROWS]
+        for j, s in zip(part, score(model, [np.concatenate(rows[j]) for j in part], top_logprobs=1)):
+            P = len(rows[j][0])
+            out[j] = (float(np.sum(s.logprobs[P:], dtype=np.float64)), s.is_greedy(begin=P))
     return out
 
 
@@ -153,10 +149,10 @@ def _elbo_jit(params, tokens, start, L, key, *, cfg, attn_impl, groups, b, width
 def _masked_elbo(model, ctx, cont, key, groups: int, b: int) -> float:
     cfg = model.config
     n, L = len(ctx) + len(cont), len(cont)
-    S = _bucket(n, cfg.max_position_embeddings)
+    S = length_bucket(n, cfg.max_position_embeddings)
     tokens = np.zeros((S,), np.int32)
     tokens[S - n:] = np.concatenate([ctx, cont])
-    width = _bucket(L, S - int(cfg.logit_shift))  # the context's first token is never predicted: L <= S - 1
+    width = length_bucket(L, S - int(cfg.logit_shift))  # the context's first token is never predicted: L <= S - 1
     return float(_elbo_jit(model.params, jnp.asarray(tokens), jnp.int32(S - n), jnp.int32(L), key, cfg=cfg,
                            attn_impl=model.forward_impl, groups=groups, b=b, width=width,
                            placement=model.placement))

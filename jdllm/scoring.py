@@ -5,9 +5,10 @@ This is what scoring a text needs: lm-evaluation-harness' loglikelihood tasks (m
 perplexity), OpenAI's `echo` with `logprobs` (the server's prompt log-probs), top alternatives of
 a completion. Only the small results leave the device: per position the token's log-prob and the
 `top_logprobs` most likely ids and log-probs, the log-softmax taken over chunks of positions so
-the float32 [positions, vocab] logits never exist whole. Rows are right-padded to power-of-two
-lengths and batch sizes (a causal row's padding after it changes nothing before it), so calls with
-new lengths reuse a handful of compiled programs.
+the float32 [positions, vocab] logits never exist whole. Rows are right-padded to quarter-octave
+lengths (at most ~1/8 of a row padding; `length_bucket`) and power-of-two row counts (a causal
+row's padding after it changes nothing before it), so calls with new lengths reuse a handful of
+compiled programs.
 
 The log-probs are the model's own distribution (temperature 1, nothing filtered). A diffusion
 model (block-causal or bidirectional attention) has no left-to-right likelihood: `score` refuses
@@ -23,10 +24,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from jdllm import errors, inputs
+from jdllm.decode import common
 from jdllm.model import head_logits, teacher_forced_hidden
 from jdllm.sharding import auto_axes
 
-HEAD_CHUNK = 128  # positions per log-softmax over the vocabulary (float32 [B, HEAD_CHUNK, V] at a time)
+HEAD_CHUNK = 128  # at most this many positions per log-softmax over the vocabulary (float32 [B, chunk, V])
 MIN_LENGTH = 16  # the shortest padded length
 
 
@@ -51,9 +53,14 @@ class Scores:
         return bool(np.all(self.logprobs[max(begin, 1):] >= self.top_logprobs[max(begin, 1):, 0]))
 
 
-def _bucket(n: int, cap: int | None = None) -> int:
-    b = 1 << max(int(n) - 1, 0).bit_length()
-    return b if cap is None else max(n, min(b, cap))
+def length_bucket(n: int, cap: int) -> int:
+    """A padded length for n tokens: a quarter-octave bucket (at most ~1/8 of it padding) of at least
+    MIN_LENGTH, but never past `cap` (the model's context) unless n is."""
+    return max(n, min(common.bucket(n, MIN_LENGTH, steps_per_octave=4), cap))
+
+
+def row_bucket(n: int) -> int:
+    return 1 << max(int(n) - 1, 0).bit_length()
 
 
 def score(model, token_ids, *, top_logprobs: int = 0) -> list[Scores]:
@@ -78,8 +85,8 @@ def score(model, token_ids, *, top_logprobs: int = 0) -> list[Scores]:
             "truncate the input")
     for r in rows:
         inputs.check_id_range(r, cfg.vocab_size)
-    S = _bucket(max(longest, MIN_LENGTH), cfg.max_position_embeddings)
-    tokens = np.zeros((_bucket(len(rows)), S), np.int32)
+    S = length_bucket(longest, cfg.max_position_embeddings)
+    tokens = np.zeros((row_bucket(len(rows)), S), np.int32)
     for b, r in enumerate(rows):
         tokens[b, :len(r)] = r
     lp, top_lp, top_ids = jax.device_get(_score_jit(model.params, jnp.asarray(tokens), cfg=cfg,
@@ -100,13 +107,10 @@ def _score_jit(params, tokens, *, cfg, attn_impl, top, placement=None):
     """([B, S] log-probs, [B, S, top] top log-probs, [B, S, top] top ids) of right-padded rows."""
     B, S = tokens.shape
     h = teacher_forced_hidden(params, cfg, tokens, jnp.zeros((B,), jnp.int32), attn_impl)  # slot p from p - 1
-    c = min(S, HEAD_CHUNK)
-    pad = -S % c
-    h = jnp.pad(h, ((0, 0), (0, pad), (0, 0)))
-    t = jnp.pad(tokens, ((0, 0), (0, pad)))
-    n = (S + pad) // c
+    c = max(d for d in range(1, min(S, HEAD_CHUNK) + 1) if S % d == 0)  # chunks that tile S: no padded head rows
+    n = S // c
     hc = h.reshape(B, n, c, h.shape[-1]).swapaxes(0, 1)
-    tc = t.reshape(B, n, c).swapaxes(0, 1)
+    tc = tokens.reshape(B, n, c).swapaxes(0, 1)
 
     def chunk(args):
         hh, tt = args
@@ -118,7 +122,7 @@ def _score_jit(params, tokens, *, cfg, attn_impl, top, placement=None):
     lp, vals, ids = jax.lax.map(chunk, (hc, tc))
 
     def back(x):  # [n, B, c, ...] -> [B, S, ...]
-        return x.swapaxes(0, 1).reshape(B, n * c, *x.shape[3:])[:, :S]
+        return x.swapaxes(0, 1).reshape(B, S, *x.shape[3:])
 
     return back(lp), back(vals), back(ids)
 

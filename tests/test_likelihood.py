@@ -14,6 +14,7 @@ import hf_fixtures as fx
 import jdllm
 from jdllm import errors
 from jdllm.likelihood import mask_counts, noisy_rows
+from jdllm.scoring import length_bucket
 
 
 def _log_softmax(x):
@@ -77,7 +78,7 @@ def _reference_elbo(m, ref, ctx, cont, seed, index, groups, b):
     cfg = m.config
     row = np.asarray(ctx + cont, np.int32)
     n, L = len(row), len(cont)
-    S = 1 << (n - 1).bit_length()
+    S = length_bucket(n, cfg.max_position_embeddings)
     padded = np.zeros(S, np.int32)
     padded[S - n:] = row
     shift = int(cfg.logit_shift)

@@ -35,7 +35,7 @@ def test_scores_match_transformers_log_softmax(qwen3):
     m, ref = qwen3
     V = m.config.vocab_size
     rng = np.random.default_rng(0)
-    rows = [rng.integers(0, V, n).tolist() for n in (200, 5, 17, 1)]  # 200: two head chunks of 128
+    rows = [rng.integers(0, V, n).tolist() for n in (200, 5, 17, 1)]  # 200: padded to 224, two head chunks
     got = jdllm.score(m, rows, top_logprobs=4)
     assert len(got) == len(rows)
     for row, sc in zip(rows, got):
