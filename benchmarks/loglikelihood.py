@@ -3,10 +3,10 @@
 What an lm-evaluation-harness multiple-choice run spends its time on: log p(continuation |
 context) of many (context, continuation) pairs.
 
-- causal (Qwen3): `jdllm.loglikelihood` (`jdllm.score`: longest first, 8 rows a forward, right-padded
-  to quarter-octave lengths, the log-softmax at most 128 positions at a time, only log-probs and the top-1 leave the
-  device) against what the harness' `hf` model does: `transformers` forwards of 8 right-padded
-  rows, `log_softmax` over every position, the continuation's log-probs gathered. Values and the
+- causal (Qwen3): `jdllm.loglikelihood` (`jdllm.score`'s forward: longest first, 8 rows a forward, left-padded
+  to quarter-octave lengths, the LM head and log-softmax only at the continuations' slots, only
+  log-probs and the top-1 leave the device) against what the harness' `hf` model does: `transformers` forwards of 8 right-padded
+  rows, longest first, `log_softmax` over every position, the continuation's log-probs gathered. Values and the
   greedy flags are compared.
 - masked diffusion (LLaMA weights as a LLaDA-style bidirectional model): LLaDA's Monte Carlo ELBO
   (`jdllm.loglikelihood`, `mc_samples` in batches of `mc_batch`) against LLaDA's
@@ -54,20 +54,22 @@ def torch_causal(hf, pairs):
     """The harness' hf model: right-padded batches of ROWS, log_softmax everywhere, continuation gathered."""
     import torch  # noqa: PLC0415
 
-    out = []
+    order = sorted(range(len(pairs)), key=lambda i: -(len(pairs[i][0]) + len(pairs[i][1])))  # as the harness' Collator
+    out: list = [None] * len(pairs)
     with torch.no_grad():
-        for i in range(0, len(pairs), ROWS):
-            part = pairs[i:i + ROWS]
+        for i in range(0, len(order), ROWS):
+            idx = order[i:i + ROWS]
+            part = [pairs[j] for j in idx]
             T = max(len(c) + len(k) for c, k in part)
             ids = torch.zeros((len(part), T), dtype=torch.long)
             for b, (c, k) in enumerate(part):
                 ids[b, :len(c) + len(k)] = torch.as_tensor(c + k)
             logp = torch.log_softmax(hf(input_ids=ids).logits.float(), dim=-1)
-            for b, (c, k) in enumerate(part):
+            for b, (j, (c, k)) in enumerate(zip(idx, part)):
                 P, n = len(c), len(k)
                 lp = logp[b, P - 1:P + n - 1]
                 tgt = torch.as_tensor(k)
-                out.append((float(lp.gather(-1, tgt[:, None]).sum()), bool((lp.argmax(-1) == tgt).all())))
+                out[j] = (float(lp.gather(-1, tgt[:, None]).sum()), bool((lp.argmax(-1) == tgt).all()))
     return out
 
 
@@ -129,6 +131,7 @@ def main(argv=None) -> int:
     ap.add_argument("--weight-scale", type=float, default=1.0, help="weights ~ N(0, (scale / sqrt(D))^2)")
     ap.add_argument("--mc-samples", type=int, default=64)
     ap.add_argument("--mc-batch", type=int, default=16)
+    ap.add_argument("--only", choices=("causal", "masked"), default=None, help="one of the two comparisons")
     ap.add_argument("--cpu", type=int, default=None, help="pin this process to one CPU core")
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "out", "loglikelihood.json"))
     args = ap.parse_args(argv)
@@ -144,19 +147,22 @@ def main(argv=None) -> int:
               rng.integers(0, V - 2, int(rng.integers(*args.continuation))).tolist()) for _ in range(args.requests)]
     rows, t0 = [], time.time()
     with tempfile.TemporaryDirectory() as tmp:
-        qwen_hf, qwen = build(tmp, "qwen3", args, seed=0)
-        r = interleaved({"jd": lambda: jdllm.loglikelihood(qwen, pairs), "pt": lambda: torch_causal(qwen_hf, pairs)},
-                        args.pairs)
-        rows.append(row("causal: jdllm.loglikelihood vs transformers (Qwen3)", len(pairs), r, r["jd"][2], r["pt"][2]))
-        llama_hf, llama = build(tmp, "llama", args, seed=1)
-        llada = diffusion_model(llama, "bidirectional", args.block, V - 1)
-        few = pairs[:max(1, len(pairs) // 4)]
-        noise = llada_noise(llada, few, args.mc_samples, args.mc_batch, 0)
-        kw = dict(mc_samples=args.mc_samples, mc_batch=args.mc_batch, seed=0)
-        r = interleaved({"jd": lambda: jdllm.loglikelihood(llada, few, **kw),
-                         "pt": lambda: torch_llada(llama_hf, few, noise)}, args.pairs)
-        rows.append(row(f"masked diffusion: LLaDA ELBO, mc {args.mc_samples} / batch {args.mc_batch}", len(few), r,
-                        r["jd"][2], r["pt"][2]))
+        if args.only in (None, "causal"):
+            qwen_hf, qwen = build(tmp, "qwen3", args, seed=0)
+            r = interleaved({"jd": lambda: jdllm.loglikelihood(qwen, pairs),
+                             "pt": lambda: torch_causal(qwen_hf, pairs)}, args.pairs)
+            rows.append(row("causal: jdllm.loglikelihood vs transformers (Qwen3)", len(pairs), r, r["jd"][2],
+                            r["pt"][2]))
+        if args.only in (None, "masked"):
+            llama_hf, llama = build(tmp, "llama", args, seed=1)
+            llada = diffusion_model(llama, "bidirectional", args.block, V - 1)
+            few = pairs[:max(1, len(pairs) // 4)]
+            noise = llada_noise(llada, few, args.mc_samples, args.mc_batch, 0)
+            kw = dict(mc_samples=args.mc_samples, mc_batch=args.mc_batch, seed=0)
+            r = interleaved({"jd": lambda: jdllm.loglikelihood(llada, few, **kw),
+                             "pt": lambda: torch_llada(llama_hf, few, noise)}, args.pairs)
+            rows.append(row(f"masked diffusion: LLaDA ELBO, mc {args.mc_samples} / batch {args.mc_batch}", len(few),
+                            r, r["jd"][2], r["pt"][2]))
     meta = dict(machine=platform.machine(), processor=platform.processor(), cpus=os.cpu_count(), jax=jax.__version__,
                 torch=torch.__version__, shape=dict(vocab=V, hidden=args.hidden, layers=args.layers, heads=args.heads,
                                                     mlp=args.mlp), context=args.context,

@@ -29,7 +29,7 @@ import numpy as np
 
 from jdllm import errors, inputs
 from jdllm.model import default_positions, forward
-from jdllm.scoring import length_bucket, score
+from jdllm.scoring import length_bucket, tail_scores
 from jdllm.sharding import auto_axes
 
 SCORE_ROWS = 8  # causal rows per scoring forward
@@ -88,14 +88,17 @@ def loglikelihood(model, pairs, *, mc_samples: int = 128, mc_batch: int = 32, se
 
 
 def _causal(model, rows) -> list[tuple[float, bool]]:
-    """Scored SCORE_ROWS at a time, longest first (rows of like length share a forward's padding)."""
+    """Scored SCORE_ROWS at a time, longest first (rows of like length share a forward's padding),
+    the LM head only at the continuations' slots (`jdllm.scoring.tail_scores`)."""
     order = sorted(range(len(rows)), key=lambda i: -(len(rows[i][0]) + len(rows[i][1])))
     out: list = [None] * len(rows)
     for i in range(0, len(order), SCORE_ROWS):
         part = order[i:i + SCORE_ROWS]
-        for j, s in zip(part, score(model, [np.concatenate(rows[j]) for j in part], top_logprobs=1)):
-            P = len(rows[j][0])
-            out[j] = (float(np.sum(s.logprobs[P:], dtype=np.float64)), s.is_greedy(begin=P))
+        lp, top, _ = tail_scores(model, [np.concatenate(rows[j]) for j in part], max(len(rows[j][1]) for j in part), 1)
+        for b, j in enumerate(part):
+            L = len(rows[j][1])
+            mine, best = lp[b, -L:], top[b, -L:, 0]
+            out[j] = (float(np.sum(mine, dtype=np.float64)), bool(np.all(mine >= best)))
     return out
 
 

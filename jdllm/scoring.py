@@ -5,10 +5,9 @@ This is what scoring a text needs: lm-evaluation-harness' loglikelihood tasks (m
 perplexity), OpenAI's `echo` with `logprobs` (the server's prompt log-probs), top alternatives of
 a completion. Only the small results leave the device: per position the token's log-prob and the
 `top_logprobs` most likely ids and log-probs, the log-softmax taken over chunks of positions so
-the float32 [positions, vocab] logits never exist whole. Rows are right-padded to quarter-octave
-lengths (at most ~1/8 of a row padding; `length_bucket`) and power-of-two row counts (a causal
-row's padding after it changes nothing before it), so calls with new lengths reuse a handful of
-compiled programs.
+the float32 [positions, vocab] logits never exist whole. Rows are left-padded (the padding masked
+out) to quarter-octave lengths (at most ~1/8 of a row padding; `length_bucket`) and power-of-two
+row counts, so calls with new lengths reuse a handful of compiled programs.
 
 The log-probs are the model's own distribution (temperature 1, nothing filtered). A diffusion
 model (block-causal or bidirectional attention) has no left-to-right likelihood: `score` refuses
@@ -85,32 +84,44 @@ def score(model, token_ids, *, top_logprobs: int = 0) -> list[Scores]:
             "truncate the input")
     for r in rows:
         inputs.check_id_range(r, cfg.vocab_size)
-    S = length_bucket(longest, cfg.max_position_embeddings)
-    tokens = np.zeros((row_bucket(len(rows)), S), np.int32)
-    for b, r in enumerate(rows):
-        tokens[b, :len(r)] = r
-    lp, top_lp, top_ids = jax.device_get(_score_jit(model.params, jnp.asarray(tokens), cfg=cfg,
-                                                    attn_impl=model.forward_impl, top=int(top_logprobs),
-                                                    placement=model.placement))
+    lp, top_lp, top_ids = tail_scores(model, rows, longest, int(top_logprobs))
     out = []
     for b, r in enumerate(rows):
         n = len(r)
-        row_lp, row_top, row_ids = lp[b, :n].copy(), top_lp[b, :n].copy(), top_ids[b, :n].copy()
+        row_lp, row_top, row_ids = lp[b, -n:].copy(), top_lp[b, -n:].copy(), top_ids[b, -n:].copy()
         row_lp[0], row_top[0], row_ids[0] = np.nan, np.nan, -1
         out.append(Scores(token_ids=np.asarray(r, np.int32), logprobs=row_lp, top_ids=row_ids, top_logprobs=row_top))
     return out
 
 
-@jax.jit(static_argnames=("cfg", "attn_impl", "top", "placement"))
+def tail_scores(model, rows: list[np.ndarray], width: int, top: int):
+    """(log-probs [B', W], top log-probs [B', W, top], top ids [B', W, top]) of each row's last W >=
+    `width` tokens (checked rows, left-padded: entries before a row's first token are padding; B'
+    >= len(rows)). Only those W positions run the LM head: `jdllm.loglikelihood` asks for the
+    continuations alone."""
+    cfg = model.config
+    S = length_bucket(max(len(r) for r in rows), cfg.max_position_embeddings)
+    W = min(length_bucket(width, S), S)
+    tokens = np.zeros((row_bucket(len(rows)), S), np.int32)
+    start = np.zeros((tokens.shape[0],), np.int32)
+    for b, r in enumerate(rows):
+        tokens[b, S - len(r):], start[b] = r, S - len(r)
+    return jax.device_get(_score_jit(model.params, jnp.asarray(tokens), jnp.asarray(start), cfg=cfg,
+                                     attn_impl=model.forward_impl, top=top, width=W, placement=model.placement))
+
+
+@jax.jit(static_argnames=("cfg", "attn_impl", "top", "width", "placement"))
 @auto_axes
-def _score_jit(params, tokens, *, cfg, attn_impl, top, placement=None):
-    """([B, S] log-probs, [B, S, top] top log-probs, [B, S, top] top ids) of right-padded rows."""
+def _score_jit(params, tokens, start, *, cfg, attn_impl, top, width, placement=None):
+    """([B, W] log-probs, [B, W, top] top log-probs, [B, W, top] top ids) of the last W slots of
+    left-padded rows (row b's tokens from start[b])."""
     B, S = tokens.shape
-    h = teacher_forced_hidden(params, cfg, tokens, jnp.zeros((B,), jnp.int32), attn_impl)  # slot p from p - 1
-    c = max(d for d in range(1, min(S, HEAD_CHUNK) + 1) if S % d == 0)  # chunks that tile S: no padded head rows
-    n = S // c
+    h = teacher_forced_hidden(params, cfg, tokens, start, attn_impl)[:, S - width:]  # slot p from p - 1
+    t = tokens[:, S - width:]
+    c = max(d for d in range(1, min(width, HEAD_CHUNK) + 1) if width % d == 0)  # chunks that tile W: no padded rows
+    n = width // c
     hc = h.reshape(B, n, c, h.shape[-1]).swapaxes(0, 1)
-    tc = tokens.reshape(B, n, c).swapaxes(0, 1)
+    tc = t.reshape(B, n, c).swapaxes(0, 1)
 
     def chunk(args):
         hh, tt = args
@@ -121,8 +132,8 @@ def _score_jit(params, tokens, *, cfg, attn_impl, top, placement=None):
 
     lp, vals, ids = jax.lax.map(chunk, (hc, tc))
 
-    def back(x):  # [n, B, c, ...] -> [B, S, ...]
-        return x.swapaxes(0, 1).reshape(B, S, *x.shape[3:])
+    def back(x):  # [n, B, c, ...] -> [B, W, ...]
+        return x.swapaxes(0, 1).reshape(B, width, *x.shape[3:])
 
     return back(lp), back(vals), back(ids)
 
