@@ -2,8 +2,8 @@
 
 Writes two tiny tasks (sorting three digits: pick the sorted answer among three; write it) as
 lm-eval YAML over local JSONL files, then runs the harness' own evaluator on the `jdllm` model
-type: the multiple-choice task on tiny-ar (exact log-likelihoods) and on tiny-llada (LLaDA's
-Monte Carlo ELBO), the generation task on tiny-sdar (block diffusion) and tiny-llada (masked
+type: the multiple-choice task on tiny-ar (exact log-likelihoods), tiny-llada (LLaDA's Monte
+Carlo ELBO) and tiny-sdar (its block-diffusion form), the generation task on tiny-sdar (block diffusion) and tiny-llada (masked
 diffusion). The same from the command line:
 
     python -m jdllm.evaluation --model jdllm --model_args path=models/tiny-llada,mc_samples=32 \\
@@ -55,6 +55,7 @@ def main() -> None:
         write_tasks(d)
         tasks = TaskManager(include_path=d)
         runs = [("tiny-ar", "sort_mc", {}), ("tiny-llada", "sort_mc", {"mc_samples": 32, "mc_batch": 16}),
+                ("tiny-sdar", "sort_mc", {"mc_samples": 32, "mc_batch": 16}),
                 ("tiny-sdar", "sort_gen", {"paradigm": "block_diffusion", "denoising_steps": 2}),
                 ("tiny-llada", "sort_gen", {"paradigm": "masked_diffusion", "steps": 8})]
         for name, task, kw in runs:

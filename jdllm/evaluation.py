@@ -9,9 +9,10 @@
 registered (the harness finds models only among those imported; LLaDA's eval_llada.py does the
 same). From Python: `lm_eval.simple_evaluate(model=JdllmLM(model=jdllm_model, ...), tasks=[...])`.
 
-* loglikelihood (multiple choice, ...): `jdllm.loglikelihood`: exact on causal models, LLaDA's
-  Monte Carlo ELBO (`mc_samples`, `mc_batch`, `seed`) on masked-diffusion ones; `check_greedy`
-  runs LLaDA's greedy check (off by default, as LLaDA's: it costs one forward per token).
+* loglikelihood (multiple choice, ...): `jdllm.loglikelihood`: exact on causal models, a Monte
+  Carlo ELBO (`mc_samples`, `mc_batch`, `seed`) on masked-diffusion (LLaDA's) and block-diffusion
+  (SDAR, BD3-LM form) ones; `check_greedy` runs LLaDA's greedy check on masked-diffusion models
+  (off by default, as LLaDA's: it costs one forward per token).
 * loglikelihood_rolling (perplexity): causal models, in windows of `max_length` tokens.
 * generate_until: `jdllm.generate` with the paradigm given (`paradigm=` and its fields as
   model_args, as `jdllm generate --paradigm ... --field ...`; the model's default paradigm

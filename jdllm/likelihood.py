@@ -14,7 +14,14 @@
   (unmask the single most confident token per forward, L forwards), run as `MaskedDiffusion`
   with gen_length = steps = block_length = L; off by default, as LLaDA recommends (it costs L
   forwards per request), and then every answer is `False`.
-* Block-causal models (SDAR, Fast-dLLM v2): no estimator here; an `InputError` says so.
+* Block-causal models with same-position logits (SDAR, TraDo): the BD3-LM form of the same ELBO.
+  The row sits on its own block grid (slot 0 = its first token, right-padded with the padding
+  hidden); in each batch every block holding L_j continuation tokens gets LLaDA's stratified
+  counts with its own random k, each row masking that many of the block's continuation tokens;
+  each noisy block is denoised seeing itself and the clean blocks before it (one pass over
+  [noisy ; clean] under the BD3-LM mask, `jdllm.objectives.block_diffusion_forward`, as SDAR
+  trains); the estimate is minus the mean of sum(CE / (count_j / L_j)) / b. No greedy check.
+  Fast-dLLM v2 (block-causal, shifted logits) has none here: an `InputError` says so.
 
 Rows are left-padded to quarter-octave lengths (`jdllm.scoring.length_bucket`; padding is masked
 out, so a bidirectional row sees only itself) and continuation lengths likewise, so requests of new lengths reuse a
@@ -62,18 +69,23 @@ def _check_pairs(model, pairs) -> list[tuple[np.ndarray, np.ndarray]]:
 def loglikelihood(model, pairs, *, mc_samples: int = 128, mc_batch: int = 32, seed: int = 0,
                   greedy: bool = False) -> list[tuple[float, bool]]:
     """(log-likelihood, is_greedy) of each (context ids, continuation ids) pair under `model`: exact
-    for causal models, LLaDA's Monte Carlo ELBO estimate (`mc_samples` noisy copies in batches of
-    `mc_batch`; `seed`) for bidirectional masked-diffusion ones (see the module docstring)."""
+    for causal models, a Monte Carlo ELBO estimate (`mc_samples` noisy copies in batches of
+    `mc_batch`; `seed`) for masked-diffusion (LLaDA's) and block-diffusion (BD3-LM form) ones; see
+    the module docstring."""
     cfg = model.config
     rows = _check_pairs(model, pairs)
     if cfg.attention == "causal":
         return _causal(model, rows)
-    if cfg.attention != "bidirectional" or cfg.mask_token_id is None:
+    blocks = cfg.attention == "block_causal"
+    if cfg.mask_token_id is None or (blocks and cfg.logit_shift):
         raise errors.InputError(
             f"loglikelihood() has no estimator for a model with {cfg.attention} attention"
-            + ("" if cfg.mask_token_id is not None else " and no mask token")
-            + ": it is exact for causal models and LLaDA's Monte Carlo ELBO for bidirectional masked-diffusion "
-              "ones (LLaDA, Dream)")
+            + (" and no mask token" if cfg.mask_token_id is None else " and shifted logits (Fast-dLLM v2)")
+            + ": it is exact for causal models and a Monte Carlo ELBO for masked-diffusion ones (LLaDA, Dream) and "
+              "same-position block-diffusion ones (SDAR)")
+    if blocks and greedy:
+        raise errors.InputError("greedy=True is LLaDA's check (suffix_greedy_prediction), for bidirectional "
+                                "masked-diffusion models; a block-diffusion model has none here")
     for name, v in (("mc_samples", mc_samples), ("mc_batch", mc_batch)):
         if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
             raise errors.InputError(f"{name}={v!r} must be an integer >= 1")
@@ -82,7 +94,8 @@ def loglikelihood(model, pairs, *, mc_samples: int = 128, mc_batch: int = 32, se
     key = jax.random.key(seed)
     out = []
     for i, (ctx, cont) in enumerate(rows):
-        ll = _masked_elbo(model, ctx, cont, jax.random.fold_in(key, i), mc_samples // mc_batch, mc_batch)
+        elbo = _block_elbo if blocks else _masked_elbo
+        ll = elbo(model, ctx, cont, jax.random.fold_in(key, i), mc_samples // mc_batch, mc_batch)
         out.append((ll, _greedy_unmasking(model, ctx, cont) if greedy else False))
     return out
 
@@ -173,4 +186,60 @@ def _greedy_unmasking(model, ctx, cont) -> bool:
     return list(out.token_ids) == cont.tolist()
 
 
-__all__ = ["loglikelihood", "mask_counts", "noisy_rows"]
+# --------------------------------------------------------------------------- block diffusion
+def noisy_block_rows(key, tokens, P, n, b: int, block: int, mask_id: int):
+    """(noisy [b, S], masked [b, S], ratio [b, S]): one MC batch for a block-causal row `tokens` [S]
+    (slots from 0, right-padded after n) whose continuation is slots [P, n): LLaDA's forward process
+    in each block on its own (the block's L_j continuation slots, a count per row from LLaDA's
+    stratified counts with the block's own k), ratio count / L_j at every slot of the block."""
+    S = tokens.shape[0]
+    nb = S // block
+    s = jnp.arange(S)
+    cont = (s >= P) & (s < n)
+    L = jnp.sum(cont.reshape(nb, block), axis=1)  # [nb] continuation slots per block
+    kc, kp = jax.random.split(key)
+    counts = jax.vmap(lambda k, lj: mask_counts(k, jnp.maximum(lj, 1), b))(jax.random.split(kc, nb), L)  # [nb, b]
+    noise = jnp.where(cont, jax.random.uniform(kp, (b, S)), jnp.inf).reshape(b, nb, block)
+    rank = jnp.argsort(jnp.argsort(noise, axis=-1), axis=-1).reshape(b, S)  # place in a random order, per block
+    per_slot = counts.T[:, s // block]  # [b, S]
+    masked = cont & (rank < per_slot)
+    ratio = per_slot / jnp.maximum(L, 1)[s // block].astype(jnp.float32)
+    return jnp.where(masked, mask_id, tokens[None]), masked, ratio
+
+
+@jax.jit(static_argnames=("cfg", "groups", "b", "width", "placement"))
+@auto_axes
+def _block_elbo_jit(params, tokens, P, n, key, *, cfg, groups, b, width, placement=None):
+    """minus the mean over `groups` MC batches of sum(CE at masked slots / ratio) / b, each noisy
+    block denoised under the BD3-LM mask (its own block and the clean blocks before it); the head
+    only at the `width` slots before n (the continuation's L <= width among them)."""
+    from jdllm.objectives import block_diffusion_forward  # noqa: PLC0415
+
+    S = tokens.shape[0]
+    at = jnp.broadcast_to(jnp.clip(n - width + jnp.arange(width, dtype=jnp.int32), 0, S - 1), (b, width))
+    zeros, end = jnp.zeros((b,), jnp.int32), jnp.full((b,), n, jnp.int32)
+
+    def batch(k):
+        noisy, masked, ratio = noisy_block_rows(k, tokens, P, n, b, cfg.block_size, cfg.mask_token_id)
+        logits = block_diffusion_forward(params, cfg, noisy, jnp.broadcast_to(tokens, (b, S)), zeros, end,
+                                         logits_at=at)
+        logp = jax.nn.log_softmax(logits, axis=-1)
+        lp = jnp.take_along_axis(logp, tokens[at][..., None], axis=-1)[..., 0]
+        pick = lambda x: jnp.take_along_axis(x, at, axis=1)  # noqa: E731
+        return jnp.sum(jnp.where(pick(masked), -lp / pick(ratio), 0.0)) / b
+
+    return -jnp.mean(jax.lax.map(batch, jax.random.split(key, groups)))
+
+
+def _block_elbo(model, ctx, cont, key, groups: int, b: int) -> float:
+    cfg = model.config
+    n, L, bs = len(ctx) + len(cont), len(cont), cfg.block_size
+    S = -(-length_bucket(n, cfg.max_position_embeddings) // bs) * bs  # whole blocks from slot 0 (the row's grid)
+    tokens = np.zeros((S,), np.int32)
+    tokens[:n] = np.concatenate([ctx, cont])
+    width = min(length_bucket(L, S), n)
+    return float(_block_elbo_jit(model.params, jnp.asarray(tokens), jnp.int32(len(ctx)), jnp.int32(n), key, cfg=cfg,
+                                 groups=groups, b=b, width=width, placement=model.placement))
+
+
+__all__ = ["loglikelihood", "mask_counts", "noisy_rows", "noisy_block_rows"]

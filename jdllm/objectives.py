@@ -110,12 +110,13 @@ def masked_diffusion_loss(params: Params, cfg: ModelConfig, tokens, target, star
     return _weighted_masked_ce(logits, tokens, masked, p_mask, target)
 
 
-def bd3lm_attention_mask(T: int, block_size: int, start) -> jax.Array:
+def bd3lm_attention_mask(T: int, block_size: int, start, end=None) -> jax.Array:
     """BD3-LM mask [B, 2T, 2T] over the sequence [x_noisy ; x_clean] (bool, True = visible).
 
     Slot s of either copy is in block s // block_size. Noisy block i sees all of
     noisy block i and clean blocks < i; clean block j sees clean blocks <= j
-    (block-causal). Keys before `start[b]` (left padding) are hidden in both copies.
+    (block-causal). Keys before `start[b]` (left padding) are hidden in both copies, and with `end`
+    [B] keys from `end[b]` on (right padding: a last block that the row fills only in part).
     """
     s = jnp.arange(T, dtype=jnp.int32)
     blk = s // block_size  # [T]
@@ -126,23 +127,27 @@ def bd3lm_attention_mask(T: int, block_size: int, start) -> jax.Array:
     clean_clean = kb <= qb
     m = jnp.block([[noisy_noisy, noisy_clean], [clean_noisy, clean_clean]])  # [2T, 2T]
     valid = s[None, :] >= jnp.asarray(start, jnp.int32)[:, None]  # [B, T]
+    if end is not None:
+        valid = valid & (s[None, :] < jnp.asarray(end, jnp.int32)[:, None])
     valid2 = jnp.concatenate([valid, valid], axis=1)  # [B, 2T]
     return m[None] & valid2[:, None, :]
 
 
-def block_diffusion_forward(params: Params, cfg: ModelConfig, noisy, clean, start):
+def block_diffusion_forward(params: Params, cfg: ModelConfig, noisy, clean, start, end=None, logits_at=None):
     """Logits [B, T, V] of the noisy copy under the BD3-LM mask (one pass over [noisy ; clean]).
 
     Equal to denoising each noisy block with the clean earlier blocks as
-    context under the block-causal rule, which is what inference does.
+    context under the block-causal rule, which is what inference does. `end` [B]: right padding
+    from there on is hidden; `logits_at` [B, N] (slots of the noisy copy): the LM head only there
+    (logits [B, N, V]).
     """
     B, T = clean.shape
     pos = default_positions(start, 0, T)
     both = jnp.concatenate([noisy, clean], axis=1)  # [B, 2T]
     pos2 = jnp.concatenate([pos, pos], axis=1)  # same RoPE positions in both copies
-    mask = bd3lm_attention_mask(T, cfg.block_size, start)
-    logits, _ = forward(params, cfg, both, pos2, start=start, attn_mask=mask, attn_impl="xla")
-    return logits[:, :T]
+    mask = bd3lm_attention_mask(T, cfg.block_size, start, end)
+    logits, _ = forward(params, cfg, both, pos2, start=start, attn_mask=mask, attn_impl="xla", logits_at=logits_at)
+    return logits if logits_at is not None else logits[:, :T]
 
 
 def block_diffusion_loss(params: Params, cfg: ModelConfig, tokens, target, start, key, *, eps: float = 1e-3,

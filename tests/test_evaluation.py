@@ -1,6 +1,6 @@
 """lm-evaluation-harness' own evaluator (`lm_eval.simple_evaluate`) on the `jdllm` model type, with tasks
 from local YAML and JSONL files: multiple choice on a causal model (exact log-likelihoods) and on a
-masked-diffusion one (LLaDA's ELBO), both equal to `jdllm.loglikelihood` on the pairs the harness
+masked-diffusion and a block-diffusion one (the ELBOs), all equal to `jdllm.loglikelihood` on the pairs the harness
 builds; generation on a block-diffusion model equal to `jdllm.generate` cut at `until`; rolling
 log-likelihood equal to the sum of the windows' token log-probs from `jdllm.logits`; the command line."""
 
@@ -69,7 +69,7 @@ def _arguments(sample) -> list[tuple[str, str]]:
     return [(x["arg_0"], x["arg_1"]) if isinstance(x, dict) else tuple(x) for x in items]
 
 
-@pytest.mark.parametrize("name", ["tiny-ar", "tiny-llada"])
+@pytest.mark.parametrize("name", ["tiny-ar", "tiny-llada", "tiny-sdar"])
 def test_multiple_choice_scores_are_jdllm_loglikelihood(name, task_dir):
     from jdllm.evaluation import JdllmLM
 

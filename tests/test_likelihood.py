@@ -1,6 +1,7 @@
 """`jdllm.loglikelihood`: exact sums for causal models against transformers' log-softmax; LLaDA's Monte
 Carlo ELBO for masked-diffusion models against a plain loop over the same noisy rows scored by the
-transformers reference (LLaDA and Dream alignments), its mask counts against LLaDA's formula, the
+transformers reference (LLaDA and Dream alignments), the block-diffusion (SDAR) ELBO against a loop
+denoising each block alone after the clean blocks before it, its mask counts against LLaDA's formula, the
 one-token case exact, and the greedy check against a plain loop of LLaDA's suffix_greedy_prediction."""
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import torch
 import hf_fixtures as fx
 import jdllm
 from jdllm import errors
-from jdllm.likelihood import mask_counts, noisy_rows
+from jdllm.likelihood import mask_counts, noisy_block_rows, noisy_rows
 from jdllm.scoring import length_bucket
 
 
@@ -121,6 +122,69 @@ def test_one_token_continuation_is_exact(diffusion):
     assert abs(ll - want) < 1e-4
 
 
+@pytest.fixture(scope="module")
+def sdar(tmp_path_factory):
+    d, ref = fx.build_family_dir("sdar", str(tmp_path_factory.mktemp("sdar")), seed=6, kv_heads=2, block_size=4)
+    return jdllm.load(d, dtype="float32"), ref
+
+
+def _reference_block_elbo(m, ref, ctx, cont, seed, index, groups, b):
+    """The block-diffusion ELBO as a plain loop: each block with masked continuation slots denoised
+    alone, its noisy copy after the clean blocks before it (cut at the row's end), by the
+    transformers model under the block-causal mask; sum(CE / ratio) / b per batch, minus the mean."""
+    bs = m.config.block_size
+    row = np.asarray(ctx + cont, np.int32)
+    n, P = len(row), len(ctx)
+    S = -(-length_bucket(n, m.config.max_position_embeddings) // bs) * bs
+    padded = np.zeros(S, np.int32)
+    padded[:n] = row
+    losses = []
+    for k in jax.random.split(jax.random.fold_in(jax.random.key(seed), index), groups):
+        noisy, masked, _ = (np.asarray(x) for x in noisy_block_rows(k, padded, P, n, b, bs, m.config.mask_token_id))
+        total = 0.0
+        for i in range(b):
+            for j0 in range(0, n, bs):
+                slots = [s for s in range(j0, min(j0 + bs, n)) if masked[i, s]]
+                if not slots:
+                    continue
+                ratio = len(slots) / len([s for s in range(j0, min(j0 + bs, n)) if s >= P])  # the block's share masked
+                seq = np.concatenate([row[:j0], noisy[i, j0:min(j0 + bs, n)]])
+                lp = _log_softmax(fx.reference_logits(ref, seq[None], kind="block_causal", block_size=bs)[0])
+                total += sum(-lp[s, row[s]] / ratio for s in slots)
+        losses.append(total / b)
+    return -float(np.mean(losses))
+
+
+def test_block_diffusion_elbo_equals_the_per_block_loop(sdar):
+    m, ref = sdar
+    rng = np.random.default_rng(3)
+    pairs = [(rng.integers(0, 120, 5).tolist(), rng.integers(0, 120, 6).tolist()),  # context ends mid-block
+             (rng.integers(0, 120, 8).tolist(), rng.integers(0, 120, 3).tolist())]  # the row ends mid-block
+    got = jdllm.loglikelihood(m, pairs, mc_samples=16, mc_batch=8, seed=2)
+    for i, ((ctx, cont), (ll, greedy)) in enumerate(zip(pairs, got)):
+        want = _reference_block_elbo(m, ref, ctx, cont, 2, i, 2, 8)
+        assert abs(ll - want) < 1e-4 * max(1.0, abs(want)), (ll, want)
+        assert greedy is False
+    padded = np.zeros(16, np.int32)
+    padded[:11] = np.arange(1, 12)
+    for s in range(20):  # each block's counts in [1, L_j], only continuation slots masked
+        _, masked, ratio = (np.asarray(x) for x in noisy_block_rows(jax.random.key(s), padded, 5, 11, 8, 4, 99))
+        assert not masked[:, :5].any() and not masked[:, 11:].any()
+        per_block = masked[:, :12].reshape(8, 3, 4).sum(-1)  # blocks [4, 8) and [8, 12) hold 3 continuation slots
+        assert np.all((per_block[:, 1:] >= 1) & (per_block[:, 1:] <= 3)) and np.all(per_block[:, 0] == 0)
+        np.testing.assert_allclose(ratio[:, 5:8], np.repeat(per_block[:, 1:2] / 3, 3, axis=1))
+        np.testing.assert_allclose(ratio[:, 8:11], np.repeat(per_block[:, 2:3] / 3, 3, axis=1))
+
+
+def test_block_diffusion_one_token_is_exact(sdar):
+    m, ref = sdar
+    ctx, cont = [5, 17, 33, 2, 9, 60], [41]
+    (ll, _), = jdllm.loglikelihood(m, [(ctx, cont)], mc_samples=8, mc_batch=4)
+    seq = np.asarray([ctx + [m.config.mask_token_id]])
+    want = _log_softmax(fx.reference_logits(ref, seq, kind="block_causal", block_size=4)[0, -1])[cont[0]]
+    assert abs(ll - want) < 1e-4
+
+
 def _suffix_greedy(m, ctx, L) -> list[int]:
     """LLaDA's suffix_greedy_prediction as a plain loop: each forward fills the single most confident
     masked position with its argmax."""
@@ -149,8 +213,11 @@ def test_bad_requests_are_refused():
     ar = jdllm.load("models/tiny-ar", dtype="float32")
     llada = jdllm.load("models/tiny-llada", dtype="float32")
     sdar = jdllm.load("models/tiny-sdar", dtype="float32")
-    with pytest.raises(errors.InputError, match="block_causal"):
-        jdllm.loglikelihood(sdar, [([1, 2], [3])])
+    with pytest.raises(errors.InputError, match="greedy=True"):
+        jdllm.loglikelihood(sdar, [([1, 2], [3])], greedy=True)
+    fast_dllm = jdllm.Model(sdar.config.replace(logit_shift=True), sdar.params)
+    with pytest.raises(errors.InputError, match="Fast-dLLM v2"):
+        jdllm.loglikelihood(fast_dllm, [([1, 2], [3])])
     with pytest.raises(errors.InputError, match="context is empty"):
         jdllm.loglikelihood(ar, [([], [3])])
     with pytest.raises(errors.InputError, match="continuation is empty"):
