@@ -13,6 +13,7 @@ compiles a constraint) run on worker threads, never on the event loop.
 
 import asyncio
 import dataclasses
+import itertools
 import json
 import math
 import time
@@ -167,7 +168,7 @@ def prompt_block(srv, ids: list[int], scores, top: int) -> dict:
     """The completions `logprobs` object of an echoed prompt from its `jdllm.Scores`: the first
     token's log-prob and alternatives are null (it has no context), offsets from 0."""
     toks = [srv.token_text(t) for t in ids]
-    offsets = [sum(len(t) for t in toks[:i]) for i in range(len(toks))]
+    offsets = [0, *itertools.accumulate(len(t) for t in toks[:-1])]
     alts = [None] + [(scores.top_ids[i], scores.top_logprobs[i]) for i in range(1, len(ids))] if top else None
     return token_block(srv, toks, ids, scores.logprobs[:len(ids)], alts, offsets, chat=False)
 
@@ -313,16 +314,15 @@ class Completion:
 
     def _logprobs(self, c: Choice) -> dict:
         """A whole choice's `logprobs` object: with echo its prompt's, then its tokens'."""
-        i = c.index // self.n
         scored = None if self.choice_scores is None else self.choice_scores[c.index]  # choice i is choices[i]
-        own = c.logprob_block(slice(0, len(c.ids)), self.chat, len(self._echo(c)), scored, len(self.prompts[i]))
+        own = c.logprob_block(slice(0, len(c.ids)), self.chat, len(self._echo(c)), scored, len(self.prompt_of(c)))
         if not self.lp.echo:
             return own
         return join_blocks(self._prompt_block(c, scored), own)
 
     def _prompt_block(self, c: Choice, scored=None) -> dict:
-        i = c.index // self.n
-        return prompt_block(self.srv, self.prompts[i], self.prompt_scores[i] if scored is None else scored, self.lp.top)
+        scores = self.prompt_scores[c.index // self.n] if scored is None else scored
+        return prompt_block(self.srv, self.prompt_of(c), scores, self.lp.top)
 
     def _choice_body(self, c: Choice) -> dict:
         d = {"index": c.index, "finish_reason": c.finish,
