@@ -78,6 +78,13 @@ def default_paradigm(cfg):
 
 def tokenize(model: Model, prompts, apply_chat_template: bool) -> list[list[int]]:
     """Text or token-id prompts -> a list of token-id lists."""
+    if not isinstance(prompts, (str, list, tuple, np.ndarray)) and hasattr(prompts, "__array__"):
+        prompts = np.asarray(prompts)  # a jax.Array of token ids, [T] or [B, T]
+    if not isinstance(prompts, (str, list, tuple, np.ndarray)) or (isinstance(prompts, np.ndarray)
+                                                                   and prompts.ndim == 0):
+        raise errors.ArgumentTypeError(
+            f"prompts is a {type(prompts).__name__} ({prompts!r:.40}); pass a string, a list of strings or of "
+            "token-id lists, or an int array [batch, length]")
     if isinstance(prompts, str) or (isinstance(prompts, (list, tuple, np.ndarray)) and len(prompts)
                                     and isinstance(prompts[0], (int, np.integer))):
         prompts = [prompts]

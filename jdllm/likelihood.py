@@ -50,7 +50,7 @@ def _check_pairs(model, pairs) -> list[tuple[np.ndarray, np.ndarray]]:
     for i, pair in enumerate(pairs):
         if not isinstance(pair, (list, tuple)) or len(pair) != 2:
             raise errors.InputError(f"request {i}: expected a (context ids, continuation ids) pair, got {pair!r}")
-        ctx, cont = (np.asarray(x, np.int64).reshape(-1) if len(x) else np.zeros((0,), np.int64) for x in pair)
+        ctx, cont = (inputs.id_row(x, f"request {i}: the {what}") for x, what in zip(pair, ("context", "continuation")))
         if ctx.size == 0:
             raise errors.InputError(f"request {i}: the context is empty; the first token has nothing to be "
                                     "conditioned on (lm-evaluation-harness passes the EOS token there)")
@@ -62,6 +62,12 @@ def _check_pairs(model, pairs) -> list[tuple[np.ndarray, np.ndarray]]:
                 f"max_position_embeddings={cfg.max_position_embeddings}; truncate the context")
         inputs.check_id_range(ctx, cfg.vocab_size)
         inputs.check_id_range(cont, cfg.vocab_size)
+        for what, x in (("context", ctx), ("continuation", cont)):
+            hits = np.flatnonzero(x == cfg.mask_token_id) if cfg.mask_token_id is not None else ()
+            if len(hits):
+                raise errors.InputError(
+                    f"request {i}: the {what} holds the mask token id {cfg.mask_token_id} at position "
+                    f"{int(hits[0])}; a diffusion model would read it as a blank, not as text: remove it")
         out.append((ctx.astype(np.int32), cont.astype(np.int32)))
     return out
 
@@ -91,6 +97,8 @@ def loglikelihood(model, pairs, *, mc_samples: int = 128, mc_batch: int = 32, se
             raise errors.InputError(f"{name}={v!r} must be an integer >= 1")
     if mc_samples % mc_batch:
         raise errors.InputError(f"mc_samples={mc_samples} must be a multiple of mc_batch={mc_batch} (LLaDA's rule)")
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or not 0 <= seed < 2**32:
+        raise errors.InputError(f"seed={seed!r} must be an integer in [0, 2**32)")
     key = jax.random.key(seed)
     out = []
     for i, (ctx, cont) in enumerate(rows):

@@ -68,6 +68,10 @@ class Quantization:
         if isinstance(self.group_size, bool) or not isinstance(self.group_size, int) or self.group_size < 1:
             raise errors.QuantizationError(f"group_size={self.group_size!r}: give a positive int (int4's default: "
                                            f"{DEFAULT_GROUP})")
+        if self.scheme != "int4" and self.group_size != DEFAULT_GROUP:
+            raise errors.QuantizationError(
+                f"group_size={self.group_size} applies to int4 only (got scheme {self.scheme!r}); int8 and fp8 "
+                "keep one scale per output channel")
 
     def axes_for(self, name: str, shape, lead: int = 0):
         """(axes the scale reduces, group size or None) of weight `name` of `shape` (a stacked one

@@ -150,6 +150,8 @@ def test_bad_input_raises_before_compiling():
                       (dict(block_length=0), "block_length=0")]:
         _no_compile(lambda: jdllm.BlockDiffusion(**kw), errors.DecodingConfigError, match)
     _no_compile(lambda: jdllm.generate(b, [], BD, ok), errors.InputError, "at least one prompt")
+    for bad, name in [(5, "int"), ((p for p in [[1, 2]]), "generator"), (np.array(5), "ndarray")]:
+        _no_compile(lambda: jdllm.generate(b, bad, BD, ok), errors.ArgumentTypeError, f"prompts is a {name}")
     _no_compile(lambda: jdllm.generate(b, [[1, 2], []], BD, ok), errors.InputError, "prompt 1 is empty")
     _no_compile(lambda: jdllm.generate(b, [[1, 2, 500]], BD, ok), errors.TokenOutOfRangeError, "500")
     _no_compile(lambda: jdllm.generate(b, [[1] * 250], BD, jdllm.Sampling(max_new_tokens=10)),
@@ -163,3 +165,15 @@ def test_bad_input_raises_before_compiling():
         prep = prepare(b, [[1, 2, 3]], jdllm.BlockDiffusion(block_length=8, denoising_steps=4), ok)
     assert prep.ctx.model.block_size == 8  # the forward's block grid follows block_length
     assert np.all(np.asarray(prep.state.start) % 8 == 0)
+
+
+def test_jax_array_prompts_are_token_ids_like_numpy_ones():
+    """A jax.Array [B, T] or [T] is a batch / one prompt of ids, as a numpy array is (it used to be
+    "needs at least one prompt")."""
+    import jax.numpy as jnp  # noqa: PLC0415
+
+    c = causal_model()
+    s = jdllm.Sampling(max_new_tokens=3)
+    want = [o.token_ids for o in jdllm.generate(c, [[5, 6], [7, 8]], jdllm.AR(), s)]
+    assert [o.token_ids for o in jdllm.generate(c, jnp.array([[5, 6], [7, 8]]), jdllm.AR(), s)] == want
+    assert jdllm.generate(c, jnp.array([5, 6]), jdllm.AR(), s)[0].token_ids == want[0]

@@ -214,10 +214,10 @@ def test_bad_requests_are_refused():
     llada = jdllm.load("models/tiny-llada", dtype="float32")
     sdar = jdllm.load("models/tiny-sdar", dtype="float32")
     with pytest.raises(errors.InputError, match="greedy=True"):
-        jdllm.loglikelihood(sdar, [([1, 2], [3])], greedy=True)
+        jdllm.loglikelihood(sdar, [([4, 5], [3])], greedy=True)
     fast_dllm = jdllm.Model(sdar.config.replace(logit_shift=True), sdar.params)
     with pytest.raises(errors.InputError, match="Fast-dLLM v2"):
-        jdllm.loglikelihood(fast_dllm, [([1, 2], [3])])
+        jdllm.loglikelihood(fast_dllm, [([4, 5], [3])])
     with pytest.raises(errors.InputError, match="context is empty"):
         jdllm.loglikelihood(ar, [([], [3])])
     with pytest.raises(errors.InputError, match="continuation is empty"):
@@ -227,6 +227,19 @@ def test_bad_requests_are_refused():
     with pytest.raises(errors.SequenceTooLongError):
         jdllm.loglikelihood(ar, [([1] * 60, [2] * 10)])
     with pytest.raises(errors.InputError, match="multiple of mc_batch"):
-        jdllm.loglikelihood(llada, [([1], [2])], mc_samples=10, mc_batch=4)
+        jdllm.loglikelihood(llada, [([1], [4])], mc_samples=10, mc_batch=4)
     with pytest.raises(errors.InputError, match="mc_batch"):
-        jdllm.loglikelihood(llada, [([1], [2])], mc_batch=0)
+        jdllm.loglikelihood(llada, [([1], [4])], mc_batch=0)
+    # each side is one row of integer ids, checked as score() and generate() check them (floats
+    # were truncated, a 2-D context flattened, bools taken as ids 0 / 1)
+    for pair, match in [(([5.7, 6.2], [7]), "context holds float64"), (([[5, 6], [7, 8]], [6]), r"context has shape"),
+                        (([True], [False]), "context holds bool"), (("sort:", [6]), "context is text"),
+                        ((5, [6]), r"context has shape \(\)"), (([5], None), "continuation holds object")]:
+        with pytest.raises(errors.ArgumentTypeError, match=match):
+            jdllm.loglikelihood(ar, [pair])
+    mask = llada.config.mask_token_id
+    with pytest.raises(errors.InputError, match=f"request 0: the context holds the mask token id {mask} at position 1"):
+        jdllm.loglikelihood(llada, [([5, mask, 6], [7])], mc_samples=4, mc_batch=4)
+    for seed in ("x", -1, 2**32, 1.5):
+        with pytest.raises(errors.InputError, match="seed="):
+            jdllm.loglikelihood(llada, [([5], [6])], mc_samples=4, mc_batch=4, seed=seed)

@@ -230,6 +230,9 @@ def test_errors_before_anything_compiles():
         jdllm.load(path, quantize="int3")
     with pytest.raises(errors.QuantizationError, match="'int2'"):
         jdllm.Quantization("int2")
+    for scheme in ("int8", "fp8"):  # a group size was ignored there; the CLI's --group-size is refused the same way
+        with pytest.raises(errors.QuantizationError, match=f"group_size=32 applies to int4 only .*'{scheme}'"):
+            jdllm.Quantization(scheme, group_size=32)
     with pytest.raises(errors.QuantizationError, match="group_size=128 does not divide .* size 32 of weight 'o'"):
         jdllm.load(path, quantize="int4")  # tiny-ar's head_dim is 32
     with pytest.raises(errors.QuantizationError, match="kv_cache='fp8'"):

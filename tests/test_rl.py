@@ -224,6 +224,13 @@ def test_losses_match_numpy_reference():
     g = rewards.reshape(2, 2)
     np.testing.assert_allclose(adv, ((g - g.mean(1, keepdims=True)) / (g.std(1, keepdims=True) + 1e-6)).ravel(),
                                rtol=1e-5)
+    # one reward per real row (what rl.texts gives) with the batch's `active`: the padding rows' are 0,
+    # the same advantages as rewards padded by hand; a numpy int group is an int
+    active = np.array([True] * 4 + [False] * 4)
+    padded = rl.group_advantages(np.concatenate([rewards, np.full(4, 9.0, np.float32)]), 2, active=active)
+    short = rl.group_advantages(rewards, np.int64(2), active=active)
+    np.testing.assert_array_equal(np.asarray(short), np.asarray(padded))
+    np.testing.assert_allclose(np.asarray(short)[:4], adv, rtol=1e-6)
     got = rl.grpo_loss(lp, old, adv, mask, clip_eps=0.2, ref_logprobs=ref, kl_coef=0.1)
     np.testing.assert_allclose(float(got), _np_grpo(lp, old, adv, mask, 0.2, 0.1, ref), rtol=1e-4, atol=1e-7)
     pg = rl.pg_loss(lp, adv, mask, aggregate="token")
@@ -268,6 +275,10 @@ def test_bad_input_errors():
     model, spec, ro = _rollout("masked", 1.0)
     with pytest.raises(errors.InputError, match="group >= 2"):
         rl.group_advantages(jnp.zeros(4), 1)
+    with pytest.raises(errors.InputError, match=r"rewards has shape \(4, 2\)"):
+        rl.group_advantages(jnp.zeros((4, 2)), 2)
+    with pytest.raises(errors.InputError, match=r"active has shape \(2,\) for 4 rewards"):
+        rl.group_advantages(jnp.zeros(4), 2, active=jnp.ones(2, bool))
     with pytest.raises(errors.InputError, match="shrink=0"):
         rl.trajectory_logprobs(model.params, ro, spec=spec, shrink=0)
     gap = ro.step_map.at[0].set(jnp.where(ro.step_map[0] > 0, ro.step_map[0] * 2, 0))
@@ -285,6 +296,9 @@ def test_bad_input_errors():
     # a rollout with weights of other shapes is refused naming the weight (it used to decode garbage)
     state, spec_m = rl.prepare_rollout(CASES["masked"][0], PROMPTS, CASES["masked"][1],
                                        jdllm.Sampling(max_new_tokens=4), group=GROUP)
+    for key in (0, jnp.zeros(3, jnp.uint32), jax.random.split(jax.random.key(0))):
+        with pytest.raises(errors.ArgumentTypeError, match="pass one PRNG key"):
+            rl.rollout(model.params, state, key, spec=spec_m)
     lm_head = model.params["lm_head"]
     with pytest.raises(errors.ConfigError, match=r"\['lm_head'\] has shape"):
         rl.rollout(dict(model.params, lm_head=lm_head[:, :7]), state, jax.random.key(0), spec=spec_m)

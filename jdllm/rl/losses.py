@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jdllm import errors
 from jdllm.sharding import auto_axes
@@ -26,11 +27,23 @@ def group_advantages(rewards, group: int, *, normalize_std: bool = True, eps: fl
     """GRPO advantages [B]: each reward minus its group's mean (divided by the group's std).
 
     rewards [B] with rows prompt-major (row = prompt * group + sample, as
-    `prepare_rollout` lays them out); rows past `active` (batch padding) get 0.
+    `prepare_rollout` lays them out); rows past `active` (batch padding) get 0. With `active`
+    ([batch], `Rollout.active`) the rewards may stop at the real rows (`spec.rows`, one per text
+    of `rl.texts`): the padding rows' are taken as 0.
     """
+    if isinstance(group, np.integer):
+        group = int(group)
     if isinstance(group, bool) or not isinstance(group, int) or group < 2:
-        raise errors.InputError(f"group={group!r}: GRPO compares samples of one prompt, it needs group >= 2")
+        raise errors.InputError(f"group={group!r}: GRPO compares samples of one prompt, it needs an int group >= 2")
     r = jnp.asarray(rewards, jnp.float32)
+    if r.ndim != 1:
+        raise errors.InputError(f"rewards has shape {r.shape}: give one reward per row, [B]")
+    if active is not None:
+        active = jnp.asarray(active)
+        if active.ndim != 1 or active.shape[0] < r.shape[0]:
+            raise errors.InputError(f"active has shape {active.shape} for {r.shape[0]} rewards: give "
+                                    "Rollout.active, one flag per row of the batch")
+        r = jnp.concatenate([r, jnp.zeros((active.shape[0] - r.shape[0],), jnp.float32)])
     B = r.shape[0]
     n = B // group
     if n == 0:

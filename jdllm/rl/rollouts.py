@@ -111,7 +111,12 @@ def prepare_rollout(model, prompts, decoding=None, sampling=None, *, group: int 
 def row_stream_keys(key, batch: int) -> jax.Array:
     """[B] typed keys fold_in(key, b): one independent stream per row (raw or typed `key`)."""
     key = jnp.asarray(key) if not isinstance(key, jax.Array) else key
-    if not jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
+    typed = jnp.issubdtype(key.dtype, jax.dtypes.prng_key)
+    if (typed and key.ndim) or (not typed and (key.dtype != jnp.uint32 or key.shape != (2,))):
+        raise errors.ArgumentTypeError(
+            f"key is {key.dtype} {key.shape}: pass one PRNG key, e.g. jax.random.key(0) "
+            "(rollout folds the row index into it: one stream per row)")
+    if not typed:
         key = jax.random.wrap_key_data(key)
     return jax.vmap(lambda b: jax.random.fold_in(key, b))(jnp.arange(batch, dtype=jnp.uint32))
 
