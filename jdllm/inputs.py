@@ -63,12 +63,25 @@ def _int_array(x, what: str) -> np.ndarray:
         raise errors.ArgumentTypeError(f"{what} is not a list of integer token ids ({e})") from None
     if arr.size == 0:
         return arr.astype(np.int64).reshape(arr.shape)
+    if arr.dtype != bool and not np.issubdtype(arr.dtype, np.integer):
+        big = _outsized_int(x)
+        if big is not None:  # Python ints past int64 (numpy made the row float64 or object)
+            raise errors.TokenOutOfRangeError(f"token id {big} in {what} is outside the vocabulary")
     if arr.dtype == bool or not np.issubdtype(arr.dtype, np.integer):
         raise errors.ArgumentTypeError(
             f"{what} holds {arr.dtype} values, not integer token ids (e.g. {arr.reshape(-1)[0]!r})")
     if arr.dtype == np.uint64 and arr.max() > INT32_MAX:
         raise errors.TokenOutOfRangeError(f"token id {int(arr.max())} in {what} is outside the vocabulary")
     return arr.astype(np.int64)
+
+
+def _outsized_int(x):
+    """The first Python int of a list (or list of lists) of ints that int64 cannot hold, else None
+    (also when anything in it is not an int)."""
+    items = [t for r in x for t in (r if isinstance(r, (list, tuple)) else [r])] if isinstance(x, (list, tuple)) else []
+    if not items or not all(isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in items):
+        return None
+    return next((int(t) for t in items if not -2**63 <= int(t) < 2**63), None)
 
 
 def check_id_range(ids: np.ndarray, vocab_size: int, what: str = "token id") -> None:
@@ -81,16 +94,18 @@ def check_id_range(ids: np.ndarray, vocab_size: int, what: str = "token id") -> 
 
 
 # --------------------------------------------------------------------------- text
-def encode_text(tokenizer, text, index: int, encode):
-    """`encode()` (the tokenizer call for prompt `index`), with text it cannot encode turned into an
-    InputError naming the first such character, its position and the characters the tokenizer knows."""
+def encode_text(tokenizer, text, index: int, encode, what: str | None = None):
+    """`encode()` (the tokenizer call for prompt `index`, named `what` if given), with text it cannot
+    encode turned into an InputError naming the first such character, its position and the
+    characters the tokenizer knows."""
+    what = what or f"prompt {index}"
     if not isinstance(text, str):
-        raise errors.ArgumentTypeError(f"prompt {index} is a {type(text).__name__}, not text or token ids")
+        raise errors.ArgumentTypeError(f"{what} is a {type(text).__name__}, not text or token ids")
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as e:
         raise errors.InputError(
-            f"prompt {index} is not valid UTF-8 text (a stray byte at position {e.start}, shown as "
+            f"{what} is not valid UTF-8 text (a stray byte at position {e.start}, shown as "
             f"{text[e.start]!r}); re-encode the prompt as UTF-8") from None
     try:
         return encode()
@@ -98,9 +113,9 @@ def encode_text(tokenizer, text, index: int, encode):
         pos, ch = _first_unencodable(tokenizer, text)
         if pos is None:
             raise errors.InputError(
-                f"prompt {index} cannot be tokenized ({type(e).__name__}: {' '.join(str(e).split())})") from None
+                f"{what} cannot be tokenized ({type(e).__name__}: {' '.join(str(e).split())})") from None
         raise errors.InputError(
-            f"prompt {index} has {ch!r} (U+{ord(ch):04X}) at position {pos}, which the tokenizer cannot "
+            f"{what} has {ch!r} (U+{ord(ch):04X}) at position {pos}, which the tokenizer cannot "
             f"encode (it has no usable unknown token){_alphabet(tokenizer)}; remove or replace it") from None
 
 

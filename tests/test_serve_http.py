@@ -383,6 +383,46 @@ def test_body_size_json_depth_and_prompt_length_bounds(server):
 
 # --------------------------------------------------------------------------- issue 32: strict OpenAI handling
 @slow
+def test_non_finite_numbers_untokenizable_text_field_names_and_unknown_routes(server):
+    """What a client can send that used to answer badly: NaN / Infinity / 1e999 in an integer field
+    (a 500: int() of them raised), text the tokenizer cannot encode (the tokenizer's own message),
+    messages joined by a newline the tokenizer lacks, ids past int64, stop ids and top_p named as
+    the param at fault (it was "prompt" / null), and an unknown route or method (FastAPI's
+    {"detail"} body): each a 4xx in OpenAI's error shape naming the field."""
+    url, _, _ = server
+    raw = lambda text, path="/v1/completions": httpx.post(  # noqa: E731
+        f"{url}{path}", content=text.encode(), headers={"content-type": "application/json"}, timeout=60)
+    for field, v in (("max_tokens", "NaN"), ("max_tokens", "1e999"), ("n", "Infinity"), ("seed", "NaN"),
+                     ("max_tokens", "-Infinity")):
+        e = _err(raw(f'{{"model": "{NAME}", "prompt": "a", "{field}": {v}}}'), 400, f"{field}=")
+        assert e["param"] == field and "must be an integer" in e["message"], e
+    for v in ("NaN", "2", "0"):
+        assert _err(raw(f'{{"model": "{NAME}", "prompt": "a", "top_p": {v}}}'), 400, "top_p=")["param"] == "top_p"
+    post = lambda body, path="/v1/completions": httpx.post(f"{url}{path}", json={"model": NAME, **body},  # noqa: E731
+                                                            timeout=60)
+    e = _err(post({"prompt": "sort:Hello"}), 400, "the prompt has 'H' (U+0048) at position 5, which the tokenizer "
+                                                  "cannot encode")
+    assert e["param"] == "prompt"
+    assert _err(post({"prompt": ["a", "bX"]}), 400, "prompt[1]: the prompt has 'X'")["param"] == "prompt[1]"
+    e = _err(post({"messages": [{"role": "system", "content": "sort"}, {"role": "user", "content": "3 1="}]},
+                  "/v1/chat/completions"), 400, "joined by newlines, which its tokenizer cannot encode")
+    assert e["param"] == "messages"
+    assert _err(post({"messages": [{"role": "user", "content": "a?"}]}, "/v1/chat/completions"), 400,
+                "the messages' text has '?'")["param"] == "messages"
+    _err(post({"prompt": [5, 2**63]}), 400, f"token id {2**63} in prompt is outside the vocabulary")
+    for stops, needle in (([999], "stop token id 999 is outside the vocabulary"),
+                          (list(range(1, 21)), "20 stop token ids; a request may carry at most")):
+        e = _err(post({"prompt": "a", "jdllm": {"stop_token_ids": stops}}), 400, needle)
+        assert e["param"] == "jdllm.stop_token_ids", e
+    assert _err(post({"prompt": "1" * 45, "max_tokens": 24}), 400, "max_position_embeddings")["param"] == "prompt"
+    e = _err(httpx.get(f"{url}/v1/completions", timeout=60), 405, "GET /v1/completions: method not allowed")
+    assert "POST" in e["message"] and e["code"] == "method_not_allowed"
+    e = _err(httpx.get(f"{url}/v1/nothing", timeout=60), 404, "GET /v1/nothing: no such route")
+    assert "POST /v1/chat/completions" in e["message"] and e["code"] == "not_found"
+    assert post({"prompt": "sort:3 1 2=", "max_tokens": 4}).status_code == 200  # still serving
+
+
+@slow
 def test_strict_fields_booleans_and_roles(server):
     """Booleans are booleans; unknown top-level fields, message roles and message keys are 400s naming
     them; the documented no-op values of unimplemented fields and the ignored `user` are accepted."""

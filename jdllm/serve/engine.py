@@ -31,6 +31,7 @@ constrained and free requests share one compiled step.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import threading
 import time
@@ -134,8 +135,30 @@ class Engine:
 
     # ----------------------------------------------------------------- public API
     def check(self, prompt_ids, sampling: Sampling) -> tuple[list[int], tuple[int, ...]]:
-        """Validate one request (raises `jdllm.errors.*` naming the bad value); returns its ids and stop ids."""
+        """Validate one request (raises `jdllm.errors.*` naming the bad value, with the input at
+        fault as its `field`: "prompt", "max_new_tokens" or "stop_token_ids"); returns its ids and
+        stop ids."""
         inputs.check_sampling(sampling)
+        with _field("stop_token_ids"):
+            stops = tuple(self.cfg.eos_token_ids if sampling.stop_token_ids is None else sampling.stop_token_ids)
+            if len(stops) > STOP_WIDTH:
+                raise errors.InputError(f"{len(stops)} stop token ids; a request may carry at most {STOP_WIDTH}")
+            inputs.check_id_range(np.asarray(stops, np.int64), self.cfg.vocab_size, what="stop token id")
+        with _field("prompt"):
+            ids = self._checked_prompt(prompt_ids, sampling)
+        with _field("max_new_tokens"):
+            self._check_length(ids, sampling)
+        return ids, stops
+
+    def _check_length(self, ids: list[int], sampling: Sampling) -> None:
+        if sampling.max_new_tokens > self.max_new_tokens:
+            raise errors.SequenceTooLongError(
+                f"max_new_tokens={sampling.max_new_tokens} is more than this engine's max_new_tokens="
+                f"{self.max_new_tokens}; ask for fewer")
+        if self.paradigm.joins_running_batch:  # the row's own geometry (e.g. a block that must divide it)
+            self.paradigm.row_layout(self.cfg, len(ids), sampling.max_new_tokens, self.slots)
+
+    def _checked_prompt(self, prompt_ids, sampling: Sampling) -> list[int]:
         ids = [int(t) for t in inputs.id_row(prompt_ids, "prompt")]
         if not ids:
             raise errors.InputError("the prompt is empty; give at least one token")
@@ -145,22 +168,13 @@ class Engine:
             raise errors.SequenceTooLongError(
                 f"the prompt has {len(ids)} tokens, more than this engine's max_prompt_tokens="
                 f"{self.max_prompt_tokens}; shorten it")
-        if sampling.max_new_tokens > self.max_new_tokens:
-            raise errors.SequenceTooLongError(
-                f"max_new_tokens={sampling.max_new_tokens} is more than this engine's max_new_tokens="
-                f"{self.max_new_tokens}; ask for fewer")
-        total = len(ids) + sampling.max_new_tokens
+        total = len(ids) + sampling.max_new_tokens  # the prompt at fault: in a batch the server names which
         if total > self.cfg.max_position_embeddings:
             raise errors.SequenceTooLongError(
                 f"the prompt has {len(ids)} tokens and max_new_tokens={sampling.max_new_tokens}: {total} > the "
                 f"model's context max_position_embeddings={self.cfg.max_position_embeddings}; shorten the "
                 "prompt or lower max_new_tokens")
-        if self.paradigm.joins_running_batch:  # the row's own geometry (e.g. a block that must divide it)
-            self.paradigm.row_layout(self.cfg, len(ids), sampling.max_new_tokens, self.slots)
-        stops = tuple(self.cfg.eos_token_ids if sampling.stop_token_ids is None else sampling.stop_token_ids)
-        if len(stops) > STOP_WIDTH:
-            raise errors.InputError(f"{len(stops)} stop token ids; a request may carry at most {STOP_WIDTH}")
-        return ids, stops
+        return ids
 
     def compile_constraint(self, constraint, stops: tuple[int, ...], budget: int):
         """A `jdllm.constraints.Constraint` -> its token DFA (the on-device "dfa" backend, whatever
@@ -356,6 +370,16 @@ class Engine:
                 self.scheduler.finish(row, req)
         for _, req in finished:
             req.emit(Event("done", output=req.output))
+
+
+@contextlib.contextmanager
+def _field(name: str):
+    """A `jdllm.errors` error raised inside names `name` as its `field` (the input at fault)."""
+    try:
+        yield
+    except errors.JdllmError as e:
+        e.field = name
+        raise
 
 
 __all__ = ["Engine", "Event", "Request", "STOP_WIDTH"]

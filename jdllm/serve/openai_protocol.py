@@ -14,6 +14,7 @@ tokenized (`Server.max_prompt_chars`).
 import asyncio
 import dataclasses
 import json
+import math
 import time
 
 from jdllm import constraints as C, errors, inputs
@@ -62,8 +63,9 @@ def number(body: dict, name: str, default, kind=float, lo=None, hi=None):
     v = body.get(name, default)
     if v is None:
         return default
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or (kind is int and int(v) != v):
-        raise ApiError(400, f"{name}={v!r} must be {'an integer' if kind is int else 'a number'}", name)
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or (kind is int and int(v) != v):
+        # (Python's JSON reads NaN, Infinity and 1e999 as floats that int() cannot take)
+        raise ApiError(400, f"{name}={v!r} must be {'an integer' if kind is int else 'a finite number'}", name)
     if (lo is not None and v < lo) or (hi is not None and v > hi):
         rng = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
         raise ApiError(400, f"{name}={v!r} must be {rng}", name)
@@ -291,16 +293,19 @@ class Server:
             inputs.check_temperature(temperature)  # the one rule (jdllm.Sampling, `jdllm generate`)
         except errors.JdllmError as e:
             raise ApiError(400, str(e), "temperature") from None
+        top_p = number(body, "top_p", 1.0, float)
+        if not 0 < top_p <= 1:
+            raise ApiError(400, f"top_p={top_p!r} must be in (0, 1] (1 = off)", "top_p")
         try:
             s = Sampling(temperature=temperature,
-                         top_p=number(body, "top_p", 1.0, float), top_k=number({"top_k": top_k}, "top_k", 0, int, 0),
+                         top_p=top_p, top_k=number({"top_k": top_k}, "top_k", 0, int, 0),
                          seed=number(body, "seed", 0, int, 0, 2**32 - 1), max_new_tokens=max_tokens,
                          stop_token_ids=None if stops is None else tuple(stops))
         except errors.JdllmError as e:
             raise ApiError(400, str(e)) from None
         return s, step_map
 
-    def prompt_ids(self, prompt) -> list[int]:
+    def prompt_ids(self, prompt, what: str = "the prompt", param: str = "prompt") -> list[int]:
         """A completion's `prompt` (one text or one list of token ids) as token ids; a text longer than
         `max_prompt_chars` or a list longer than max_prompt_tokens is refused before any work. Can
         take a while (tokenizing): call it off the event loop. A batch: `prompt_batch`."""
@@ -311,10 +316,12 @@ class Server:
                 raise ApiError(400, "the prompt is empty", "prompt")
             if len(prompt) > self.max_prompt_chars:
                 raise self._too_many_chars(len(prompt), "prompt")
-            try:
-                return [int(t) for t in self.tokenizer.encode(prompt, add_special_tokens=False)]
-            except Exception as e:  # noqa: BLE001 (tokenizers raise bare Exceptions)
-                raise ApiError(400, f"the prompt cannot be tokenized: {e}", "prompt") from None
+            try:  # the CLI's check: a character the tokenizer cannot encode is named with its position
+                ids = inputs.encode_text(self.tokenizer, prompt, 0,
+                                         lambda: self.tokenizer.encode(prompt, add_special_tokens=False), what=what)
+            except errors.JdllmError as e:
+                raise ApiError(400, str(e), param) from None
+            return [int(t) for t in ids]
         if isinstance(prompt, list) and len(prompt) > self.engine.max_prompt_tokens:
             raise ApiError(400, f"the prompt has {len(prompt)} tokens, more than this server's max_prompt_tokens="
                                 f"{self.engine.max_prompt_tokens}; shorten it", "prompt")
@@ -376,7 +383,14 @@ class Server:
             if hasattr(ids, "keys"):
                 ids = ids["input_ids"]
             return [int(t) for t in ids]
-        return self.prompt_ids("\n".join(m["content"] for m in messages))
+        if len(messages) > 1:
+            try:
+                self.tokenizer.encode("\n", add_special_tokens=False)
+            except Exception:  # noqa: BLE001 (tokenizers raise bare Exceptions)
+                raise ApiError(400, f"this model has no chat template, so the {len(messages)} messages would be "
+                                    "joined by newlines, which its tokenizer cannot encode; send one message, or "
+                                    "the text as /v1/completions' prompt", "messages") from None
+        return self.prompt_ids("\n".join(m["content"] for m in messages), "the messages' text", "messages")
 
     def fit(self, body: dict, sampling: Sampling, ids: list[int], names) -> Sampling:
         """A default max_tokens (none of `names` given) shrinks to what the model's context leaves
@@ -407,8 +421,10 @@ class Server:
             raise ApiError(503, str(e), type_="server_error", code="shutting_down") from None
         except errors.ConstraintError as e:
             raise ApiError(400, str(e), "response_format") from None
-        except errors.JdllmError as e:
-            err = ApiError(400, str(e), "prompt")
+        except errors.JdllmError as e:  # `Engine.check` names the input at fault as the error's field
+            field = getattr(e, "field", None)
+            err = ApiError(400, str(e), {"max_new_tokens": "max_tokens",
+                                         "stop_token_ids": "jdllm.stop_token_ids"}.get(field, "prompt"))
             err.request_index = getattr(e, "request_index", None)  # `Engine.submit_many`: the request at fault
             raise err from None
 

@@ -50,12 +50,16 @@ from jdllm.serve import completions as handlers
 from jdllm.serve.engine import Engine
 from jdllm.serve.openai_protocol import DEFAULT_MAX_BODY_BYTES, ApiError, Server
 
+ROUTES = "GET /v1/models, POST /v1/completions, POST /v1/chat/completions, GET /health"
+_HTTP_CODES = {404: "not_found", 405: "method_not_allowed"}
+
 
 def create_app(engine: Engine, model_name: str = "jdllm", max_body_bytes: int = DEFAULT_MAX_BODY_BYTES):
     """The FastAPI app serving `engine` under `model_name`; its lifespan starts and stops the engine.
     max_body_bytes: a request body past this size is refused with 413 as soon as it is seen."""
     from fastapi import FastAPI, Request  # noqa: PLC0415 (the serve extra)
     from fastapi.responses import JSONResponse  # noqa: PLC0415
+    from starlette.exceptions import HTTPException as StarletteHTTPException  # noqa: PLC0415
 
     srv = Server(engine, model_name, max_body_bytes)
 
@@ -73,6 +77,19 @@ def create_app(engine: Engine, model_name: str = "jdllm", max_body_bytes: int = 
     @app.exception_handler(ApiError)
     async def _api_error(request, exc: ApiError):
         return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request, exc: StarletteHTTPException):  # an unknown route or method, OpenAI-shaped
+        where = f"{request.method} {request.url.path}"
+        if exc.status_code == 404:
+            message = f"{where}: no such route; this server serves {ROUTES}"
+        elif exc.status_code == 405:
+            allow = {k.lower(): v for k, v in (exc.headers or {}).items()}.get("allow", "other methods")
+            message = f"{where}: method not allowed; {request.url.path} takes {allow}"
+        else:
+            message = f"{where}: {exc.detail}"
+        return JSONResponse(ApiError(exc.status_code, message, code=_HTTP_CODES.get(exc.status_code)).body(),
+                            status_code=exc.status_code, headers=exc.headers)
 
     @app.get("/health")
     async def health():
