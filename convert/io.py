@@ -221,9 +221,18 @@ def convert_checkpoint(hf_dir: str, out_dir: str, dtype="bfloat16", overwrite: b
             f"{out_dir} already exists: pass --overwrite (overwrite=True) to replace it, "
             "or choose another OUT_DIR")
     if not os.path.isdir(hf_dir) or not is_hf_dir(hf_dir):
+        if not os.path.exists(hf_dir):
+            why = "does not exist"
+        elif not os.path.isdir(hf_dir):
+            why = "is a file, not a Hugging Face model directory"
+        elif is_jdllm_dir(hf_dir):
+            raise errors.CheckpointError(
+                f"{hf_dir} is already a jdllm checkpoint: load it as it is (jdllm.load, `jdllm generate`); "
+                "to convert again (e.g. with --quantize), pass the Hugging Face directory it came from")
+        else:
+            why = f"is not a Hugging Face model directory (no {CONFIG_FILE})"
         raise errors.CheckpointError(
-            f"{hf_dir} is not a Hugging Face model directory (no {CONFIG_FILE}): "
-            "pass the directory that holds config.json and the safetensors weights")
+            f"{hf_dir} {why}: pass the directory that holds config.json and the safetensors weights")
     _check_not_nested(hf_dir, out_dir)
     if os.path.lexists(out_dir):
         _check_replaceable(out_dir)

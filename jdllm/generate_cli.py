@@ -222,9 +222,17 @@ def decoding_from_args(args, cfg, command: str = "generate"):
         for n in ("block_length", "block_size"):
             if n in own and n not in given:
                 base[n] = cfg.block_size
-                steps = next((f.default for f in dataclasses.fields(cls) if f.name == "denoising_steps"), None)
-                if steps is not None and "denoising_steps" not in given and cfg.block_size % steps:
-                    base["denoising_steps"] = cfg.block_size
+    # a default denoising_steps that does not divide the block (the model's, or --block-length's) becomes
+    # the block's length: one token a step, rather than an error about a value the user never set
+    steps = base.get("denoising_steps", next((f.default for f in dataclasses.fields(cls)
+                                              if f.name == "denoising_steps"), None))
+    block = given.get("block_length", base.get("block_length"))
+    if (steps is not None and "denoising_steps" not in given and isinstance(block, int) and block >= 1
+            and block % steps):
+        base["denoising_steps"] = block
+        if "block_length" in given:
+            print(f"jdllm {command}: note: --denoising-steps is {block} (one token a step): the default {steps} "
+                  f"does not divide --block-length {block}; give --denoising-steps to choose", file=sys.stderr)
     choices = {n: _choices(cls, n) for n in given if isinstance(given[n], str)}
     for n, allowed in choices.items():
         if allowed is not None and given[n] not in allowed:

@@ -256,3 +256,25 @@ def test_ctrl_c_during_convert(tmp_path):
     assert proc.returncode == 130, (proc.returncode, err)
     assert "interrupted" in err and "Traceback" not in err
     assert os.listdir(tmp_path) == []
+
+
+def test_a_default_step_count_follows_the_block_length_given(capsys):
+    """--block-length 3 alone on tiny-sdar (block_diffusion's default 4 steps cannot split 3 slots):
+    3 steps and a note, not an error about --denoising-steps the user never gave; a given step count
+    that does not divide is still an error, and one that divides is kept."""
+    import jdllm as J  # noqa: PLC0415
+    from jdllm import cli, errors  # noqa: PLC0415
+    from jdllm.generate_cli import decoding_from_args  # noqa: PLC0415
+
+    cfg = J.load(TINY_SDAR).config
+    parse = lambda *a: cli.build_parser().parse_args(["generate", TINY_SDAR, "--prompt", "x", *a])  # noqa: E731
+    d = decoding_from_args(parse("--paradigm", "block_diffusion", "--block-length", "3"), cfg)
+    assert (d.block_length, d.denoising_steps) == (3, 3)
+    assert "--denoising-steps is 3 (one token a step): the default 4 does not divide --block-length 3" in \
+        capsys.readouterr().err
+    d = decoding_from_args(parse("--paradigm", "block_diffusion", "--block-length", "8"), cfg)
+    assert (d.block_length, d.denoising_steps) == (8, 4) and "note" not in capsys.readouterr().err
+    assert decoding_from_args(parse("--block-length", "6", "--denoising-steps", "3"), cfg).denoising_steps == 3
+    with pytest.raises(errors.DecodingConfigError, match="denoising_steps=2 must be"):
+        decoding_from_args(parse("--paradigm", "block_diffusion", "--block-length", "3", "--denoising-steps", "2"),
+                           cfg)

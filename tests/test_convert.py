@@ -242,6 +242,21 @@ def test_out_dir_exists(tmp_path):
     assert sorted(f for f in os.listdir(tmp_path)) == ["hf", "out"]
 
 
+def test_a_source_that_is_not_a_hugging_face_directory_says_what_it_is(tmp_path):
+    """A missing path, a file, a jdllm checkpoint (a user converting again with --quantize) and a
+    directory without config.json each get their own message (all four said "no config.json")."""
+    jd = cio.convert_checkpoint(os.path.join(ROOT, "models", "tiny-ar"), str(tmp_path / "tiny-ar"), progress=False)
+    assert ckpt.is_jdllm_dir(jd)
+    (tmp_path / "f.txt").write_text("x")
+    (tmp_path / "empty").mkdir()
+    for src, match in ((tmp_path / "nope", "nope does not exist"), (tmp_path / "f.txt", "f.txt is a file"),
+                       (jd, "tiny-ar is already a jdllm checkpoint: load it as it is"),
+                       (tmp_path / "empty", r"empty is not a Hugging Face model directory \(no config.json\)")):
+        with pytest.raises(errors.CheckpointError, match=match):
+            cio.convert_checkpoint(str(src), str(tmp_path / "out"), progress=False)
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.parametrize("where", ["tensors", "orbax"])
 @pytest.mark.parametrize("exc", [KeyboardInterrupt, RuntimeError])
 def test_interrupted_conversion_leaves_nothing(where, exc, tmp_path, monkeypatch):
