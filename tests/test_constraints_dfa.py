@@ -395,4 +395,16 @@ def test_generate_refuses_before_compiling():
             jdllm.generate(model, ["rev:ab="], sampling=s, constraint=constraints.regex(r"\d{5}", backend="dfa"))
         with pytest.raises(ConstraintError, match="matches no string"):
             jdllm.generate(model, ["rev:ab="], sampling=s, constraint=constraints.regex(r"[A-Z]+", backend="dfa"))
+        # no stop id allowed: a row ends only when full, so a finite language must reach the budget (it
+        # used to decode, dead-end and return an empty "abort" row)
+        no_stop = jdllm.Sampling(max_new_tokens=4, stop_token_ids=())
+        with pytest.raises(ConstraintError, match="must fill max_new_tokens=4, but the constraint's longest match "
+                                                  "takes 3 tokens"):
+            jdllm.generate(model, ["rev:ab="], sampling=no_stop, constraint=constraints.regex(r"\d{2,3}", backend="dfa"))
     assert seen["run"] == 0
+    d = dfa.compile(model, constraints.regex(r"(ab|abcd)", backend="dfa"), ())
+    assert (d.min_tokens, d.max_tokens) == (2, 4)
+    assert dfa.compile(model, constraints.regex(r"a+b", backend="dfa"), ()).max_tokens is None  # a loop
+    assert dfa.compile(model, constraints.regex(r"ab", backend="dfa")).max_tokens is None  # after EOS: anything
+    for budget in (2, 3):  # budgets the language can fill pass
+        dfa.check_budget(dfa.compile(model, constraints.regex(r"\d{2,3}", backend="dfa"), ()), budget)

@@ -54,11 +54,16 @@ def compile(model, constraint, stop_ids=None, max_states: int | None = None) -> 
 
 
 def check_budget(d: TokenDFA, budget: int, where: str = "", raise_what: str = "max_new_tokens") -> None:
-    """ConstraintError when the DFA's shortest match needs more than `budget` tokens (where: a prefix
-    naming the row; raise_what: the option the caller's user sets)."""
+    """ConstraintError when the DFA's shortest match needs more than `budget` tokens, or (no stop id
+    allowed: the row runs to its budget) its longest match fewer (where: a prefix naming the row;
+    raise_what: the option the caller's user sets)."""
     if d.min_tokens > budget:
         raise ConstraintError(f"{where}the constraint's shortest match takes {d.min_tokens} tokens but "
                               f"max_new_tokens={budget}; raise {raise_what}")
+    if d.max_tokens is not None and d.max_tokens < budget:  # no stop id: a row ends only when it is full
+        raise ConstraintError(f"{where}no stop token may end the row, so it must fill max_new_tokens={budget}, but the "
+                              f"constraint's longest match takes {d.max_tokens} tokens; allow a stop token "
+                              f"(stop_token_ids) or lower {raise_what}")
 
 
 def output_ok(d: TokenDFA, out) -> bool:

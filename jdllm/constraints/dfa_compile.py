@@ -60,6 +60,7 @@ class TokenDFA:
     live: np.ndarray  # [Q] bool: an accepting state is reachable
     start: int
     min_tokens: int  # fewest tokens from start to an accepting state
+    max_tokens: int | None = None  # most tokens a row can read staying live; None: unbounded (a loop, or a stop id)
 
     @property
     def num_states(self) -> int:
@@ -402,7 +403,31 @@ def _compile_cached(pattern: str, strings: tuple, stop_ids: tuple, mask_id, max_
         raise ConstraintError(f"regex {_short(pattern)} compiles to {NB} DFA states; at most {max_states} states fit "
                               "(constraint_states); simplify the constraint or raise that limit")
     return TokenDFA(next_state=nxt_b, token_class=token_class, accepting=acc_b, live=live, start=start,
-                    min_tokens=int(min(reach_acc)))
+                    min_tokens=int(min(reach_acc)), max_tokens=_longest_live_walk(nxt_b, live, used, start))
+
+
+def _longest_live_walk(nxt, live, used, start: int) -> int | None:
+    """The most tokens a walk from `start` can read through live states (token classes in `used`),
+    or None when a loop of live states is reachable (as the ENDED state's is once a stop id is
+    allowed): the longest string of a finite language, in tokens."""
+    succ = [sorted({int(t) for t in nxt[q, used] if live[t]}) if live[q] else [] for q in range(nxt.shape[0])]
+    longest: dict[int, int] = {}
+    on_path: set[int] = set()
+    stack = [(start, iter(succ[start]))]
+    on_path.add(start)
+    while stack:  # iterative DFS: post-order longest path, a back edge is a loop
+        q, it = stack[-1]
+        t = next(it, None)
+        if t is None:
+            stack.pop()
+            on_path.discard(q)
+            longest[q] = max((longest[u] + 1 for u in succ[q]), default=0)
+        elif t in on_path:
+            return None
+        elif t not in longest:
+            on_path.add(t)
+            stack.append((t, iter(succ[t])))
+    return longest[start]
 
 
 def compile_pattern(pattern: str, strings, *, stop_ids=(), mask_id=None, max_states: int | None = None) -> TokenDFA:
