@@ -151,6 +151,12 @@ def check_temperature(temperature) -> None:
             f"{MAX_TEMPERATURE} a token is close to a uniform draw from the vocabulary)")
 
 
+def check_top_p(top_p) -> None:
+    """The one top_p rule (`jdllm.Sampling` and the server's `top_p`): in (0, 1], 1 = off."""
+    if not 0 < top_p <= 1:
+        raise errors.DecodingConfigError(f"top_p={top_p} must be in (0, 1] (1 = off)")
+
+
 def check_sampling(sampling):
     """`sampling` is a jdllm.Sampling (not a dict of its fields)."""
     from jdllm.sampling import Sampling  # noqa: PLC0415 (startup: inputs checks CLI arguments before JAX loads)
@@ -174,16 +180,9 @@ def check_prompts(ids: list[list[int]], cfg, settings: list):
     """Prompts and stop ids against the model; returns the settings (one `Sampling` per prompt),
     a default max_new_tokens clipped to what the model's context leaves. The clip is silent here:
     `note_context_end` says so after decoding, for the outputs it cut short."""
-    for s in settings:
-        if s.stop_token_ids:
-            check_id_range(np.asarray(s.stop_token_ids), cfg.vocab_size, what="stop token id")
-    if cfg.mask_token_id is not None:
-        for i, p in enumerate(ids):
-            hits = np.flatnonzero(np.asarray(p) == cfg.mask_token_id)
-            if hits.size:
-                raise errors.InputError(
-                    f"prompt {i} holds the mask token id {cfg.mask_token_id} at position {int(hits[0])}; "
-                    "a diffusion model would treat it as a blank to fill, not as prompt text: remove it")
+    check_stop_ids(settings, cfg)
+    for i, p in enumerate(ids):
+        check_no_mask_token(p, cfg, f"prompt {i}")
     out = list(settings)
     for i, (p, s) in enumerate(zip(ids, settings)):
         default = next(f.default for f in dataclasses.fields(s) if f.name == "max_new_tokens")
@@ -191,6 +190,24 @@ def check_prompts(ids: list[list[int]], cfg, settings: list):
         if s.max_new_tokens == default and 1 <= room < default:
             out[i] = dataclasses.replace(s, max_new_tokens=room)
     return out
+
+
+def check_stop_ids(settings: list, cfg) -> None:
+    """Every setting's stop ids inside the vocabulary."""
+    for s in settings:
+        if s.stop_token_ids:
+            check_id_range(np.asarray(s.stop_token_ids), cfg.vocab_size, what="stop token id")
+
+
+def check_no_mask_token(ids, cfg, what: str) -> None:
+    """InputError when token-id row `ids` (named `what`) holds the model's mask token."""
+    if cfg.mask_token_id is None:
+        return
+    hits = np.flatnonzero(np.asarray(ids) == cfg.mask_token_id)
+    if hits.size:
+        raise errors.InputError(
+            f"{what} holds the mask token id {cfg.mask_token_id} at position {int(hits[0])}; "
+            "a diffusion model would treat it as a blank to fill, not as text: remove it")
 
 
 def clipped_rows(before: list, after: list) -> dict[int, int]:

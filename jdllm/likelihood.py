@@ -63,11 +63,7 @@ def _check_pairs(model, pairs) -> list[tuple[np.ndarray, np.ndarray]]:
         inputs.check_id_range(ctx, cfg.vocab_size)
         inputs.check_id_range(cont, cfg.vocab_size)
         for what, x in (("context", ctx), ("continuation", cont)):
-            hits = np.flatnonzero(x == cfg.mask_token_id) if cfg.mask_token_id is not None else ()
-            if len(hits):
-                raise errors.InputError(
-                    f"request {i}: the {what} holds the mask token id {cfg.mask_token_id} at position "
-                    f"{int(hits[0])}; a diffusion model would read it as a blank, not as text: remove it")
+            inputs.check_no_mask_token(x, cfg, f"request {i}: the {what}")
         out.append((ctx.astype(np.int32), cont.astype(np.int32)))
     return out
 

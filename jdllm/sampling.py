@@ -58,8 +58,7 @@ class Sampling:
         inputs.check_temperature(self.temperature)
         if int(self.top_k) != self.top_k or self.top_k < 0:
             raise errors.DecodingConfigError(f"top_k={self.top_k} must be an integer >= 0 (0 = off)")
-        if not 0 < self.top_p <= 1:
-            raise errors.DecodingConfigError(f"top_p={self.top_p} must be in (0, 1] (1 = off)")
+        inputs.check_top_p(self.top_p)
         if int(self.max_new_tokens) != self.max_new_tokens or self.max_new_tokens < 1:
             raise errors.DecodingConfigError(
                 f"max_new_tokens={self.max_new_tokens} must be an integer >= 1")

@@ -143,7 +143,7 @@ class Engine:
             stops = tuple(self.cfg.eos_token_ids if sampling.stop_token_ids is None else sampling.stop_token_ids)
             if len(stops) > STOP_WIDTH:
                 raise errors.InputError(f"{len(stops)} stop token ids; a request may carry at most {STOP_WIDTH}")
-            inputs.check_id_range(np.asarray(stops, np.int64), self.cfg.vocab_size, what="stop token id")
+            inputs.check_stop_ids([sampling], self.cfg)
         with _field("prompt"):
             ids = self._checked_prompt(prompt_ids, sampling)
         with _field("max_new_tokens"):
@@ -163,7 +163,7 @@ class Engine:
         if not ids:
             raise errors.InputError("the prompt is empty; give at least one token")
         check_token_ids(np.asarray(ids), self.cfg)
-        inputs.check_prompts([ids], self.cfg, [sampling])
+        inputs.check_no_mask_token(ids, self.cfg, "the prompt")
         if len(ids) > self.max_prompt_tokens:
             raise errors.SequenceTooLongError(
                 f"the prompt has {len(ids)} tokens, more than this engine's max_prompt_tokens="

@@ -289,13 +289,13 @@ class Server:
             raise ApiError(400, f"jdllm.return_step_map={step_map!r} must be true or false", "jdllm.return_step_map")
         top_k = extra.get("top_k", body.get("top_k", 0))
         temperature = number(body, "temperature", 0.0, float)
-        try:
-            inputs.check_temperature(temperature)  # the one rule (jdllm.Sampling, `jdllm generate`)
-        except errors.JdllmError as e:
-            raise ApiError(400, str(e), "temperature") from None
         top_p = number(body, "top_p", 1.0, float)
-        if not 0 < top_p <= 1:
-            raise ApiError(400, f"top_p={top_p!r} must be in (0, 1] (1 = off)", "top_p")
+        for name, check, v in (("temperature", inputs.check_temperature, temperature),
+                               ("top_p", inputs.check_top_p, top_p)):
+            try:  # the one rule of each (jdllm.Sampling, `jdllm generate`), the error naming its field
+                check(v)
+            except errors.JdllmError as e:
+                raise ApiError(400, str(e), name) from None
         try:
             s = Sampling(temperature=temperature,
                          top_p=top_p, top_k=number({"top_k": top_k}, "top_k", 0, int, 0),
