@@ -70,6 +70,8 @@ def run_command(args) -> int:
 
     if min(args.batch) < 1 or args.repeats < 1:
         raise jdllm.errors.InputError(f"--batch {args.batch} and --repeats {args.repeats} must be >= 1")
+    if not 0 <= args.seed < 2**32:
+        raise jdllm.errors.InputError(f"--seed {args.seed} must be in [0, 2**32) (it seeds the random prompts)")
     if args.json:
         check_output_path(args.json, "--json", create_parents=False)  # before the benchmark, not after
     model = jdllm.load(args.model, dtype=args.dtype, attn_impl=args.attn_impl, check_finite=args.check_finite,

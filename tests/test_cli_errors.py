@@ -105,6 +105,13 @@ def test_bench_json_into_a_missing_directory_fails_before_the_benchmark():
     assert "| batch |" not in res.stdout and time.perf_counter() - t0 < 60
 
 
+def test_bench_json_that_is_a_directory_and_a_negative_seed_fail_before_the_benchmark(tmp_path):
+    res = jdllm("bench", TINY_AR, "--json", tmp_path)
+    refused(res, "OutputPathError", "is a directory", "out.json")
+    assert "| batch |" not in res.stdout
+    refused(jdllm("bench", TINY_AR, "--seed", "-1"), "InputError", "--seed -1")
+
+
 @slow
 def test_defaults_fit_the_shipped_models(tmp_path):
     """No --max-new-tokens / --block-size: the shipped 64-token models still answer, without a note about
