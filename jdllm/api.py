@@ -68,12 +68,30 @@ class Prepared:
 
 
 def default_paradigm(cfg):
-    """AR for causal models, block diffusion for block-causal ones."""
+    """AR for causal models, block diffusion for block-causal ones (at the model's block size),
+    masked diffusion for bidirectional ones."""
     if cfg.attention == "causal":
         return loop.paradigm_class("ar")()
     if cfg.attention == "block_causal":
         return loop.paradigm_class("block_diffusion")(block_length=cfg.block_size)
     return loop.paradigm_class("masked_diffusion")()
+
+
+def resolve_paradigm(decoding, cfg):
+    """The paradigm a decode runs with: `decoding` (None: the model's default paradigm), checked
+    to be a paradigm instance, its model-dependent fields filled in (`Paradigm.for_model`) and
+    validated against the model (`Paradigm.validate`; nothing compiles)."""
+    decoding = default_paradigm(cfg) if decoding is None else decoding
+    if isinstance(decoding, type):
+        raise errors.DecodingConfigError(
+            f"decoding={decoding.__name__} is a class; pass an instance such as {decoding.__name__}()")
+    if not isinstance(decoding, Paradigm):
+        raise errors.DecodingConfigError(
+            f"decoding={decoding!r} is not a paradigm config; use one of jdllm.AR, jdllm.Speculative, jdllm.BlockDiffusion, "
+            "jdllm.MultiBlock, jdllm.MaskedDiffusion (or a jdllm.decode.protocol.Paradigm of your own)")
+    decoding = decoding.for_model(cfg)
+    inputs.validate_paradigm(decoding, cfg)
+    return decoding
 
 
 def tokenize(model: Model, prompts, apply_chat_template: bool) -> list[list[int]]:
@@ -151,15 +169,7 @@ def prepare(model: Model, prompts, decoding=None, sampling: Sampling | list[Samp
     """
     compile_cache.enable()  # once per process: JAX's persistent compilation cache (jdllm.compile_cache)
     cfg = model.config
-    decoding = default_paradigm(cfg) if decoding is None else decoding
-    if isinstance(decoding, type):
-        raise errors.DecodingConfigError(
-            f"decoding={decoding.__name__} is a class; pass an instance such as {decoding.__name__}()")
-    if not isinstance(decoding, Paradigm):
-        raise errors.DecodingConfigError(
-            f"decoding={decoding!r} is not a paradigm config; use one of jdllm.AR, jdllm.Speculative, jdllm.BlockDiffusion, "
-            "jdllm.MultiBlock, jdllm.MaskedDiffusion (or a jdllm.decode.protocol.Paradigm of your own)")
-    inputs.validate_paradigm(decoding, cfg)
+    decoding = resolve_paradigm(decoding, cfg)
     decoding.validate_model(model)  # checks that need the whole model (e.g. a draft's tokenizer)
     ids = tokenize(model, prompts, apply_chat_template)
     per_row = isinstance(sampling, (list, tuple))

@@ -194,8 +194,8 @@ def decoding_from_args(args, cfg, command: str = "generate"):
     """The paradigm config the parsed options describe (the model's default paradigm if none given).
 
     On a block-causal model the block size (block_diffusion's block_length,
-    multi_block's block_size) defaults to the model's own, as the default
-    paradigm does.
+    multi_block's block_size) defaults to the model's own (`Paradigm.for_model`),
+    as the default paradigm does.
     """
     from jdllm import errors  # noqa: PLC0415
     from jdllm.api import default_paradigm  # noqa: PLC0415
@@ -218,15 +218,13 @@ def decoding_from_args(args, cfg, command: str = "generate"):
         print(f"jdllm {command}: note: {', '.join('--' + n.replace('_', '-') for n in ignored)} "
               f"does not apply to {cls.name}", file=sys.stderr)
     given = {n: v for n, v in given.items() if n in own}
-    if cfg.attention == "block_causal":
-        for n in ("block_length", "block_size"):
-            if n in own and n not in given:
-                base[n] = cfg.block_size
     # a default denoising_steps that does not divide the block (the model's, or --block-length's) becomes
     # the block's length: one token a step, rather than an error about a value the user never set
     steps = base.get("denoising_steps", next((f.default for f in dataclasses.fields(cls)
                                               if f.name == "denoising_steps"), None))
     block = given.get("block_length", base.get("block_length"))
+    if block is None and "block_length" in own and cfg.attention == "block_causal":
+        block = cfg.block_size  # what `BlockDiffusion.for_model` makes of block_length=None
     if (steps is not None and "denoising_steps" not in given and isinstance(block, int) and block >= 1
             and block % steps):
         base["denoising_steps"] = block
@@ -238,7 +236,7 @@ def decoding_from_args(args, cfg, command: str = "generate"):
         if allowed is not None and given[n] not in allowed:
             raise errors.DecodingConfigError(
                 f"--{n.replace('_', '-')} {given[n]} is not one of {allowed} for {cls.name}")
-    return cls(**{**base, **given})
+    return cls(**{**base, **given}).for_model(cfg)  # the block size the run uses, shown as such
 
 
 def format_steps(tokenizer, out, colour: bool) -> str:

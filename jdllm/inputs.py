@@ -141,6 +141,44 @@ def _alphabet(tokenizer, limit: int = 256) -> str:
     return ", it knows only " + repr("".join(chars))
 
 
+# --------------------------------------------------------------------------- config fields
+def normalize_fields(config, *, ints=(), reals=(), flags=(), optional=()) -> None:
+    """The type rule of a frozen config's numeric and boolean fields (`jdllm.Sampling`, the
+    paradigms), run before their range checks and applied in place, so equal configs compare and
+    hash equal (they are jit static arguments):
+
+    - `ints`: a Python or numpy integer, or an integral float (4.0), becomes an int; a fraction, NaN
+      or an infinity is a DecodingConfigError;
+    - `reals`: any real number becomes a float; NaN or an infinity is a DecodingConfigError;
+    - `flags`: True / False (or a numpy bool) only; anything else is a DecodingConfigError;
+    - a bool where a number belongs, or a non-number, is an ArgumentTypeError naming the field;
+    - a field in `optional` may also be None.
+    """
+    owner = type(config).__name__
+    for name in (*ints, *reals):
+        v = getattr(config, name)
+        if v is None and name in optional:
+            continue
+        if isinstance(v, (bool, np.bool_)) or not isinstance(v, numbers.Real):
+            what = "an integer" if name in ints else "a number"
+            raise errors.ArgumentTypeError(f"{owner}({name}={v!r}): expected {what}"
+                                           f"{' or None' if name in optional else ''}, got {type(v).__name__}")
+        if not np.isfinite(v):
+            raise errors.DecodingConfigError(f"{name}={v} must be finite")
+        if name in ints:
+            if int(v) != v:
+                raise errors.DecodingConfigError(f"{name}={v} must be an integer")
+            v = int(v)
+        else:
+            v = float(v)
+        object.__setattr__(config, name, v)
+    for name in flags:
+        v = getattr(config, name)
+        if not isinstance(v, (bool, np.bool_)):
+            raise errors.DecodingConfigError(f"{name}={v!r} must be True or False")
+        object.__setattr__(config, name, bool(v))
+
+
 # --------------------------------------------------------------------------- generate()
 def check_temperature(temperature) -> None:
     """The one temperature rule (`jdllm.Sampling`, so `generate`, `jdllm generate --temperature` and

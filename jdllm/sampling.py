@@ -49,20 +49,15 @@ class Sampling:
     stop_token_ids: tuple[int, ...] | None = None
 
     def __post_init__(self):
-
-        for name in ("temperature", "top_k", "top_p", "max_new_tokens", "seed"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, numbers.Real):
-                raise errors.ArgumentTypeError(
-                    f"Sampling({name}={v!r}): expected a number, got {type(v).__name__}")
+        inputs.normalize_fields(self, ints=("top_k", "max_new_tokens", "seed"), reals=("temperature", "top_p"))
         inputs.check_temperature(self.temperature)
-        if int(self.top_k) != self.top_k or self.top_k < 0:
+        if self.top_k < 0:
             raise errors.DecodingConfigError(f"top_k={self.top_k} must be an integer >= 0 (0 = off)")
         inputs.check_top_p(self.top_p)
-        if int(self.max_new_tokens) != self.max_new_tokens or self.max_new_tokens < 1:
+        if self.max_new_tokens < 1:
             raise errors.DecodingConfigError(
                 f"max_new_tokens={self.max_new_tokens} must be an integer >= 1")
-        if int(self.seed) != self.seed or not 0 <= self.seed < 2**32:
+        if not 0 <= self.seed < 2**32:
             raise errors.DecodingConfigError(f"seed={self.seed} must be an integer in [0, 2**32)")
         if self.stop_token_ids is not None:
             ids = self.stop_token_ids

@@ -262,3 +262,72 @@ def test_check_finite_names_the_tensor(tmp_path, value):
     out = convert_checkpoint(d, str(tmp_path / "ckpt"), dtype="float32", progress=False, check_finite=False)
     with pytest.raises(errors.NonFiniteWeightsError, match="model.layers.2.self_attn.k_proj.weight"):
         jdllm.load(out, check_finite=True)  # a jdllm checkpoint: checked on the device
+
+
+# --------------------------------------------------------------------------- paradigm fields
+INF, NAN = float("inf"), float("nan")
+
+
+@pytest.mark.parametrize("cls,kw,exc,match", [
+    ("MultiBlock", dict(block_size="4"), errors.ArgumentTypeError, r"MultiBlock\(block_size='4'\): expected an integer"),
+    ("MultiBlock", dict(block_size=INF), errors.DecodingConfigError, "block_size=inf must be finite"),
+    ("MultiBlock", dict(block_add_threshold=None), errors.ArgumentTypeError, "block_add_threshold=None"),
+    ("MultiBlock", dict(entropy_threshold=INF), errors.DecodingConfigError, "entropy_threshold=inf must be finite"),
+    ("MultiBlock", dict(max_forwards=True), errors.ArgumentTypeError, "max_forwards=True"),
+    ("MaskedDiffusion", dict(gen_length=True), errors.ArgumentTypeError, "gen_length=True"),
+    ("MaskedDiffusion", dict(steps="8"), errors.ArgumentTypeError, "steps='8'"),
+    ("MaskedDiffusion", dict(gen_length=NAN), errors.DecodingConfigError, "gen_length=nan must be finite"),
+    ("MaskedDiffusion", dict(cfg_scale=INF), errors.DecodingConfigError, "cfg_scale=inf must be finite"),
+    ("MaskedDiffusion", dict(confidence_threshold="0.9"), errors.ArgumentTypeError, "confidence_threshold='0.9'"),
+    ("BlockDiffusion", dict(block_length=NAN), errors.DecodingConfigError, "block_length=nan must be finite"),
+    ("BlockDiffusion", dict(block_length=2.5), errors.DecodingConfigError, "block_length=2.5 must be an integer"),
+    ("BlockDiffusion", dict(fuse_commit="no"), errors.DecodingConfigError, "fuse_commit='no' must be True or False"),
+    ("BlockDiffusion", dict(eb_threshold=INF), errors.DecodingConfigError, "eb_threshold=inf must be finite"),
+    ("Sampling", dict(top_k=NAN), errors.DecodingConfigError, "top_k=nan must be finite"),
+    ("Sampling", dict(max_new_tokens=INF), errors.DecodingConfigError, "max_new_tokens=inf must be finite"),
+    ("Sampling", dict(seed=1.5), errors.DecodingConfigError, "seed=1.5 must be an integer"),
+])
+def test_config_field_types(cls, kw, exc, match):
+    with pytest.raises(exc, match=match):
+        getattr(jdllm, cls)(**kw)
+
+
+def test_config_fields_are_normalized():
+    """Numpy scalars and integral floats become Python ints, so equal configs are one static jit argument."""
+    for cls, kw in (("MultiBlock", dict(block_size=4, max_forwards=9)), ("MaskedDiffusion", dict(gen_length=8, steps=8)),
+                    ("BlockDiffusion", dict(block_length=4, denoising_steps=2)),
+                    ("Sampling", dict(top_k=3, max_new_tokens=5))):
+        plain = getattr(jdllm, cls)(**kw)
+        for convert in (float, np.int64, np.float32):
+            other = getattr(jdllm, cls)(**{k: convert(v) for k, v in kw.items()})
+            assert other == plain and hash(other) == hash(plain)
+            assert all(type(getattr(other, k)) is int for k in kw), (cls, convert)
+    assert jdllm.MultiBlock(early_stop=np.bool_(False)).early_stop is False
+
+
+def test_block_size_defaults_to_the_models(tiny_sdar):
+    """MultiBlock() and BlockDiffusion() on a block-causal model decode at its trained block size: the
+    same tokens as the explicit value, no warning, no second compile. (MultiBlock's old default of 32 gave
+    tiny-sdar, trained on blocks of 4, empty answers.)"""
+    import warnings  # noqa: PLC0415
+
+    from jdllm.api import resolve_paradigm  # noqa: PLC0415
+    from tests.compiles import traces  # noqa: PLC0415
+
+    prompts, s = ["sort:3 1 2=", "add:12+34=", "rev:abc="], jdllm.Sampling(max_new_tokens=8)
+    for implicit, explicit in ((jdllm.MultiBlock(), jdllm.MultiBlock(block_size=4)),
+                               (jdllm.BlockDiffusion(), jdllm.BlockDiffusion(block_length=4))):
+        assert resolve_paradigm(implicit, tiny_sdar.config) == explicit
+        want = jdllm.generate(tiny_sdar, prompts, explicit, s)
+        with warnings.catch_warnings(), traces() as seen:
+            warnings.simplefilter("error")
+            got = jdllm.generate(tiny_sdar, prompts, implicit, s)
+        assert [o.token_ids for o in got] == [o.token_ids for o in want]
+        assert seen["run"] == 0
+    assert [o.text for o in want] == ["1 2 3", "46", "cba"]
+    bidirectional = ModelConfig(model_type="llada", attention="bidirectional", mask_token_id=3, vocab_size=16,
+                                hidden_size=8, intermediate_size=8, num_layers=1, num_heads=1, num_kv_heads=1,
+                                head_dim=8)
+    assert resolve_paradigm(jdllm.MultiBlock(), bidirectional).block_size == 32  # d3LLM's for LLaDA / Dream
+    with pytest.raises(errors.DecodingConfigError, match="'block_diffusion' needs a block-causal"):
+        resolve_paradigm(jdllm.BlockDiffusion(), bidirectional)

@@ -34,7 +34,7 @@ from typing import ClassVar
 import jax.numpy as jnp
 import numpy as np
 
-from jdllm import errors
+from jdllm import errors, inputs
 from jdllm.decode import common
 from jdllm.decode.protocol import Paradigm
 from jdllm.state import DecodeState, generated_mask, slot_index
@@ -47,7 +47,7 @@ DYNAMIC_MINIMUMS = ("lmdeploy", "sdar")
 class BlockDiffusion(Paradigm):
     """Block diffusion decoding.
 
-    block_length: slots per block (the model's trained block_size, normally).
+    block_length: slots per block; None (default) = the model's trained block_size.
     denoising_steps: steps per block for `low_confidence_static` / `sequential`
       (k = block_length / denoising_steps tokens per step) and the per-step
       minimum k of `low_confidence_dynamic` with dynamic_minimum="sdar"; must
@@ -78,7 +78,7 @@ class BlockDiffusion(Paradigm):
     STRATEGIES: ClassVar[tuple[str, ...]] = STRATEGIES
     DYNAMIC_MINIMUMS: ClassVar[tuple[str, ...]] = DYNAMIC_MINIMUMS
 
-    block_length: int = 4
+    block_length: int | None = None
     denoising_steps: int = 4
     strategy: str = "low_confidence_dynamic"
     confidence_threshold: float = 0.9
@@ -87,18 +87,15 @@ class BlockDiffusion(Paradigm):
     dynamic_minimum: str = "lmdeploy"
 
     def __post_init__(self):
-        for name in ("block_length", "denoising_steps", "confidence_threshold", "eb_threshold"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating)):
-                raise errors.ArgumentTypeError(f"BlockDiffusion({name}={v!r}): expected a number, "
-                                               f"got {type(v).__name__}")
-        if int(self.block_length) != self.block_length or self.block_length < 1:
-            raise errors.DecodingConfigError(f"block_length={self.block_length} must be an integer >= 1")
-        s = self.denoising_steps
-        if int(s) != s or not 1 <= s <= self.block_length or self.block_length % s:
+        inputs.normalize_fields(self, ints=("block_length", "denoising_steps"),
+                                reals=("confidence_threshold", "eb_threshold"), flags=("fuse_commit",),
+                                optional=("block_length",))
+        B, s = self.block_length, self.denoising_steps
+        if B is not None and B < 1:
+            raise errors.DecodingConfigError(f"block_length={B} must be an integer >= 1 (or None: the model's)")
+        if s < 1 or (B is not None and (s > B or B % s)):
             raise errors.DecodingConfigError(
-                f"denoising_steps={s} must be an integer in [1, block_length={self.block_length}] "
-                f"that divides block_length")
+                f"denoising_steps={s} must be an integer in [1, block_length={B}] that divides block_length")
         if self.strategy not in STRATEGIES:
             raise errors.DecodingConfigError(f"strategy={self.strategy!r} is not one of {STRATEGIES}")
         if self.dynamic_minimum not in DYNAMIC_MINIMUMS:
@@ -113,6 +110,16 @@ class BlockDiffusion(Paradigm):
             raise errors.DecodingConfigError(f"eb_threshold={self.eb_threshold} must be > 0 (nats)")
 
     # ----------------------------------------------------------------- host side
+    def for_model(self, cfg) -> BlockDiffusion:
+        """block_length=None becomes the model's trained block_size."""
+        if self.block_length is not None or cfg.attention != "block_causal":  # validate refuses the others
+            return self
+        try:
+            return dataclasses.replace(self, block_length=cfg.block_size)
+        except errors.DecodingConfigError as e:
+            raise errors.DecodingConfigError(f"{e} (block_length: the model's block_size={cfg.block_size}); "
+                                             "give denoising_steps a divisor of it") from None
+
     def validate(self, cfg) -> None:
         common.require_diffusion_model("block_diffusion", cfg, ("block_causal",),
                                        "jdllm.MaskedDiffusion for bidirectional models")

@@ -80,7 +80,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jdllm import errors, sampling
+from jdllm import errors, inputs, sampling
 from jdllm.decode import common
 from jdllm.decode import masked_diffusion_cache as cache_forwards
 from jdllm.decode.protocol import Paradigm
@@ -220,9 +220,12 @@ class MaskedDiffusion(Paradigm):
             object.__setattr__(self, "cache_mode", cache)
         if self.cache_mode == "auto":
             object.__setattr__(self, "cache_mode", "none")
+        inputs.normalize_fields(self, ints=("gen_length", "steps", "block_length"),
+                                reals=("confidence_threshold", "cfg_scale", "eps"),
+                                optional=("gen_length", "steps", "block_length", "confidence_threshold"))
         for f in ("gen_length", "steps", "block_length"):
             v = getattr(self, f)
-            if v is not None and (int(v) != v or v < 1):
+            if v is not None and v < 1:
                 raise errors.DecodingConfigError(f"{f}={v} must be an integer >= 1 (or None)")
         if self.remasking not in REMASKING:
             raise errors.DecodingConfigError(f"remasking={self.remasking!r} is not one of {REMASKING}")

@@ -184,7 +184,7 @@ from typing import ClassVar
 import jax.numpy as jnp
 import numpy as np
 
-from jdllm import errors
+from jdllm import errors, inputs
 from jdllm.decode import common
 from jdllm.decode.multi_block_cache import CACHE_STRATEGIES, WINDOW_BLOCKS
 from jdllm.decode.multi_block_states import (ACTIVATED, BLOCK_STATES, COMPLETED, FULLY_ACTIVATED, INACTIVE,
@@ -198,13 +198,15 @@ from jdllm.state import DecodeState, generated_mask, slot_index
 CACHE_MODES = ("auto", "none", "exact", "approx", "window")
 FORCED_PROGRESS = ("first", "every")
 SELECTIONS = ("auto", "llada", "dream")
+BIDIRECTIONAL_BLOCK_SIZE = 32  # d3LLM's block size for LLaDA / Dream
 
 
 @dataclasses.dataclass(frozen=True)
 class MultiBlock(Paradigm):
     """d3LLM multi-block decoding (see the module docstring for the exact step).
 
-    block_size: slots per block (block-causal: the attention block grid too).
+    block_size: slots per block (block-causal: the attention block grid too); None (default) =
+      the model's trained block_size, or 32 (d3LLM's) on a bidirectional model.
     entropy_threshold: reveal every candidate with entropy <= this (nats, >= 0).
     block_add_threshold: add the next block once the newest one's progress
       reaches this, in [0, 1].
@@ -233,7 +235,7 @@ class MultiBlock(Paradigm):
     name: ClassVar[str] = "multi_block"
     trace_keys: ClassVar[tuple[str, ...]] = ("num_blocks", "block_state", "block_steps")  # what output_trace reads
 
-    block_size: int = 32
+    block_size: int | None = None
     entropy_threshold: float = 0.9
     block_add_threshold: float = 0.5
     decoded_token_threshold: float = 0.5
@@ -250,27 +252,22 @@ class MultiBlock(Paradigm):
     def __post_init__(self, cache=None):
         if cache is not None:
             object.__setattr__(self, "cache_mode", cache)
-        def integer(name, lo):
+        inputs.normalize_fields(self, ints=("block_size", "max_blocks", "cache_delay_iter", "refresh_interval",
+                                            "max_forwards"),
+                                reals=("entropy_threshold", "block_add_threshold", "decoded_token_threshold"),
+                                flags=("early_stop",), optional=("block_size", "max_blocks", "max_forwards"))
+        for name, lo in (("block_size", 1), ("max_blocks", 1), ("cache_delay_iter", 0), ("refresh_interval", 1),
+                         ("max_forwards", 1)):
             v = getattr(self, name)
-            if isinstance(v, bool) or int(v) != v or v < lo:
+            if v is not None and v < lo:
                 raise errors.DecodingConfigError(f"{name}={v!r} must be an integer >= {lo}")
-
-        integer("block_size", 1)
-        if self.max_blocks is not None:
-            integer("max_blocks", 1)
-        integer("cache_delay_iter", 0)
-        integer("refresh_interval", 1)
-        if self.max_forwards is not None:
-            integer("max_forwards", 1)
-        if not (np.isfinite(self.entropy_threshold) and self.entropy_threshold >= 0):
+        if not self.entropy_threshold >= 0:
             raise errors.DecodingConfigError(
                 f"entropy_threshold={self.entropy_threshold} must be a finite entropy >= 0 (nats)")
         for name in ("block_add_threshold", "decoded_token_threshold"):
             v = getattr(self, name)
             if not 0 <= v <= 1:
                 raise errors.DecodingConfigError(f"{name}={v} must be a fraction in [0, 1]")
-        if not isinstance(self.early_stop, bool):
-            raise errors.DecodingConfigError(f"early_stop={self.early_stop!r} must be True or False")
         if self.forced_progress not in FORCED_PROGRESS:
             raise errors.DecodingConfigError(
                 f"forced_progress={self.forced_progress!r} is not one of {FORCED_PROGRESS}")
@@ -280,6 +277,14 @@ class MultiBlock(Paradigm):
             raise errors.DecodingConfigError(f"cache_mode={self.cache_mode!r} is not one of {CACHE_MODES}")
 
     # ----------------------------------------------------------------- host side
+    def for_model(self, cfg) -> MultiBlock:
+        """block_size=None becomes the model's trained block_size (block-causal models) or d3LLM's
+        32 (bidirectional ones)."""
+        if self.block_size is not None or cfg.attention == "causal":
+            return self
+        return dataclasses.replace(self, block_size=cfg.block_size if cfg.attention == "block_causal"
+                                   else BIDIRECTIONAL_BLOCK_SIZE)
+
     def validate(self, cfg) -> None:
         common.require_diffusion_model("multi_block", cfg, ("block_causal", "bidirectional"), "jdllm.AR")
         if self.cache_mode == "exact" and cfg.attention != "block_causal":

@@ -67,6 +67,12 @@ class Paradigm:
     """The `state.extra` arrays `output_trace` reads (fetched to the host); () keeps no trace."""
 
     # ------------------------------------------------------------------ host side
+    def for_model(self, cfg) -> Paradigm:
+        """This config with the fields it leaves to the model filled in from `cfg` (block_diffusion's
+        block_length=None: the model's block_size); runs before `validate`, and every later hook
+        sees the result. Default: self."""
+        return self
+
     def validate(self, cfg) -> None:
         """Checks against the model config (e.g. a mask token is required), raising
         `jdllm.errors.DecodingConfigError`; runs before anything compiles. Range checks of the

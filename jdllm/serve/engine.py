@@ -41,10 +41,9 @@ from typing import Any, Callable
 import numpy as np
 
 from jdllm import compile_cache, constraints as C, errors, inputs
-from jdllm.api import Output, default_paradigm, to_host
+from jdllm.api import Output, resolve_paradigm, to_host
 from jdllm.constraints import dfa
 from jdllm.decode import common, loop
-from jdllm.decode.protocol import Paradigm
 from jdllm.loading import check_token_ids
 from jdllm.sampling import Sampling
 from jdllm.serve.output import OutputProcessor
@@ -88,11 +87,7 @@ class Engine:
         elif rules is not None:
             raise errors.ShardingError("rules= needs a mesh=: pass Engine(model, mesh=mesh, rules=rules)")
         cfg = model.config
-        decoding = default_paradigm(cfg) if decoding is None else decoding
-        if not isinstance(decoding, Paradigm):
-            raise errors.DecodingConfigError(f"decoding={decoding!r} is not a paradigm config "
-                                             "(a jdllm.decode.protocol.Paradigm such as jdllm.AR())")
-        inputs.validate_paradigm(decoding, cfg)
+        decoding = resolve_paradigm(decoding, cfg)
         self.model, self.paradigm, self.cfg = model, decoding, cfg
         self._check_settings(max_batch, max_queue, steps_per_round, constraint_states, constraint_classes)
         ctx_len = cfg.max_position_embeddings
