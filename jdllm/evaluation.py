@@ -28,6 +28,7 @@ error naming it.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 
 try:
@@ -38,7 +39,8 @@ except ImportError as e:  # pragma: no cover (the eval extra)
     raise ImportError("jdllm.evaluation needs lm-evaluation-harness: pip install 'jdllm[eval]'") from e
 
 import jdllm
-from jdllm import errors
+from jdllm import errors, inputs, likelihood
+from jdllm.api import resolve_paradigm
 
 HARNESS_ARGS = ("batch_size", "max_batch_size", "device")  # what lm-eval passes every model type
 
@@ -66,16 +68,22 @@ class JdllmLM(TemplateLM):
         if self.tokenizer is None:
             raise errors.InputError("lm-evaluation-harness works on text: this model has no tokenizer")
         cfg = self.model.config
-        self.decoding = _decoding(paradigm, options, cfg)
-        self._max_length = int(max_length or cfg.max_position_embeddings)
-        if not 2 <= self._max_length <= cfg.max_position_embeddings:
-            raise errors.InputError(f"max_length={max_length} must be in [2, max_position_embeddings="
-                                    f"{cfg.max_position_embeddings}]")
-        self.max_gen_toks, self.seed, self.check_greedy = int(max_gen_toks), int(seed), bool(check_greedy)
-        self.mc_samples, self.mc_batch = int(mc_samples), int(mc_batch)
-        self.batch_size = 8 if batch_size in (None, "auto") or str(batch_size).startswith("auto") else int(batch_size)
-        if self.batch_size < 1:
-            raise errors.InputError(f"batch_size={batch_size!r} must be >= 1")
+        # every model_arg is checked here, before the harness builds its requests, not at the first request
+        self.decoding = resolve_paradigm(_decoding(paradigm, options, cfg), cfg)
+        self.decoding.validate_model(self.model)
+        self._max_length = (cfg.max_position_embeddings if max_length is None else
+                            _integer("max_length", max_length, 2, cfg.max_position_embeddings))
+        self.max_gen_toks = _integer("max_gen_toks", max_gen_toks, 1)  # a task's gen_kwargs may set its own
+        if check_greedy not in (True, False):
+            raise errors.InputError(f"check_greedy={check_greedy!r} must be true or false")
+        self.check_greedy = bool(check_greedy)
+        self.seed, self.mc_samples, self.mc_batch = seed, mc_samples, mc_batch
+        likelihood.check_estimator(cfg, mc_samples=mc_samples, mc_batch=mc_batch, seed=seed,
+                                   greedy=self.check_greedy)
+        if batch_size in (None, "auto") or str(batch_size).startswith("auto"):
+            self.batch_size = 8
+        else:
+            self.batch_size = _integer("batch_size", batch_size, 1)
 
     # ------------------------------------------------------------------ what TemplateLM asks for
     @property
@@ -94,12 +102,16 @@ class JdllmLM(TemplateLM):
         return getattr(self.tokenizer, "name_or_path", "jdllm").replace("/", "__")
 
     def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs) -> list[int]:
-        return list(self.tokenizer.encode(string, add_special_tokens=bool(add_special_tokens)))
+        return list(inputs.encode_text(self.tokenizer, string, 0, lambda: self.tokenizer.encode(
+            string, add_special_tokens=bool(add_special_tokens)), what="the request's text"))
 
     def tok_decode(self, ids) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def apply_chat_template(self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise errors.InputError("--apply_chat_template: this model's tokenizer has no chat template; run "
+                                    "without it")
         return self.tokenizer.apply_chat_template(chat_history, tokenize=False,
                                                   add_generation_prompt=add_generation_prompt)
 
@@ -118,7 +130,7 @@ class JdllmLM(TemplateLM):
             part = requests[i:i + step]
             pairs = [self._fit(list(c), list(k)) for _, c, k in part]
             res = jdllm.loglikelihood(self.model, pairs, mc_samples=self.mc_samples, mc_batch=self.mc_batch,
-                                      seed=self.seed + i, greedy=self.check_greedy)
+                                      seed=(self.seed + i) % 2**32, greedy=self.check_greedy)
             for (key, _, _), r in zip(part, res):
                 if key is not None:
                     self.cache_hook.add_partial("loglikelihood", key, r)
@@ -179,16 +191,31 @@ class JdllmLM(TemplateLM):
                                      seed=self.seed)
 
 
+def _integer(name: str, v, lo: int, hi: int | None = None) -> int:
+    """A whole-number model_arg in [lo, hi]: an InputError naming it otherwise (lm-eval passes what it
+    could not read as a number as a string)."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or v != int(v) or v < lo or (hi is not None and v > hi):
+        raise errors.InputError(f"{name}={v!r} must be an integer in [{lo}, {'...' if hi is None else hi}]")
+    return int(v)
+
+
 def _decoding(paradigm: str | None, options: dict, cfg):
     """The paradigm config from model_args (`jdllm generate`'s rules: the model's default paradigm,
     its fields by name); a model_arg that is no paradigm's field is an error naming it."""
-    from jdllm.generate_cli import _paradigm_fields, decoding_from_args  # noqa: PLC0415
+    from jdllm.generate_cli import _choices, _paradigm_fields, decoding_from_args  # noqa: PLC0415
 
     _, fields = _paradigm_fields()
     unknown = sorted(k for k in options if k not in fields and k not in HARNESS_ARGS)
     if unknown:
         raise errors.InputError(f"unknown model_args {unknown}; jdllm takes path, dtype, attn_impl, quantize, paradigm "
                                 "and its fields, max_length, max_gen_toks, mc_samples, mc_batch, seed, check_greedy")
+    # lm-eval reads `none` as None, which decoding_from_args takes for "not given": a choice whose
+    # values include "none" (cache_mode=none) gets it back; for every other field None is the default
+    classes, _ = _paradigm_fields()
+    def none_choice(k):
+        return any("none" in (_choices(c, k) or ()) for c in classes.values() if k in {f.name for f in
+                                                                                     dataclasses.fields(c)})
+    options = {k: ("none" if v is None and none_choice(k) else v) for k, v in options.items()}
     ns = argparse.Namespace(paradigm=paradigm, **{f"opt_{k}": v for k, v in options.items() if k in fields})
     return decoding_from_args(ns, cfg, command="evaluation")
 

@@ -85,16 +85,7 @@ def loglikelihood(model, pairs, *, mc_samples: int = 128, mc_batch: int = 32, se
             + (" and no mask token" if cfg.mask_token_id is None else " and shifted logits (Fast-dLLM v2)")
             + ": it is exact for causal models and a Monte Carlo ELBO for masked-diffusion ones (LLaDA, Dream) and "
               "same-position block-diffusion ones (SDAR)")
-    if blocks and greedy:
-        raise errors.InputError("greedy=True is LLaDA's check (suffix_greedy_prediction), for bidirectional "
-                                "masked-diffusion models; a block-diffusion model has none here")
-    for name, v in (("mc_samples", mc_samples), ("mc_batch", mc_batch)):
-        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
-            raise errors.InputError(f"{name}={v!r} must be an integer >= 1")
-    if mc_samples % mc_batch:
-        raise errors.InputError(f"mc_samples={mc_samples} must be a multiple of mc_batch={mc_batch} (LLaDA's rule)")
-    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or not 0 <= seed < 2**32:
-        raise errors.InputError(f"seed={seed!r} must be an integer in [0, 2**32)")
+    check_estimator(cfg, mc_samples=mc_samples, mc_batch=mc_batch, seed=seed, greedy=greedy)
     key = jax.random.key(seed)
     out = []
     for i, (ctx, cont) in enumerate(rows):
@@ -102,6 +93,23 @@ def loglikelihood(model, pairs, *, mc_samples: int = 128, mc_batch: int = 32, se
         ll = elbo(model, ctx, cont, jax.random.fold_in(key, i), mc_samples // mc_batch, mc_batch)
         out.append((ll, _greedy_unmasking(model, ctx, cont) if greedy else False))
     return out
+
+
+def check_estimator(cfg, *, mc_samples, mc_batch, seed, greedy) -> None:
+    """The Monte Carlo estimator's settings (`loglikelihood` on a diffusion model; `JdllmLM`'s model_args,
+    checked when it is built): InputError naming the one at fault."""
+    if cfg.attention == "block_causal" and greedy:
+        raise errors.InputError("greedy=True is LLaDA's check (suffix_greedy_prediction), for bidirectional "
+                                "masked-diffusion models; a block-diffusion model has none here")
+    if not isinstance(greedy, (bool, np.bool_)):
+        raise errors.InputError(f"greedy={greedy!r} must be True or False")
+    for name, v in (("mc_samples", mc_samples), ("mc_batch", mc_batch)):
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
+            raise errors.InputError(f"{name}={v!r} must be an integer >= 1")
+    if mc_samples % mc_batch:
+        raise errors.InputError(f"mc_samples={mc_samples} must be a multiple of mc_batch={mc_batch} (LLaDA's rule)")
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or not 0 <= seed < 2**32:
+        raise errors.InputError(f"seed={seed!r} must be an integer in [0, 2**32)")
 
 
 def _causal(model, rows) -> list[tuple[float, bool]]:

@@ -157,6 +157,34 @@ def test_bad_model_args_are_refused():
     lm = JdllmLM(model=model)
     with pytest.raises(errors.InputError, match="causal"):
         lm.loglikelihood_rolling([type("Request", (), {"args": ("x",)})()])
+    # what lm-eval's model_args parser makes of bad strings, refused when the model is built
+    for kw, match in ((dict(seed="abc"), "seed='abc' must be an integer"), (dict(max_length=0), "max_length=0"),
+                      (dict(check_greedy="maybe"), "check_greedy='maybe'"), (dict(mc_samples=0), "mc_samples=0"),
+                      (dict(mc_samples=10, mc_batch=4), "multiple of mc_batch"),
+                      (dict(max_gen_toks=1.5), "max_gen_toks=1.5"), (dict(batch_size=0), "batch_size=0")):
+        with pytest.raises(errors.InputError, match=match):
+            JdllmLM(model=model, **kw)
+    with pytest.raises(errors.DecodingConfigError, match="'block_diffusion' needs a block-causal"):
+        JdllmLM(model=model, paradigm="block_diffusion")
+    with pytest.raises(errors.DecodingConfigError, match="fuse_commit='no'"):
+        JdllmLM(model=jdllm.load(os.path.join(ROOT, "models", "tiny-sdar")), paradigm="block_diffusion",
+                fuse_commit="no")
+    with pytest.raises(errors.InputError, match=r"'A' \(U\+0041\) at position 0"):
+        lm.tok_encode("Add:1+2=")
+    with pytest.raises(errors.InputError, match="no chat template"):
+        lm.apply_chat_template([{"role": "user", "content": "sort:1 2="}])
+
+
+def test_none_model_arg_is_the_none_choice():
+    """lm-eval parses `cache_mode=none` to None; on a block-causal model that is multi_block's cache_mode='none',
+    not its default 'auto' (which is the exact cache there)."""
+    from lm_eval.utils import simple_parse_args_string  # noqa: PLC0415
+
+    from jdllm.evaluation import JdllmLM  # noqa: PLC0415
+
+    args = simple_parse_args_string("paradigm=multi_block,cache_mode=none,max_forwards=None")
+    lm = JdllmLM(model=jdllm.load(os.path.join(ROOT, "models", "tiny-sdar")), **args)
+    assert (lm.decoding.cache_mode, lm.decoding.max_forwards, lm.decoding.block_size) == ("none", None, 4)
 
 
 def test_command_line_runs_the_harness(task_dir, tmp_path):
