@@ -44,7 +44,7 @@ def run(model_dir: str, decoding, label: str, examples) -> None:
     dt = time.perf_counter() - t0
     right = sum(tasks.normalize(o.text) == e.answer for e, o in zip(examples, outs))
     print(f"\n== {label}: {os.path.basename(model_dir)} ({dt:.1f}s incl. compile; {right}/{len(outs)} right, "
-          f"the model scores {_exact_match(model_dir):.0%} on held-out prompts)")
+          f"the model scores {_exact_match(model_dir)} on held-out prompts)")
     for e, o in zip(examples, outs):
         ok = "ok " if tasks.normalize(o.text) == e.answer else "BAD"
         line = f"  {ok} {e.prompt:<16} -> {o.text!r:<14} nfe={o.nfe:<3}"
@@ -53,11 +53,12 @@ def run(model_dir: str, decoding, label: str, examples) -> None:
         print(line)
 
 
-def _exact_match(model_dir: str) -> float:
+def _exact_match(model_dir: str) -> str:
     import json  # noqa: PLC0415
 
     with open(os.path.join(model_dir, "training.json")) as f:
-        return json.load(f)["eval_exact_match"]
+        acc = json.load(f)["eval_exact_match"]
+    return "n/a (not evaluated)" if acc is None else f"{acc:.0%}"
 
 
 def main() -> None:

@@ -19,6 +19,7 @@ time per step of both (the first step, which compiles, apart).
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import sys
 import time
@@ -171,6 +172,14 @@ def main(argv=None):
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--compare-vanilla", action="store_true", help="also time tunix's own sampler")
     args = ap.parse_args(argv)
+    if importlib.util.find_spec("tunix") is None:  # before loading anything: it takes ~20 s to fail later
+        ap.exit(2, "examples/rl_tunix.py needs google-tunix, in its own environment (README, 'tunix'): "
+                   "python3 -m venv .venv-tunix && . .venv-tunix/bin/activate && pip install -e \".[tunix]\"\n")
+    for name in ("steps", "batch", "max_new"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name.replace('_', '-')} {getattr(args, name)} must be >= 1")
+    if args.group < 2:
+        ap.error(f"--group {args.group} must be >= 2 (GRPO compares samples of one prompt)")
     kw = dict(steps=args.steps, lr=args.lr, batch=args.batch, group=args.group, max_new=args.max_new,
               beta=args.beta, seed=args.seed)
     before = jdllm.load(args.model, dtype="float32").params

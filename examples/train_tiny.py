@@ -308,7 +308,7 @@ def train(kind: str, steps: int, batch: int, lr: float, seed: int, out: str, n_t
         if i % 10 == 0:
             bar.set_postfix(loss=f"{np.mean(losses[-50:]):.4f}")
         if eval_every and (i + 1) % eval_every == 0 and i + 1 < steps:  # progress: small scores + a checkpoint
-            a = evaluate(params, cfg, tasks.test_set(n_eval, seed)) if n_eval else float("nan")
+            a = evaluate(params, cfg, tasks.test_set(n_eval, seed)) if n_eval else None
             la = evaluate_long(params, cfg, long, min(n_eval, 100), seed) if n_eval and long else None
             ck = os.path.join(out_dir + "-ckpt", f"step{i + 1}")
             save(ck, params, cfg)
@@ -318,7 +318,7 @@ def train(kind: str, steps: int, batch: int, lr: float, seed: int, out: str, n_t
     train_s = time.time() - t0
     structured = chars is tasks.JSON_CHARS
     acc = evaluate(params, cfg, tasks.test_set(n_eval, seed, task_mix if structured else tasks.TASKS),
-                   gen=JSON_EVAL_GEN if structured else EVAL_GEN, chars=chars) if n_eval else float("nan")
+                   gen=JSON_EVAL_GEN if structured else EVAL_GEN, chars=chars) if n_eval else None  # null: not evaluated
     long_acc = evaluate_long(params, cfg, long, n_eval, seed) if n_eval and long else None
 
     save(out_dir, params, cfg, chars)

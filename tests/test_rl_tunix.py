@@ -13,6 +13,7 @@ file in a second venv with the tunix extra.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import os
 import types
 
@@ -239,3 +240,18 @@ def test_tunix_grpo_learner_trains_the_nnx_view_with_jdllm_rollouts():
             ref = np.asarray([full[b, T - n - 1 + i, out.tokens[b][i]] for i in range(n)])
             diffs.append(np.max(np.abs(out.logprobs[b] - ref)) if n else 0.0)
         assert (max(diffs) < 2e-4) == same, diffs
+
+
+@pytest.mark.skipif(importlib.util.find_spec("tunix") is not None, reason="what the example says without tunix")
+def test_example_without_tunix_says_how_to_install_it():
+    """Without google-tunix the example stops at once with the install line (it raised ModuleNotFoundError
+    after ~20 s of loading)."""
+    import subprocess  # noqa: PLC0415
+    import sys  # noqa: PLC0415
+
+    from tests.scripts import ROOT, subprocess_env  # noqa: PLC0415
+
+    res = subprocess.run([sys.executable, "examples/rl_tunix.py", "--steps", "1"], capture_output=True, text=True,
+                         cwd=ROOT, env=subprocess_env(), timeout=120)
+    assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr
+    assert 'pip install -e ".[tunix]"' in res.stderr, res.stderr
