@@ -236,7 +236,7 @@ def convert_checkpoint(hf_dir: str, out_dir: str, dtype="bfloat16", overwrite: b
     _check_not_nested(hf_dir, out_dir)
     if os.path.lexists(out_dir):
         _check_replaceable(out_dir)
-    check_output_path(out_dir, "OUT_DIR", create_parents=True)
+    check_output_path(out_dir, "OUT_DIR", create_parents=True, directory=True)
     want = np_dtype(dtype)
     from jdllm import quant  # noqa: PLC0415 (startup: `jdllm convert --help` stays free of JAX / tensorstore)
     from jdllm.checkpoint import check_not_prequantized  # noqa: PLC0415

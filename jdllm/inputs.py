@@ -276,13 +276,13 @@ def note_context_end(outs, clipped: dict[int, int], context: int) -> None:
 
 
 # --------------------------------------------------------------------------- output paths
-def check_output_path(path: str, what: str, create_parents: bool) -> None:
-    """Fail before any work if file `path` cannot be written: it is a directory, its directory is
-    missing (when not `create_parents`), a regular file is where a directory must be, or the
-    location is read-only."""
+def check_output_path(path: str, what: str, create_parents: bool, directory: bool = False) -> None:
+    """Fail before any work if `path` (a file, or a `directory` to create) cannot be written: a file
+    path that is a directory, its parent missing (when not `create_parents`), a regular file where
+    a directory must be, or a read-only location."""
 
     path = os.path.abspath(os.fspath(path))
-    if os.path.isdir(path):
+    if not directory and os.path.isdir(path):
         raise errors.OutputPathError(
             f"{what} {path} is a directory; give a file name, e.g. {os.path.join(path, 'out.json')}")
     parent = os.path.dirname(path)
