@@ -143,12 +143,16 @@ def test_bad_input_raises_before_compiling():
     ok = jdllm.Sampling(max_new_tokens=4)
     _no_compile(lambda: jdllm.generate(c, [[1, 2]], BD, ok), errors.DecodingConfigError, "mask token")
     _no_compile(lambda: jdllm.generate(b, [[1, 2]], jdllm.AR(), ok), errors.DecodingConfigError, "causal")
-    for kw, match in [(dict(denoising_steps=3), "denoising_steps=3"), (dict(denoising_steps=8), "denoising_steps=8"),
+    for kw, match in [(dict(block_length=4, denoising_steps=3), "denoising_steps=3"),
+                      (dict(block_length=4, denoising_steps=8), "denoising_steps=8"),
                       (dict(confidence_threshold=0.0), r"confidence_threshold=0.0 must be in \(0, 1\]"),
                       (dict(confidence_threshold=1.5), "confidence_threshold=1.5"),
                       (dict(eb_threshold=0.0), "eb_threshold"), (dict(strategy="random"), "strategy='random'"),
                       (dict(block_length=0), "block_length=0")]:
         _no_compile(lambda: jdllm.BlockDiffusion(**kw), errors.DecodingConfigError, match)
+    # block_length=None (the model's 4) meets denoising_steps once the model is known, still before compiling
+    _no_compile(lambda: jdllm.generate(b, [[1, 2]], jdllm.BlockDiffusion(denoising_steps=3), ok),
+                errors.DecodingConfigError, r"denoising_steps=3 .*the model's block_size=4")
     _no_compile(lambda: jdllm.generate(b, [], BD, ok), errors.InputError, "at least one prompt")
     for bad, name in [(5, "int"), ((p for p in [[1, 2]]), "generator"), (np.array(5), "ndarray")]:
         _no_compile(lambda: jdllm.generate(b, bad, BD, ok), errors.ArgumentTypeError, f"prompts is a {name}")
