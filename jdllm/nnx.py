@@ -25,13 +25,16 @@ model's own attention kind (causal, block-causal, bidirectional) or one chosen p
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from typing import Any, Mapping
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
-from jdllm import errors
+from jdllm import errors, inputs
+from jdllm.checkpoint import check_attn_impl
 from jdllm.config import ATTENTION_KINDS, ModelConfig
 from jdllm.model import Params, default_positions, forward, is_param_spec, layer_layout, param_specs
 from jdllm.sharding import auto_axes
@@ -122,13 +125,13 @@ class Model(nnx.Module):
             raise errors.InputError(f"attention={attention!r} is not one of {ATTENTION_KINDS}")
         if block_size is None:
             block_size = cfg.block_size
-        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+        if isinstance(block_size, bool) or not isinstance(block_size, numbers.Integral) or block_size < 1:
             raise errors.InputError(f"block_size={block_size!r} must be an integer >= 1")
         if kind == "block_causal" and block_size == 1:
             raise errors.InputError(
                 f"attention='block_causal' needs a block size: this model ({cfg.attention}) has none; "
                 "pass block_size=")
-        return dataclasses.replace(cfg, attention=kind, block_size=block_size if kind == "block_causal" else 1)
+        return dataclasses.replace(cfg, attention=kind, block_size=int(block_size) if kind == "block_causal" else 1)
 
     def __call__(self, tokens, positions=None, cache=None, attention_mask=None, *, start=None, offset=None,
                  attention: str | None = None, block_size: int | None = None, attn_impl=None,
@@ -142,15 +145,29 @@ class Model(nnx.Module):
         path). cache / offset / attn_impl / return_hidden / logits_at: as `forward` takes them.
         """
         cfg = self.forward_config(attention, block_size)
+        host = not isinstance(tokens, jax.Array)  # a list / numpy array: its values can be checked here
         tokens = jnp.asarray(tokens)
         if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
             raise errors.InputError(f"tokens must be an integer array [B, T], got {tokens.dtype}{list(tokens.shape)}")
         B, T = tokens.shape
+        if cache is None and T > cfg.max_position_embeddings:
+            raise errors.SequenceTooLongError(f"tokens has {T} slots > the model's context max_position_embeddings="
+                                              f"{cfg.max_position_embeddings}")
+        if host:  # a traced or device array is not fetched for this (training steps stay asynchronous)
+            inputs.check_id_range(np.asarray(tokens), cfg.vocab_size)
         start = jnp.zeros((B,), jnp.int32) if start is None else jnp.asarray(start, jnp.int32)
+        for name, x, want in (("start", start, "[B]"), ("positions", positions, "[B, T]"),
+                              ("attention_mask", attention_mask, "[B, T, S]")):
+            shape = None if x is None else tuple(np.shape(x))
+            if shape is not None and (len(shape) != want.count(",") + 1 or shape[:2] != (B, T)[:len(shape)]):
+                raise errors.InputError(f"{name} has shape {list(shape)}; tokens are [B, T] = [{B}, {T}], so "
+                                        f"{name} must be {want}")
         if positions is None:
             at = offset if offset is not None else (0 if cache is None else cache.length)
             positions = default_positions(start, at, T)
         impl = self._handle.forward_impl if attn_impl is None else attn_impl
+        if isinstance(impl, str):
+            check_attn_impl(impl)
 
         # tokens first: on a mesh with Explicit axes (tunix's role meshes from jax.make_mesh), auto_axes
         # runs the forward with them treated as Auto and splits the outputs' rows like the tokens'

@@ -218,6 +218,21 @@ def test_bad_input():
         view(jnp.zeros((4,), jnp.int32))
     with pytest.raises(errors.ArgumentTypeError, match="nnx.state"):
         jdllm.nnx.params_of([1, 2])
+    V, ctx = m.config.vocab_size, m.config.max_position_embeddings
+    with pytest.raises(errors.TokenOutOfRangeError, match=f"token id {V + 52} is outside the vocabulary"):
+        view(np.array([[1, V + 52]]))  # host ids are checked (a device array is not fetched for it)
+    with pytest.raises(errors.SequenceTooLongError, match=f"{ctx + 1} slots"):
+        view(jnp.zeros((1, ctx + 1), jnp.int32))
+    with pytest.raises(errors.InputError, match=r"positions has shape \[1, 3\].*must be \[B, T\]"):
+        view(tokens, positions=jnp.zeros((1, 3), jnp.int32))
+    with pytest.raises(errors.InputError, match=r"start has shape \[2\]"):
+        view(tokens, start=jnp.zeros((2,), jnp.int32))
+    with pytest.raises(errors.InputError, match=r"attention_mask has shape \[1, 4\].*\[B, T, S\]"):
+        view(tokens, attention_mask=jnp.ones((1, 4), bool))
+    with pytest.raises(errors.ConfigError, match="attn_impl='foo' is not one of"):
+        view(tokens, attn_impl="foo")
+    np.testing.assert_array_equal(view(tokens, attention="block_causal", block_size=np.int64(2))[0],
+                                  view(tokens, attention="block_causal", block_size=2)[0])
     # load_params: a weight of another dtype or shape is named and nothing is written
     layers = list(m.params["layers"])
     layers[2] = dict(layers[2], down=layers[2]["down"].astype(jnp.bfloat16))
