@@ -254,6 +254,12 @@ def outputs(prep: Prepared, state: DecodeState) -> list[Output]:
     """Final state -> one Output per real prompt (the row's end and finish reason come from the device)."""
     host = to_host({k: getattr(state, k) for k in
                     ("tokens", "step_map", "logprobs", "gen_start", "end", "nfe", "finish")})
+    running = [b for b in range(len(prep.prompts)) if FINISH_REASONS[int(host["finish"][b])] is None]
+    if running:
+        raise errors.InputError(
+            f"outputs() got a state whose rows {running} are still running: step until every row is done "
+            "(state.done), then pass it through finalize (compiled_steps()['finalize']), which also ends "
+            "rows the iteration guard stopped")
     extra = to_host(trace_arrays(prep.paradigm, state.extra))
     outs = []
     for b, prompt in enumerate(prep.prompts):

@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -707,6 +708,30 @@ def stack_layers(params: Params, cfg: ModelConfig | None = None) -> Params:
     layers = [split_projections(lp, cfg) for lp in params["layers"]]
     stacked = {k: quant.stack([lp[k] for lp in layers]) for k in layers[0]}
     return dict(params, layers=stacked)
+
+
+def check_params_fit(params: Params, cfg: ModelConfig) -> None:
+    """A ConfigError when `params` are visibly another model's (hidden size, layer count, vocabulary
+    rows) than `cfg`'s: from static shapes, so it costs nothing under jit, and it names the mismatch
+    rather than leaving a shape error deep inside the forward."""
+    found = []
+    norm = params.get("final_norm") if isinstance(params, Mapping) else None
+    if norm is not None and tuple(np.shape(norm)) != (cfg.hidden_size,):
+        found.append(f"final_norm is {list(np.shape(norm))}, hidden_size is {cfg.hidden_size}")
+    layers = params.get("layers") if isinstance(params, Mapping) else None
+    if isinstance(layers, (tuple, list)):
+        n = len(layers)
+    else:
+        leaves = jax.tree.leaves(layers)
+        n = np.shape(leaves[0])[0] if leaves and np.ndim(leaves[0]) else None
+    if n is not None and n != cfg.num_layers:
+        found.append(f"{n} layers, num_layers is {cfg.num_layers}")
+    embed = params.get("embed") if isinstance(params, Mapping) else None
+    if isinstance(embed, (jax.Array, np.ndarray)) and np.ndim(embed) == 2 and np.shape(embed)[0] != cfg.vocab_size:
+        found.append(f"embed has {np.shape(embed)[0]} rows, vocab_size is {cfg.vocab_size}")
+    if found:
+        raise errors.ConfigError(f"params do not fit the model this decode was prepared for ({'; '.join(found)}): "
+                                 "pass the prepared model's params (model.params)")
 
 
 def layer_layout(params: Params) -> str:

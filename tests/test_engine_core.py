@@ -5,6 +5,7 @@ reusable prepared states and the LM head only where tokens are chosen."""
 from __future__ import annotations
 
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -20,6 +21,7 @@ from pallas_kernels.flash import attention as flash_attention
 from tests.compiles import traces
 from tests.decode_fixtures import FAST_COMPILE, block_model, causal_model
 from tests.quick import slow, slow_except
+from tests.scripts import ROOT
 from tests.test_decode_masked import bidir_model
 
 pytestmark = pytest.mark.usefixtures("fast_compile")
@@ -235,6 +237,25 @@ def test_step_n_and_host_steps_equal_run(case):
         assert logits.shape == (st.batch, plan.width, m.config.vocab_size)
         st = fns["reveal"](st, plan, logits, **kw)
     assert _fields(outputs(prep, st)) == want
+
+
+def test_host_steps_refuse_another_models_params_and_an_unfinished_state():
+    """A host driver's two likely slips name themselves: params of another model (a shape error deep in
+    the forward before) and outputs() of a state with rows still running (it returned them with
+    finish_reason None)."""
+    m, par = _paradigms()[1]
+    prep = prepare(m, PROMPTS, par, jdllm.Sampling(max_new_tokens=8, stop_token_ids=()))
+    kw = dict(paradigm=prep.paradigm, ctx=prep.ctx)
+    other = jdllm.load(os.path.join(ROOT, "models", "tiny-ar-draft"), dtype="float32")
+    with pytest.raises(jdllm.errors.ConfigError, match=r"params do not fit.*final_norm is \[64\], hidden_size is "
+                                                       rf"{m.config.hidden_size}"):
+        _steps()["prefill"](other.params, prep.state, **kw)
+    with pytest.raises(jdllm.errors.ConfigError, match="params do not fit"):
+        loop.compiled()(other.params, prep.state, **kw)
+    st = _steps()["prefill"](m.params, prep.state, **kw)
+    assert not np.all(np.asarray(st.done)[:len(PROMPTS)])
+    with pytest.raises(jdllm.errors.InputError, match=r"rows \[0, 1, 2\] are still running.*finalize"):
+        outputs(prep, st)
 
 
 @slow

@@ -54,7 +54,7 @@ import jax.numpy as jnp
 from jdllm.decode import common
 from jdllm.decode.common import DecodeCtx
 from jdllm.decode.protocol import PARADIGMS, available_paradigms, paradigm_class  # noqa: F401 (re-exported)
-from jdllm.model import unstack_layers
+from jdllm.model import check_params_fit, unstack_layers
 from jdllm.sharding import auto_axes
 from jdllm.state import DecodeState
 
@@ -150,7 +150,9 @@ def layers_for(params, ctx: DecodeCtx):
     model's and a draft model's riding along) split per layer; a no-op on per-layer params. Every
     entry point that runs a forward (`run`, `prefill`, `forward`, `step_n`; the serving engine's
     rounds and the host-driven steps through them) calls it, so they all compute the same graph as
-    `generate` (in bfloat16 the scanned and the unrolled layers round differently)."""
+    `generate` (in bfloat16 the scanned and the unrolled layers round differently). Params of
+    another model than the context's are a ConfigError here (static shapes: free under jit)."""
+    check_params_fit(params, ctx.model)
     if not unroll_layers(ctx):
         return params
     return {k: unstack_layers(v) if isinstance(v, dict) and "layers" in v else v
