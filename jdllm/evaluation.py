@@ -204,18 +204,16 @@ def _decoding(paradigm: str | None, options: dict, cfg):
     its fields by name); a model_arg that is no paradigm's field is an error naming it."""
     from jdllm.generate_cli import _choices, _paradigm_fields, decoding_from_args  # noqa: PLC0415
 
-    _, fields = _paradigm_fields()
+    classes, fields = _paradigm_fields()
     unknown = sorted(k for k in options if k not in fields and k not in HARNESS_ARGS)
     if unknown:
         raise errors.InputError(f"unknown model_args {unknown}; jdllm takes path, dtype, attn_impl, quantize, paradigm "
                                 "and its fields, max_length, max_gen_toks, mc_samples, mc_batch, seed, check_greedy")
     # lm-eval reads `none` as None, which decoding_from_args takes for "not given": a choice whose
     # values include "none" (cache_mode=none) gets it back; for every other field None is the default
-    classes, _ = _paradigm_fields()
-    def none_choice(k):
-        return any("none" in (_choices(c, k) or ()) for c in classes.values() if k in {f.name for f in
-                                                                                     dataclasses.fields(c)})
-    options = {k: ("none" if v is None and none_choice(k) else v) for k, v in options.items()}
+    none_choices = {f.name for c in classes.values() for f in dataclasses.fields(c)
+                    if "none" in (_choices(c, f.name) or ())}
+    options = {k: ("none" if v is None and k in none_choices else v) for k, v in options.items()}
     ns = argparse.Namespace(paradigm=paradigm, **{f"opt_{k}": v for k, v in options.items() if k in fields})
     return decoding_from_args(ns, cfg, command="evaluation")
 
