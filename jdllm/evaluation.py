@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import sys
 
 try:
@@ -194,7 +195,8 @@ class JdllmLM(TemplateLM):
 def _integer(name: str, v, lo: int, hi: int | None = None) -> int:
     """A whole-number model_arg in [lo, hi]: an InputError naming it otherwise (lm-eval passes what it
     could not read as a number as a string)."""
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or v != int(v) or v < lo or (hi is not None and v > hi):
+    if (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v != int(v) or v < lo
+            or (hi is not None and v > hi)):
         raise errors.InputError(f"{name}={v!r} must be an integer in [{lo}, {'...' if hi is None else hi}]")
     return int(v)
 

@@ -161,7 +161,8 @@ def test_bad_model_args_are_refused():
     for kw, match in ((dict(seed="abc"), "seed='abc' must be an integer"), (dict(max_length=0), "max_length=0"),
                       (dict(check_greedy="maybe"), "check_greedy='maybe'"), (dict(mc_samples=0), "mc_samples=0"),
                       (dict(mc_samples=10, mc_batch=4), "multiple of mc_batch"),
-                      (dict(max_gen_toks=1.5), "max_gen_toks=1.5"), (dict(batch_size=0), "batch_size=0")):
+                      (dict(max_gen_toks=1.5), "max_gen_toks=1.5"), (dict(batch_size=0), "batch_size=0"),
+                      (dict(max_gen_toks=float("nan")), "max_gen_toks=nan"), (dict(max_length=float("inf")), "max_length=inf")):
         with pytest.raises(errors.InputError, match=match):
             JdllmLM(model=model, **kw)
     with pytest.raises(errors.DecodingConfigError, match="'block_diffusion' needs a block-causal"):
