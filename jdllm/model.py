@@ -19,7 +19,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -131,24 +130,51 @@ def param_bytes(cfg: ModelConfig, dtype) -> int:
     return n * jnp.dtype(dtype).itemsize
 
 
-def shape_mismatch(tree, cfg: ModelConfig):
+def shape_mismatch(tree, cfg: ModelConfig, *, other_entries: bool = False):
     """The first disagreement between a weight pytree in any layout (leaves with `.shape`: arrays,
     Orbax metadata, ShapeDtypeStructs) and the config's shapes for that layout, as (weight name,
     got, want) with got None for a missing weight and want None for an extra one; None when they
-    agree."""
+    agree. other_entries: top-level entries that are no weight of the model (what a paradigm binds
+    beside it: ar_spec's "draft") are not extras; an extra inside a weight entry still is."""
     layers = tree.get("layers") if isinstance(tree, dict) else None
     layout = layer_layout(tree) if layers is not None else "stacked"
+    specs = param_specs(cfg, layout)
     flat_w = {jax.tree_util.keystr(k): tuple(s.shape) for k, s in
-              jax.tree_util.tree_flatten_with_path(param_specs(cfg, layout), is_leaf=is_param_spec)[0]}
-    flat_t = {jax.tree_util.keystr(k): tuple(v.shape)  # a quantized weight (`quant.QArray`) has its weight's shape
+              jax.tree_util.tree_flatten_with_path(specs, is_leaf=is_param_spec)[0]}
+    flat_t = {jax.tree_util.keystr(k): (k, tuple(v.shape))  # a quantized weight (`quant.QArray`) has its weight's shape
               for k, v in jax.tree_util.tree_flatten_with_path(tree, is_leaf=quant.is_quantized)[0]}
     for name, want in flat_w.items():
-        if flat_t.get(name) != want:
-            return name, flat_t.get(name), want
-    for name, got in flat_t.items():
-        if name not in flat_w:
+        got = flat_t[name][1] if name in flat_t else None
+        if got != want:
+            return name, got, want
+    for name, (path, got) in flat_t.items():
+        if name not in flat_w and not (other_entries and getattr(path[0], "key", None) not in specs):
             return name, got, None
     return None
+
+
+def check_params(params, cfg: ModelConfig, *, allow_extra: bool = False) -> None:
+    """params must have the model's weight shapes -> ConfigError naming the weight. From static
+    shapes: it works under jit and costs nothing there, so every entry point (`loop.layers_for`, the
+    RL replay, the nnx view) runs it and another model's params are named, not decoded.
+
+    allow_extra: tolerate top-level entries that are no weight of the model (what a paradigm binds
+    beside them, e.g. a draft model's under "draft"); an extra weight inside the model's entries (a
+    k_norm another family has) is refused all the same."""
+    try:
+        bad = shape_mismatch(params, cfg, other_entries=allow_extra)
+    except Exception as e:  # noqa: BLE001
+        raise errors.ConfigError(f"params are not a weight pytree: {e}") from None
+    if bad is None:
+        return
+    name, got, want = bad
+    if got is None:
+        raise errors.ConfigError(f"params lack weight {name} of shape {want}: they are from another model config")
+    if want is None:
+        raise errors.ConfigError(f"params hold weight {name} this model config does not have: params from "
+                                 "another model config")
+    raise errors.ConfigError(f"params weight {name} has shape {got}, the model config wants {want}: "
+                             "params from another model config")
 
 
 def logical_axes(cfg: ModelConfig) -> Params:
@@ -708,30 +734,6 @@ def stack_layers(params: Params, cfg: ModelConfig | None = None) -> Params:
     layers = [split_projections(lp, cfg) for lp in params["layers"]]
     stacked = {k: quant.stack([lp[k] for lp in layers]) for k in layers[0]}
     return dict(params, layers=stacked)
-
-
-def check_params_fit(params: Params, cfg: ModelConfig) -> None:
-    """A ConfigError when `params` are visibly another model's (hidden size, layer count, vocabulary
-    rows) than `cfg`'s: from static shapes, so it costs nothing under jit, and it names the mismatch
-    rather than leaving a shape error deep inside the forward."""
-    found = []
-    norm = params.get("final_norm") if isinstance(params, Mapping) else None
-    if norm is not None and tuple(np.shape(norm)) != (cfg.hidden_size,):
-        found.append(f"final_norm is {list(np.shape(norm))}, hidden_size is {cfg.hidden_size}")
-    layers = params.get("layers") if isinstance(params, Mapping) else None
-    if isinstance(layers, (tuple, list)):
-        n = len(layers)
-    else:
-        leaves = jax.tree.leaves(layers)
-        n = np.shape(leaves[0])[0] if leaves and np.ndim(leaves[0]) else None
-    if n is not None and n != cfg.num_layers:
-        found.append(f"{n} layers, num_layers is {cfg.num_layers}")
-    embed = params.get("embed") if isinstance(params, Mapping) else None
-    if isinstance(embed, (jax.Array, np.ndarray)) and np.ndim(embed) == 2 and np.shape(embed)[0] != cfg.vocab_size:
-        found.append(f"embed has {np.shape(embed)[0]} rows, vocab_size is {cfg.vocab_size}")
-    if found:
-        raise errors.ConfigError(f"params do not fit the model this decode was prepared for ({'; '.join(found)}): "
-                                 "pass the prepared model's params (model.params)")
 
 
 def layer_layout(params: Params) -> str:

@@ -55,7 +55,7 @@ class Model(nnx.Module):
 
     def __init__(self, model):
         from jdllm.loading import Model as JdllmModel  # noqa: PLC0415 (jdllm.loading imports jax-heavy modules)
-        from jdllm.rl.replay import check_params  # noqa: PLC0415
+        from jdllm.model import check_params  # noqa: PLC0415
 
         if not isinstance(model, JdllmModel):
             raise errors.ArgumentTypeError(

@@ -247,11 +247,17 @@ def test_host_steps_refuse_another_models_params_and_an_unfinished_state():
     prep = prepare(m, PROMPTS, par, jdllm.Sampling(max_new_tokens=8, stop_token_ids=()))
     kw = dict(paradigm=prep.paradigm, ctx=prep.ctx)
     other = jdllm.load(os.path.join(ROOT, "models", "tiny-ar-draft"), dtype="float32")
-    with pytest.raises(jdllm.errors.ConfigError, match=r"params do not fit.*final_norm is \[64\], hidden_size is "
-                                                       rf"{m.config.hidden_size}"):
+    with pytest.raises(jdllm.errors.ConfigError, match=r"params weight \['embed'\] has shape \(\d+, 64\), the model "
+                                                       rf"config wants \(\d+, {m.config.hidden_size}\)"):
         _steps()["prefill"](other.params, prep.state, **kw)
-    with pytest.raises(jdllm.errors.ConfigError, match="params do not fit"):
+    with pytest.raises(jdllm.errors.ConfigError, match="params from another model config"):
         loop.compiled()(other.params, prep.state, **kw)
+    # same shapes but one weight more inside the layers (qwen3's k_norm beside llada's weights): not decoded either
+    llada = jdllm.load(os.path.join(ROOT, "models", "tiny-llada"), dtype="float32")
+    ar = jdllm.load(os.path.join(ROOT, "models", "tiny-ar"), dtype="float32")
+    lp = prepare(llada, [[5, 6, 7]], jdllm.MaskedDiffusion(gen_length=4), jdllm.Sampling(max_new_tokens=4))
+    with pytest.raises(jdllm.errors.ConfigError, match=r"params hold weight \['layers'\]\[0\]\['k_norm'\]"):
+        loop.compiled()(ar.params, lp.state, paradigm=lp.paradigm, ctx=lp.ctx)
     st = _steps()["prefill"](m.params, prep.state, **kw)
     assert not np.all(np.asarray(st.done)[:len(PROMPTS)])
     with pytest.raises(jdllm.errors.InputError, match=r"rows \[0, 1, 2\] are still running.*finalize"):

@@ -54,7 +54,7 @@ import jax.numpy as jnp
 from jdllm.decode import common
 from jdllm.decode.common import DecodeCtx
 from jdllm.decode.protocol import PARADIGMS, available_paradigms, paradigm_class  # noqa: F401 (re-exported)
-from jdllm.model import check_params_fit, unstack_layers
+from jdllm.model import check_params, unstack_layers
 from jdllm.sharding import auto_axes
 from jdllm.state import DecodeState
 
@@ -152,7 +152,7 @@ def layers_for(params, ctx: DecodeCtx):
     rounds and the host-driven steps through them) calls it, so they all compute the same graph as
     `generate` (in bfloat16 the scanned and the unrolled layers round differently). Params of
     another model than the context's are a ConfigError here (static shapes: free under jit)."""
-    check_params_fit(params, ctx.model)
+    check_params(params, ctx.model, allow_extra=True)
     if not unroll_layers(ctx):
         return params
     return {k: unstack_layers(v) if isinstance(v, dict) and "layers" in v else v

@@ -55,7 +55,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jdllm import errors
-from jdllm.model import default_positions, forward, lm_head, predicts_next, shape_mismatch, teacher_forced_hidden
+from jdllm.model import check_params, default_positions, forward, lm_head, predicts_next, teacher_forced_hidden
 from jdllm.rl.rollouts import Rollout, RolloutSpec
 from jdllm.sampling import exclude_token, filter_logits, per_row
 from jdllm.sharding import auto_axes
@@ -64,29 +64,6 @@ METHODS = ("auto", "teacher_forcing", "packed", "per_step")
 
 
 # --------------------------------------------------------------------------- checks
-def check_params(params, cfg, *, allow_extra: bool = False) -> None:
-    """params must have the model's weight shapes (static: works under jit) -> ConfigError naming the weight.
-
-    allow_extra: tolerate weights the config does not name (what a paradigm binds beside the
-    model's, e.g. a draft model's under "draft")."""
-    try:
-        bad = shape_mismatch(params, cfg)
-    except Exception as e:  # noqa: BLE001
-        raise errors.ConfigError(f"params are not a weight pytree: {e}") from None
-    if bad is None:
-        return
-    name, got, want = bad
-    if got is None:
-        raise errors.ConfigError(f"params lack weight {name} of shape {want}: they are from another model config")
-    if want is None:
-        if allow_extra:  # shape_mismatch reports extras only once every named weight agrees
-            return
-        raise errors.ConfigError(f"params hold weight {name} this model config does not have: params from "
-                                 "another model config")
-    raise errors.ConfigError(f"params weight {name} has shape {got}, the model config wants {want}: "
-                             "params from another model config")
-
-
 def _concrete(x) -> bool:
     return not isinstance(x, jax.core.Tracer)
 
@@ -220,7 +197,7 @@ def trajectory_logprobs(params, ro: Rollout, *, spec: RolloutSpec, shrink: int =
         raise errors.InputError(f"the rollout cannot be replayed exactly: {why}{hint}")
     check_rollout(ro, spec, shrink)
     cfg = spec.ctx.model
-    check_params(params, cfg)
+    check_params(params, cfg, allow_extra=True)  # the rollout's bound params (a draft beside them) replay too
     method = default_method(spec) if method == "auto" else method
     if method == "teacher_forcing" and cfg.attention != "causal":
         raise errors.InputError(f"method='teacher_forcing' needs a causal model, this one is {cfg.attention!r}")
