@@ -257,6 +257,9 @@ class MaskedDiffusion(Paradigm):
             self.geometry(self.gen_length)
 
     # ----------------------------------------------------------------- host side
+    def reads_kv_cache(self, cfg) -> bool:
+        return self.cache_mode != "none"  # "none": every step a full forward of the canvas
+
     def geometry(self, gen_length: int) -> tuple[int, int, int]:
         """(block_length, num_blocks, steps_per_block) for a canvas of gen_length slots."""
         G = int(gen_length)

@@ -299,6 +299,9 @@ class MultiBlock(Paradigm):
             warnings.warn(f"block_size={self.block_size} differs from the model's trained "
                           f"block_size={cfg.block_size}; quality may suffer", stacklevel=3)
 
+    def reads_kv_cache(self, cfg) -> bool:
+        return self.resolved_cache_mode(cfg) != "none"
+
     def resolved_cache_mode(self, cfg) -> str:
         """The cache mode actually used, a key of `CACHE_STRATEGIES`: "none", "exact", "approx" or "window"."""
         if self.cache_mode == "auto":

@@ -205,6 +205,11 @@ class Paradigm:
         so replay can only approximate them, or None."""
         return None
 
+    def reads_kv_cache(self, cfg) -> bool:
+        """Whether the decode attends to cached keys and values (so an int8 KV cache changes its
+        logits and a replay can only approximate them). Default: True."""
+        return True
+
     def replay_refusal(self) -> str | None:
         """Why a rollout of this configuration can never be replayed (classifier-free guidance),
         or None."""

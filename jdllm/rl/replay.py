@@ -132,8 +132,14 @@ def _gather_rows(h, rows_idx, slot_idx):
 
 
 def approximate_decode(spec: RolloutSpec) -> str | None:
-    """Why the decode's logits are not the exact forward's (an approximate cache, CFG), or None if they are."""
-    return spec.paradigm.replay_approximation()
+    """Why the decode's logits are not the exact forward's (an approximate cache, CFG, an int8 KV cache),
+    or None if they are."""
+    why = spec.paradigm.replay_approximation()
+    cfg = spec.ctx.model
+    if why is None and cfg.kv_cache_dtype == "int8" and spec.paradigm.reads_kv_cache(cfg):
+        why = ("the model was loaded with kv_cache='int8': the decode attended to int8 keys and values, the replay "
+               "attends to exact ones")
+    return why
 
 
 def default_method(spec: RolloutSpec) -> str:
