@@ -297,6 +297,43 @@ def test_grpo_steps_lower_the_loss_on_a_fixed_batch():
     assert gain[a > 0].mean() > 0 > gain[a < 0].mean(), (gain, a)
 
 
+def test_rewards_loss_settings_and_group_indices_are_checked():
+    """What a training loop gets wrong is named, not folded into the update: a NaN reward (it spread to its
+    group's advantages and made the loss NaN), fewer rewards than real rows (the missing ones were taken
+    as 0), loss settings that are no numbers or negative, a reference of another shape (broadcast into a
+    wrong KL), group indices that are no ints (0.7 selected group 0, "01" groups 0 and 1)."""
+    import types  # noqa: PLC0415
+
+    active = np.array([True] * 4 + [False] * 4)
+    for bad, match in (([1.0, float("nan"), 0.0, 1.0], r"rewards\[1\] is nan"), ([1.0, np.inf], r"rewards\[1\] is inf"),
+                       (["a", "b"], "hold <U1 values"), ([[1.0], [1.0, 2.0]], "not an array of numbers")):
+        with pytest.raises(errors.InputError, match=match):
+            rl.group_advantages(bad, 2)
+    with pytest.raises(errors.InputError, match="3 rewards for 4 real rows"):
+        rl.group_advantages([1.0, 0.0, 1.0], 2, active=active)
+    with pytest.raises(errors.InputError, match="normalize_std='no'"):
+        rl.group_advantages([1.0, 0.0], 2, normalize_std="no")
+    with pytest.raises(errors.InputError, match="eps='x'"):
+        rl.group_advantages([1.0, 0.0], 2, eps="x")
+    lp = np.zeros((2, 3), np.float32)
+    mask = np.array([[True, False, False], [False, False, False]])
+    for kw, match in ((dict(clip_eps_high=float("nan")), "clip_eps_high=nan"), (dict(clip_eps_high=-1.0), "clip_eps_high"),
+                      (dict(kl_coef=-1.0, ref_logprobs=lp), "kl_coef=-1.0"), (dict(clip_eps="0.2"), "clip_eps='0.2'"),
+                      (dict(kl_coef=0.1, ref_logprobs=lp[0]), r"ref_logprobs \(3,\)"),
+                      (dict(kl_coef=0.1, ref_logprobs=lp[:, :1]), r"ref_logprobs \(2, 1\)")):
+        with pytest.raises(errors.InputError, match=match):
+            rl.grpo_loss(lp, lp, np.ones(2), mask, **kw)
+    # pg_loss reads the mask as grpo_loss does (a slot counts or not), and NaN outside it stays out
+    weights = np.array([[0.5, 0.0, 0.0], [0.0, 0.0, 0.0]])
+    nan_outside = np.where(mask, 0.0, np.nan).astype(np.float32) + np.float32(-1.0)
+    assert float(rl.pg_loss(nan_outside, np.array([2.0, 0.0]), weights)) == 2.0  # -A * log p at the one slot
+    assert float(rl.grpo_loss(nan_outside, nan_outside, np.array([2.0, 0.0]), weights)) == -2.0  # -ratio * A
+    spec = types.SimpleNamespace(prompts=3, group=2)
+    for groups in ([0.7], "01", [True], 1, None):
+        with pytest.raises(errors.InputError, match="list of prompt indices"):
+            rl.select_groups(None, spec, groups)
+
+
 @slow
 def test_bad_input_errors():
     model, spec, ro = _rollout("masked", 1.0)

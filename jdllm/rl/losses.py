@@ -35,6 +35,11 @@ def group_advantages(rewards, group: int, *, normalize_std: bool = True, eps: fl
         group = int(group)
     if isinstance(group, bool) or not isinstance(group, int) or group < 2:
         raise errors.InputError(f"group={group!r}: GRPO compares samples of one prompt, it needs an int group >= 2")
+    if not isinstance(normalize_std, (bool, np.bool_)):
+        raise errors.InputError(f"normalize_std={normalize_std!r} must be True or False")
+    _number("eps", eps, 0.0)
+    if not isinstance(rewards, jax.core.Tracer):  # host values (a reward function's): checked here
+        _check_rewards(rewards)
     r = jnp.asarray(rewards, jnp.float32)
     if r.ndim != 1:
         raise errors.InputError(f"rewards has shape {r.shape}: give one reward per row, [B]")
@@ -43,6 +48,11 @@ def group_advantages(rewards, group: int, *, normalize_std: bool = True, eps: fl
         if active.ndim != 1 or active.shape[0] < r.shape[0]:
             raise errors.InputError(f"active has shape {active.shape} for {r.shape[0]} rewards: give "
                                     "Rollout.active, one flag per row of the batch")
+        real = None if isinstance(active, jax.core.Tracer) else int(np.sum(np.asarray(active)))
+        if real is not None and r.shape[0] not in (real, active.shape[0]):
+            raise errors.InputError(f"{r.shape[0]} rewards for {real} real rows ({active.shape[0]} with the batch "
+                                    "padding): give one reward per real row (spec.rows, as rl.texts lists them) "
+                                    "or one per batch row")
         r = jnp.concatenate([r, jnp.zeros((active.shape[0] - r.shape[0],), jnp.float32)])
     B = r.shape[0]
     n = B // group
@@ -56,6 +66,27 @@ def group_advantages(rewards, group: int, *, normalize_std: bool = True, eps: fl
     if active is not None:
         a = jnp.where(active, a, 0.0)
     return a
+
+
+def _check_rewards(rewards) -> None:
+    """Host-side: rewards are finite numbers (a NaN would spread to its group's advantages and the loss)."""
+    try:
+        host = np.asarray(rewards)
+    except (TypeError, ValueError) as e:  # ragged lists, say
+        raise errors.InputError(f"rewards are not an array of numbers ({e}): give one float per row") from None
+    if host.dtype == object or not (np.issubdtype(host.dtype, np.number) or host.dtype == bool):
+        raise errors.InputError(f"rewards hold {host.dtype} values: give one float per row")
+    bad = np.flatnonzero(~np.isfinite(host.astype(np.float64).reshape(-1)))
+    if bad.size:
+        raise errors.InputError(f"rewards[{int(bad[0])}] is {host.reshape(-1)[bad[0]]}: every reward must be finite "
+                                "(a reward function that failed for a row should say so, or give it a number)")
+
+
+def _number(name: str, v, lo: float, *, above: bool = False) -> None:
+    """A finite real >= lo (> lo with `above`), else an InputError naming it."""
+    if isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating)) or not np.isfinite(v) \
+            or v < lo or (above and v == lo):
+        raise errors.InputError(f"{name}={v!r} must be a finite number {'>' if above else '>='} {lo}")
 
 
 def _check(logprobs, mask, advantages, aggregate):
@@ -81,7 +112,8 @@ def pg_loss(logprobs, advantages, mask, *, aggregate: str = "sequence") -> jax.A
     """REINFORCE: -mean(A * log p) over the masked tokens."""
     logprobs, mask, advantages = jnp.asarray(logprobs), jnp.asarray(mask), jnp.asarray(advantages)
     _check(logprobs, mask, advantages, aggregate)
-    return -_aggregate(advantages[:, None] * logprobs, mask, aggregate)
+    m = mask.astype(bool)  # as grpo_loss reads it: a slot counts or not (and NaN outside the mask stays out)
+    return -_aggregate(jnp.where(m, advantages[:, None] * logprobs, 0.0), m, aggregate)
 
 
 @auto_axes
@@ -101,8 +133,13 @@ def grpo_loss(logprobs, old_logprobs, advantages, mask, *, clip_eps: float = 0.2
     _check(logprobs, mask, advantages, aggregate)
     if old.shape != logprobs.shape:
         raise errors.InputError(f"old_logprobs {old.shape} and logprobs {logprobs.shape} differ in shape")
-    if not clip_eps > 0:
-        raise errors.InputError(f"clip_eps={clip_eps} must be > 0")
+    _number("clip_eps", clip_eps, 0.0, above=True)
+    if clip_eps_high is not None:
+        _number("clip_eps_high", clip_eps_high, 0.0, above=True)
+    _number("kl_coef", kl_coef, 0.0)
+    if ref_logprobs is not None and tuple(np.shape(ref_logprobs)) != logprobs.shape:
+        raise errors.InputError(f"ref_logprobs {tuple(np.shape(ref_logprobs))} and logprobs {logprobs.shape} differ in "
+                                "shape")
     hi = clip_eps if clip_eps_high is None else clip_eps_high
     old = jax.lax.stop_gradient(old)
     m = mask.astype(bool)

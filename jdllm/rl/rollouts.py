@@ -156,6 +156,9 @@ def select_groups(ro: Rollout, spec: RolloutSpec, groups) -> tuple[Rollout, Roll
     to the gradient but its compute: keep the informative groups (DAPO's dynamic
     sampling) and update on a fixed number of them, so the update compiles once.
     """
+    if isinstance(groups, (str, bytes)) or not hasattr(groups, "__iter__") or any(
+            isinstance(g, (bool, np.bool_)) or not isinstance(g, (int, np.integer)) for g in groups):
+        raise errors.InputError(f"groups={groups!r}: give a list of prompt indices (ints), e.g. [0, 2]")
     groups = [int(g) for g in groups]
     if not groups or any(g < 0 or g >= spec.prompts for g in groups):
         raise errors.InputError(f"groups={groups}: need prompt indices in [0, {spec.prompts})")
