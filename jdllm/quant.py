@@ -65,9 +65,15 @@ class Quantization:
     def __post_init__(self):
         if self.scheme not in SCHEMES:
             raise errors.QuantizationError(f"quantize scheme {self.scheme!r} is not one of {SCHEMES}")
-        if isinstance(self.group_size, bool) or not isinstance(self.group_size, int) or self.group_size < 1:
-            raise errors.QuantizationError(f"group_size={self.group_size!r}: give a positive int (int4's default: "
+        for name in ("embed", "lm_head"):
+            if not isinstance(getattr(self, name), (bool, np.bool_)):
+                raise errors.QuantizationError(f"{name}={getattr(self, name)!r} must be True or False")
+            object.__setattr__(self, name, bool(getattr(self, name)))
+        g = self.group_size
+        if isinstance(g, (bool, np.bool_)) or not isinstance(g, (int, np.integer)) or g < 1:
+            raise errors.QuantizationError(f"group_size={g!r}: give a positive int (int4's default: "
                                            f"{DEFAULT_GROUP})")
+        object.__setattr__(self, "group_size", int(g))
         if self.scheme != "int4" and self.group_size != DEFAULT_GROUP:
             raise errors.QuantizationError(
                 f"group_size={self.group_size} applies to int4 only (got scheme {self.scheme!r}); int8 and fp8 "

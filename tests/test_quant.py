@@ -235,6 +235,10 @@ def test_errors_before_anything_compiles():
             jdllm.Quantization(scheme, group_size=32)
     with pytest.raises(errors.QuantizationError, match="group_size=128 does not divide .* size 32 of weight 'o'"):
         jdllm.load(path, quantize="int4")  # tiny-ar's head_dim is 32
+    for name in ("embed", "lm_head"):  # "no" counted as True: the embedding was quantized
+        with pytest.raises(errors.QuantizationError, match=f"{name}='no' must be True or False"):
+            jdllm.Quantization("int8", **{name: "no"})
+    assert jdllm.Quantization("int4", group_size=np.int64(32)) == jdllm.Quantization("int4", group_size=32)
     with pytest.raises(errors.QuantizationError, match="kv_cache='fp8'"):
         jdllm.load(path, kv_cache="fp8")
     m = jdllm.load(path, dtype="float32", quantize="fp8")
