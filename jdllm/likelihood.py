@@ -76,7 +76,8 @@ def loglikelihood(model, pairs, *, mc_samples: int = 128, mc_batch: int = 32, se
     the module docstring."""
     cfg = model.config
     rows = _check_pairs(model, pairs)
-    if cfg.attention == "causal":
+    check_estimator(cfg, mc_samples=mc_samples, mc_batch=mc_batch, seed=seed, greedy=greedy)  # every model: a bad
+    if cfg.attention == "causal":  # value is an error even where the exact path does not use it
         return _causal(model, rows)
     blocks = cfg.attention == "block_causal"
     if cfg.mask_token_id is None or (blocks and cfg.logit_shift):
@@ -85,7 +86,6 @@ def loglikelihood(model, pairs, *, mc_samples: int = 128, mc_batch: int = 32, se
             + (" and no mask token" if cfg.mask_token_id is None else " and shifted logits (Fast-dLLM v2)")
             + ": it is exact for causal models and a Monte Carlo ELBO for masked-diffusion ones (LLaDA, Dream) and "
               "same-position block-diffusion ones (SDAR)")
-    check_estimator(cfg, mc_samples=mc_samples, mc_batch=mc_batch, seed=seed, greedy=greedy)
     key = jax.random.key(seed)
     out = []
     for i, (ctx, cont) in enumerate(rows):
@@ -96,8 +96,8 @@ def loglikelihood(model, pairs, *, mc_samples: int = 128, mc_batch: int = 32, se
 
 
 def check_estimator(cfg, *, mc_samples, mc_batch, seed, greedy) -> None:
-    """The Monte Carlo estimator's settings (`loglikelihood` on a diffusion model; `JdllmLM`'s model_args,
-    checked when it is built): InputError naming the one at fault."""
+    """The estimator's settings (`loglikelihood`, on every model; `JdllmLM`'s model_args, checked when it
+    is built): InputError naming the one at fault."""
     if cfg.attention == "block_causal" and greedy:
         raise errors.InputError("greedy=True is LLaDA's check (suffix_greedy_prediction), for bidirectional "
                                 "masked-diffusion models; a block-diffusion model has none here")

@@ -243,3 +243,8 @@ def test_bad_requests_are_refused():
     for seed in ("x", -1, 2**32, 1.5):
         with pytest.raises(errors.InputError, match="seed="):
             jdllm.loglikelihood(llada, [([5], [6])], mc_samples=4, mc_batch=4, seed=seed)
+    # the same settings on a causal model, whose exact path uses none of them but greedy: refused all the same
+    for kw, match in ((dict(mc_samples=-5), "mc_samples=-5"), (dict(seed="x"), "seed='x'"),
+                      (dict(greedy="yes"), "greedy='yes'")):
+        with pytest.raises(errors.InputError, match=match):
+            jdllm.loglikelihood(ar, [([5], [6])], **kw)
